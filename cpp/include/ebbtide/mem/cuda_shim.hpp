@@ -1,0 +1,54 @@
+// CUDA driver API loaded at run time with dlopen("libcuda.so.1").
+//
+// ebbtide never links libcuda: with no driver (CI, CPU machines) driver()
+// returns nullptr and every caller takes its host-only path. Types are opaque
+// integers here so this header compiles without cuda.h; the implementation
+// (compiled with cuda.h when found, EBBTIDE_HAVE_CUDA_H) casts them.
+// All calls throw IoError/Unsupported with the CUDA error name on failure.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace ebbtide::mem::cuda {
+
+using Stream = uintptr_t;   // CUstream (0 = legacy default stream)
+using Event = uintptr_t;    // CUevent
+using DevicePtr = uint64_t; // CUdeviceptr
+
+class Driver {
+ public:
+  virtual ~Driver() = default;
+  // Makes the primary context of the device owning `ptr` current on the calling
+  // thread (worker threads call this before copies).
+  virtual void bind_context_of(DevicePtr ptr) = 0;
+  // Makes the primary context of device `ordinal` current on the calling thread.
+  virtual void bind_device(int ordinal) = 0;
+  // True when `ptr` is device memory (or managed) known to the driver.
+  virtual bool is_device_pointer(const void* ptr) = 0;
+  virtual void memcpy_dtoh_async(void* dst, DevicePtr src, size_t n, Stream s) = 0;
+  virtual void memcpy_htod_async(DevicePtr dst, const void* src, size_t n, Stream s) = 0;
+  virtual Event event_create() = 0;       // disable-timing event
+  virtual void event_destroy(Event e) = 0;
+  virtual void event_record(Event e, Stream s) = 0;
+  virtual void event_synchronize(Event e) = 0;
+  virtual bool event_query(Event e) = 0;  // true when complete
+  virtual void stream_wait_event(Stream s, Event e) = 0;
+  virtual Stream stream_create() = 0;     // non-blocking stream in the current context
+  virtual void stream_destroy(Stream s) = 0;
+  virtual void stream_synchronize(Stream s) = 0;
+  // cuMemHostRegister(PORTABLE); false (and one warning) when refused.
+  virtual bool host_register(void* p, size_t n) = 0;
+  virtual void host_unregister(void* p) = 0;
+  virtual int device_count() = 0;
+  virtual std::string device_name(int ordinal) = 0;
+};
+
+// The process-wide driver, or nullptr when libcuda.so.1 cannot be loaded, has
+// no devices, or the build had no cuda.h. The reason is logged once at info
+// level and available from unavailable_reason().
+Driver* driver();
+std::string unavailable_reason();
+
+}  // namespace ebbtide::mem::cuda

@@ -1,0 +1,71 @@
+// A bounded pool of page-aligned host buffers for staging I/O.
+//
+// Buffers come from one anonymous mmap, registered with the CUDA driver when a
+// driver is present (cuMemHostRegister) so device copies from and to them are
+// truly asynchronous. acquire() blocks while every buffer is in use (bounded
+// memory); buffers are reused, never freed until the pool dies. Thread safe.
+// The pool must outlive every Lease taken from it.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+namespace ebbtide::mem {
+
+class PinnedPool {
+ public:
+  // `count` buffers of `buffer_bytes` each (rounded up to the page size).
+  // Throws InvalidArgument for zero sizes, IoError when mmap fails.
+  PinnedPool(size_t buffer_bytes, size_t count);
+  ~PinnedPool();
+  PinnedPool(const PinnedPool&) = delete;
+  PinnedPool& operator=(const PinnedPool&) = delete;
+
+  // RAII handle to one buffer; returns it to the pool on destruction.
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(Lease&& o) noexcept;
+    Lease& operator=(Lease&& o) noexcept;
+    ~Lease();
+    void* data() const { return data_; }
+    size_t size() const { return size_; }
+    explicit operator bool() const { return data_ != nullptr; }
+    void reset();
+
+   private:
+    friend class PinnedPool;
+    Lease(PinnedPool* pool, size_t index, void* data, size_t size)
+        : pool_(pool), index_(index), data_(data), size_(size) {}
+    PinnedPool* pool_ = nullptr;
+    size_t index_ = 0;
+    void* data_ = nullptr;
+    size_t size_ = 0;
+  };
+
+  Lease acquire();                    // blocks until a buffer is free
+  std::optional<Lease> try_acquire(); // nullopt when all are in use
+
+  size_t buffer_bytes() const { return buffer_bytes_; }
+  size_t count() const { return count_; }
+  size_t in_use() const;
+  bool registered() const { return registered_; }  // pinned with the CUDA driver
+  void* base() const { return base_; }            // for io_uring buffer registration
+  size_t total_bytes() const { return buffer_bytes_ * count_; }
+
+ private:
+  void release(size_t index);
+  size_t buffer_bytes_;
+  size_t count_;
+  void* base_ = nullptr;
+  bool registered_ = false;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<size_t> free_;
+};
+
+}  // namespace ebbtide::mem

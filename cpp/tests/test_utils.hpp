@@ -1,0 +1,91 @@
+// Test helpers with RAII restore: temporary directories, environment
+// variables, small filesystems.
+#pragma once
+
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <filesystem>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+namespace ebbtide::test {
+
+// A fresh directory under $TMPDIR (or /tmp, or `parent`), removed with its contents.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& parent = "") {
+    std::string base = parent;
+    if (base.empty()) {
+      const char* t = std::getenv("TMPDIR");
+      base = (t && *t) ? t : "/tmp";
+    }
+    std::string templ = base + "/ebbtide-test-XXXXXX";
+    std::vector<char> buf(templ.begin(), templ.end());
+    buf.push_back('\0');
+    char* p = ::mkdtemp(buf.data());
+    if (p == nullptr) throw std::runtime_error("mkdtemp failed under " + base);
+    path_ = p;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::permissions(path_, std::filesystem::perms::owner_all,
+                                 std::filesystem::perm_options::add, ec);
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+  std::string sub(const std::string& name) const {
+    std::string p = path_ + "/" + name;
+    std::filesystem::create_directories(p);
+    return p;
+  }
+  size_t entries() const {
+    size_t n = 0;
+    for ([[maybe_unused]] auto& e : std::filesystem::directory_iterator(path_)) ++n;
+    return n;
+  }
+
+ private:
+  std::string path_;
+};
+
+// Sets (or unsets, with value nullopt) an environment variable for a scope.
+class ScopedEnv {
+ public:
+  ScopedEnv(std::string name, std::optional<std::string> value) : name_(std::move(name)) {
+    if (const char* old = std::getenv(name_.c_str())) old_ = old;
+    if (value) ::setenv(name_.c_str(), value->c_str(), 1);
+    else ::unsetenv(name_.c_str());
+  }
+  ~ScopedEnv() {
+    if (old_) ::setenv(name_.c_str(), old_->c_str(), 1);
+    else ::unsetenv(name_.c_str());
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_;
+  std::optional<std::string> old_;
+};
+
+// Deterministic pseudo-random bytes.
+inline std::vector<unsigned char> random_bytes(size_t n, uint64_t seed) {
+  std::vector<unsigned char> v(n);
+  std::mt19937_64 rng(seed);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t x = rng();
+    std::memcpy(v.data() + i, &x, 8);
+  }
+  for (; i < n; ++i) v[i] = static_cast<unsigned char>(rng());
+  return v;
+}
+
+}  // namespace ebbtide::test

@@ -1,0 +1,40 @@
+"""ebbtide: activation offloading to NVMe and host memory for PyTorch training.
+
+Heavy submodules (torch glue) load lazily, so ``import ebbtide`` stays cheap
+and works without torch for the storage engine and the planner.
+"""
+from pkgutil import extend_path
+
+# Developer builds keep the native module in <build>/python/ebbtide; this lets
+# `PYTHONPATH=python:<build>/python` find it beside these sources.
+__path__ = extend_path(__path__, __name__)
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    # name -> module that defines it
+    "offload": "ebbtide.cache",
+    "TensorCache": "ebbtide.cache",
+    "model": "ebbtide.model",
+    "checkpoint": "ebbtide.checkpoint",
+    "Engine": "ebbtide.io",
+    "IoError": "ebbtide.io",
+    "ChecksumError": "ebbtide.io",
+    "StateError": "ebbtide.io",
+}
+
+
+def __getattr__(name):
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'ebbtide' has no attribute {name!r}")
+    import importlib
+
+    mod = importlib.import_module(target)
+    value = mod if target.rsplit(".", 1)[-1] == name else getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

@@ -1,0 +1,5 @@
+import sys
+
+from ebbtide.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of the `ebbtide` CLI, one module each (see ebbtide.cli)."""
