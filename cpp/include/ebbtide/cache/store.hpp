@@ -1,0 +1,71 @@
+// Where offloaded tensor bytes live: the Store interface of the tensor cache.
+//
+// A Store keeps byte blobs. put() copies a source (host memory, or device
+// memory ordered on a CUDA stream) into new space and returns its location;
+// get() copies a location back; free() returns the space. Calls block the
+// calling thread until the bytes have moved (the cache calls them on its own
+// worker threads; see Note [Store workers] in tensor_cache.cpp). Thread safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ebbtide/mem/cuda_shim.hpp"
+
+namespace ebbtide::cache {
+
+using Location = uint64_t;
+
+// Memory taking part in a transfer. device < 0: host memory. device >= 0: a
+// CUDA device pointer; `stream` orders the copy (the caller has made it wait
+// for the data to be ready) and the call returns once the copy has finished.
+struct Span {
+  void* ptr = nullptr;
+  uint64_t nbytes = 0;
+  int device = -1;
+  mem::cuda::Stream stream = 0;
+};
+
+struct StoreStats {
+  uint64_t bytes_held = 0;   // bytes currently stored (true lengths)
+  uint64_t blobs = 0;        // live locations
+  uint64_t capacity = 0;     // 0 = unlimited
+};
+
+class Store {
+ public:
+  virtual ~Store() = default;
+  // Copies src into new space. IoError (ENOSPC when full, EIO, ...) on failure;
+  // then nothing stays allocated.
+  virtual Location put(const Span& src) = 0;
+  // Copies the blob at `loc` into dst (dst.nbytes == the blob's length).
+  virtual void get(Location loc, const Span& dst) = 0;
+  // Returns the space. StateError for an unknown location.
+  virtual void free(Location loc) = 0;
+  virtual StoreStats stats() const = 0;
+  virtual std::string describe() const = 0;
+};
+
+struct HostStoreOptions {
+  uint64_t capacity_bytes = 0;        // 0 = unlimited; a put beyond it fails with ENOSPC
+  uint64_t staging_bytes = 8ull << 20; // per device copy chunk (pinned staging)
+  mem::cuda::Driver* driver = nullptr; // needed for device spans; nullptr = host only
+};
+
+// target "cpu": blobs in host memory (64-byte aligned). Device spans go through
+// pinned staging buffers and the driver's async copies.
+std::unique_ptr<Store> make_host_store(HostStoreOptions options);
+
+struct SsdStoreOptions {
+  std::vector<std::string> dirs;      // one slab per directory; several stripe
+  uint64_t capacity_bytes = 0;        // per directory; 0 = until the disk is full
+  bool apply_env = true;              // EBBTIDE_IO_* overrides of the engine options
+};
+
+// target "ssd": blobs in slab files through io::Engine (O_DIRECT, io_uring).
+// Throws IoError naming the directory when it cannot be written.
+std::unique_ptr<Store> make_ssd_store(SsdStoreOptions options);
+
+}  // namespace ebbtide::cache

@@ -1,0 +1,211 @@
+// The tensor cache core: bookkeeping and scheduling of offloaded activations.
+//
+// Knows nothing of torch. The glue (python/ebbtide/cache.py) calls save() from
+// the pack hook with a storage's identity, pointer and size; the cache dedups by
+// key, queues a store on its worker threads, and reports completions through
+// poll() so the glue can drop its reference. At unpack, request() says whether
+// the glue answers from its live tensor (forwarding) or from a reload buffer it
+// allocates and hands over with start_load(); prefetch_*() choose what to load
+// next in reverse forward order within a byte window. Thread safe; workers
+// never call back into the caller. States: Note [Entry states] in the .cpp.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "ebbtide/cache/store.hpp"
+#include "ebbtide/mem/cuda_shim.hpp"
+
+namespace ebbtide::cache {
+
+using EntryId = uint64_t;
+
+enum class EntryState : uint8_t {
+  kKept,       // resident by policy; never offloaded
+  kQueued,     // store queued; the glue holds the live tensor
+  kStoring,    // store running; the glue holds the live tensor
+  kStored,     // bytes in the store; live tensor dropped once the glue polled
+  kLoading,    // reload into a glue buffer queued or running
+  kLoaded,     // reload finished; the glue holds the buffer
+  kForwarded,  // answered from the live tensor; resident until released
+  kFailed,     // store failed (disk full, I/O error); resident until released
+};
+std::string_view to_string(EntryState s);
+
+// What the glue does at unpack (request()).
+enum class Reload : uint8_t {
+  kResident,    // use the live tensor (kept, forwarded or failed entry)
+  kForward,     // store cancelled or abandoned: use the live tensor and keep it
+  kNeedBuffer,  // allocate a buffer, start_load(), wait()
+  kPending,     // a load is queued, running or done into the glue's buffer: wait()
+};
+std::string_view to_string(Reload r);
+
+struct CacheOptions {
+  uint64_t prefetch_window_bytes = 512ull << 20;  // bytes loading or loaded ahead of use
+  unsigned workers = 2;                          // store/load threads (loads first)
+  mem::cuda::Driver* driver = nullptr;           // needed for device entries
+  // Copy with EBBTIDE_PREFETCH_WINDOW and EBBTIDE_CACHE_WORKERS applied.
+  CacheOptions with_env() const;
+};
+
+struct SaveRequest {
+  uint64_t key = 0;             // storage identity; the glue keeps it unique while the entry lives
+  const void* ptr = nullptr;    // start of the storage
+  uint64_t nbytes = 0;          // storage bytes (> 0)
+  int device = -1;              // -1 host, else CUDA ordinal
+  mem::cuda::Stream stream = 0; // compute stream that produced the data (device only)
+  int microbatch = 0;
+  bool offload = true;          // false: keep resident (policy)
+};
+
+struct SaveResult {
+  EntryId id = 0;
+  bool is_new = false;     // false: dedup hit, the handle joined an existing entry
+  bool offloaded = false;  // a store was queued (new entry) / the entry is offloaded
+};
+
+struct Completion {
+  EntryId id = 0;
+  bool ok = false;  // false: store failed; the glue keeps the live tensor
+};
+
+struct Counters {
+  uint64_t bytes_offloaded = 0;    // successful stores
+  uint64_t bytes_reloaded = 0;     // successful loads
+  uint64_t tensors_saved = 0;      // handles (every pack that reached the cache)
+  uint64_t tensors_deduped = 0;    // handles that joined an existing entry
+  uint64_t tensors_offloaded = 0;  // entries stored successfully
+  uint64_t tensors_forwarded = 0;  // entries answered from the live tensor
+  uint64_t tensors_kept = 0;       // entries kept resident by policy
+  uint64_t tensors_reloaded = 0;   // completed loads
+  uint64_t store_failures = 0;
+  uint64_t load_failures = 0;
+  uint64_t saved_bytes_total = 0;  // bytes of new entries (after dedup)
+  uint64_t peak_resident_bytes = 0;
+  double stall_seconds = 0;        // caller time blocked on loads and stores
+};
+
+struct CacheStats {
+  Counters step;       // since begin_step()
+  Counters total;      // since construction
+  uint64_t steps = 0;
+  uint64_t resident_bytes = 0;   // now
+  uint64_t window_bytes = 0;     // loading + loaded now
+  uint64_t entries = 0;          // live entries
+  uint64_t queued_stores = 0;
+  uint64_t queued_loads = 0;
+  StoreStats store;
+};
+
+class TensorCache {
+ public:
+  TensorCache(std::unique_ptr<Store> store, CacheOptions options);
+  ~TensorCache();  // close()
+  TensorCache(const TensorCache&) = delete;
+  TensorCache& operator=(const TensorCache&) = delete;
+
+  // A pack: dedups by key, else creates an entry and queues its store when
+  // `offload` (and no store failed in this step). StateError when closed.
+  SaveResult save(const SaveRequest& r);
+  // A handle died. The entry goes when its last handle does: a queued store is
+  // cancelled, a running copy is waited for, its space freed. Returns true when
+  // the entry is gone (the glue drops everything it holds for it). Unknown ids
+  // (released by release_step) are ignored.
+  bool release(EntryId id);
+  // Completions since the last poll, in completion order.
+  std::vector<Completion> poll();
+
+  Reload request(EntryId id);
+  // Starts the reload of a kStored entry into dst (entry's nbytes, on the
+  // entry's device; `stream`: where dst was allocated, the copy waits for it).
+  void start_load(EntryId id, void* dst, mem::cuda::Stream stream);
+  // Blocks until the entry's load is done; `stream` (device) then waits for
+  // it without a host sync. Rethrows the load's error (the entry stays stored).
+  void wait(EntryId id, mem::cuda::Stream stream);
+  // One handle of a loaded entry was unpacked. True when every handle was:
+  // the entry returns to kStored and the glue drops its buffer.
+  bool consume(EntryId id);
+
+  // The micro-batch's current end of forward order (for scope bookkeeping).
+  void scope_end(int microbatch, int64_t scope);
+  // Stored entries to load next, in reverse forward order from the end of
+  // `scope` (or from just before entry `id`), within the prefetch window.
+  // Returns (id, nbytes); the glue allocates and calls start_load for each.
+  std::vector<std::pair<EntryId, uint64_t>> prefetch_scope(int microbatch, int64_t scope);
+  std::vector<std::pair<EntryId, uint64_t>> prefetch_before(EntryId id);
+
+  void begin_step();
+  void end_step();
+  // Releases every entry created in step `step` (0 = all) whatever its handles
+  // (exception cleanup). Returns the ids released.
+  std::vector<EntryId> release_step(uint64_t step);
+  uint64_t current_step() const;
+  // Blocks until no store or load is queued or running.
+  void drain();
+  void close();
+  bool closed() const;
+
+  EntryState state(EntryId id) const;  // StateError for unknown ids
+  bool contains(EntryId id) const;
+  CacheStats stats() const;
+  std::string describe() const;
+  const CacheOptions& options() const { return opts_; }
+
+ private:
+  struct Entry;
+  struct MicroBatch {
+    std::vector<EntryId> order;              // offloaded entries, forward order
+    std::map<int64_t, size_t> scope_end;     // scope -> order size at its end
+    size_t live = 0;
+  };
+  using Lock = std::unique_lock<std::mutex>;
+
+  Entry& find(EntryId id, const char* what);
+  void mutate(Entry& e, EntryState s, bool acked);  // keeps resident/window sums
+  void erase_locked(Lock& lock, EntryId id);
+  void wait_idle_locked(Lock& lock, Entry& e);
+  std::vector<std::pair<EntryId, uint64_t>> prefetch_locked(MicroBatch& mb, size_t end);
+  void worker_main(unsigned index);
+  void run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Stream>& side);
+  void run_load(Lock& lock, EntryId id, std::map<int, mem::cuda::Stream>& side);
+  mem::cuda::Event take_event_locked();
+  void give_event_locked(mem::cuda::Event& ev);
+  void add_stall(double seconds);
+
+  std::unique_ptr<Store> store_;
+  CacheOptions opts_;
+  mutable std::mutex mu_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
+  std::unordered_map<EntryId, std::unique_ptr<Entry>> entries_;
+  std::unordered_map<uint64_t, EntryId> by_key_;
+  std::map<int, MicroBatch> microbatches_;
+  std::deque<EntryId> store_q_;
+  std::deque<EntryId> load_q_;
+  std::vector<Completion> completions_;
+  std::vector<mem::cuda::Event> free_events_;
+  std::vector<std::thread> workers_;
+  unsigned busy_ = 0;
+  EntryId next_id_ = 1;
+  uint64_t step_ = 0;
+  bool stop_offload_ = false;  // a store failed in this step
+  bool closed_ = false;
+  uint64_t resident_ = 0;
+  uint64_t window_ = 0;
+  Counters step_c_;
+  Counters total_c_;
+  uint64_t steps_ = 0;
+};
+
+}  // namespace ebbtide::cache

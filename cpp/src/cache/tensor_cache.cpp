@@ -1,0 +1,657 @@
+#include "ebbtide/cache/tensor_cache.hpp"
+
+#include <algorithm>
+#include <chrono>
+
+#include "ebbtide/util/config.hpp"
+#include "ebbtide/util/error.hpp"
+#include "ebbtide/util/log.hpp"
+
+namespace ebbtide::cache {
+
+// Note [Entry states]
+// An entry is one saved storage (views of one storage share it: dedup by key).
+//
+//   save(offload=false) -> kKept -------------------------------------+
+//   save(offload=true)  -> kQueued -> kStoring -> kStored <-> kLoading -> kLoaded
+//                            |           |   \-> kFailed (resident)     (consume: -> kStored)
+//                            +-----------+--> kForwarded (request() before the store finished)
+//
+// Every state ends with release() of the last handle (or release_step()).
+// Resident bytes (held in the training device's memory on the cache's behalf)
+// are the entries in kKept, kQueued, kStoring, kForwarded, kFailed, kLoading,
+// kLoaded, and kStored until the glue has polled the completion (it drops its
+// reference then). `busy` marks a copy running on a worker without the lock:
+// release waits for it so the glue never frees memory a worker still reads.
+//
+// Note [Store workers]
+// `workers` threads share two FIFO queues and always take a load before a
+// store: a load blocks backward, a store only delays a memory release. Store
+// calls are synchronous on the worker; the queues give the asynchrony and
+// make cancel cheap (a queued id whose entry left kQueued is skipped). Device
+// entries: save() records an event on the compute stream; the worker makes its
+// own side stream wait on it before the copy, and for loads records a done
+// event that wait() makes the consumer stream wait on: no host sync in hooks.
+
+struct TensorCache::Entry {
+  EntryId id = 0;
+  uint64_t key = 0;
+  const void* src = nullptr;
+  uint64_t nbytes = 0;
+  int device = -1;
+  int microbatch = 0;
+  uint64_t step = 0;
+  EntryState state = EntryState::kKept;
+  bool acked = true;
+  bool busy = false;
+  bool load_started = false;
+  int handles = 0;
+  int unpacks_left = 0;
+  Location loc = 0;
+  bool has_loc = false;
+  void* dst = nullptr;
+  mem::cuda::Event ready_ev = 0;       // data ready on the compute stream (store)
+  mem::cuda::Event dst_ready_ev = 0;   // reload buffer allocated (load)
+  mem::cuda::Event load_done_ev = 0;   // reload copied (load)
+  std::exception_ptr load_error;
+};
+
+namespace {
+
+bool is_resident(EntryState s, bool acked) {
+  switch (s) {
+    case EntryState::kStored: return !acked;
+    default: return true;
+  }
+}
+bool in_window(EntryState s) { return s == EntryState::kLoading || s == EntryState::kLoaded; }
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void fold(Counters& total, const Counters& step) {
+  total.bytes_offloaded += step.bytes_offloaded;
+  total.bytes_reloaded += step.bytes_reloaded;
+  total.tensors_saved += step.tensors_saved;
+  total.tensors_deduped += step.tensors_deduped;
+  total.tensors_offloaded += step.tensors_offloaded;
+  total.tensors_forwarded += step.tensors_forwarded;
+  total.tensors_kept += step.tensors_kept;
+  total.tensors_reloaded += step.tensors_reloaded;
+  total.store_failures += step.store_failures;
+  total.load_failures += step.load_failures;
+  total.saved_bytes_total += step.saved_bytes_total;
+  total.peak_resident_bytes = std::max(total.peak_resident_bytes, step.peak_resident_bytes);
+  total.stall_seconds += step.stall_seconds;
+}
+
+}  // namespace
+
+std::string_view to_string(EntryState s) {
+  switch (s) {
+    case EntryState::kKept: return "kept";
+    case EntryState::kQueued: return "queued";
+    case EntryState::kStoring: return "storing";
+    case EntryState::kStored: return "stored";
+    case EntryState::kLoading: return "loading";
+    case EntryState::kLoaded: return "loaded";
+    case EntryState::kForwarded: return "forwarded";
+    case EntryState::kFailed: return "failed";
+  }
+  return "?";
+}
+
+std::string_view to_string(Reload r) {
+  switch (r) {
+    case Reload::kResident: return "resident";
+    case Reload::kForward: return "forward";
+    case Reload::kNeedBuffer: return "need_buffer";
+    case Reload::kPending: return "pending";
+  }
+  return "?";
+}
+
+CacheOptions CacheOptions::with_env() const {
+  CacheOptions o = *this;
+  if (auto v = config::env_bytes("EBBTIDE_PREFETCH_WINDOW")) o.prefetch_window_bytes = *v;
+  if (auto v = config::env_int("EBBTIDE_CACHE_WORKERS", 1, 64)) o.workers = static_cast<unsigned>(*v);
+  return o;
+}
+
+TensorCache::TensorCache(std::unique_ptr<Store> store, CacheOptions options)
+    : store_(std::move(store)), opts_(options) {
+  EBB_CHECK(store_ != nullptr, "tensor cache: no store");
+  EBB_CHECK(opts_.workers >= 1 && opts_.workers <= 64, "tensor cache: workers ", opts_.workers,
+            " out of range 1..64");
+  workers_.reserve(opts_.workers);
+  for (unsigned i = 0; i < opts_.workers; ++i) workers_.emplace_back([this, i] { worker_main(i); });
+}
+
+TensorCache::~TensorCache() {
+  try {
+    close();
+  } catch (const std::exception& e) {
+    log::error("tensor cache: close failed: ", e.what());
+  }
+}
+
+TensorCache::Entry& TensorCache::find(EntryId id, const char* what) {
+  auto it = entries_.find(id);
+  EBB_CHECK_STATE(it != entries_.end(), "tensor cache: ", what, ": entry ", id,
+                  " is not live (released, or its step was aborted)");
+  return *it->second;
+}
+
+void TensorCache::mutate(Entry& e, EntryState s, bool acked) {
+  bool r0 = is_resident(e.state, e.acked), w0 = in_window(e.state);
+  e.state = s;
+  e.acked = acked;
+  bool r1 = is_resident(e.state, e.acked), w1 = in_window(e.state);
+  if (r0 && !r1) resident_ -= e.nbytes;
+  if (!r0 && r1) resident_ += e.nbytes;
+  if (w0 && !w1) window_ -= e.nbytes;
+  if (!w0 && w1) window_ += e.nbytes;
+  step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_);
+}
+
+mem::cuda::Event TensorCache::take_event_locked() {
+  if (!free_events_.empty()) {
+    auto ev = free_events_.back();
+    free_events_.pop_back();
+    return ev;
+  }
+  EBB_CHECK_STATE(opts_.driver != nullptr, "tensor cache: device tensor but no CUDA driver");
+  return opts_.driver->event_create();
+}
+
+void TensorCache::give_event_locked(mem::cuda::Event& ev) {
+  if (ev != 0) free_events_.push_back(ev);
+  ev = 0;
+}
+
+void TensorCache::add_stall(double s) { step_c_.stall_seconds += s; }
+
+SaveResult TensorCache::save(const SaveRequest& r) {
+  Lock lock(mu_);
+  EBB_CHECK_STATE(!closed_, "tensor cache: save on a closed cache");
+  EBB_CHECK(r.nbytes > 0 && r.ptr != nullptr, "tensor cache: save of an empty storage (key ", r.key, ")");
+  EBB_CHECK(r.device < 0 || opts_.driver != nullptr, "tensor cache: device ", r.device,
+            " tensor saved but no CUDA driver is loaded");
+  step_c_.tensors_saved += 1;
+  if (auto it = by_key_.find(r.key); it != by_key_.end()) {
+    Entry& e = *entries_.at(it->second);
+    EBB_CHECK(e.nbytes == r.nbytes && e.src == r.ptr, "tensor cache: key ", r.key,
+              " reused for a different storage (", r.ptr, ", ", r.nbytes, " bytes) while entry ", e.id,
+              " (", e.src, ", ", e.nbytes, " bytes) lives");
+    e.handles += 1;
+    if (e.state == EntryState::kLoaded) e.unpacks_left += 1;
+    step_c_.tensors_deduped += 1;
+    bool off = e.state != EntryState::kKept && e.state != EntryState::kFailed;
+    return SaveResult{e.id, false, off};
+  }
+  auto e = std::make_unique<Entry>();
+  e->id = next_id_++;
+  e->key = r.key;
+  e->src = r.ptr;
+  e->nbytes = r.nbytes;
+  e->device = r.device;
+  e->microbatch = r.microbatch;
+  e->step = step_;
+  e->handles = 1;
+  e->state = EntryState::kKept;
+  bool offload = r.offload && !stop_offload_;
+  resident_ += e->nbytes;  // kKept, or kQueued below: resident either way
+  step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_);
+  step_c_.saved_bytes_total += r.nbytes;
+  EntryId id = e->id;
+  if (offload) {
+    if (r.device >= 0) {
+      e->ready_ev = take_event_locked();
+      opts_.driver->event_record(e->ready_ev, r.stream);
+    }
+    e->state = EntryState::kQueued;
+    auto& mb = microbatches_[r.microbatch];
+    mb.order.push_back(id);
+    mb.live += 1;
+    store_q_.push_back(id);
+    work_cv_.notify_one();
+  } else {
+    step_c_.tensors_kept += 1;
+  }
+  by_key_.emplace(r.key, id);
+  entries_.emplace(id, std::move(e));
+  return SaveResult{id, true, offload};
+}
+
+void TensorCache::wait_idle_locked(Lock& lock, Entry& e) {
+  if (!e.busy) return;
+  auto t0 = std::chrono::steady_clock::now();
+  done_cv_.wait(lock, [&] { return !e.busy; });
+  add_stall(seconds_since(t0));
+}
+
+void TensorCache::erase_locked(Lock& lock, EntryId id) {
+  auto it = entries_.find(id);
+  if (it == entries_.end()) return;
+  Entry& e = *it->second;
+  wait_idle_locked(lock, e);
+  mutate(e, EntryState::kStored, true);  // leaves resident and window sums
+  if (e.has_loc) {
+    try {
+      store_->free(e.loc);
+    } catch (const std::exception& ex) {
+      log::error("tensor cache: freeing entry ", id, ": ", ex.what());
+    }
+  }
+  give_event_locked(e.ready_ev);
+  give_event_locked(e.dst_ready_ev);
+  give_event_locked(e.load_done_ev);
+  if (auto k = by_key_.find(e.key); k != by_key_.end() && k->second == id) by_key_.erase(k);
+  if (auto m = microbatches_.find(e.microbatch); m != microbatches_.end()) {
+    auto& order = m->second.order;
+    if (std::find(order.begin(), order.end(), id) != order.end() && --m->second.live == 0) {
+      microbatches_.erase(m);
+    }
+  }
+  entries_.erase(it);
+}
+
+bool TensorCache::release(EntryId id) {
+  Lock lock(mu_);
+  auto it = entries_.find(id);
+  if (it == entries_.end()) return true;
+  Entry& e = *it->second;
+  e.handles -= 1;
+  if (e.handles > 0) {
+    if (e.state == EntryState::kLoaded) e.unpacks_left = std::min(e.unpacks_left, e.handles);
+    return false;
+  }
+  erase_locked(lock, id);
+  done_cv_.notify_all();
+  return true;
+}
+
+std::vector<Completion> TensorCache::poll() {
+  Lock lock(mu_);
+  std::vector<Completion> out;
+  out.swap(completions_);
+  for (const auto& c : out) {
+    auto it = entries_.find(c.id);
+    if (it != entries_.end() && it->second->state == EntryState::kStored && !it->second->acked) {
+      mutate(*it->second, EntryState::kStored, true);
+    }
+  }
+  return out;
+}
+
+Reload TensorCache::request(EntryId id) {
+  Lock lock(mu_);
+  EBB_CHECK_STATE(!closed_, "tensor cache: unpack from a closed cache (entry ", id, ")");
+  Entry& e = find(id, "unpack");
+  switch (e.state) {
+    case EntryState::kKept:
+    case EntryState::kForwarded:
+    case EntryState::kFailed:
+      return Reload::kResident;
+    case EntryState::kQueued:
+    case EntryState::kStoring:
+      // The queued store is skipped by its worker; a running one frees its
+      // space on completion (Note [Entry states]).
+      mutate(e, EntryState::kForwarded, true);
+      step_c_.tensors_forwarded += 1;
+      return Reload::kForward;
+    case EntryState::kStored:
+      if (!e.acked) {
+        // Completed after the glue's last poll: the glue drops its live
+        // reference now; the completion in completions_ is then a no-op.
+        mutate(e, EntryState::kStored, true);
+      }
+      return Reload::kNeedBuffer;
+    case EntryState::kLoading:
+    case EntryState::kLoaded:
+      return Reload::kPending;
+  }
+  return Reload::kResident;
+}
+
+void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream) {
+  Lock lock(mu_);
+  EBB_CHECK_STATE(!closed_, "tensor cache: load on a closed cache");
+  Entry& e = find(id, "start_load");
+  EBB_CHECK_STATE(e.state == EntryState::kStored && e.has_loc, "tensor cache: start_load of entry ", id,
+                  " in state ", to_string(e.state), " (expected stored)");
+  EBB_CHECK(dst != nullptr, "tensor cache: start_load of entry ", id, " into a null buffer");
+  e.dst = dst;
+  e.load_started = false;
+  e.load_error = nullptr;
+  if (e.device >= 0) {
+    if (e.dst_ready_ev == 0) e.dst_ready_ev = take_event_locked();
+    opts_.driver->event_record(e.dst_ready_ev, stream);
+  }
+  mutate(e, EntryState::kLoading, true);
+  e.unpacks_left = e.handles;
+  load_q_.push_back(id);
+  work_cv_.notify_one();
+}
+
+void TensorCache::wait(EntryId id, mem::cuda::Stream stream) {
+  Lock lock(mu_);
+  Entry& e = find(id, "wait");
+  if (e.state == EntryState::kLoading) {
+    auto t0 = std::chrono::steady_clock::now();
+    done_cv_.wait(lock, [&] {
+      auto it = entries_.find(id);
+      return closed_ || it == entries_.end() || it->second->state != EntryState::kLoading;
+    });
+    add_stall(seconds_since(t0));
+  }
+  Entry& f = find(id, "wait");
+  if (f.load_error) {
+    auto err = f.load_error;
+    f.load_error = nullptr;
+    std::rethrow_exception(err);
+  }
+  EBB_CHECK_STATE(f.state == EntryState::kLoaded, "tensor cache: wait on entry ", id, " in state ",
+                  to_string(f.state), " (no load started)");
+  if (f.device >= 0 && f.load_done_ev != 0) opts_.driver->stream_wait_event(stream, f.load_done_ev);
+}
+
+bool TensorCache::consume(EntryId id) {
+  Lock lock(mu_);
+  Entry& e = find(id, "consume");
+  if (e.state != EntryState::kLoaded) return false;
+  if (--e.unpacks_left > 0) return false;
+  mutate(e, EntryState::kStored, true);
+  e.dst = nullptr;
+  return true;
+}
+
+void TensorCache::scope_end(int microbatch, int64_t scope) {
+  Lock lock(mu_);
+  auto& mb = microbatches_[microbatch];
+  mb.scope_end[scope] = mb.order.size();
+}
+
+std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_locked(MicroBatch& mb, size_t end) {
+  std::vector<std::pair<EntryId, uint64_t>> out;
+  uint64_t window = window_;
+  for (size_t i = std::min(end, mb.order.size()); i-- > 0;) {
+    auto it = entries_.find(mb.order[i]);
+    if (it == entries_.end()) continue;
+    const Entry& e = *it->second;
+    if (e.state != EntryState::kStored || !e.has_loc) continue;
+    if (window + e.nbytes > opts_.prefetch_window_bytes) break;
+    window += e.nbytes;
+    out.emplace_back(e.id, e.nbytes);
+  }
+  return out;
+}
+
+std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_scope(int microbatch, int64_t scope) {
+  Lock lock(mu_);
+  auto m = microbatches_.find(microbatch);
+  if (m == microbatches_.end()) return {};
+  auto s = m->second.scope_end.find(scope);
+  size_t end = s == m->second.scope_end.end() ? m->second.order.size() : s->second;
+  return prefetch_locked(m->second, end);
+}
+
+std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_before(EntryId id) {
+  Lock lock(mu_);
+  auto it = entries_.find(id);
+  if (it == entries_.end()) return {};
+  auto m = microbatches_.find(it->second->microbatch);
+  if (m == microbatches_.end()) return {};
+  auto& order = m->second.order;
+  auto pos = std::find(order.begin(), order.end(), id);
+  return prefetch_locked(m->second, static_cast<size_t>(pos - order.begin()));
+}
+
+void TensorCache::begin_step() {
+  Lock lock(mu_);
+  EBB_CHECK_STATE(!closed_, "tensor cache: step on a closed cache");
+  step_ += 1;
+  step_c_ = Counters{};
+  std::erase_if(microbatches_, [](const auto& kv) { return kv.second.live == 0; });
+  step_c_.peak_resident_bytes = resident_;
+  stop_offload_ = false;
+}
+
+void TensorCache::end_step() {
+  Lock lock(mu_);
+  fold(total_c_, step_c_);
+  steps_ += 1;
+}
+
+std::vector<EntryId> TensorCache::release_step(uint64_t step) {
+  Lock lock(mu_);
+  std::vector<EntryId> ids;
+  for (const auto& [id, e] : entries_) {
+    if (step == 0 || e->step == step) ids.push_back(id);
+  }
+  std::sort(ids.begin(), ids.end());
+  for (EntryId id : ids) erase_locked(lock, id);
+  done_cv_.notify_all();
+  return ids;
+}
+
+uint64_t TensorCache::current_step() const {
+  Lock lock(mu_);
+  return step_;
+}
+
+void TensorCache::drain() {
+  Lock lock(mu_);
+  auto t0 = std::chrono::steady_clock::now();
+  done_cv_.wait(lock, [&] { return closed_ || (store_q_.empty() && load_q_.empty() && busy_ == 0); });
+  add_stall(seconds_since(t0));
+}
+
+void TensorCache::close() {
+  {
+    Lock lock(mu_);
+    if (closed_ && workers_.empty()) return;
+    closed_ = true;
+    store_q_.clear();
+    load_q_.clear();
+  }
+  work_cv_.notify_all();
+  done_cv_.notify_all();
+  for (auto& t : workers_) t.join();
+  workers_.clear();
+  Lock lock(mu_);
+  std::vector<EntryId> ids;
+  for (const auto& [id, e] : entries_) ids.push_back(id);
+  for (EntryId id : ids) erase_locked(lock, id);
+  microbatches_.clear();
+  if (opts_.driver != nullptr) {
+    for (auto ev : free_events_) {
+      try {
+        opts_.driver->event_destroy(ev);
+      } catch (const std::exception&) {
+      }
+    }
+  }
+  free_events_.clear();
+}
+
+bool TensorCache::closed() const {
+  Lock lock(mu_);
+  return closed_;
+}
+
+EntryState TensorCache::state(EntryId id) const {
+  Lock lock(mu_);
+  auto it = entries_.find(id);
+  EBB_CHECK_STATE(it != entries_.end(), "tensor cache: entry ", id, " is not live");
+  return it->second->state;
+}
+
+bool TensorCache::contains(EntryId id) const {
+  Lock lock(mu_);
+  return entries_.count(id) != 0;
+}
+
+CacheStats TensorCache::stats() const {
+  Lock lock(mu_);
+  CacheStats s;
+  s.step = step_c_;
+  s.total = total_c_;
+  fold(s.total, Counters{});
+  s.steps = steps_;
+  s.resident_bytes = resident_;
+  s.window_bytes = window_;
+  s.entries = entries_.size();
+  s.queued_stores = store_q_.size();
+  s.queued_loads = load_q_.size();
+  s.store = store_->stats();
+  return s;
+}
+
+std::string TensorCache::describe() const {
+  return detail::concat("tensor cache on ", store_->describe(), ", ", opts_.workers, " workers, prefetch window ",
+                        config::format_bytes(double(opts_.prefetch_window_bytes)));
+}
+
+void TensorCache::worker_main(unsigned index) {
+  std::map<int, mem::cuda::Stream> side;  // per device, this worker's copy stream
+  Lock lock(mu_);
+  for (;;) {
+    work_cv_.wait(lock, [&] { return closed_ || !store_q_.empty() || !load_q_.empty(); });
+    if (closed_) break;
+    EntryId id = 0;
+    bool load = !load_q_.empty();
+    if (load) {
+      id = load_q_.front();
+      load_q_.pop_front();
+    } else {
+      id = store_q_.front();
+      store_q_.pop_front();
+    }
+    busy_ += 1;
+    if (load) run_load(lock, id, side);
+    else run_store(lock, id, side);
+    busy_ -= 1;
+    done_cv_.notify_all();
+  }
+  lock.unlock();
+  if (opts_.driver != nullptr) {
+    for (auto& [dev, s] : side) {
+      try {
+        opts_.driver->bind_device(dev);
+        opts_.driver->stream_destroy(s);
+      } catch (const std::exception&) {
+      }
+    }
+  }
+}
+
+namespace {
+mem::cuda::Stream side_stream(mem::cuda::Driver* drv, std::map<int, mem::cuda::Stream>& side, int device) {
+  drv->bind_device(device);
+  auto it = side.find(device);
+  if (it != side.end()) return it->second;
+  auto s = drv->stream_create();
+  side.emplace(device, s);
+  return s;
+}
+}  // namespace
+
+void TensorCache::run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Stream>& side) {
+  auto it = entries_.find(id);
+  if (it == entries_.end() || it->second->state != EntryState::kQueued) return;  // cancelled
+  Entry& e = *it->second;
+  mutate(e, EntryState::kStoring, true);
+  e.busy = true;
+  Span src{const_cast<void*>(e.src), e.nbytes, e.device, 0};
+  mem::cuda::Event ready = e.ready_ev;
+  lock.unlock();
+  Location loc = 0;
+  std::exception_ptr err;
+  try {
+    if (src.device >= 0) {
+      src.stream = side_stream(opts_.driver, side, src.device);
+      opts_.driver->stream_wait_event(src.stream, ready);
+    }
+    loc = store_->put(src);
+  } catch (...) {
+    err = std::current_exception();
+  }
+  lock.lock();
+  e.busy = false;  // entries are erased only when not busy: `e` is still valid
+  give_event_locked(e.ready_ev);
+  if (err) {
+    step_c_.store_failures += 1;
+    std::string why;
+    try {
+      std::rethrow_exception(err);
+    } catch (const std::exception& ex) {
+      why = ex.what();
+    }
+    log::warn_once("cache.store_failed." + std::to_string(reinterpret_cast<uintptr_t>(this)),
+                   detail::concat("ebbtide: storing an activation failed (", why,
+                                  "); keeping this step's remaining activations in memory"));
+    stop_offload_ = true;
+    if (e.state == EntryState::kStoring) {
+      mutate(e, EntryState::kFailed, true);
+      step_c_.tensors_kept += 1;
+      completions_.push_back({id, false});
+    }
+    return;
+  }
+  if (e.state == EntryState::kStoring) {
+    e.loc = loc;
+    e.has_loc = true;
+    mutate(e, EntryState::kStored, false);
+    step_c_.bytes_offloaded += e.nbytes;
+    step_c_.tensors_offloaded += 1;
+    completions_.push_back({id, true});
+  } else {
+    // Forwarded while the copy ran: the bytes are not needed.
+    try {
+      store_->free(loc);
+    } catch (const std::exception& ex) {
+      log::error("tensor cache: freeing abandoned store of entry ", id, ": ", ex.what());
+    }
+  }
+}
+
+void TensorCache::run_load(Lock& lock, EntryId id, std::map<int, mem::cuda::Stream>& side) {
+  auto it = entries_.find(id);
+  if (it == entries_.end() || it->second->state != EntryState::kLoading || it->second->load_started) return;
+  Entry& e = *it->second;
+  e.busy = true;
+  e.load_started = true;
+  Span dst{e.dst, e.nbytes, e.device, 0};
+  Location loc = e.loc;
+  mem::cuda::Event ready = e.dst_ready_ev;
+  if (e.device >= 0 && e.load_done_ev == 0) e.load_done_ev = take_event_locked();
+  mem::cuda::Event done = e.load_done_ev;
+  lock.unlock();
+  std::exception_ptr err;
+  try {
+    if (dst.device >= 0) {
+      dst.stream = side_stream(opts_.driver, side, dst.device);
+      opts_.driver->stream_wait_event(dst.stream, ready);
+    }
+    store_->get(loc, dst);
+    if (dst.device >= 0) opts_.driver->event_record(done, dst.stream);
+  } catch (...) {
+    err = std::current_exception();
+  }
+  lock.lock();
+  e.busy = false;
+  if (err) {
+    step_c_.load_failures += 1;
+    e.load_error = err;
+    e.dst = nullptr;
+    mutate(e, EntryState::kStored, true);
+    return;
+  }
+  mutate(e, EntryState::kLoaded, true);
+  step_c_.bytes_reloaded += e.nbytes;
+  step_c_.tensors_reloaded += 1;
+}
+
+}  // namespace ebbtide::cache

@@ -1,0 +1,441 @@
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "ebbtide/cache/store.hpp"
+#include "ebbtide/cache/tensor_cache.hpp"
+#include "ebbtide/util/error.hpp"
+#include "test_utils.hpp"
+
+namespace ebbtide::cache {
+namespace {
+
+// A store that can hold puts at a gate (to stage races) and fail gets.
+class GatedStore final : public Store {
+ public:
+  explicit GatedStore(uint64_t capacity = 0) : inner_(make_host_store(HostStoreOptions{capacity})) {}
+  Location put(const Span& src) override {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      ++puts_started_;
+      cv_.notify_all();
+      cv_.wait(lock, [&] { return open_; });
+    }
+    return inner_->put(src);
+  }
+  void get(Location loc, const Span& dst) override {
+    if (fail_gets_) throw IoError(EIO, "gated", 0, "injected read error");
+    inner_->get(loc, dst);
+  }
+  void free(Location loc) override { inner_->free(loc); }
+  StoreStats stats() const override { return inner_->stats(); }
+  std::string describe() const override { return "gated"; }
+
+  void close_gate() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = false;
+  }
+  void open_gate() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  void wait_puts_started(int n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return puts_started_ >= n; });
+  }
+  std::atomic<bool> fail_gets_{false};
+
+ private:
+  std::unique_ptr<Store> inner_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = true;
+  int puts_started_ = 0;
+};
+
+struct Fixture {
+  explicit Fixture(uint64_t window = 1 << 20, unsigned workers = 1, uint64_t capacity = 0) {
+    auto s = std::make_unique<GatedStore>(capacity);
+    store = s.get();
+    CacheOptions o;
+    o.prefetch_window_bytes = window;
+    o.workers = workers;
+    cache = std::make_unique<TensorCache>(std::move(s), o);
+    cache->begin_step();
+  }
+  EntryId save(const std::vector<unsigned char>& buf, uint64_t key, int mb = 0, bool offload = true) {
+    SaveRequest r;
+    r.key = key;
+    r.ptr = buf.data();
+    r.nbytes = buf.size();
+    r.microbatch = mb;
+    r.offload = offload;
+    return cache->save(r).id;
+  }
+  GatedStore* store;
+  std::unique_ptr<TensorCache> cache;
+};
+
+TEST(CacheCore, StoreThenReloadRoundTrips) {
+  Fixture f;
+  auto data = test::random_bytes(10000, 1);
+  EntryId id = f.save(data, 11);
+  f.cache->drain();
+  EXPECT_EQ(f.cache->state(id), EntryState::kStored);
+  auto done = f.cache->poll();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].id, id);
+  EXPECT_TRUE(done[0].ok);
+  EXPECT_EQ(f.cache->stats().resident_bytes, 0u);
+  ASSERT_EQ(f.cache->request(id), Reload::kNeedBuffer);
+  std::vector<unsigned char> out(data.size());
+  f.cache->start_load(id, out.data(), 0);
+  EXPECT_EQ(f.cache->request(id), Reload::kPending);
+  f.cache->wait(id, 0);
+  EXPECT_EQ(out, data);
+  EXPECT_EQ(f.cache->stats().resident_bytes, data.size());
+  EXPECT_TRUE(f.cache->consume(id));
+  EXPECT_EQ(f.cache->state(id), EntryState::kStored);
+  // A second backward (retain_graph) reloads again.
+  ASSERT_EQ(f.cache->request(id), Reload::kNeedBuffer);
+  std::vector<unsigned char> out2(data.size());
+  f.cache->start_load(id, out2.data(), 0);
+  f.cache->wait(id, 0);
+  EXPECT_EQ(out2, data);
+  auto s = f.cache->stats();
+  EXPECT_EQ(s.step.bytes_offloaded, data.size());
+  EXPECT_EQ(s.step.bytes_reloaded, 2 * data.size());
+  EXPECT_EQ(s.step.tensors_offloaded, 1u);
+  EXPECT_EQ(s.step.tensors_reloaded, 2u);
+  EXPECT_EQ(s.step.peak_resident_bytes, data.size());
+  EXPECT_TRUE(f.cache->release(id));
+  EXPECT_FALSE(f.cache->contains(id));
+  EXPECT_EQ(f.cache->stats().store.blobs, 0u);
+  EXPECT_EQ(f.cache->stats().resident_bytes, 0u);
+}
+
+TEST(CacheCore, DedupByKeyCountsBytesOnceAndLivesUntilLastHandle) {
+  Fixture f;
+  auto data = test::random_bytes(4096, 2);
+  EntryId a = f.save(data, 7);
+  EntryId b = f.save(data, 7);
+  EXPECT_EQ(a, b);
+  auto s = f.cache->stats();
+  EXPECT_EQ(s.step.tensors_saved, 2u);
+  EXPECT_EQ(s.step.tensors_deduped, 1u);
+  EXPECT_EQ(s.step.saved_bytes_total, 4096u);
+  EXPECT_EQ(s.entries, 1u);
+  f.cache->drain();
+  f.cache->poll();
+  // Two handles: the buffer stays until both views were unpacked.
+  std::vector<unsigned char> out(data.size());
+  ASSERT_EQ(f.cache->request(a), Reload::kNeedBuffer);
+  f.cache->start_load(a, out.data(), 0);
+  f.cache->wait(a, 0);
+  EXPECT_FALSE(f.cache->consume(a));
+  EXPECT_TRUE(f.cache->consume(a));
+  EXPECT_FALSE(f.cache->release(a));
+  EXPECT_TRUE(f.cache->contains(a));
+  EXPECT_TRUE(f.cache->release(a));
+  EXPECT_FALSE(f.cache->contains(a));
+  // The key is free again: a new storage may take it.
+  auto other = test::random_bytes(100, 3);
+  EntryId c = f.save(other, 7);
+  EXPECT_NE(c, a);
+}
+
+TEST(CacheCore, KeyReusedForDifferentStorageIsRejected) {
+  Fixture f;
+  auto x = test::random_bytes(100, 1), y = test::random_bytes(200, 2);
+  f.save(x, 5);
+  EXPECT_THROW(f.save(y, 5), InvalidArgument);
+}
+
+TEST(CacheCore, RequestBeforeStoreStartsForwardsAndCancels) {
+  Fixture f;
+  auto x = test::random_bytes(1000, 1), y = test::random_bytes(2000, 2);
+  f.store->close_gate();
+  EntryId a = f.save(x, 1);
+  f.store->wait_puts_started(1);  // worker holds a; b waits in the queue
+  EntryId b = f.save(y, 2);
+  EXPECT_EQ(f.cache->state(b), EntryState::kQueued);
+  EXPECT_EQ(f.cache->request(b), Reload::kForward);
+  EXPECT_EQ(f.cache->state(b), EntryState::kForwarded);
+  EXPECT_EQ(f.cache->request(b), Reload::kResident);
+  f.store->open_gate();
+  f.cache->drain();
+  EXPECT_EQ(f.cache->state(b), EntryState::kForwarded);
+  EXPECT_EQ(f.cache->state(a), EntryState::kStored);
+  auto s = f.cache->stats();
+  EXPECT_EQ(s.store.blobs, 1u);  // b was never stored
+  EXPECT_EQ(s.step.tensors_forwarded, 1u);
+  EXPECT_EQ(s.resident_bytes, x.size() + y.size());  // a not yet polled
+  auto done = f.cache->poll();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].id, a);
+  EXPECT_EQ(f.cache->stats().resident_bytes, y.size());
+}
+
+TEST(CacheCore, RequestWhileStoringForwardsAndFreesTheFinishedCopy) {
+  Fixture f;
+  auto x = test::random_bytes(1000, 1);
+  f.store->close_gate();
+  EntryId a = f.save(x, 1);
+  f.store->wait_puts_started(1);
+  EXPECT_EQ(f.cache->state(a), EntryState::kStoring);
+  EXPECT_EQ(f.cache->request(a), Reload::kForward);
+  f.store->open_gate();
+  f.cache->drain();
+  EXPECT_EQ(f.cache->state(a), EntryState::kForwarded);
+  EXPECT_TRUE(f.cache->poll().empty());
+  EXPECT_EQ(f.cache->stats().store.blobs, 0u);
+  EXPECT_EQ(f.cache->stats().step.bytes_offloaded, 0u);
+}
+
+TEST(CacheCore, ReleaseWaitsForARunningStore) {
+  Fixture f;
+  auto x = test::random_bytes(1000, 1);
+  f.store->close_gate();
+  EntryId a = f.save(x, 1);
+  f.store->wait_puts_started(1);
+  std::atomic<bool> released{false};
+  std::thread t([&] {
+    f.cache->release(a);
+    released = true;
+  });
+  f.store->open_gate();
+  t.join();
+  EXPECT_TRUE(released);
+  f.cache->drain();
+  EXPECT_FALSE(f.cache->contains(a));
+  EXPECT_EQ(f.cache->stats().store.blobs, 0u);
+  EXPECT_TRUE(f.cache->poll().empty() || !f.cache->contains(a));
+}
+
+std::vector<EntryId> ids_of(const std::vector<std::pair<EntryId, uint64_t>>& v) {
+  std::vector<EntryId> out;
+  for (auto& p : v) out.push_back(p.first);
+  return out;
+}
+
+TEST(CacheCore, PrefetchGoesInReverseForwardOrderWithinTheWindow) {
+  Fixture f(/*window=*/250);
+  std::vector<std::vector<unsigned char>> bufs;
+  for (int i = 0; i < 5; ++i) bufs.push_back(test::random_bytes(100, i));
+  std::vector<EntryId> ids;
+  for (int i = 0; i < 5; ++i) {
+    ids.push_back(f.save(bufs[i], 100 + i));
+    f.cache->scope_end(0, i);
+  }
+  f.cache->drain();
+  f.cache->poll();
+  auto p = f.cache->prefetch_scope(0, 4);
+  EXPECT_EQ(ids_of(p), (std::vector<EntryId>{ids[4], ids[3]}));
+  std::vector<std::vector<unsigned char>> outs(5, std::vector<unsigned char>(100));
+  for (auto [id, n] : p) {
+    EXPECT_EQ(n, 100u);
+    f.cache->start_load(id, outs[id - ids[0]].data(), 0);
+  }
+  EXPECT_TRUE(f.cache->prefetch_scope(0, 4).empty());  // window full
+  f.cache->wait(ids[4], 0);
+  EXPECT_TRUE(f.cache->consume(ids[4]));
+  EXPECT_EQ(outs[4], bufs[4]);
+  // One slot free in the window; scope 2 ends after entry 2.
+  EXPECT_EQ(ids_of(f.cache->prefetch_scope(0, 2)), (std::vector<EntryId>{ids[2]}));
+  // An early unpack prefetches what precedes it.
+  EXPECT_EQ(ids_of(f.cache->prefetch_before(ids[2])), (std::vector<EntryId>{ids[1]}));
+  f.cache->wait(ids[3], 0);
+  EXPECT_EQ(outs[3], bufs[3]);
+}
+
+TEST(CacheCore, MicroBatchRecordsAreSeparate) {
+  Fixture f;
+  auto x0 = test::random_bytes(100, 1), x1 = test::random_bytes(100, 2);
+  auto y0 = test::random_bytes(100, 3), y1 = test::random_bytes(100, 4);
+  // Two forwards interleaved (1F1B): mb 0 then mb 1.
+  EntryId a0 = f.save(x0, 1, 0), a1 = f.save(x1, 2, 0);
+  f.cache->scope_end(0, 0);
+  EntryId b0 = f.save(y0, 3, 1), b1 = f.save(y1, 4, 1);
+  f.cache->scope_end(1, 0);
+  f.cache->drain();
+  f.cache->poll();
+  EXPECT_EQ(ids_of(f.cache->prefetch_scope(1, 0)), (std::vector<EntryId>{b1, b0}));
+  EXPECT_EQ(ids_of(f.cache->prefetch_before(a1)), (std::vector<EntryId>{a0}));
+  EXPECT_TRUE(f.cache->prefetch_scope(7, 0).empty());
+}
+
+TEST(CacheCore, KeptEntriesAreResidentAndCounted) {
+  Fixture f;
+  auto x = test::random_bytes(300, 1), y = test::random_bytes(500, 2);
+  EntryId k = f.save(x, 1, 0, /*offload=*/false);
+  EntryId o = f.save(y, 2);
+  EXPECT_EQ(f.cache->state(k), EntryState::kKept);
+  EXPECT_EQ(f.cache->request(k), Reload::kResident);
+  f.cache->drain();
+  auto s = f.cache->stats();
+  EXPECT_EQ(s.step.peak_resident_bytes, 800u);
+  EXPECT_EQ(s.step.tensors_kept, 1u);
+  EXPECT_EQ(s.step.saved_bytes_total, 800u);
+  f.cache->poll();
+  EXPECT_EQ(f.cache->stats().resident_bytes, 300u);
+  f.cache->release(o);
+  f.cache->release(k);
+  f.cache->end_step();
+  s = f.cache->stats();
+  EXPECT_EQ(s.total.saved_bytes_total, 800u);
+  EXPECT_EQ(s.total.peak_resident_bytes, 800u);
+  EXPECT_EQ(s.steps, 1u);
+  EXPECT_EQ(s.entries, 0u);
+}
+
+TEST(CacheCore, StoreFailureKeepsTheRestOfTheStepResident) {
+  Fixture f(1 << 20, 1, /*capacity=*/1500);
+  auto x = test::random_bytes(1000, 1), y = test::random_bytes(1000, 2), z = test::random_bytes(100, 3);
+  EntryId a = f.save(x, 1);
+  EntryId b = f.save(y, 2);  // does not fit
+  f.cache->drain();
+  EXPECT_EQ(f.cache->state(a), EntryState::kStored);
+  EXPECT_EQ(f.cache->state(b), EntryState::kFailed);
+  auto done = f.cache->poll();
+  ASSERT_EQ(done.size(), 2u);
+  EXPECT_TRUE(done[0].ok);
+  EXPECT_FALSE(done[1].ok);
+  EntryId c = f.save(z, 3);  // offloading is off for the rest of the step
+  EXPECT_EQ(f.cache->state(c), EntryState::kKept);
+  EXPECT_EQ(f.cache->request(b), Reload::kResident);
+  EXPECT_EQ(f.cache->stats().step.store_failures, 1u);
+  f.cache->release(c);
+  f.cache->end_step();
+  f.cache->begin_step();
+  EntryId d = f.save(z, 4);
+  f.cache->drain();
+  EXPECT_EQ(f.cache->state(d), EntryState::kStored);
+}
+
+TEST(CacheCore, LoadFailureIsRethrownAndTheEntryStaysStored) {
+  Fixture f;
+  auto x = test::random_bytes(100, 1);
+  EntryId a = f.save(x, 1);
+  f.cache->drain();
+  f.cache->poll();
+  f.store->fail_gets_ = true;
+  std::vector<unsigned char> out(100);
+  ASSERT_EQ(f.cache->request(a), Reload::kNeedBuffer);
+  f.cache->start_load(a, out.data(), 0);
+  EXPECT_THROW(f.cache->wait(a, 0), IoError);
+  EXPECT_EQ(f.cache->state(a), EntryState::kStored);
+  f.store->fail_gets_ = false;
+  ASSERT_EQ(f.cache->request(a), Reload::kNeedBuffer);
+  f.cache->start_load(a, out.data(), 0);
+  f.cache->wait(a, 0);
+  EXPECT_EQ(out, x);
+}
+
+TEST(CacheCore, ReleaseStepDropsEverythingAndLateReleasesAreIgnored) {
+  Fixture f;
+  auto x = test::random_bytes(100, 1), y = test::random_bytes(100, 2);
+  EntryId a = f.save(x, 1);
+  EntryId b = f.save(y, 2, 0, false);
+  f.cache->drain();
+  auto gone = f.cache->release_step(f.cache->current_step());
+  EXPECT_EQ(gone.size(), 2u);
+  EXPECT_EQ(f.cache->stats().entries, 0u);
+  EXPECT_EQ(f.cache->stats().store.blobs, 0u);
+  EXPECT_EQ(f.cache->stats().resident_bytes, 0u);
+  EXPECT_TRUE(f.cache->release(a));
+  EXPECT_TRUE(f.cache->release(b));
+  EXPECT_THROW(f.cache->request(a), StateError);
+}
+
+TEST(CacheCore, ClosedCacheRejectsWork) {
+  Fixture f;
+  auto x = test::random_bytes(100, 1);
+  EntryId a = f.save(x, 1);
+  f.cache->close();
+  EXPECT_TRUE(f.cache->closed());
+  EXPECT_EQ(f.cache->stats().store.blobs, 0u);
+  EXPECT_THROW(f.save(x, 2), StateError);
+  EXPECT_THROW(f.cache->request(a), StateError);
+  f.cache->close();  // idempotent
+}
+
+TEST(CacheCore, ManyEntriesUnderConcurrentWorkersRoundTrip) {
+  Fixture f(/*window=*/64 << 10, /*workers=*/3);
+  std::vector<std::vector<unsigned char>> bufs;
+  std::vector<EntryId> ids;
+  for (int i = 0; i < 200; ++i) bufs.push_back(test::random_bytes(100 + 37 * i, 1000 + i));
+  for (int i = 0; i < 200; ++i) {
+    ids.push_back(f.save(bufs[i], 5000 + i, i % 2));
+    if (i % 10 == 9) f.cache->scope_end(i % 2, i / 10);
+    if (i % 7 == 0) f.cache->poll();
+  }
+  // Backward: walk each micro-batch in reverse, prefetching as we go; entries
+  // whose store had not finished are forwarded.
+  std::map<EntryId, std::vector<unsigned char>> bufs_out;
+  int forwarded = 0;
+  for (int mb = 0; mb < 2; ++mb) {
+    for (int i = 199; i >= 0; --i) {
+      if (i % 2 != mb) continue;
+      f.cache->poll();
+      EntryId id = ids[i];
+      Reload r = f.cache->request(id);
+      if (r == Reload::kForward || r == Reload::kResident) {
+        ++forwarded;
+      } else {
+        if (r == Reload::kNeedBuffer) {
+          bufs_out[id].resize(bufs[i].size());
+          f.cache->start_load(id, bufs_out[id].data(), 0);
+        }
+        for (auto [pid, n] : f.cache->prefetch_before(id)) {
+          bufs_out[pid].resize(n);
+          f.cache->start_load(pid, bufs_out[pid].data(), 0);
+        }
+        f.cache->wait(id, 0);
+        EXPECT_EQ(bufs_out[id], bufs[i]) << "entry " << i;
+        EXPECT_TRUE(f.cache->consume(id));
+      }
+      EXPECT_TRUE(f.cache->release(id));
+    }
+  }
+  auto s = f.cache->stats();
+  EXPECT_EQ(s.entries, 0u);
+  EXPECT_EQ(s.store.blobs, 0u);
+  EXPECT_EQ(s.resident_bytes, 0u);
+  EXPECT_EQ(s.window_bytes, 0u);
+  EXPECT_EQ(s.step.tensors_forwarded + s.step.tensors_reloaded, 200u);
+  EXPECT_LE(s.step.peak_resident_bytes, s.step.saved_bytes_total);
+  (void)forwarded;
+}
+
+TEST(HostStore, CapacityAndDoubleFree) {
+  auto st = make_host_store(HostStoreOptions{1000});
+  auto x = test::random_bytes(600, 1);
+  Location a = st->put(Span{x.data(), 600});
+  try {
+    st->put(Span{x.data(), 600});
+    FAIL() << "expected ENOSPC";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.err(), ENOSPC);
+  }
+  EXPECT_EQ(st->stats().bytes_held, 600u);
+  std::vector<unsigned char> out(600);
+  EXPECT_THROW(st->get(a, Span{out.data(), 500}), InvalidArgument);
+  st->get(a, Span{out.data(), 600});
+  EXPECT_EQ(out, x);
+  st->free(a);
+  EXPECT_THROW(st->free(a), StateError);
+  EXPECT_EQ(st->stats().bytes_held, 0u);
+  Span dev{x.data(), 600, 0, 0};
+  EXPECT_THROW(st->put(dev), Unsupported);
+  EXPECT_EQ(st->stats().bytes_held, 0u);
+}
+
+}  // namespace
+}  // namespace ebbtide::cache
