@@ -36,6 +36,7 @@ namespace ebbtide::cache {
 struct TensorCache::Entry {
   EntryId id = 0;
   uint64_t key = 0;
+  uint64_t version = 0;
   const void* src = nullptr;
   uint64_t nbytes = 0;
   int device = -1;
@@ -179,20 +180,22 @@ SaveResult TensorCache::save(const SaveRequest& r) {
   EBB_CHECK(r.device < 0 || opts_.driver != nullptr, "tensor cache: device ", r.device,
             " tensor saved but no CUDA driver is loaded");
   step_c_.tensors_saved += 1;
-  if (auto it = by_key_.find(r.key); it != by_key_.end()) {
+  // A dedup hit needs the same storage (key), the same bytes and the same
+  // version: after an in-place change the old snapshot must not serve the new.
+  if (auto it = by_key_.find({r.key, r.version}); it != by_key_.end()) {
     Entry& e = *entries_.at(it->second);
-    EBB_CHECK(e.nbytes == r.nbytes && e.src == r.ptr, "tensor cache: key ", r.key,
-              " reused for a different storage (", r.ptr, ", ", r.nbytes, " bytes) while entry ", e.id,
-              " (", e.src, ", ", e.nbytes, " bytes) lives");
-    e.handles += 1;
-    if (e.state == EntryState::kLoaded) e.unpacks_left += 1;
-    step_c_.tensors_deduped += 1;
-    bool off = e.state != EntryState::kKept && e.state != EntryState::kFailed;
-    return SaveResult{e.id, false, off};
+    if (e.nbytes == r.nbytes && e.src == r.ptr && e.device == r.device) {
+      e.handles += 1;
+      if (e.state == EntryState::kLoaded) e.unpacks_left += 1;
+      step_c_.tensors_deduped += 1;
+      bool off = e.state != EntryState::kKept && e.state != EntryState::kFailed;
+      return SaveResult{e.id, false, off};
+    }
   }
   auto e = std::make_unique<Entry>();
   e->id = next_id_++;
   e->key = r.key;
+  e->version = r.version;
   e->src = r.ptr;
   e->nbytes = r.nbytes;
   e->device = r.device;
@@ -219,7 +222,7 @@ SaveResult TensorCache::save(const SaveRequest& r) {
   } else {
     step_c_.tensors_kept += 1;
   }
-  by_key_.emplace(r.key, id);
+  by_key_[{r.key, r.version}] = id;
   entries_.emplace(id, std::move(e));
   return SaveResult{id, true, offload};
 }
@@ -247,7 +250,7 @@ void TensorCache::erase_locked(Lock& lock, EntryId id) {
   give_event_locked(e.ready_ev);
   give_event_locked(e.dst_ready_ev);
   give_event_locked(e.load_done_ev);
-  if (auto k = by_key_.find(e.key); k != by_key_.end() && k->second == id) by_key_.erase(k);
+  if (auto k = by_key_.find({e.key, e.version}); k != by_key_.end() && k->second == id) by_key_.erase(k);
   if (auto m = microbatches_.find(e.microbatch); m != microbatches_.end()) {
     auto& order = m->second.order;
     if (std::find(order.begin(), order.end(), id) != order.end() && --m->second.live == 0) {

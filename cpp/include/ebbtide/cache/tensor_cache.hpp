@@ -61,6 +61,7 @@ struct CacheOptions {
 
 struct SaveRequest {
   uint64_t key = 0;             // storage identity; the glue keeps it unique while the entry lives
+  uint64_t version = 0;         // the tensor's version counter: dedup only within one version
   const void* ptr = nullptr;    // start of the storage
   uint64_t nbytes = 0;          // storage bytes (> 0)
   int device = -1;              // -1 host, else CUDA ordinal
@@ -189,7 +190,7 @@ class TensorCache {
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
   std::unordered_map<EntryId, std::unique_ptr<Entry>> entries_;
-  std::unordered_map<uint64_t, EntryId> by_key_;
+  std::map<std::pair<uint64_t, uint64_t>, EntryId> by_key_;  // (key, version)
   std::map<int, MicroBatch> microbatches_;
   std::deque<EntryId> store_q_;
   std::deque<EntryId> load_q_;

@@ -1,0 +1,153 @@
+// Bindings of the tensor cache core (cpp/include/ebbtide/cache). The torch glue
+// lives in python/ebbtide/cache.py; this only converts arguments and releases
+// the GIL where the core may block (release, wait, drain, close).
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "bind.hpp"
+#include "ebbtide/cache/store.hpp"
+#include "ebbtide/cache/tensor_cache.hpp"
+#include "ebbtide/util/error.hpp"
+
+namespace nb = nanobind;
+using namespace ebbtide::cache;
+
+namespace {
+
+nb::dict counters_dict(const Counters& c) {
+  nb::dict d;
+  d["bytes_offloaded"] = c.bytes_offloaded;
+  d["bytes_reloaded"] = c.bytes_reloaded;
+  d["tensors_saved"] = c.tensors_saved;
+  d["tensors_deduped"] = c.tensors_deduped;
+  d["tensors_offloaded"] = c.tensors_offloaded;
+  d["tensors_forwarded"] = c.tensors_forwarded;
+  d["tensors_kept"] = c.tensors_kept;
+  d["tensors_reloaded"] = c.tensors_reloaded;
+  d["store_failures"] = c.store_failures;
+  d["load_failures"] = c.load_failures;
+  d["saved_bytes_total"] = c.saved_bytes_total;
+  d["peak_resident_bytes"] = c.peak_resident_bytes;
+  d["stall_seconds"] = c.stall_seconds;
+  return d;
+}
+
+ebbtide::mem::cuda::Driver* cuda_driver(bool want) {
+#ifdef EBBTIDE_CACHE_HAVE_DRIVER
+  return want ? ebbtide::mem::cuda::driver() : nullptr;
+#else
+  return nullptr;
+#endif
+}
+
+std::unique_ptr<Store> make_store(const std::string& target, const std::vector<std::string>& paths,
+                                  uint64_t capacity_bytes, ebbtide::mem::cuda::Driver* drv) {
+  if (target == "cpu") {
+    HostStoreOptions o;
+    o.capacity_bytes = capacity_bytes;
+    o.driver = drv;
+    return make_host_store(o);
+  }
+  if (target == "ssd") {
+#ifdef EBBTIDE_CACHE_HAVE_SSD
+    SsdStoreOptions o;
+    o.dirs = paths;
+    o.capacity_bytes = capacity_bytes;
+    return make_ssd_store(o);
+#else
+    throw ebbtide::Unsupported("tensor cache: target 'ssd' needs the storage engine (not in this build)");
+#endif
+  }
+  throw ebbtide::InvalidArgument("tensor cache: target '" + target + "' is not valid (valid: ssd, cpu)");
+}
+
+using Prefetch = std::vector<std::pair<EntryId, uint64_t>>;
+
+}  // namespace
+
+EBB_BIND(cache, 30) {
+  m.def("cuda_driver_available", [] { return cuda_driver(true) != nullptr; });
+  m.attr("RELOAD_RESIDENT") = static_cast<int>(Reload::kResident);
+  m.attr("RELOAD_FORWARD") = static_cast<int>(Reload::kForward);
+  m.attr("RELOAD_NEED_BUFFER") = static_cast<int>(Reload::kNeedBuffer);
+  m.attr("RELOAD_PENDING") = static_cast<int>(Reload::kPending);
+
+  nb::class_<TensorCache>(m, "CacheCore", "The C++ tensor cache (bookkeeping, store/load workers).")
+      .def("__init__",
+           [](TensorCache* self, const std::string& target, const std::vector<std::string>& paths,
+              uint64_t capacity_bytes, uint64_t prefetch_window_bytes, unsigned workers, bool cuda) {
+             auto* drv = cuda_driver(cuda);
+             auto store = make_store(target, paths, capacity_bytes, drv);
+             CacheOptions co;
+             co.prefetch_window_bytes = prefetch_window_bytes;
+             co.workers = workers;
+             co.driver = drv;
+             co = co.with_env();
+             new (self) TensorCache(std::move(store), co);
+           },
+           nb::arg("target"), nb::arg("paths"), nb::arg("capacity_bytes") = 0,
+           nb::arg("prefetch_window_bytes") = 512ull << 20, nb::arg("workers") = 2, nb::arg("cuda") = false)
+      .def("save",
+           [](TensorCache& c, uint64_t key, uint64_t version, uintptr_t ptr, uint64_t nbytes, int device,
+              uintptr_t stream, int microbatch, bool offload) {
+             SaveRequest r;
+             r.key = key;
+             r.version = version;
+             r.ptr = reinterpret_cast<const void*>(ptr);
+             r.nbytes = nbytes;
+             r.device = device;
+             r.stream = stream;
+             r.microbatch = microbatch;
+             r.offload = offload;
+             auto res = c.save(r);
+             return std::make_tuple(res.id, res.is_new, res.offloaded);
+           },
+           nb::arg("key"), nb::arg("version"), nb::arg("ptr"), nb::arg("nbytes"), nb::arg("device"),
+           nb::arg("stream"), nb::arg("microbatch"), nb::arg("offload"))
+      .def("release", &TensorCache::release, nb::arg("id"), nb::call_guard<nb::gil_scoped_release>())
+      .def("poll",
+           [](TensorCache& c) {
+             std::vector<std::pair<EntryId, bool>> out;
+             for (const auto& x : c.poll()) out.emplace_back(x.id, x.ok);
+             return out;
+           })
+      .def("request", [](TensorCache& c, EntryId id) { return static_cast<int>(c.request(id)); }, nb::arg("id"))
+      .def("start_load",
+           [](TensorCache& c, EntryId id, uintptr_t dst, uintptr_t stream) {
+             c.start_load(id, reinterpret_cast<void*>(dst), stream);
+           },
+           nb::arg("id"), nb::arg("dst"), nb::arg("stream"))
+      .def("wait", &TensorCache::wait, nb::arg("id"), nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>())
+      .def("consume", &TensorCache::consume, nb::arg("id"))
+      .def("scope_end", &TensorCache::scope_end, nb::arg("microbatch"), nb::arg("scope"))
+      .def("prefetch_scope", &TensorCache::prefetch_scope, nb::arg("microbatch"), nb::arg("scope"))
+      .def("prefetch_before", &TensorCache::prefetch_before, nb::arg("id"))
+      .def("begin_step", &TensorCache::begin_step)
+      .def("end_step", &TensorCache::end_step)
+      .def("release_step", &TensorCache::release_step, nb::arg("step"), nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("current_step", &TensorCache::current_step)
+      .def("drain", &TensorCache::drain, nb::call_guard<nb::gil_scoped_release>())
+      .def("close", &TensorCache::close, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("closed", &TensorCache::closed)
+      .def("state", [](const TensorCache& c, EntryId id) { return std::string(to_string(c.state(id))); },
+           nb::arg("id"))
+      .def("contains", &TensorCache::contains, nb::arg("id"))
+      .def("describe", &TensorCache::describe)
+      .def("stats", [](const TensorCache& c) {
+        auto s = c.stats();
+        nb::dict d;
+        d["step"] = counters_dict(s.step);
+        d["total"] = counters_dict(s.total);
+        d["steps"] = s.steps;
+        d["resident_bytes"] = s.resident_bytes;
+        d["window_bytes"] = s.window_bytes;
+        d["entries"] = s.entries;
+        d["queued_stores"] = s.queued_stores;
+        d["queued_loads"] = s.queued_loads;
+        d["store_bytes_held"] = s.store.bytes_held;
+        d["store_blobs"] = s.store.blobs;
+        return d;
+      });
+}
