@@ -450,3 +450,51 @@ TEST(HostStore, CapacityAndDoubleFree) {
 
 }  // namespace
 }  // namespace ebbtide::cache
+
+namespace ebbtide::cache {
+namespace {
+
+TEST(CacheCore, PausedStoresForwardEverything) {
+  auto store = make_host_store(HostStoreOptions{});
+  TensorCache c(std::move(store), CacheOptions{});
+  c.begin_step();
+  c.pause_stores(true);
+  auto x = test::random_bytes(1000, 1);
+  SaveRequest r;
+  r.key = 1;
+  r.ptr = x.data();
+  r.nbytes = x.size();
+  EntryId a = c.save(r).id;
+  c.drain();  // returns although the store is held
+  EXPECT_EQ(c.state(a), EntryState::kQueued);
+  EXPECT_EQ(c.request(a), Reload::kForward);
+  c.pause_stores(false);
+  c.drain();
+  EXPECT_EQ(c.stats().store.blobs, 0u);
+}
+
+TEST(CacheCore, InflightLimitMakesSaveWaitForStores) {
+  CacheOptions o;
+  o.max_inflight_bytes = 1500;
+  TensorCache c(make_host_store(HostStoreOptions{}), o);
+  c.begin_step();
+  std::vector<std::vector<unsigned char>> bufs;
+  for (int i = 0; i < 20; ++i) bufs.push_back(test::random_bytes(1000, i));
+  uint64_t max_inflight = 0;
+  for (int i = 0; i < 20; ++i) {
+    SaveRequest r;
+    r.key = 100 + i;
+    r.ptr = bufs[i].data();
+    r.nbytes = 1000;
+    c.save(r);
+    max_inflight = std::max(max_inflight, c.stats().inflight_bytes);
+    c.poll();
+  }
+  EXPECT_LE(max_inflight, 1500u);
+  c.drain();
+  EXPECT_EQ(c.stats().step.tensors_offloaded, 20u);
+  EXPECT_LE(c.stats().step.peak_resident_bytes, 3000u);
+}
+
+}  // namespace
+}  // namespace ebbtide::cache

@@ -77,18 +77,21 @@ EBB_BIND(cache, 30) {
   nb::class_<TensorCache>(m, "CacheCore", "The C++ tensor cache (bookkeeping, store/load workers).")
       .def("__init__",
            [](TensorCache* self, const std::string& target, const std::vector<std::string>& paths,
-              uint64_t capacity_bytes, uint64_t prefetch_window_bytes, unsigned workers, bool cuda) {
+              uint64_t capacity_bytes, uint64_t prefetch_window_bytes, unsigned workers, bool cuda,
+              uint64_t max_inflight_bytes) {
              auto* drv = cuda_driver(cuda);
              auto store = make_store(target, paths, capacity_bytes, drv);
              CacheOptions co;
              co.prefetch_window_bytes = prefetch_window_bytes;
              co.workers = workers;
+             co.max_inflight_bytes = max_inflight_bytes;
              co.driver = drv;
              co = co.with_env();
              new (self) TensorCache(std::move(store), co);
            },
            nb::arg("target"), nb::arg("paths"), nb::arg("capacity_bytes") = 0,
-           nb::arg("prefetch_window_bytes") = 512ull << 20, nb::arg("workers") = 2, nb::arg("cuda") = false)
+           nb::arg("prefetch_window_bytes") = 512ull << 20, nb::arg("workers") = 2, nb::arg("cuda") = false,
+           nb::arg("max_inflight_bytes") = 0)
       .def("save",
            [](TensorCache& c, uint64_t key, uint64_t version, uintptr_t ptr, uint64_t nbytes, int device,
               uintptr_t stream, int microbatch, bool offload) {
@@ -105,7 +108,7 @@ EBB_BIND(cache, 30) {
              return std::make_tuple(res.id, res.is_new, res.offloaded);
            },
            nb::arg("key"), nb::arg("version"), nb::arg("ptr"), nb::arg("nbytes"), nb::arg("device"),
-           nb::arg("stream"), nb::arg("microbatch"), nb::arg("offload"))
+           nb::arg("stream"), nb::arg("microbatch"), nb::arg("offload"), nb::call_guard<nb::gil_scoped_release>())
       .def("release", &TensorCache::release, nb::arg("id"), nb::call_guard<nb::gil_scoped_release>())
       .def("poll",
            [](TensorCache& c) {
@@ -129,6 +132,7 @@ EBB_BIND(cache, 30) {
       .def("release_step", &TensorCache::release_step, nb::arg("step"), nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("current_step", &TensorCache::current_step)
       .def("drain", &TensorCache::drain, nb::call_guard<nb::gil_scoped_release>())
+      .def("pause_stores", &TensorCache::pause_stores, nb::arg("paused"))
       .def("close", &TensorCache::close, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("closed", &TensorCache::closed)
       .def("state", [](const TensorCache& c, EntryId id) { return std::string(to_string(c.state(id))); },
@@ -143,6 +147,7 @@ EBB_BIND(cache, 30) {
         d["steps"] = s.steps;
         d["resident_bytes"] = s.resident_bytes;
         d["window_bytes"] = s.window_bytes;
+        d["inflight_bytes"] = s.inflight_bytes;
         d["entries"] = s.entries;
         d["queued_stores"] = s.queued_stores;
         d["queued_loads"] = s.queued_loads;

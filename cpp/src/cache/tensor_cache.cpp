@@ -66,6 +66,7 @@ bool is_resident(EntryState s, bool acked) {
   }
 }
 bool in_window(EntryState s) { return s == EntryState::kLoading || s == EntryState::kLoaded; }
+bool in_flight(EntryState s) { return s == EntryState::kQueued || s == EntryState::kStoring; }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -117,6 +118,7 @@ CacheOptions CacheOptions::with_env() const {
   CacheOptions o = *this;
   if (auto v = config::env_bytes("EBBTIDE_PREFETCH_WINDOW")) o.prefetch_window_bytes = *v;
   if (auto v = config::env_int("EBBTIDE_CACHE_WORKERS", 1, 64)) o.workers = static_cast<unsigned>(*v);
+  if (auto v = config::env_bytes("EBBTIDE_MAX_INFLIGHT")) o.max_inflight_bytes = *v;
   return o;
 }
 
@@ -145,10 +147,12 @@ TensorCache::Entry& TensorCache::find(EntryId id, const char* what) {
 }
 
 void TensorCache::mutate(Entry& e, EntryState s, bool acked) {
-  bool r0 = is_resident(e.state, e.acked), w0 = in_window(e.state);
+  bool r0 = is_resident(e.state, e.acked), w0 = in_window(e.state), f0 = in_flight(e.state);
   e.state = s;
   e.acked = acked;
-  bool r1 = is_resident(e.state, e.acked), w1 = in_window(e.state);
+  bool r1 = is_resident(e.state, e.acked), w1 = in_window(e.state), f1 = in_flight(e.state);
+  if (f0 && !f1) inflight_ -= e.nbytes;
+  if (!f0 && f1) inflight_ += e.nbytes;
   if (r0 && !r1) resident_ -= e.nbytes;
   if (!r0 && r1) resident_ += e.nbytes;
   if (w0 && !w1) window_ -= e.nbytes;
@@ -204,6 +208,17 @@ SaveResult TensorCache::save(const SaveRequest& r) {
   e->handles = 1;
   e->state = EntryState::kKept;
   bool offload = r.offload && !stop_offload_;
+  if (offload && opts_.max_inflight_bytes != 0 && inflight_ + r.nbytes > opts_.max_inflight_bytes) {
+    // Note [Store backpressure]: bounds the memory held for pending stores
+    // when the store is slower than compute (the wait counts as stall).
+    auto t0 = std::chrono::steady_clock::now();
+    done_cv_.wait(lock, [&] {
+      return closed_ || stores_paused_ || inflight_ == 0 || inflight_ + r.nbytes <= opts_.max_inflight_bytes;
+    });
+    add_stall(seconds_since(t0));
+    EBB_CHECK_STATE(!closed_, "tensor cache: closed while a save waited");
+    offload = !stop_offload_;
+  }
   resident_ += e->nbytes;  // kKept, or kQueued below: resident either way
   step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_);
   step_c_.saved_bytes_total += r.nbytes;
@@ -214,6 +229,7 @@ SaveResult TensorCache::save(const SaveRequest& r) {
       opts_.driver->event_record(e->ready_ev, r.stream);
     }
     e->state = EntryState::kQueued;
+    inflight_ += e->nbytes;
     auto& mb = microbatches_[r.microbatch];
     mb.order.push_back(id);
     mb.live += 1;
@@ -447,8 +463,16 @@ uint64_t TensorCache::current_step() const {
 void TensorCache::drain() {
   Lock lock(mu_);
   auto t0 = std::chrono::steady_clock::now();
-  done_cv_.wait(lock, [&] { return closed_ || (store_q_.empty() && load_q_.empty() && busy_ == 0); });
+  done_cv_.wait(lock, [&] {
+    return closed_ || ((store_q_.empty() || stores_paused_) && load_q_.empty() && busy_ == 0);
+  });
   add_stall(seconds_since(t0));
+}
+
+void TensorCache::pause_stores(bool paused) {
+  Lock lock(mu_);
+  stores_paused_ = paused;
+  work_cv_.notify_all();
 }
 
 void TensorCache::close() {
@@ -505,6 +529,7 @@ CacheStats TensorCache::stats() const {
   s.steps = steps_;
   s.resident_bytes = resident_;
   s.window_bytes = window_;
+  s.inflight_bytes = inflight_;
   s.entries = entries_.size();
   s.queued_stores = store_q_.size();
   s.queued_loads = load_q_.size();
@@ -521,7 +546,7 @@ void TensorCache::worker_main(unsigned index) {
   std::map<int, mem::cuda::Stream> side;  // per device, this worker's copy stream
   Lock lock(mu_);
   for (;;) {
-    work_cv_.wait(lock, [&] { return closed_ || !store_q_.empty() || !load_q_.empty(); });
+    work_cv_.wait(lock, [&] { return closed_ || (!store_q_.empty() && !stores_paused_) || !load_q_.empty(); });
     if (closed_) break;
     EntryId id = 0;
     bool load = !load_q_.empty();

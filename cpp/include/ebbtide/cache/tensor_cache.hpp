@@ -54,8 +54,10 @@ std::string_view to_string(Reload r);
 struct CacheOptions {
   uint64_t prefetch_window_bytes = 512ull << 20;  // bytes loading or loaded ahead of use
   unsigned workers = 2;                          // store/load threads (loads first)
+  uint64_t max_inflight_bytes = 0;               // save() waits while more store bytes are
+                                                 // queued or running (0 = never waits)
   mem::cuda::Driver* driver = nullptr;           // needed for device entries
-  // Copy with EBBTIDE_PREFETCH_WINDOW and EBBTIDE_CACHE_WORKERS applied.
+  // Copy with EBBTIDE_PREFETCH_WINDOW, EBBTIDE_CACHE_WORKERS, EBBTIDE_MAX_INFLIGHT applied.
   CacheOptions with_env() const;
 };
 
@@ -103,6 +105,7 @@ struct CacheStats {
   uint64_t steps = 0;
   uint64_t resident_bytes = 0;   // now
   uint64_t window_bytes = 0;     // loading + loaded now
+  uint64_t inflight_bytes = 0;   // stores queued or running now
   uint64_t entries = 0;          // live entries
   uint64_t queued_stores = 0;
   uint64_t queued_loads = 0;
@@ -117,7 +120,8 @@ class TensorCache {
   TensorCache& operator=(const TensorCache&) = delete;
 
   // A pack: dedups by key, else creates an entry and queues its store when
-  // `offload` (and no store failed in this step). StateError when closed.
+  // `offload` (and no store failed in this step); first waits while more than
+  // max_inflight_bytes of stores are pending. StateError when closed.
   SaveResult save(const SaveRequest& r);
   // A handle died. The entry goes when its last handle does: a queued store is
   // cancelled, a running copy is waited for, its space freed. Returns true when
@@ -152,8 +156,10 @@ class TensorCache {
   // (exception cleanup). Returns the ids released.
   std::vector<EntryId> release_step(uint64_t step);
   uint64_t current_step() const;
-  // Blocks until no store or load is queued or running.
+  // Blocks until no store or load is queued or running (paused stores excepted).
   void drain();
+  // Holds queued stores (loads still run) until unpaused: tests stage forwarding.
+  void pause_stores(bool paused);
   void close();
   bool closed() const;
 
@@ -200,10 +206,12 @@ class TensorCache {
   unsigned busy_ = 0;
   EntryId next_id_ = 1;
   uint64_t step_ = 0;
+  bool stores_paused_ = false;
   bool stop_offload_ = false;  // a store failed in this step
   bool closed_ = false;
   uint64_t resident_ = 0;
   uint64_t window_ = 0;
+  uint64_t inflight_ = 0;  // bytes in kQueued + kStoring
   Counters step_c_;
   Counters total_c_;
   uint64_t steps_ = 0;

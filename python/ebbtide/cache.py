@@ -1,0 +1,680 @@
+"""Activation offloading for PyTorch training: the torch glue of the tensor cache.
+
+    with ebbtide.offload(model, target="ssd", path="/nvme/ebbtide") as cache:
+        loss = model(**batch).loss
+        loss.backward()
+    print(cache.stats())
+
+    cache = ebbtide.TensorCache(target="ssd", path=..., keep_last_modules=1)
+    cache.attach(model)
+    for batch in loader:
+        with cache.step():
+            model(**batch).loss.backward()
+    cache.close()
+
+Bookkeeping, dedup, the store/load workers and the prefetch schedule live in
+the C++ core (``ebbtide._core.CacheCore``); this module adapts torch objects to
+it: saved-tensor hooks, module hooks, storage identity, reload buffers, CUDA
+streams. See docs/tensor-cache.md for the design and its limits.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import threading
+import warnings
+import weakref
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ebbtide import _core
+
+__all__ = ["TensorCache", "offload"]
+
+_R_RESIDENT = _core.RELOAD_RESIDENT
+_R_FORWARD = _core.RELOAD_FORWARD
+_R_NEED = _core.RELOAD_NEED_BUFFER
+_R_PENDING = _core.RELOAD_PENDING
+
+_DEFAULT_MIN_BYTES = 256 * 1024
+_DEFAULT_WINDOW = 512 * 1024 * 1024
+
+
+def _env_bytes(name: str) -> Optional[int]:
+    v = os.environ.get(name)
+    if not v:
+        return None
+    return _core.parse_bytes(v, f"environment variable {name}")
+
+
+def _in_backward() -> bool:
+    # Note [Saves during backward]: activation-checkpoint recompute (and
+    # create_graph backward) saves tensors while a graph task runs; they die
+    # with that backward, so offloading them only costs time.
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Entry:
+    """Glue side of one core entry: what keeps device memory alive for it."""
+
+    __slots__ = ("live", "buf", "sref", "version", "nbytes", "scope", "dirty", "stream")
+
+    def __init__(self, live, sref, version, nbytes, scope):
+        self.live = live      # the saved tensor, until its store completes (or for good)
+        self.buf = None       # uint8 reload buffer while loading/loaded
+        self.sref = sref      # StorageWeakRef: keeps the storage's key unique while we live
+        self.version = version
+        self.nbytes = nbytes
+        self.scope = scope
+        self.dirty = False    # modified in place while its store ran: keep live for the check
+        self.stream = 0       # CUDA stream the reload buffer was allocated on
+
+
+class _Handle:
+    """What autograd keeps for an offloaded or kept saved tensor.
+
+    Its death (autograd freeing the graph) releases the entry and its space.
+    """
+
+    __slots__ = ("cache", "eid", "dtype", "shape", "stride", "offset", "version", "tref", "__weakref__")
+
+    def __init__(self, cache, eid, t, version):
+        self.cache = cache
+        self.eid = eid
+        self.dtype = t.dtype
+        self.shape = t.shape
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+        self.version = version
+        try:
+            self.tref = weakref.ref(t)
+        except TypeError:
+            self.tref = None
+
+    def __del__(self):
+        c = self.cache
+        if c is not None:
+            try:
+                c._release(self.eid)
+            except Exception:  # interpreter shutdown, closed core
+                pass
+
+
+def _first_grad_tensor(obj, depth=0):
+    """The first tensor requiring grad in a module's output (tuples, dicts, ModelOutput)."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.requires_grad else None
+    if depth > 3:
+        return None
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        for o in obj:
+            t = _first_grad_tensor(o, depth + 1)
+            if t is not None:
+                return t
+    return None
+
+
+def _find_blocks(model: torch.nn.Module):
+    """The modules the cache scopes by (Note [Scope granularity])."""
+    if isinstance(model, (torch.nn.ModuleList, torch.nn.Sequential)) and len(model) > 1:
+        return [(str(i), m) for i, m in enumerate(model)]
+    chosen = []
+    taken = set()
+    for name, m in model.named_modules():
+        if any(name.startswith(p + ".") for p in taken):
+            continue
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m) > 1 and m is not model:
+            taken.add(name)
+            chosen.extend((f"{name}.{i}", sub) for i, sub in enumerate(m))
+    if not chosen:
+        chosen = list(model.named_children()) or [("", model)]
+    return chosen
+
+
+class TensorCache:
+    """Offloads the activations autograd saves to SSD files or host memory.
+
+    target: "ssd" (files under ``path``; a list of directories stripes) or
+    "cpu" (host memory). min_bytes: storages below stay resident.
+    keep_last_modules: activations of the last N scoped blocks (and whatever
+    follows them, e.g. the head and the loss) stay resident: backward needs
+    them first. prefetch_window_bytes: how much backward loads ahead.
+    capacity_bytes: bound on offloaded bytes (per directory for ssd); beyond
+    it, activations stay resident. max_inflight_bytes: a pack waits while more
+    bytes than this are queued for storing (0: never waits). device: the training device (default: that
+    of the attached model's first parameter, else of the first saved tensor).
+    """
+
+    def __init__(self, target: str = "ssd", path: Union[None, str, os.PathLike, Sequence] = None, *,
+                 min_bytes: Optional[int] = None, keep_last_modules: int = 1,
+                 prefetch_window_bytes: Optional[int] = None, capacity_bytes: int = 0,
+                 workers: Optional[int] = None, max_inflight_bytes: int = 0,
+                 device: Union[None, str, torch.device] = None):
+        if target not in ("ssd", "cpu"):
+            raise ValueError(f"ebbtide.TensorCache: target {target!r} is not valid (valid: 'ssd', 'cpu')")
+        if keep_last_modules < 0:
+            raise ValueError(f"ebbtide.TensorCache: keep_last_modules={keep_last_modules} must be >= 0")
+        if min_bytes is None:
+            min_bytes = _env_bytes("EBBTIDE_MIN_BYTES")
+        self.min_bytes = _DEFAULT_MIN_BYTES if min_bytes is None else int(min_bytes)
+        if self.min_bytes < 0:
+            raise ValueError(f"ebbtide.TensorCache: min_bytes={min_bytes} must be >= 0")
+        self.target = target
+        self.keep_last_modules = int(keep_last_modules)
+        self._device = torch.device(device) if device is not None else None
+        self._tmpdir = None
+        paths: list = []
+        if target == "ssd":
+            if path is None:
+                self._tmpdir = tempfile.mkdtemp(prefix="ebbtide-")
+                paths = [self._tmpdir]
+            elif isinstance(path, (str, os.PathLike)):
+                paths = [os.fspath(path)]
+            else:
+                paths = [os.fspath(p) for p in path]
+            if not paths:
+                raise ValueError("ebbtide.TensorCache: path is an empty list")
+        window = prefetch_window_bytes if prefetch_window_bytes is not None else _DEFAULT_WINDOW
+        cuda = torch.cuda.is_available() and (self._device is None or self._device.type == "cuda")
+        try:
+            self._core = _core.CacheCore(target, paths, int(capacity_bytes), int(window),
+                                         int(workers) if workers else 2, bool(cuda), int(max_inflight_bytes))
+        except BaseException:
+            self._remove_tmpdir()
+            raise
+        self.paths = paths
+        self._lock = threading.RLock()
+        self._entries: dict[int, _Entry] = {}
+        self._closed = False
+        self._in_step = False
+        self._last_stats = None
+        self._warned_store = False
+        # Module scoping (attach).
+        self._model_ref = None
+        self._hooks: list = []
+        self._blocks: list = []
+        self._param_storages: set = set()
+        self._param_refs: list = []
+        self._expected_blocks = 0
+        self._fwd_mb = 0
+        self._next_mb = 0
+        self._mb_hinted = False
+        self._scope = -1
+        self._blocks_in_fwd = 0
+        self._phase = "forward"
+        self._plan: dict = {}
+
+    # ------------------------------------------------------------------ public
+    def attach(self, model: torch.nn.Module) -> "TensorCache":
+        """Scopes by the model's blocks and records its parameters (never offloaded)."""
+        self._check_open()
+        if self._model_ref is not None:
+            raise RuntimeError("ebbtide.TensorCache.attach: already attached to a model; detach() first")
+        self._model_ref = weakref.ref(model)
+        self._record_params(model)
+        if self._device is None:
+            p = next(iter(model.parameters()), None)
+            if p is not None:
+                self._device = p.device
+        self._blocks = _find_blocks(model)
+        self._expected_blocks = len(self._blocks)
+        self._hooks.append(model.register_forward_pre_hook(self._on_root_forward_pre))
+        self._hooks.append(model.register_forward_hook(self._on_root_forward))
+        for idx, (name, block) in enumerate(self._blocks):
+            self._hooks.append(block.register_forward_pre_hook(self._on_block_pre))
+            self._hooks.append(block.register_forward_hook(self._make_block_post(name)))
+        return self
+
+    def detach(self) -> None:
+        """Removes the module hooks (the cache stays usable)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._blocks = []
+        self._model_ref = None
+        self._param_storages = set()
+        self._param_refs = []
+
+    @contextlib.contextmanager
+    def step(self):
+        """Saved-tensor hooks for one training step (forward and backward)."""
+        self._check_open()
+        if self._in_step:
+            raise RuntimeError("ebbtide.TensorCache.step(): step() inside step() of the same cache; "
+                               "end the outer step first")
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is not None:
+            self._record_params(model)
+        self._core.begin_step()
+        step_no = self._core.current_step
+        self._in_step = True
+        self._next_mb = 0
+        self._fwd_mb = 0
+        self._mb_hinted = False
+        self._scope = -1
+        self._blocks_in_fwd = 0
+        self._phase = "forward"
+        self._plan = {}
+        ok = False
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self
+            ok = True
+        finally:
+            self._in_step = False
+            if not ok:
+                self._abort(step_no)
+            with self._lock:
+                if not self._closed:
+                    self._poll_locked()
+                    self._core.end_step()
+                    self._last_stats = self._make_stats()
+
+    def microbatch(self, index: int) -> None:
+        """Hint: the next forward (or backward) is micro-batch `index` (pipeline schedules)."""
+        self._fwd_mb = int(index)
+        self._mb_hinted = True
+        self._next_mb = max(self._next_mb, int(index) + 1)
+
+    def phase(self, name: str) -> None:
+        """Hint: "forward" or "backward" begins; "backward" starts prefetching the current micro-batch."""
+        if name not in ("forward", "backward"):
+            raise ValueError(f"ebbtide.TensorCache.phase: {name!r} is not 'forward' or 'backward'")
+        self._check_open()
+        self._phase = name
+        if name == "backward":
+            self._prefetch_scope(self._fwd_mb, 1 << 62)
+
+    def stats(self) -> dict:
+        """Statistics of the last (or current) step, plus "total" over all steps and the plan."""
+        with self._lock:
+            if self._closed or (not self._in_step and self._last_stats is not None):
+                if self._last_stats is None:
+                    raise RuntimeError("ebbtide.TensorCache.stats: the cache was closed before any step")
+                return dict(self._last_stats)
+            self._poll_locked()
+            return self._make_stats()
+
+    def plan(self) -> list:
+        """Per scoped block of the last step: name, keep/offload, bytes saved."""
+        return [dict(v) for _, v in sorted(self._plan.items())]
+
+    def describe(self) -> str:
+        self._check_open()
+        return self._core.describe()
+
+    def drain(self) -> None:
+        """Waits until every queued store and load has finished (tests, benchmarks)."""
+        self._check_open()
+        self._core.drain()
+        with self._lock:
+            self._poll_locked()
+
+    def close(self) -> None:
+        """Frees every entry and its space; the cache is unusable afterwards. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._last_stats is None or self._in_step:
+                try:
+                    self._poll_locked()
+                    self._last_stats = self._make_stats()
+                except Exception:
+                    pass
+            self.detach()
+            self._closed = True
+            self._core.close()
+            self._entries.clear()
+        self._remove_tmpdir()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---------------------------------------------------------------- internals
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("ebbtide.TensorCache: the cache is closed")
+
+    def _remove_tmpdir(self):
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    def _record_params(self, model):
+        refs = []
+        keys = set()
+        for p in model.parameters():
+            try:
+                st = p.untyped_storage()
+            except Exception:
+                continue
+            keys.add(st._cdata)
+            refs.append(StorageWeakRef(st))  # keeps the keys unique while recorded
+        for b in model.buffers():
+            try:
+                st = b.untyped_storage()
+            except Exception:
+                continue
+            keys.add(st._cdata)
+            refs.append(StorageWeakRef(st))
+        self._param_storages = keys
+        self._param_refs = refs
+
+    def _is_param_storage(self, t) -> bool:
+        b = t
+        for _ in range(8):
+            if isinstance(b, torch.nn.Parameter):
+                return True
+            try:
+                if b.untyped_storage()._cdata in self._param_storages:
+                    return True
+            except Exception:
+                return True
+            b = b._base
+            if b is None:
+                return False
+        return True
+
+    def _eligible(self, t) -> bool:
+        # Note [What is never offloaded]: parameters and anything sharing their
+        # storage, tensor subclasses (DTensor, FakeTensor, Parameter), non-strided
+        # or exotic tensors, tensors off the training device, saves during backward.
+        if type(t) is not torch.Tensor:
+            return False
+        if t.layout != torch.strided or t.is_quantized or t.is_meta or t.is_nested:
+            return False
+        if t.is_conj() or t.is_neg() or torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return False
+        if self._device is None:
+            self._device = t.device
+        if t.device != self._device:
+            return False
+        if _in_backward():
+            return False
+        if self._is_param_storage(t):
+            return False
+        return True
+
+    def _keeping_scope(self) -> bool:
+        k = self.keep_last_modules
+        return k > 0 and self._model_ref is not None and self._scope >= self._expected_blocks - k
+
+    def _pack(self, t):
+        if self._closed or not self._eligible(t):
+            return t
+        st = t.untyped_storage()
+        nbytes = st.nbytes()
+        if nbytes == 0:
+            return t
+        offload = nbytes >= self.min_bytes and not self._keeping_scope()
+        cuda = t.device.type == "cuda"
+        dev = t.device.index if cuda else -1
+        stream = torch.cuda.current_stream(t.device).cuda_stream if cuda else 0
+        version = t._version
+        with self._lock:
+            self._poll_locked()
+            eid, is_new, off = self._core.save(st._cdata, version, st.data_ptr(), nbytes, dev, stream,
+                                               self._fwd_mb, offload)
+            if is_new:
+                self._entries[eid] = _Entry(t, StorageWeakRef(st), version, nbytes, self._scope)
+                self._note_plan(nbytes, off)
+            return _Handle(self, eid, t, version)
+
+    def _note_plan(self, nbytes, offloaded):
+        s = self._scope
+        p = self._plan.get(s)
+        if p is None:
+            name = self._blocks[s][0] if 0 <= s < len(self._blocks) else ("<before blocks>" if s < 0 else
+                                                                          f"<scope {s}>")
+            p = self._plan[s] = dict(scope=s, module=name, decision="keep" if self._keeping_scope() else "offload",
+                                     tensors=0, bytes=0, bytes_offloaded=0)
+        p["tensors"] += 1
+        p["bytes"] += nbytes
+        if offloaded:
+            p["bytes_offloaded"] += nbytes
+
+    def _poll_locked(self):
+        for eid, ok in self._core.poll():
+            e = self._entries.get(eid)
+            if e is None:
+                continue
+            if ok:
+                live = e.live
+                if live is not None and live._version != e.version:
+                    # Written while the store copied it: the snapshot may be torn;
+                    # keep the live tensor so unpack reports the in-place change.
+                    e.dirty = True
+                else:
+                    e.live = None
+            elif not self._warned_store:
+                self._warned_store = True
+                warnings.warn("ebbtide: storing an activation failed (disk full or I/O error); the rest "
+                              "of this step's activations stay in memory", RuntimeWarning, stacklevel=3)
+
+    @staticmethod
+    def _check_version(h, current):
+        if current != h.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{h.dtype} {list(h.shape)}] is at version {current}; expected version "
+                f"{h.version} instead. (reported by ebbtide's saved-tensor hooks)")
+
+    @staticmethod
+    def _view(h, storage, device):
+        out = torch.empty(0, dtype=h.dtype, device=device)
+        out.set_(storage, h.offset, h.shape, h.stride)
+        return out
+
+    def _unpack(self, h):
+        if type(h) is not _Handle:
+            return h
+        return h.cache._reload(h)
+
+    def _reload(self, h):
+        eid = h.eid
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("ebbtide.TensorCache: a saved tensor was unpacked after the cache was closed")
+            e = self._entries.get(eid)
+            if e is None:
+                raise RuntimeError("ebbtide.TensorCache: a saved tensor was unpacked after its step was "
+                                   "aborted (the step raised) or the cache released it")
+            self._poll_locked()
+            live = e.live
+            if live is not None:
+                r = self._core.request(eid)
+                if r in (_R_RESIDENT, _R_FORWARD):
+                    self._check_version(h, live._version)
+                    t = h.tref() if h.tref is not None else None
+                    if t is not None and t.untyped_storage()._cdata == live.untyped_storage()._cdata:
+                        return t
+                    return self._view(h, live.untyped_storage(), live.device)
+                e.live = None  # stored after our last poll: reload it
+            else:
+                t = h.tref() if h.tref is not None else None
+                if t is not None:
+                    # Still alive elsewhere: the bytes need no reload, and an
+                    # in-place change since the save is caught.
+                    self._check_version(h, t._version)
+                    if t.untyped_storage()._cdata == e.sref.cdata:
+                        return t
+                r = self._core.request(eid)
+            device = self._device
+            stream = self._stream()
+            if r == _R_NEED:
+                self._start_load_locked(eid, e, stream)
+            self._prefetch(self._core.prefetch_before(eid), stream)
+        self._core.wait(eid, stream)
+        with self._lock:
+            buf = e.buf
+            if buf is None:
+                raise RuntimeError(f"ebbtide.TensorCache: reload buffer of entry {eid} vanished")
+            if device is not None and device.type == "cuda":
+                cur = torch.cuda.current_stream(device)
+                if cur.cuda_stream != e.stream:
+                    buf.record_stream(cur)
+            out = self._view(h, buf.untyped_storage(), buf.device)
+            if self._core.consume(eid):
+                e.buf = None
+        return out
+
+    def _stream(self):
+        d = self._device
+        if d is not None and d.type == "cuda":
+            return torch.cuda.current_stream(d).cuda_stream
+        return 0
+
+    def _start_load_locked(self, eid, e, stream):
+        # Note [Reload buffers]: allocated on the current (compute) stream, so
+        # the caching allocator never hands their memory to another stream
+        # before the compute stream's later work; the copy waits on an event
+        # recorded here and unpack makes the compute stream wait on its end.
+        buf = torch.empty(e.nbytes, dtype=torch.uint8, device=self._device)
+        e.buf = buf
+        e.stream = stream
+        try:
+            self._core.start_load(eid, buf.data_ptr(), stream)
+        except BaseException:
+            e.buf = None
+            raise
+
+    def _prefetch(self, candidates, stream):
+        for eid, _ in candidates:
+            e = self._entries.get(eid)
+            if e is None:
+                continue
+            try:
+                self._start_load_locked(eid, e, stream)
+            except torch.OutOfMemoryError:
+                return  # prefetch is best effort; unpack loads on demand
+            except RuntimeError:
+                return
+
+    def _prefetch_scope(self, mb, scope):
+        with self._lock:
+            if self._closed:
+                return
+            self._poll_locked()
+            self._prefetch(self._core.prefetch_scope(mb, scope), self._stream())
+
+    def _release(self, eid):
+        with self._lock:
+            if self._closed:
+                return
+            e = self._entries.get(eid)
+            if e is None:
+                return
+            if self._core.release(eid):
+                del self._entries[eid]
+
+    def _abort(self, step_no):
+        # Note [Exceptions in a step]: the graph of a failed step may live on in
+        # the traceback; release its entries now so no memory or file space
+        # leaks, and make late unpacks fail clearly.
+        with self._lock:
+            if self._closed:
+                return
+            for eid in self._core.release_step(step_no):
+                self._entries.pop(eid, None)
+
+    def _make_stats(self) -> dict:
+        s = self._core.stats()
+        out = dict(s["step"])
+        out["total"] = s["total"]
+        out["steps"] = s["steps"]
+        out["resident_bytes"] = s["resident_bytes"]
+        out["entries"] = s["entries"]
+        out["store_bytes_held"] = s["store_bytes_held"]
+        out["target"] = self.target
+        out["plan"] = self.plan()
+        return out
+
+    # ------------------------------------------------------------ module hooks
+    def _on_root_forward_pre(self, module, args):
+        if not self._in_step or _in_backward():
+            return
+        if self._mb_hinted:
+            self._mb_hinted = False
+        else:
+            self._fwd_mb = self._next_mb
+            self._next_mb += 1
+        self._scope = -1
+        self._blocks_in_fwd = 0
+
+    def _on_root_forward(self, module, args, output):
+        if not self._in_step or _in_backward():
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._core.scope_end(self._fwd_mb, max(self._scope, 0))
+            if self._blocks_in_fwd:
+                self._expected_blocks = self._blocks_in_fwd
+            self._poll_locked()
+
+    def _on_block_pre(self, module, args):
+        if not self._in_step or _in_backward() or not torch.is_grad_enabled():
+            return
+        with self._lock:
+            if self._closed:
+                return
+            if self._scope >= 0:
+                self._core.scope_end(self._fwd_mb, self._scope)
+            self._scope = self._blocks_in_fwd
+            self._blocks_in_fwd += 1
+            self._poll_locked()
+
+    def _make_block_post(self, name):
+        def hook(module, args, output):
+            if not self._in_step or _in_backward():
+                return
+            t = _first_grad_tensor(output)
+            if t is None:
+                return
+            mb, scope = self._fwd_mb, self._scope
+            ref = weakref.ref(self)
+
+            def on_grad(grad):
+                c = ref()
+                if c is not None and not c._closed:
+                    c._prefetch_scope(mb, scope)
+                return None
+
+            t.register_hook(on_grad)
+        return hook
+
+
+@contextlib.contextmanager
+def offload(model: Optional[torch.nn.Module] = None, target: str = "ssd",
+            path: Union[None, str, os.PathLike, Sequence] = None, **kwargs):
+    """One training step with activation offloading (like torch.autograd.graph.save_on_cpu).
+
+    Yields the TensorCache; its stats() stay readable after the block.
+    """
+    cache = TensorCache(target=target, path=path, **kwargs)
+    try:
+        if model is not None:
+            cache.attach(model)
+        with cache.step():
+            yield cache
+    finally:
+        cache.close()
