@@ -144,7 +144,8 @@ class TensorCache:
     "cpu" (host memory). min_bytes: storages below stay resident.
     keep_last_modules: activations of the last N scoped blocks (and whatever
     follows them, e.g. the head and the loss) stay resident: backward needs
-    them first. prefetch_window_bytes: how much backward loads ahead.
+    them first. prefetch_window_bytes: how much backward loads ahead (default:
+    the largest block's offloaded bytes, measured in each forward).
     capacity_bytes: bound on offloaded bytes (per directory for ssd); beyond
     it, activations stay resident. max_inflight_bytes: a pack waits while more
     bytes than this are queued for storing (0: never waits). device: the training device (default: that
@@ -180,7 +181,16 @@ class TensorCache:
                 paths = [os.fspath(p) for p in path]
             if not paths:
                 raise ValueError("ebbtide.TensorCache: path is an empty list")
-        window = prefetch_window_bytes if prefetch_window_bytes is not None else _DEFAULT_WINDOW
+        if prefetch_window_bytes is None:
+            prefetch_window_bytes = _env_bytes("EBBTIDE_PREFETCH_WINDOW")
+        # Note [Prefetch window]: unless given, the window is sized after each
+        # forward to the largest block's offloaded bytes. Loads stream at tensor
+        # granularity (each unpack refills the window), so one block hides the
+        # reloads behind backward compute without reloading everything at once,
+        # which would undo the savings (the peak is then about kept blocks plus
+        # one block).
+        self._auto_window = prefetch_window_bytes is None
+        window = _DEFAULT_WINDOW if prefetch_window_bytes is None else int(prefetch_window_bytes)
         cuda = torch.cuda.is_available() and (self._device is None or self._device.type == "cuda")
         try:
             self._core = _core.CacheCore(target, paths, int(capacity_bytes), int(window),
@@ -501,9 +511,9 @@ class TensorCache:
             self._poll_locked()
             live = e.live
             if live is not None:
+                self._check_version(h, live._version)
                 r = self._core.request(eid)
                 if r in (_R_RESIDENT, _R_FORWARD):
-                    self._check_version(h, live._version)
                     t = h.tref() if h.tref is not None else None
                     if t is not None and t.untyped_storage()._cdata == live.untyped_storage()._cdata:
                         return t
@@ -629,6 +639,10 @@ class TensorCache:
             self._core.scope_end(self._fwd_mb, max(self._scope, 0))
             if self._blocks_in_fwd:
                 self._expected_blocks = self._blocks_in_fwd
+            if self._auto_window:
+                biggest = max((p["bytes_offloaded"] for p in self._plan.values()), default=0)
+                if biggest:
+                    self._core.set_prefetch_window(max(biggest, 64 << 10))
             self._poll_locked()
 
     def _on_block_pre(self, module, args):

@@ -132,6 +132,8 @@ EBB_BIND(cache, 30) {
       .def("release_step", &TensorCache::release_step, nb::arg("step"), nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("current_step", &TensorCache::current_step)
       .def("drain", &TensorCache::drain, nb::call_guard<nb::gil_scoped_release>())
+      .def("set_prefetch_window", &TensorCache::set_prefetch_window, nb::arg("bytes"))
+      .def_prop_ro("prefetch_window_bytes", [](const TensorCache& c) { return c.options().prefetch_window_bytes; })
       .def("pause_stores", &TensorCache::pause_stores, nb::arg("paused"))
       .def("close", &TensorCache::close, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("closed", &TensorCache::closed)

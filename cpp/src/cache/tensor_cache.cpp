@@ -395,12 +395,13 @@ void TensorCache::scope_end(int microbatch, int64_t scope) {
 std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_locked(MicroBatch& mb, size_t end) {
   std::vector<std::pair<EntryId, uint64_t>> out;
   uint64_t window = window_;
+  const uint64_t limit = opts_.prefetch_window_bytes;
   for (size_t i = std::min(end, mb.order.size()); i-- > 0;) {
     auto it = entries_.find(mb.order[i]);
     if (it == entries_.end()) continue;
     const Entry& e = *it->second;
     if (e.state != EntryState::kStored || !e.has_loc) continue;
-    if (window + e.nbytes > opts_.prefetch_window_bytes) break;
+    if (window + e.nbytes > limit) break;
     window += e.nbytes;
     out.emplace_back(e.id, e.nbytes);
   }
@@ -467,6 +468,11 @@ void TensorCache::drain() {
     return closed_ || ((store_q_.empty() || stores_paused_) && load_q_.empty() && busy_ == 0);
   });
   add_stall(seconds_since(t0));
+}
+
+void TensorCache::set_prefetch_window(uint64_t bytes) {
+  Lock lock(mu_);
+  opts_.prefetch_window_bytes = bytes;
 }
 
 void TensorCache::pause_stores(bool paused) {

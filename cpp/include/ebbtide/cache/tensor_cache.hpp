@@ -160,6 +160,8 @@ class TensorCache {
   void drain();
   // Holds queued stores (loads still run) until unpaused: tests stage forwarding.
   void pause_stores(bool paused);
+  // Changes the prefetch window (the glue sizes it from the blocks it saw).
+  void set_prefetch_window(uint64_t bytes);
   void close();
   bool closed() const;
 

@@ -1,0 +1,587 @@
+"""Mechanisms of the tensor cache on CPU (target cpu, and ssd where the storage
+engine is built): dedup, views, forwarding, lifetime, errors, statistics."""
+import contextlib
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.utils.checkpoint as cp
+
+import ebbtide
+from ebbtide import _core
+
+
+def ssd_available():
+    return _core.build_info.get("cache_ssd", False)
+
+
+TARGETS = ["cpu", pytest.param("ssd", marks=pytest.mark.skipif(not ssd_available(),
+                                                                 reason="storage engine not in this build"))]
+
+
+@pytest.fixture(params=TARGETS)
+def make_cache(request, tmp_path):
+    caches = []
+
+    def make(**kw):
+        kw.setdefault("min_bytes", 0)
+        c = ebbtide.TensorCache(target=request.param, path=str(tmp_path) if request.param == "ssd" else None, **kw)
+        caches.append(c)
+        return c
+
+    make.target = request.param
+    make.path = tmp_path
+    yield make
+    for c in caches:
+        c.close()
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.norm = torch.nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.norm(torch.nn.functional.gelu(self.lin(x))) + x
+
+
+class Net(torch.nn.Module):
+    def __init__(self, layers=4, d=32, fail_at=None):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = torch.nn.Linear(d, 1)
+        self.fail_at = fail_at
+
+    def forward(self, x):
+        for i, b in enumerate(self.blocks):
+            if self.fail_at == i:
+                raise ValueError("boom in block %d" % i)
+            x = b(x)
+        return self.head(x).pow(2).mean()
+
+
+def grads_of(model, x=None):
+    out = [p.grad.clone() for p in model.parameters()]
+    if x is not None:
+        out.append(x.grad.clone())
+    return out
+
+
+def same(a, b):
+    return len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def step(model, x, ctx=None):
+    model.zero_grad(set_to_none=True)
+    if x.grad is not None:
+        x.grad = None
+    with ctx if ctx is not None else contextlib.nullcontext():
+        loss = model(x)
+        loss.backward()
+    return loss.detach(), grads_of(model, x)
+
+
+def fn_grads(fn, inputs, ctx=None, **bw):
+    for t in inputs:
+        t.grad = None
+    with ctx if ctx is not None else contextlib.nullcontext():
+        out = fn(*inputs)
+        out.backward(**bw)
+    return [t.grad.clone() for t in inputs]
+
+
+# ---------------------------------------------------------------- the basics
+
+def test_model_round_trip_reloads_and_releases(make_cache):
+    torch.manual_seed(0)
+    model = Net(layers=4)
+    x = torch.randn(16, 32, requires_grad=True)
+    ref = step(model, x)
+    cache = make_cache(keep_last_modules=1)
+    cache.attach(model)
+    got = step(model, x, cache.step())
+    assert torch.equal(ref[0], got[0]) and same(ref[1], got[1])
+    s = cache.stats()
+    assert s["tensors_offloaded"] > 0
+    assert s["tensors_reloaded"] + s["tensors_forwarded"] >= 1
+    assert s["entries"] == 0 and s["store_bytes_held"] == 0
+    plan = cache.plan()
+    assert [p["decision"] for p in plan if p["scope"] >= 0][-1] == "keep"
+    assert any(p["decision"] == "offload" for p in plan)
+
+
+def test_forwarding_when_stores_have_not_run(make_cache):
+    torch.manual_seed(0)
+    model = Net(layers=3)
+    x = torch.randn(8, 32, requires_grad=True)
+    ref = step(model, x)
+    cache = make_cache(keep_last_modules=0)
+    cache.attach(model)
+    cache._core.pause_stores(True)
+    got = step(model, x, cache.step())
+    cache._core.pause_stores(False)
+    cache.drain()
+    assert torch.equal(ref[0], got[0]) and same(ref[1], got[1])
+    s = cache.stats()
+    assert s["tensors_forwarded"] > 0
+    assert s["tensors_offloaded"] == 0 and s["bytes_offloaded"] == 0
+    assert s["store_bytes_held"] == 0
+
+
+def test_views_transposes_and_dedup(make_cache):
+    cache = make_cache()
+    a = torch.randn(6, 8, requires_grad=True)
+    b = torch.randn(8, 6, requires_grad=True)
+
+    def fn(a, b):
+        h = a * 2  # one storage, saved as several views below
+        v1 = h.t()            # transpose
+        v2 = h[1:4, 2:]       # strided view with an offset
+        v3 = h.view(-1)       # reshape view
+        y = (v1 * b).sum() + (v2.exp() * v2).sum() + (v3 * v3).sum() + (h @ b).sum()
+        return y
+
+    ref = fn_grads(fn, [a, b])
+    cache._core.pause_stores(False)
+    with cache.step():
+        h = None
+        got_out = fn(a, b)
+        cache.drain()  # every store done: backward must reload
+        a.grad = b.grad = None
+        got_out.backward()
+    got = [a.grad.clone(), b.grad.clone()]
+    assert same(ref, got)
+    s = cache.stats()
+    assert s["tensors_deduped"] > 0
+    assert s["tensors_reloaded"] > 0
+    assert s["tensors_saved"] == s["tensors_deduped"] + s["tensors_offloaded"] + s["tensors_kept"] \
+        + s["tensors_forwarded"]
+
+
+def test_tensor_saved_twice_is_stored_once(make_cache):
+    cache = make_cache()
+    x = torch.randn(64, 64, requires_grad=True)
+    with cache.step():
+        h = x.sin()
+        y = h * h  # mul saves self and other: the same tensor twice
+        cache.drain()
+        y.sum().backward()
+    s = cache.stats()
+    assert s["tensors_deduped"] >= 1
+    # sin saves x, mul saves h once after dedup.
+    assert s["saved_bytes_total"] == 2 * 64 * 64 * 4
+    assert torch.equal(x.grad, (2 * x.sin() * x.cos()).detach())
+
+
+def test_unpack_keeps_dtype_shape_strides_offset(make_cache):
+    cache = make_cache()
+    seen = []
+    x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            v = t.detach()[1:, ::2].t()
+            ctx.save_for_backward(v)
+            ctx.meta = (v.dtype, v.shape, v.stride(), v.storage_offset(), v.clone())
+            return t * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            (v,) = ctx.saved_tensors
+            seen.append((v.dtype, v.shape, v.stride(), v.storage_offset(), v.clone(), ctx.meta))
+            return g
+
+    with cache.step():
+        y = Probe.apply(x * 3)
+        cache.drain()
+        y.sum().backward()
+    dtype, shape, stride, off, val, meta = seen[0]
+    assert (dtype, shape, stride, off) == meta[:4]
+    assert torch.equal(val, meta[4])
+
+
+def test_requires_grad_semantics_match_vanilla(make_cache):
+    cache = make_cache()
+    out = {}
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return a * b
+
+        @staticmethod
+        def backward(ctx, g):
+            a, b = ctx.saved_tensors
+            out.setdefault("rg", []).append((a.requires_grad, b.requires_grad, a.grad_fn is None))
+            return g * b, g * a
+
+    def go(ctx):
+        a = torch.randn(10, requires_grad=True)
+        b = torch.randn(10)
+        with ctx:
+            y = Probe.apply(a * 1, b)
+            if hasattr(ctx, "__self__"):
+                pass
+            y.sum().backward()
+
+    go(contextlib.nullcontext())
+    go(cache.step())
+    assert out["rg"][0] == out["rg"][1]
+
+
+def test_retain_graph_then_second_backward(make_cache):
+    torch.manual_seed(0)
+    model = Net(layers=3)
+    x = torch.randn(8, 32, requires_grad=True)
+    model.zero_grad()
+    loss = model(x)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    ref = grads_of(model, x)
+    cache = make_cache(keep_last_modules=0)
+    cache.attach(model)
+    model.zero_grad()
+    x.grad = None
+    with cache.step():
+        loss = model(x)
+        cache.drain()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert same(ref, grads_of(model, x))
+    assert cache.stats()["tensors_reloaded"] >= 2
+
+
+def test_double_backward(make_cache):
+    def fn(x):
+        y = (x.tanh() * x).sum()
+        (g,) = torch.autograd.grad(y, x, create_graph=True)
+        return (g * g).sum()
+
+    x = torch.randn(32, 32, requires_grad=True)
+    ref = fn_grads(fn, [x])
+    cache = make_cache()
+    with cache.step():
+        x.grad = None
+        out = fn(x)
+        out.backward()
+    assert same(ref, [x.grad.clone()])
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing(make_cache, reentrant):
+    torch.manual_seed(0)
+
+    class CkptNet(Net):
+        def forward(self, x):
+            for b in self.blocks:
+                x = cp.checkpoint(b, x, use_reentrant=reentrant)
+            return self.head(x).pow(2).mean()
+
+    model = CkptNet(layers=3)
+    x = torch.randn(8, 32, requires_grad=True)
+    ref = step(model, x)
+    cache = make_cache(keep_last_modules=0)
+    cache.attach(model)
+    got = step(model, x, cache.step())
+    assert torch.equal(ref[0], got[0]) and same(ref[1], got[1])
+    assert cache.stats()["entries"] == 0
+
+
+def test_inplace_change_after_store_is_reported(make_cache):
+    cache = make_cache()
+    x = torch.randn(100, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y = x.exp()  # vanilla first, for the same kind of error
+        y.add_(1)
+        y.sum().backward()
+    with cache.step():
+        y = x.exp()  # exp saves its result
+        cache.drain()  # stored, live reference dropped
+        y.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
+def test_inplace_change_while_storing_is_reported(make_cache):
+    cache = make_cache()
+    x = torch.randn(100, requires_grad=True)
+    with cache.step():
+        cache._core.pause_stores(True)
+        y = x.exp()
+        y.mul_(2)  # written before (or while) the store copies it
+        cache._core.pause_stores(False)
+        cache.drain()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
+def test_exception_mid_forward_leaves_nothing_and_next_step_works(make_cache):
+    torch.manual_seed(0)
+    model = Net(layers=4, fail_at=2)
+    x = torch.randn(8, 32, requires_grad=True)
+    cache = make_cache(keep_last_modules=1)
+    cache.attach(model)
+    with pytest.raises(ValueError, match="boom"):
+        step(model, x, cache.step())
+    s = cache._core.stats()
+    assert s["entries"] == 0 and s["store_blobs"] == 0 and s["resident_bytes"] == 0
+    if make_cache.target == "ssd":
+        assert list(make_cache.path.iterdir()) == []
+    model.fail_at = None
+    ref = step(model, x)
+    got = step(model, x, cache.step())
+    assert same(ref[1], got[1])
+
+
+def test_exception_mid_backward_releases_everything(make_cache):
+    x = torch.randn(64, requires_grad=True)
+
+    class Bad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            raise ArithmeticError("boom in backward")
+
+    cache = make_cache()
+    with pytest.raises(ArithmeticError):
+        with cache.step():
+            y = Bad.apply(x.exp()).sin().sum()
+            y.backward()
+    s = cache._core.stats()
+    assert s["entries"] == 0 and s["store_blobs"] == 0
+    with cache.step():
+        x.grad = None
+        x.exp().sin().sum().backward()
+    assert torch.allclose(x.grad, (x.exp().cos() * x.exp()).detach())
+
+
+def test_microbatches_two_forwards_then_two_backwards(make_cache):
+    torch.manual_seed(0)
+    model = Net(layers=4)
+    xs = [torch.randn(8, 32) for _ in range(2)]
+    model.zero_grad()
+    losses = [model(x) for x in xs]
+    for loss in losses:
+        loss.backward()
+    ref = grads_of(model)
+    model.zero_grad()
+    cache = make_cache(keep_last_modules=1, prefetch_window_bytes=4096)
+    cache.attach(model)
+    with cache.step():
+        losses = []
+        for i, x in enumerate(xs):
+            cache.microbatch(i)
+            cache.phase("forward")
+            losses.append(model(x))
+        cache.drain()
+        for i, loss in enumerate(losses):
+            cache.microbatch(i)
+            cache.phase("backward")
+            loss.backward()
+    assert same(ref, grads_of(model))
+    s = cache.stats()
+    assert s["tensors_reloaded"] > 0 and s["entries"] == 0
+
+
+def test_stats_are_consistent(make_cache):
+    torch.manual_seed(0)
+    model = Net(layers=6, d=64)
+    x = torch.randn(64, 64, requires_grad=True)
+    cache = make_cache(keep_last_modules=1, min_bytes=1024)
+    cache.attach(model)
+    with cache.step():
+        loss = model(x)
+        cache.drain()  # every store finished: nothing is forwarded
+        mid = cache.stats()
+        loss.backward()
+    s = cache.stats()
+    plan = cache.plan()
+    assert s["bytes_offloaded"] == sum(p["bytes_offloaded"] for p in plan)
+    assert s["saved_bytes_total"] == sum(p["bytes"] for p in plan)
+    assert s["bytes_reloaded"] == s["bytes_offloaded"]
+    assert s["tensors_forwarded"] == 0
+    assert 0 < s["peak_resident_bytes"] <= s["saved_bytes_total"]
+    kept = sum(p["bytes"] - p["bytes_offloaded"] for p in plan)
+    assert mid["resident_bytes"] == kept
+    assert s["stall_seconds"] >= 0
+    assert s["total"]["bytes_offloaded"] == s["bytes_offloaded"] and s["steps"] == 1
+
+
+def test_peak_resident_well_below_no_offload(make_cache):
+    torch.manual_seed(0)
+    model = Net(layers=6, d=128)
+    x = torch.randn(256, 128, requires_grad=True)
+    # The pack waits while more than 256 KiB is waiting to be stored, so the
+    # bound does not depend on how fast this machine's workers are.
+    cache = make_cache(keep_last_modules=1, min_bytes=4096, max_inflight_bytes=256 << 10)
+    cache.attach(model)
+    ref = step(model, x)
+    got = step(model, x, cache.step())
+    assert same(ref[1], got[1])
+    s = cache.stats()
+    assert s["peak_resident_bytes"] <= 0.5 * s["saved_bytes_total"], s
+
+
+def test_parameters_and_their_views_are_never_offloaded(make_cache):
+    cache = make_cache()
+    lin = torch.nn.Linear(64, 64)
+    cache.attach(lin)
+    w = lin.weight
+    x = torch.randn(8, 64, requires_grad=True)
+    with cache.step():
+        y = x @ w.t()          # saves x and a view of the weight
+        z = (y * w[0]).sum()   # another view of the weight
+        cache.drain()
+        z.backward()
+    s = cache.stats()
+    # Only activations reached the cache: x and y.
+    assert s["tensors_saved"] == 2
+    assert s["saved_bytes_total"] == 2 * 8 * 64 * 4
+
+
+def test_small_tensors_stay_and_a_model_without_saved_tensors_works(make_cache):
+    cache = make_cache(min_bytes=1 << 20)
+    x = torch.randn(100, requires_grad=True)
+    with cache.step():
+        (x.exp()).sum().backward()
+    s = cache.stats()
+    assert s["tensors_kept"] == 1 and s["tensors_offloaded"] == 0
+    with cache.step():
+        (x * 2).sum().backward()  # mul by a scalar saves nothing
+    assert cache.stats()["tensors_saved"] == 0
+
+
+def test_nested_step_closed_cache_and_coexisting_caches(make_cache):
+    a = make_cache()
+    b = make_cache()
+    x = torch.randn(100, requires_grad=True)
+    with a.step():
+        with pytest.raises(RuntimeError, match="inside step"):
+            with a.step():
+                pass
+        with b.step():  # another cache may nest: its hooks take the inner saves
+            y = x.exp()
+        z = y.sin()
+        (z.sum()).backward()
+    assert a.stats()["tensors_saved"] == 1 and b.stats()["tensors_saved"] == 1
+    a.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        with a.step():
+            pass
+    with pytest.raises(RuntimeError, match="closed"):
+        a.attach(torch.nn.Linear(2, 2))
+    a.stats()  # the last numbers stay readable
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="target"):
+        ebbtide.TensorCache(target="gpu")
+    with pytest.raises(ValueError):
+        ebbtide.TensorCache(target="cpu", keep_last_modules=-1)
+
+
+def test_store_full_keeps_tensors_resident_with_one_warning():
+    torch.manual_seed(0)
+    model = Net(layers=4, d=64)
+    x = torch.randn(32, 64, requires_grad=True)
+    ref = step(model, x)
+    cache = ebbtide.TensorCache(target="cpu", min_bytes=0, keep_last_modules=0, capacity_bytes=20000)
+    cache.attach(model)
+    with pytest.warns(RuntimeWarning, match="stay in memory"):
+        got = step(model, x, cache.step())
+    assert same(ref[1], got[1])
+    s = cache.stats()
+    assert s["store_failures"] >= 1 and s["entries"] == 0
+    cache.close()
+
+
+# --------------------------------------------------------------- ssd target
+
+needs_ssd = pytest.mark.skipif(not ssd_available(), reason="storage engine not in this build")
+
+
+@needs_ssd
+def test_unwritable_path_fails_at_construction(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    os.chmod(ro, 0o500)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("running as root: permissions do not apply")
+        with pytest.raises(OSError):
+            ebbtide.TensorCache(target="ssd", path=str(ro))
+        with pytest.raises(OSError):
+            ebbtide.TensorCache(target="ssd", path=str(tmp_path / "missing"))
+    finally:
+        os.chmod(ro, 0o700)
+
+
+@needs_ssd
+def test_no_files_left_after_close(tmp_path):
+    torch.manual_seed(0)
+    model = Net(layers=3)
+    x = torch.randn(8, 32, requires_grad=True)
+    with ebbtide.offload(model, target="ssd", path=[str(tmp_path / "a"), str(tmp_path / "b")]
+                         if False else str(tmp_path), min_bytes=0):
+        step(model, x)
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_ssd
+def test_no_files_left_after_sigkill(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, torch, ebbtide
+        cache = ebbtide.TensorCache(target="ssd", path={str(tmp_path)!r}, min_bytes=0)
+        x = torch.randn(1 << 16, requires_grad=True)
+        with cache.step():
+            ys = [x.exp() * i for i in range(8)]
+            cache.drain()
+            print("ready", flush=True)
+            sys.stdin.readline()
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         env=env, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_ssd
+def test_disk_full_mid_step_keeps_tensors_resident(tmp_path):
+    if not hasattr(_core, "inject_write_fault"):
+        pytest.skip("no fault injection binding")
+    torch.manual_seed(0)
+    model = Net(layers=4, d=64)
+    x = torch.randn(32, 64, requires_grad=True)
+    ref = step(model, x)
+    cache = ebbtide.TensorCache(target="ssd", path=str(tmp_path), min_bytes=0, keep_last_modules=0)
+    cache.attach(model)
+    import errno
+    _core.inject_write_fault(str(tmp_path), 16384, errno.ENOSPC, 1000)
+    try:
+        with pytest.warns(RuntimeWarning, match="stay in memory"):
+            got = step(model, x, cache.step())
+    finally:
+        _core.clear_faults()
+    assert same(ref[1], got[1])
+    assert cache.stats()["store_failures"] >= 1
+    got = step(model, x, cache.step())  # the disk has room again
+    assert same(ref[1], got[1])
+    cache.close()
