@@ -15,6 +15,8 @@ import tempfile
 import time
 
 METHODS = ("none", "ebbtide-ssd", "ebbtide-cpu", "recompute", "save_on_cpu")
+# Accepted by --methods but not run by default: needs torchtune installed.
+EXTRA_METHODS = ("torchtune",)
 MODELS = ("gpt2", "bert", "t5")
 
 # (layers, hidden, heads, seq, batch) per device kind: about a minute for all
@@ -94,7 +96,14 @@ def _method_context(method, model, device, workdir):
     if method == "save_on_cpu":
         pin = device.type == "cuda"
         return (lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)), None, lambda: None
-    raise ValueError(f"method {method!r} is not one of {', '.join(METHODS)}")
+    if method == "torchtune":
+        try:
+            from torchtune.training import OffloadActivations
+        except ImportError as e:
+            raise RuntimeError(f"method torchtune: torchtune is not importable ({e})") from e
+        return (lambda: OffloadActivations(use_pin_memory=device.type == "cuda")), None, \
+            lambda: None
+    raise ValueError(f"method {method!r} is not one of {', '.join(METHODS + EXTRA_METHODS)}")
 
 
 def run_method(method, base_model, make_batch, device, steps, warmup, batch, workdir):

@@ -29,12 +29,13 @@ def register(subparsers):
 
 
 def run(args):
-    from ebbtide.demo import METHODS, format_table, plot, run_demo
+    from ebbtide.demo import EXTRA_METHODS, METHODS, format_table, plot, run_demo
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    bad = [m for m in methods if m not in METHODS]
+    valid = METHODS + EXTRA_METHODS
+    bad = [m for m in methods if m not in valid]
     if bad:
-        raise ValueError(f"--methods: {', '.join(bad)} not valid (valid: {', '.join(METHODS)})")
+        raise ValueError(f"--methods: {', '.join(bad)} not valid (valid: {', '.join(valid)})")
     log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
     result = run_demo(model=args.model, methods=methods, steps=args.steps, warmup=args.warmup,
                       seq=args.seq, batch=args.batch, layers=args.layers, hidden=args.hidden,
