@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace ebbtide::mem::cuda {
@@ -43,12 +44,31 @@ class Driver {
   virtual void host_unregister(void* p) = 0;
   virtual int device_count() = 0;
   virtual std::string device_name(int ordinal) = 0;
+  // cuMemAlloc/cuMemFree in the current context (tests and tools; training
+  // memory comes from the framework's allocator). Default: Unsupported.
+  virtual DevicePtr mem_alloc(size_t n);
+  virtual void mem_free(DevicePtr p);
 };
 
 // The process-wide driver, or nullptr when libcuda.so.1 cannot be loaded, has
-// no devices, or the build had no cuda.h. The reason is logged once at info
-// level and available from unavailable_reason().
+// no devices, the build had no cuda.h, or EBBTIDE_CUDA=0. The reason is logged
+// once at info level and available from unavailable_reason() ("" when
+// available). Initialised once, thread safe; never destroyed (see Note [Shim
+// lifetime] in cuda_shim.cpp). A bad EBBTIDE_CUDA value throws InvalidArgument.
 Driver* driver();
 std::string unavailable_reason();
+
+// One attempt at loading the driver, independent of the process-wide one (for
+// tests and diagnostics): reads EBBTIDE_CUDA now. Exactly one of `driver` and
+// `reason` is set. Throws InvalidArgument for a bad EBBTIDE_CUDA value.
+struct ProbeResult {
+  std::unique_ptr<Driver> driver;
+  std::string reason;
+};
+ProbeResult probe();
+
+// "CUDA_ERROR_INVALID_VALUE" for a CUresult, or "CUresult <n>" when no driver
+// is loaded or the code is unknown to it.
+std::string error_name(int result);
 
 }  // namespace ebbtide::mem::cuda
