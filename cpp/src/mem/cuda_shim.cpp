@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <exception>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -154,9 +155,11 @@ class DriverImpl final : public Driver {
 
   void bind_context_of(DevicePtr ptr) override {
     int ordinal = -1;
-    check(api_.pointer_get_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                                     static_cast<CUdeviceptr>(ptr)),
-          "cuPointerGetAttribute(DEVICE_ORDINAL)");
+    CUresult r = api_.pointer_get_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                            static_cast<CUdeviceptr>(ptr));
+    EBB_CHECK(r != CUDA_ERROR_INVALID_VALUE, "bind_context_of: pointer 0x", std::hex, ptr,
+              " is not memory known to the CUDA driver");
+    check(r, "cuPointerGetAttribute(DEVICE_ORDINAL)");
     bind_device(ordinal);
   }
 

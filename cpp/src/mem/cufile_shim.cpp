@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <exception>
 #include <mutex>
+#include <type_traits>
 
 #include "ebbtide/mem/cuda_shim.hpp"
 #include "ebbtide/util/config.hpp"

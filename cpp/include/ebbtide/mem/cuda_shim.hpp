@@ -22,7 +22,9 @@ class Driver {
  public:
   virtual ~Driver() = default;
   // Makes the primary context of the device owning `ptr` current on the calling
-  // thread (worker threads call this before copies).
+  // thread (worker threads call this before copies). Copies, events and
+  // streams need a current context; without one they throw, saying so.
+  // InvalidArgument when `ptr` is not memory the driver knows.
   virtual void bind_context_of(DevicePtr ptr) = 0;
   // Makes the primary context of device `ordinal` current on the calling thread.
   virtual void bind_device(int ordinal) = 0;
@@ -39,7 +41,8 @@ class Driver {
   virtual Stream stream_create() = 0;     // non-blocking stream in the current context
   virtual void stream_destroy(Stream s) = 0;
   virtual void stream_synchronize(Stream s) = 0;
-  // cuMemHostRegister(PORTABLE); false (and one warning) when refused.
+  // cuMemHostRegister(PORTABLE); false (and one warning) when refused. On a
+  // thread with no current context these two make device 0's primary current.
   virtual bool host_register(void* p, size_t n) = 0;
   virtual void host_unregister(void* p) = 0;
   virtual int device_count() = 0;
