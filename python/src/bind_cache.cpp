@@ -35,11 +35,7 @@ nb::dict counters_dict(const Counters& c) {
 }
 
 ebbtide::mem::cuda::Driver* cuda_driver(bool want) {
-#ifdef EBBTIDE_CACHE_HAVE_DRIVER
   return want ? ebbtide::mem::cuda::driver() : nullptr;
-#else
-  return nullptr;
-#endif
 }
 
 std::unique_ptr<Store> make_store(const std::string& target, const std::vector<std::string>& paths,

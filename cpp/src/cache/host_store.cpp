@@ -1,6 +1,4 @@
 // target "cpu": offloaded bytes in host memory.
-#include <sys/mman.h>
-
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -8,6 +6,7 @@
 #include <unordered_map>
 
 #include "ebbtide/cache/store.hpp"
+#include "ebbtide/mem/pinned_pool.hpp"
 #include "ebbtide/util/config.hpp"
 #include "ebbtide/util/error.hpp"
 #include "ebbtide/util/log.hpp"
@@ -17,52 +16,17 @@ namespace {
 
 constexpr size_t kBlobAlign = 64;
 
-// Note [Host staging]: device copies go through page-locked staging buffers so
-// cuMemcpy*Async is truly asynchronous on the caller's stream; the blobs
-// themselves stay ordinary memory (registering every blob costs more than the
-// extra memcpy for the tensor sizes we see).
-class Staging {
- public:
-  Staging(mem::cuda::Driver* driver, size_t bytes) : driver_(driver), bytes_(bytes) {}
-  ~Staging() {
-    for (void* p : all_) {
-      if (registered_) driver_->host_unregister(p);
-      ::munmap(p, bytes_);
-    }
-  }
-  void* acquire() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!free_.empty()) {
-      void* p = free_.back();
-      free_.pop_back();
-      return p;
-    }
-    void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw_io_error(errno, "host staging", 0, "mmap");
-    registered_ = driver_->host_register(p, bytes_);
-    all_.push_back(p);
-    return p;
-  }
-  void release(void* p) {
-    std::lock_guard<std::mutex> lock(mu_);
-    free_.push_back(p);
-  }
-  size_t bytes() const { return bytes_; }
-
- private:
-  mem::cuda::Driver* driver_;
-  size_t bytes_;
-  std::mutex mu_;
-  std::vector<void*> free_;
-  std::vector<void*> all_;
-  bool registered_ = false;
-};
+// Note [Host staging]: device copies go through the page-locked staging pool
+// (mem::PinnedPool) so cuMemcpy*Async is truly asynchronous on the caller's
+// stream; the blobs themselves stay ordinary memory (registering every blob
+// costs more than the extra memcpy for the tensor sizes we see). The pool is
+// made on the first device copy: CPU-only runs never pin memory.
+constexpr size_t kStagingBuffers = 4;
 
 class HostStore final : public Store {
  public:
   explicit HostStore(HostStoreOptions o) : opts_(o) {
     EBB_CHECK(o.staging_bytes >= 4096, "host store: staging_bytes ", o.staging_bytes, " is below 4096");
-    if (o.driver != nullptr) staging_ = std::make_unique<Staging>(o.driver, o.staging_bytes);
   }
   ~HostStore() override {
     for (auto& [loc, b] : blobs_) std::free(b.data);
@@ -133,7 +97,7 @@ class HostStore final : public Store {
   std::string describe() const override {
     return detail::concat("host memory (capacity ",
                           opts_.capacity_bytes ? config::format_bytes(double(opts_.capacity_bytes)) : "unlimited",
-                          staging_ ? ", pinned staging" : "", ")");
+                          opts_.driver ? ", pinned staging" : "", ")");
   }
 
  private:
@@ -154,34 +118,36 @@ class HostStore final : public Store {
       else std::memcpy(blob, s.ptr, s.nbytes);
       return;
     }
-    if (!staging_) throw Unsupported("host store: device span without a CUDA driver");
+    if (opts_.driver == nullptr) throw Unsupported("host store: device span without a CUDA driver");
     auto* drv = opts_.driver;
-    void* stage = staging_->acquire();
-    try {
-      auto* host = static_cast<unsigned char*>(blob);
-      auto dev = reinterpret_cast<mem::cuda::DevicePtr>(s.ptr);
-      for (uint64_t off = 0; off < s.nbytes; off += staging_->bytes()) {
-        size_t n = static_cast<size_t>(std::min<uint64_t>(staging_->bytes(), s.nbytes - off));
-        if (to_device) {
-          // The staging buffer is reused at the next chunk: wait for this copy.
-          std::memcpy(stage, host + off, n);
-          drv->memcpy_htod_async(dev + off, stage, n, s.stream);
-          drv->stream_synchronize(s.stream);
-        } else {
-          drv->memcpy_dtoh_async(stage, dev + off, n, s.stream);
-          drv->stream_synchronize(s.stream);
-          std::memcpy(host + off, stage, n);
-        }
+    mem::PinnedPool& pool = staging();
+    mem::PinnedPool::Lease stage = pool.acquire();
+    auto* host = static_cast<unsigned char*>(blob);
+    auto dev = reinterpret_cast<mem::cuda::DevicePtr>(s.ptr);
+    for (uint64_t off = 0; off < s.nbytes; off += stage.size()) {
+      size_t n = static_cast<size_t>(std::min<uint64_t>(stage.size(), s.nbytes - off));
+      // The staging buffer is reused at the next chunk: wait for each copy.
+      if (to_device) {
+        std::memcpy(stage.data(), host + off, n);
+        drv->memcpy_htod_async(dev + off, stage.data(), n, s.stream);
+        drv->stream_synchronize(s.stream);
+      } else {
+        drv->memcpy_dtoh_async(stage.data(), dev + off, n, s.stream);
+        drv->stream_synchronize(s.stream);
+        std::memcpy(host + off, stage.data(), n);
       }
-    } catch (...) {
-      staging_->release(stage);
-      throw;
     }
-    staging_->release(stage);
+  }
+
+  mem::PinnedPool& staging() {
+    std::lock_guard<std::mutex> lock(staging_mu_);
+    if (!staging_) staging_ = std::make_unique<mem::PinnedPool>(opts_.staging_bytes, kStagingBuffers);
+    return *staging_;
   }
 
   HostStoreOptions opts_;
-  std::unique_ptr<Staging> staging_;
+  std::mutex staging_mu_;
+  std::unique_ptr<mem::PinnedPool> staging_;
   mutable std::mutex mu_;
   std::unordered_map<Location, Blob> blobs_;
   Location next_ = 1;

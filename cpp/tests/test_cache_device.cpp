@@ -1,0 +1,167 @@
+// The device path of the tensor cache against a fake CUDA driver: "device"
+// memory is host memory and copies are synchronous, but every event, stream
+// and wait the cache issues is recorded, so the ordering contract of Note
+// [Store workers] can be checked without a GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "ebbtide/cache/store.hpp"
+#include "ebbtide/cache/tensor_cache.hpp"
+#include "ebbtide/util/error.hpp"
+#include "test_utils.hpp"
+
+namespace ebbtide::cache {
+namespace {
+
+class FakeDriver final : public mem::cuda::Driver {
+ public:
+  void bind_context_of(mem::cuda::DevicePtr) override {}
+  void bind_device(int) override {}
+  bool is_device_pointer(const void*) override { return true; }
+  void memcpy_dtoh_async(void* dst, mem::cuda::DevicePtr src, size_t n, mem::cuda::Stream s) override {
+    log("dtoh", s);
+    std::memcpy(dst, reinterpret_cast<const void*>(src), n);
+  }
+  void memcpy_htod_async(mem::cuda::DevicePtr dst, const void* src, size_t n, mem::cuda::Stream s) override {
+    log("htod", s);
+    std::memcpy(reinterpret_cast<void*>(dst), src, n);
+  }
+  mem::cuda::Event event_create() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return ++next_event_;
+  }
+  void event_destroy(mem::cuda::Event) override {}
+  void event_record(mem::cuda::Event e, mem::cuda::Stream s) override { log("record", s, e); }
+  void event_synchronize(mem::cuda::Event e) override { log("event_sync", 0, e); }
+  bool event_query(mem::cuda::Event) override { return true; }
+  void stream_wait_event(mem::cuda::Stream s, mem::cuda::Event e) override { log("wait", s, e); }
+  mem::cuda::Stream stream_create() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return 1000 + ++next_stream_;
+  }
+  void stream_destroy(mem::cuda::Stream) override {}
+  void stream_synchronize(mem::cuda::Stream s) override { log("stream_sync", s); }
+  bool host_register(void*, size_t) override { return false; }
+  void host_unregister(void*) override {}
+  int device_count() override { return 1; }
+  std::string device_name(int) override { return "fake"; }
+
+  struct Call {
+    std::string what;
+    mem::cuda::Stream stream;
+    mem::cuda::Event event;
+  };
+  std::vector<Call> calls() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return calls_;
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    calls_.clear();
+  }
+
+ private:
+  void log(const char* what, mem::cuda::Stream s, mem::cuda::Event e = 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    calls_.push_back({what, s, e});
+  }
+  std::mutex mu_;
+  std::vector<Call> calls_;
+  mem::cuda::Event next_event_ = 0;
+  mem::cuda::Stream next_stream_ = 0;
+};
+
+size_t index_of(const std::vector<FakeDriver::Call>& calls, const std::string& what, size_t from = 0) {
+  for (size_t i = from; i < calls.size(); ++i)
+    if (calls[i].what == what) return i;
+  return calls.size();
+}
+
+TEST(CacheDevice, CopiesRunOnASideStreamOrderedByEvents) {
+  FakeDriver drv;
+  HostStoreOptions ho;
+  ho.driver = &drv;
+  ho.staging_bytes = 4096;  // several chunks per tensor
+  CacheOptions co;
+  co.driver = &drv;
+  co.workers = 1;
+  TensorCache c(make_host_store(ho), co);
+  c.begin_step();
+  const mem::cuda::Stream compute = 77;
+  auto data = test::random_bytes(10000, 5);
+  SaveRequest r;
+  r.key = 1;
+  r.ptr = data.data();
+  r.nbytes = data.size();
+  r.device = 0;
+  r.stream = compute;
+  EntryId id = c.save(r).id;
+  c.drain();
+  auto calls = drv.calls();
+  // The pack records an event on the compute stream; the worker's side stream
+  // waits for it before the first device-to-host copy.
+  size_t rec = index_of(calls, "record");
+  ASSERT_LT(rec, calls.size());
+  EXPECT_EQ(calls[rec].stream, compute);
+  size_t wait = index_of(calls, "wait", rec);
+  ASSERT_LT(wait, calls.size());
+  EXPECT_EQ(calls[wait].event, calls[rec].event);
+  mem::cuda::Stream side = calls[wait].stream;
+  EXPECT_NE(side, compute);
+  size_t copy = index_of(calls, "dtoh", wait);
+  ASSERT_LT(copy, calls.size());
+  EXPECT_EQ(calls[copy].stream, side);
+  EXPECT_EQ(std::count_if(calls.begin(), calls.end(), [](auto& x) { return x.what == "dtoh"; }), 3);
+  // The compute stream itself is never synchronised from the host.
+  for (auto& x : calls) EXPECT_FALSE(x.what == "stream_sync" && x.stream == compute);
+  c.poll();
+
+  drv.clear();
+  std::vector<unsigned char> out(data.size());
+  ASSERT_EQ(c.request(id), Reload::kNeedBuffer);
+  c.start_load(id, out.data(), compute);
+  c.wait(id, compute);
+  EXPECT_EQ(out, data);
+  calls = drv.calls();
+  // Buffer-ready event on the compute stream -> side stream waits -> copies on
+  // the side stream -> done event -> the compute stream waits for it.
+  rec = index_of(calls, "record");
+  ASSERT_LT(rec, calls.size());
+  EXPECT_EQ(calls[rec].stream, compute);
+  wait = index_of(calls, "wait", rec);
+  ASSERT_LT(wait, calls.size());
+  EXPECT_EQ(calls[wait].event, calls[rec].event);
+  size_t htod = index_of(calls, "htod", wait);
+  ASSERT_LT(htod, calls.size());
+  EXPECT_EQ(calls[htod].stream, calls[wait].stream);
+  size_t done = index_of(calls, "record", htod);
+  ASSERT_LT(done, calls.size());
+  EXPECT_EQ(calls[done].stream, calls[wait].stream);
+  size_t consumer = index_of(calls, "wait", done);
+  ASSERT_LT(consumer, calls.size());
+  EXPECT_EQ(calls[consumer].stream, compute);
+  EXPECT_EQ(calls[consumer].event, calls[done].event);
+  for (auto& x : calls) EXPECT_FALSE(x.what == "stream_sync" && x.stream == compute);
+  EXPECT_TRUE(c.consume(id));
+  EXPECT_TRUE(c.release(id));
+}
+
+TEST(CacheDevice, DeviceSaveWithoutDriverIsRejected) {
+  TensorCache c(make_host_store(HostStoreOptions{}), CacheOptions{});
+  c.begin_step();
+  auto data = test::random_bytes(100, 5);
+  SaveRequest r;
+  r.key = 1;
+  r.ptr = data.data();
+  r.nbytes = data.size();
+  r.device = 0;
+  EXPECT_THROW(c.save(r), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace ebbtide::cache
