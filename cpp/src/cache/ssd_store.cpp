@@ -1,0 +1,77 @@
+// target "ssd": offloaded bytes in slab files through the storage engine.
+#include <cerrno>
+
+#include "ebbtide/cache/store.hpp"
+#include "ebbtide/io/engine.hpp"
+#include "ebbtide/util/config.hpp"
+#include "ebbtide/util/error.hpp"
+
+namespace ebbtide::cache {
+namespace {
+
+// Note [SSD store]: one slot per blob. put() and get() wait for their engine
+// request (the cache calls them on its workers, several at a time); the
+// engine splits each request into chunks and keeps its queue depth busy.
+// Device spans go to the engine as device buffers on the worker's side
+// stream, already ordered after the producing compute work.
+class SsdStore final : public Store {
+ public:
+  explicit SsdStore(io::EngineOptions o) : engine_(std::move(o)) {}
+  ~SsdStore() override {
+    try {
+      engine_.close();
+    } catch (...) {
+    }
+  }
+
+  Location put(const Span& src) override {
+    EBB_CHECK(src.nbytes > 0, "ssd store: empty put");
+    io::SlotId slot = engine_.allocate(src.nbytes);
+    try {
+      engine_.write(slot, buffer(src)).wait();
+    } catch (...) {
+      try {
+        engine_.free(slot);
+      } catch (...) {
+      }
+      throw;
+    }
+    return slot;
+  }
+
+  void get(Location loc, const Span& dst) override { engine_.read(loc, buffer(dst)).wait(); }
+
+  void free(Location loc) override { engine_.free(loc); }
+
+  StoreStats stats() const override {
+    auto s = engine_.stats();
+    return StoreStats{s.bytes_stored, s.slots_live, engine_.options().capacity_bytes};
+  }
+
+  std::string describe() const override { return "ssd: " + engine_.describe(); }
+
+ private:
+  static io::Buffer buffer(const Span& s) {
+    io::Buffer b;
+    b.ptr = s.ptr;
+    b.nbytes = s.nbytes;
+    b.kind = s.device >= 0 ? io::MemKind::kDevice : io::MemKind::kHost;
+    b.stream = s.stream;
+    return b;
+  }
+
+  io::Engine engine_;
+};
+
+}  // namespace
+
+std::unique_ptr<Store> make_ssd_store(SsdStoreOptions options) {
+  EBB_CHECK(!options.dirs.empty(), "ssd store: no directory given");
+  io::EngineOptions eo;
+  eo.dirs = options.dirs;
+  eo.capacity_bytes = options.capacity_bytes;
+  if (options.apply_env) eo = eo.with_env();
+  return std::make_unique<SsdStore>(std::move(eo));
+}
+
+}  // namespace ebbtide::cache
