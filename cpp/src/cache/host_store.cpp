@@ -4,6 +4,8 @@
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
+#include <algorithm>
 
 #include "ebbtide/cache/store.hpp"
 #include "ebbtide/mem/pinned_pool.hpp"
@@ -30,6 +32,8 @@ class HostStore final : public Store {
   }
   ~HostStore() override {
     for (auto& [loc, b] : blobs_) std::free(b.data);
+    for (auto& [n, v] : spare_)
+      for (void* p : v) std::free(p);
   }
 
   Location put(const Span& src) override {
@@ -44,16 +48,16 @@ class HostStore final : public Store {
       }
       held_ += src.nbytes;  // reserve before copying so concurrent puts respect the cap
     }
-    void* data = nullptr;
     size_t alloc = (src.nbytes + kBlobAlign - 1) / kBlobAlign * kBlobAlign;
-    if (::posix_memalign(&data, kBlobAlign, alloc) != 0) {
+    void* data = take_spare(alloc);
+    if (data == nullptr && ::posix_memalign(&data, kBlobAlign, alloc) != 0) {
       unreserve(src.nbytes);
       throw IoError(ENOMEM, "host memory", 0, detail::concat("host store: cannot allocate ", src.nbytes, " bytes"));
     }
     try {
       copy(data, src, /*to_device=*/false);
     } catch (...) {
-      std::free(data);
+      give_spare(data, alloc);
       unreserve(src.nbytes);
       throw;
     }
@@ -78,15 +82,17 @@ class HostStore final : public Store {
 
   void free(Location loc) override {
     void* data = nullptr;
+    size_t alloc = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = blobs_.find(loc);
       EBB_CHECK_STATE(it != blobs_.end(), "host store: location ", loc, " freed twice or never stored");
       data = it->second.data;
+      alloc = (it->second.nbytes + kBlobAlign - 1) / kBlobAlign * kBlobAlign;
       held_ -= it->second.nbytes;
       blobs_.erase(it);
     }
-    std::free(data);
+    give_spare(data, alloc);
   }
 
   StoreStats stats() const override {
@@ -105,6 +111,31 @@ class HostStore final : public Store {
     void* data = nullptr;
     uint64_t nbytes = 0;
   };
+
+  // Note [Blob reuse]: training saves the same shapes every step; keeping
+  // freed blobs by exact size (up to the most bytes ever held) spares the
+  // allocator's mmap/munmap and the page faults of fresh memory each step.
+  void* take_spare(size_t alloc) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = spare_.find(alloc);
+    if (it == spare_.end() || it->second.empty()) return nullptr;
+    void* p = it->second.back();
+    it->second.pop_back();
+    spare_bytes_ -= alloc;
+    return p;
+  }
+  void give_spare(void* p, size_t alloc) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      high_water_ = std::max<uint64_t>(high_water_, held_ + alloc);
+      if (spare_bytes_ + alloc <= high_water_) {
+        spare_[alloc].push_back(p);
+        spare_bytes_ += alloc;
+        return;
+      }
+    }
+    std::free(p);
+  }
 
   void unreserve(uint64_t n) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -152,6 +183,9 @@ class HostStore final : public Store {
   std::unordered_map<Location, Blob> blobs_;
   Location next_ = 1;
   uint64_t held_ = 0;
+  std::unordered_map<size_t, std::vector<void*>> spare_;
+  uint64_t spare_bytes_ = 0;
+  uint64_t high_water_ = 0;
 };
 
 }  // namespace
