@@ -57,7 +57,8 @@ using SlotId = uint64_t;
 
 namespace detail {
 struct RequestState;
-}
+struct EngineTesting;
+}  // namespace detail
 
 // Handle to one submitted write or read. Copyable; all copies share the state.
 class Request {
@@ -144,6 +145,7 @@ class Engine {
   std::string describe() const;              // one line for logs
 
  private:
+  friend struct detail::EngineTesting;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
