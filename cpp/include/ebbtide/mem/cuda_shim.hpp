@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace ebbtide::mem::cuda {
@@ -21,7 +22,9 @@ class Driver {
  public:
   virtual ~Driver() = default;
   // Makes the primary context of the device owning `ptr` current on the calling
-  // thread (worker threads call this before copies).
+  // thread (worker threads call this before copies). Copies, events and
+  // streams need a current context; without one they throw, saying so.
+  // InvalidArgument when `ptr` is not memory the driver knows.
   virtual void bind_context_of(DevicePtr ptr) = 0;
   // Makes the primary context of device `ordinal` current on the calling thread.
   virtual void bind_device(int ordinal) = 0;
@@ -38,17 +41,37 @@ class Driver {
   virtual Stream stream_create() = 0;     // non-blocking stream in the current context
   virtual void stream_destroy(Stream s) = 0;
   virtual void stream_synchronize(Stream s) = 0;
-  // cuMemHostRegister(PORTABLE); false (and one warning) when refused.
+  // cuMemHostRegister(PORTABLE); false (and one warning) when refused. On a
+  // thread with no current context these two make device 0's primary current.
   virtual bool host_register(void* p, size_t n) = 0;
   virtual void host_unregister(void* p) = 0;
   virtual int device_count() = 0;
   virtual std::string device_name(int ordinal) = 0;
+  // cuMemAlloc/cuMemFree in the current context (tests and tools; training
+  // memory comes from the framework's allocator). Default: Unsupported.
+  virtual DevicePtr mem_alloc(size_t n);
+  virtual void mem_free(DevicePtr p);
 };
 
 // The process-wide driver, or nullptr when libcuda.so.1 cannot be loaded, has
-// no devices, or the build had no cuda.h. The reason is logged once at info
-// level and available from unavailable_reason().
+// no devices, the build had no cuda.h, or EBBTIDE_CUDA=0. The reason is logged
+// once at info level and available from unavailable_reason() ("" when
+// available). Initialised once, thread safe; never destroyed (see Note [Shim
+// lifetime] in cuda_shim.cpp). A bad EBBTIDE_CUDA value throws InvalidArgument.
 Driver* driver();
 std::string unavailable_reason();
+
+// One attempt at loading the driver, independent of the process-wide one (for
+// tests and diagnostics): reads EBBTIDE_CUDA now. Exactly one of `driver` and
+// `reason` is set. Throws InvalidArgument for a bad EBBTIDE_CUDA value.
+struct ProbeResult {
+  std::unique_ptr<Driver> driver;
+  std::string reason;
+};
+ProbeResult probe();
+
+// "CUDA_ERROR_INVALID_VALUE" for a CUresult, or "CUresult <n>" when no driver
+// is loaded or the code is unknown to it.
+std::string error_name(int result);
 
 }  // namespace ebbtide::mem::cuda

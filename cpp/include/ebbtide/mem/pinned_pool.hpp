@@ -4,7 +4,8 @@
 // driver is present (cuMemHostRegister) so device copies from and to them are
 // truly asynchronous. acquire() blocks while every buffer is in use (bounded
 // memory); buffers are reused, never freed until the pool dies. Thread safe.
-// The pool must outlive every Lease taken from it.
+// The pool must outlive every Lease taken from it: destroying it with leases
+// out is a bug and aborts the process with a message.
 #pragma once
 
 #include <condition_variable>
@@ -16,11 +17,18 @@
 
 namespace ebbtide::mem {
 
+struct PinnedPoolOptions {
+  bool populate = false;      // MAP_POPULATE: fault every page in at construction
+  bool cuda_register = true;  // cuMemHostRegister when a CUDA driver is present
+};
+
 class PinnedPool {
  public:
   // `count` buffers of `buffer_bytes` each (rounded up to the page size).
-  // Throws InvalidArgument for zero sizes, IoError when mmap fails.
+  // Throws InvalidArgument for zero sizes (or a total that overflows), IoError
+  // when mmap fails.
   PinnedPool(size_t buffer_bytes, size_t count);
+  PinnedPool(size_t buffer_bytes, size_t count, const PinnedPoolOptions& options);
   ~PinnedPool();
   PinnedPool(const PinnedPool&) = delete;
   PinnedPool& operator=(const PinnedPool&) = delete;
@@ -56,6 +64,11 @@ class PinnedPool {
   bool registered() const { return registered_; }  // pinned with the CUDA driver
   void* base() const { return base_; }            // for io_uring buffer registration
   size_t total_bytes() const { return buffer_bytes_ * count_; }
+  // Start of buffer `index` (< count()); the same address every time it is leased.
+  void* buffer(size_t index) const;
+  // Index of the buffer a lease from this pool holds (for io_uring fixed buffers).
+  size_t index_of(const Lease& lease) const;
+  static size_t page_size();
 
  private:
   void release(size_t index);

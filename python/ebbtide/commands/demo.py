@@ -1,0 +1,54 @@
+"""`ebbtide demo`: the main job (see ebbtide.demo)."""
+import json
+import sys
+
+
+def register(subparsers):
+    from ebbtide.demo import METHODS, MODELS
+
+    p = subparsers.add_parser(
+        "demo", help="train a small HF model with and without offloading and compare")
+    p.add_argument("--model", default="gpt2", choices=MODELS)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per method (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    p.add_argument("--seq", type=int, help="sequence length (default: 512 CPU, 1024 GPU)")
+    p.add_argument("--batch", type=int, help="micro-batch size (default: 4 CPU, 8 GPU)")
+    p.add_argument("--layers", type=int, help="transformer blocks (default: 4 CPU, 12 GPU)")
+    p.add_argument("--hidden", type=int, help="hidden size (default: 256 CPU, 1024 GPU)")
+    p.add_argument("--heads", type=int, help="attention heads (default: 8 CPU, 16 GPU)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--path", help="directory for ebbtide's SSD files (default: a temporary one)")
+    p.add_argument("--png", default="ebbtide-demo.png",
+                   help="plot of throughput against peak memory (default ebbtide-demo.png; "
+                        "'' for none)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def run(args):
+    from ebbtide.demo import EXTRA_METHODS, METHODS, format_table, plot, run_demo
+
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    valid = METHODS + EXTRA_METHODS
+    bad = [m for m in methods if m not in valid]
+    if bad:
+        raise ValueError(f"--methods: {', '.join(bad)} not valid (valid: {', '.join(valid)})")
+    log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
+    result = run_demo(model=args.model, methods=methods, steps=args.steps, warmup=args.warmup,
+                      seq=args.seq, batch=args.batch, layers=args.layers, hidden=args.hidden,
+                      heads=args.heads, device=args.device, dtype=args.dtype, path=args.path,
+                      log=log)
+    if args.png:
+        plot(result, args.png)
+        result["png"] = args.png
+    if args.json:
+        json.dump(result, sys.stdout, indent=2, default=str)
+        print()
+    else:
+        print(format_table(result))
+        if args.png:
+            print(f"plot: {args.png}")
+    return 0
