@@ -21,6 +21,7 @@
 
 #include "ebbtide/io/detail/engine_testing.hpp"
 #include "ebbtide/io/engine.hpp"
+#include "ebbtide/mem/cuda_shim.hpp"
 #include "ebbtide/util/error.hpp"
 #include "test_utils.hpp"
 
@@ -589,6 +590,34 @@ TEST_P(IoEngine, EnvironmentOverrides) {
   }
   EXPECT_EQ(io::parse_backend("URING"), io::BackendKind::kUring);
   EXPECT_THROW(io::parse_backend("x"), ebbtide::InvalidArgument);
+}
+
+TEST_P(IoEngine, DeviceBuffersRoundTripOrAreUnsupported) {
+  TempDir d;
+  auto o = options({d.path()});
+  o.checksum = true;
+  MAKE_OR_SKIP(e, o);
+  auto* drv = ebbtide::mem::cuda::driver();
+  const size_t n = 3 * kMiB + 4097;
+  auto slot = e->allocate(n);
+  if (drv == nullptr) {
+    char host = 0;
+    EXPECT_THROW(e->write(slot, io::Buffer{&host, 1, io::MemKind::kDevice}), ebbtide::Unsupported);
+    return;
+  }
+  drv->bind_device(0);
+  auto dev = drv->mem_alloc(n), dev2 = drv->mem_alloc(n);
+  TestBuffer src(n), back(n);
+  src.fill(21);
+  drv->memcpy_htod_async(dev, src.data(), n, 0);
+  drv->stream_synchronize(0);
+  e->write(slot, io::Buffer{reinterpret_cast<void*>(dev), n, io::MemKind::kDevice}).wait();
+  e->read(slot, io::Buffer{reinterpret_cast<void*>(dev2), n, io::MemKind::kDevice}).wait();
+  drv->memcpy_dtoh_async(back.data(), dev2, n, 0);
+  drv->stream_synchronize(0);
+  EXPECT_EQ(0, std::memcmp(src.data(), back.data(), n));
+  drv->mem_free(dev);
+  drv->mem_free(dev2);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, IoEngine,

@@ -48,6 +48,9 @@
 #include "backend.hpp"
 #include "ebbtide/io/detail/engine_testing.hpp"
 #include "ebbtide/io/detail/slot_allocator.hpp"
+#include "ebbtide/mem/cuda_shim.hpp"
+#include "ebbtide/mem/cufile_shim.hpp"
+#include "ebbtide/mem/pinned_pool.hpp"
 #include "ebbtide/util/config.hpp"
 #include "ebbtide/util/crc32c.hpp"
 #include "ebbtide/util/error.hpp"
@@ -218,13 +221,16 @@ struct Chunk {
   ReqPtr req;
   uint32_t index = 0;
   detail::SlabFile* slab = nullptr;
+  size_t slab_index = 0;
   Device* dev = nullptr;
   uint64_t file_off = 0;
   char* user = nullptr;
   uint64_t len = 0;     // bytes of user data
   uint64_t io_len = 0;  // bytes moved (len rounded up to the alignment on staging)
-  int staging = -1;
+  int staging = -1;  // index of `lease` in the pool (io_uring fixed buffer)
+  mem::PinnedPool::Lease lease;
   char* io_buf = nullptr;
+  bool device = false;  // `user` is a CUDA device address
   uint64_t done = 0;
 };
 
@@ -248,7 +254,10 @@ struct Engine::Impl {
   std::vector<std::unique_ptr<detail::SlabFile>> slabs;
   std::vector<std::unique_ptr<Device>> devices;
   std::vector<Device*> slab_device;
-  std::unique_ptr<detail::StagingPool> staging;
+  std::unique_ptr<mem::PinnedPool> staging;
+  std::mutex cufile_mu;
+  std::vector<mem::cufile::Handle> cufile_handles;  // per slab, 0 = not registered
+  std::atomic<bool> cufile_off{false};
   uint64_t align = 4096;      // slot alignment
   uint64_t dio_align = 0;     // largest O_DIRECT offset alignment (stats)
   uint64_t slab_limit = 0;    // per slab, 0 = none
@@ -274,6 +283,8 @@ struct Engine::Impl {
   enum class Start { kSubmitted, kDone, kNoStaging };
   Start start(Device& d, Chunk* c, unsigned inflight);
   void submit_op(Device& d, Chunk* c);
+  void copy_device(Chunk* c, bool to_device);
+  bool try_cufile(Chunk* c);
   bool on_completion(Device& d, const detail::IoCompletion& comp);  // true when the chunk left flight
   void complete_chunk(Chunk* c, std::exception_ptr err);
   void finalize(const ReqPtr& req);
@@ -309,7 +320,8 @@ Engine::Impl::Impl(EngineOptions o) : opt(std::move(o)) {
   alloc = detail::SlotAllocator(align);
 
   size_t nstaging = std::max<uint64_t>(1, opt.staging_bytes / opt.chunk_bytes);
-  staging = std::make_unique<detail::StagingPool>(opt.chunk_bytes, nstaging);
+  staging = std::make_unique<mem::PinnedPool>(opt.chunk_bytes, nstaging);
+  cufile_handles.assign(slabs.size(), 0);
 
   std::map<dev_t, Device*> by_dev;
   for (auto& s : slabs) {
@@ -326,7 +338,8 @@ Engine::Impl::Impl(EngineOptions o) : opt(std::move(o)) {
   // Backend choice: uring when asked or in AUTO when it works; POSIX otherwise.
   std::string why;
   if (opt.backend != BackendKind::kPosix) {
-    auto iov = staging->iovecs();
+    std::vector<iovec> iov(staging->count());
+    for (size_t i = 0; i < iov.size(); ++i) iov[i] = {staging->buffer(i), staging->buffer_bytes()};
     bool ok = true;
     for (auto& d : devices) {
       d->backend = detail::make_uring_backend(opt.queue_depth, iov, &why);
@@ -356,7 +369,95 @@ Engine::Impl::Impl(EngineOptions o) : opt(std::move(o)) {
   }
 }
 
-Engine::Impl::~Impl() { shutdown(); }
+Engine::Impl::~Impl() {
+  shutdown();
+  if (std::any_of(cufile_handles.begin(), cufile_handles.end(), [](auto h) { return h != 0; })) {
+    auto* cf = mem::cufile::cufile();  // loaded already: handles exist
+    for (auto h : cufile_handles) {
+      if (h == 0) continue;
+      try {
+        cf->handle_deregister(h);
+      } catch (const std::exception& e) {
+        log::warn("io: cuFile handle deregistration failed: ", e.what());
+      }
+    }
+  }
+}
+
+// Copies one chunk between the caller's device buffer and its pinned staging
+// buffer on the caller's stream (so it is ordered after work already queued
+// there), then waits for that copy only (an event, not the whole stream). The
+// worker keeps up to queue_depth disk transfers in flight meanwhile, so the
+// PCIe copy of chunk i+1 overlaps the disk transfer of chunk i.
+void Engine::Impl::copy_device(Chunk* c, bool to_device) {
+  auto* drv = mem::cuda::driver();
+  EBB_ASSERT(drv != nullptr, "device chunk without a CUDA driver");
+  const auto dptr = static_cast<mem::cuda::DevicePtr>(reinterpret_cast<uintptr_t>(c->user));
+  const auto stream = static_cast<mem::cuda::Stream>(c->req->buf.stream);
+  drv->bind_context_of(dptr);
+  if (to_device) drv->memcpy_htod_async(dptr, c->io_buf, c->len, stream);
+  else drv->memcpy_dtoh_async(c->io_buf, dptr, c->len, stream);
+  auto ev = drv->event_create();
+  try {
+    drv->event_record(ev, stream);
+    drv->event_synchronize(ev);
+  } catch (...) {
+    drv->event_destroy(ev);
+    throw;
+  }
+  drv->event_destroy(ev);
+}
+
+// AUTO mode, device buffers: GPUDirect Storage through cuFile when it loads,
+// the slab is O_DIRECT, the chunk is aligned and no checksum is wanted (that
+// needs the bytes on the host). Any cuFile failure switches it off for this
+// engine (one warning) and the staged path takes over, which reports real
+// disk errors itself.
+bool Engine::Impl::try_cufile(Chunk* c) {
+  if (opt.backend != BackendKind::kAuto || !opt.try_cufile || opt.checksum || cufile_off.load() ||
+      !c->slab->direct() || c->len % c->slab->offset_align() != 0)
+    return false;
+  auto* cf = mem::cufile::cufile();
+  if (cf == nullptr) {
+    cufile_off = true;
+    return false;
+  }
+  try {
+    mem::cufile::Handle h = 0;
+    {
+      std::lock_guard lock(cufile_mu);
+      if (cufile_handles[c->slab_index] == 0) cufile_handles[c->slab_index] = cf->handle_register(c->slab->fd());
+      h = cufile_handles[c->slab_index];
+    }
+    auto* drv = mem::cuda::driver();
+    const auto dptr = static_cast<mem::cuda::DevicePtr>(reinterpret_cast<uintptr_t>(c->user));
+    drv->bind_context_of(dptr);
+    size_t n = 0;
+    if (c->req->write) {
+      auto ev = drv->event_create();  // the data must be produced before cuFile reads it
+      try {
+        drv->event_record(ev, static_cast<mem::cuda::Stream>(c->req->buf.stream));
+        drv->event_synchronize(ev);
+      } catch (...) {
+        drv->event_destroy(ev);
+        throw;
+      }
+      drv->event_destroy(ev);
+      n = cf->write(h, c->user, c->len, static_cast<int64_t>(c->file_off));
+    } else {
+      n = cf->read(h, c->user, c->len, static_cast<int64_t>(c->file_off));
+    }
+    if (n != c->len)
+      throw IoError(EIO, c->slab->label(), static_cast<int64_t>(c->file_off),
+                    ebbtide::detail::concat("cuFile moved ", n, " of ", c->len, " bytes"));
+    return true;
+  } catch (const std::exception& e) {
+    cufile_off = true;
+    log::warn_once("cufile-fallback", ebbtide::detail::concat("io: cuFile failed (", e.what(),
+                                                              "); using pinned staging for device buffers"));
+    return false;
+  }
+}
 
 void Engine::Impl::shutdown() {
   for (auto& d : devices) {
@@ -413,18 +514,37 @@ Engine::Impl::Start Engine::Impl::start(Device& d, Chunk* c, unsigned inflight) 
     }
   }
   const auto& slab = *c->slab;
-  const bool use_user = !slab.direct() || (aligned_to(c->user, slab.mem_align()) && c->len % slab.offset_align() == 0);
+  if (c->device && try_cufile(c)) {  // synchronous GPUDirect transfer, done
+    complete_chunk(c, nullptr);
+    return Start::kDone;
+  }
+  const bool use_user =
+      !c->device && (!slab.direct() || (aligned_to(c->user, slab.mem_align()) && c->len % slab.offset_align() == 0));
   if (use_user) {
     c->io_buf = c->user;
     c->io_len = c->len;
   } else {
-    int idx = inflight > 0 ? staging->try_acquire() : staging->acquire();
-    if (idx < 0) return Start::kNoStaging;
-    c->staging = idx;
-    c->io_buf = staging->data(idx);
+    if (inflight > 0) {
+      auto lease = staging->try_acquire();
+      if (!lease) return Start::kNoStaging;
+      c->lease = std::move(*lease);
+    } else {
+      c->lease = staging->acquire();
+    }
+    c->staging = static_cast<int>(staging->index_of(c->lease));
+    c->io_buf = static_cast<char*>(c->lease.data());
+  }
+  if (rq.write && c->device) {  // device -> pinned staging on the caller's stream
+    try {
+      copy_device(c, false);
+    } catch (...) {
+      complete_chunk(c, std::current_exception());
+      return Start::kDone;
+    }
+    std::memset(c->io_buf + c->len, 0, c->io_len - c->len);
   }
   if (rq.write) {
-    if (c->staging >= 0) {
+    if (c->staging >= 0 && !c->device) {
       std::memcpy(c->io_buf, c->user, c->len);
       std::memset(c->io_buf + c->len, 0, c->io_len - c->len);
     }
@@ -488,14 +608,23 @@ bool Engine::Impl::on_completion(Device& d, const detail::IoCompletion& comp) {
         return true;
       }
     }
-    if (c->staging >= 0) std::memcpy(c->user, c->io_buf, c->len);
+    if (c->device) {  // pinned staging -> device on the caller's stream
+      try {
+        copy_device(c, true);
+      } catch (...) {
+        complete_chunk(c, std::current_exception());
+        return true;
+      }
+    } else if (c->staging >= 0) {
+      std::memcpy(c->user, c->io_buf, c->len);
+    }
   }
   complete_chunk(c, nullptr);
   return true;
 }
 
 void Engine::Impl::complete_chunk(Chunk* c, std::exception_ptr err) {
-  if (c->staging >= 0) staging->release(c->staging);
+  if (c->staging >= 0) c->lease.reset();
   ReqPtr req = std::move(c->req);
   delete c;
   if (err) {
@@ -633,9 +762,9 @@ ReqPtr Engine::Impl::submit(SlotId slot, const Buffer& b, Callback cb, bool writ
   const char* what = write ? "write" : "read";
   EBB_CHECK(b.nbytes > 0, what, " of slot ", slot, ": size must be positive (got 0 bytes)");
   EBB_CHECK(b.ptr != nullptr, what, " of slot ", slot, ": buffer pointer is null");
-  if (b.kind == MemKind::kDevice)
-    throw Unsupported(ebbtide::detail::concat(what, " of slot ", slot,
-                                     ": device buffers need the CUDA staging path, which this build lacks"));
+  if (b.kind == MemKind::kDevice && mem::cuda::driver() == nullptr)
+    throw Unsupported(ebbtide::detail::concat(what, " of slot ", slot, ": device buffer given but CUDA is unavailable (",
+                                              mem::cuda::unavailable_reason(), ")"));
   auto req = std::make_shared<RequestState>();
   req->slot = slot;
   req->nbytes = b.nbytes;
@@ -684,6 +813,8 @@ ReqPtr Engine::Impl::submit(SlotId slot, const Buffer& b, Callback cb, bool writ
     c->index = static_cast<uint32_t>(pieces.size());
     c->slab = slabs[stripe % n].get();
     c->dev = slab_device[stripe % n];
+    c->slab_index = stripe % n;
+    c->device = b.kind == MemKind::kDevice;
     c->file_off = (stripe / n) * chunk + within;
     c->user = static_cast<char*>(b.ptr) + pos;
     c->len = len;

@@ -147,46 +147,4 @@ void SlabFile::grow_to(uint64_t new_size) {
   size_ = new_size;
 }
 
-StagingPool::StagingPool(uint64_t buffer_bytes, size_t count) : buffer_bytes_(buffer_bytes), count_(count) {
-  EBB_CHECK(buffer_bytes > 0 && count > 0, "staging pool needs a positive size");
-  void* p = ::mmap(nullptr, buffer_bytes * count, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) throw_io_error(errno, "", -1, "mmap (staging pool)");
-  base_ = static_cast<char*>(p);
-  for (size_t i = count; i-- > 0;) free_.push_back(static_cast<int>(i));
-}
-
-StagingPool::~StagingPool() {
-  if (base_) ::munmap(base_, buffer_bytes_ * count_);
-}
-
-int StagingPool::try_acquire() {
-  std::lock_guard lock(mu_);
-  if (free_.empty()) return -1;
-  int i = free_.back();
-  free_.pop_back();
-  return i;
-}
-
-int StagingPool::acquire() {
-  std::unique_lock lock(mu_);
-  cv_.wait(lock, [&] { return !free_.empty(); });
-  int i = free_.back();
-  free_.pop_back();
-  return i;
-}
-
-void StagingPool::release(int index) {
-  {
-    std::lock_guard lock(mu_);
-    free_.push_back(index);
-  }
-  cv_.notify_one();
-}
-
-std::vector<iovec> StagingPool::iovecs() const {
-  std::vector<iovec> v(count_);
-  for (size_t i = 0; i < count_; ++i) v[i] = {data(static_cast<int>(i)), buffer_bytes_};
-  return v;
-}
-
 }  // namespace ebbtide::io::detail

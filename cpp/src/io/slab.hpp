@@ -1,5 +1,4 @@
-// Internal: one slab file per target directory and the page-aligned staging
-// pool. See Note [Slab files] in slab.cpp.
+// Internal: one slab file per target directory. See Note [Slab files] in slab.cpp.
 #pragma once
 
 #include <sys/types.h>
@@ -43,30 +42,6 @@ class SlabFile {
   bool anonymous_ = true;  // O_TMPFILE (else created and unlinked at once)
   uint64_t mem_align_ = 4096, offset_align_ = 4096;
   uint64_t size_ = 0;
-};
-
-// A bounded pool of page-aligned buffers from one anonymous mmap. Thread safe.
-class StagingPool {
- public:
-  StagingPool(uint64_t buffer_bytes, size_t count);
-  ~StagingPool();
-  StagingPool(const StagingPool&) = delete;
-  StagingPool& operator=(const StagingPool&) = delete;
-  int try_acquire();  // index or -1
-  int acquire();      // blocks
-  void release(int index);
-  char* data(int index) const { return base_ + static_cast<uint64_t>(index) * buffer_bytes_; }
-  uint64_t buffer_bytes() const { return buffer_bytes_; }
-  size_t count() const { return count_; }
-  std::vector<iovec> iovecs() const;
-
- private:
-  char* base_ = nullptr;
-  uint64_t buffer_bytes_;
-  size_t count_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<int> free_;
 };
 
 // Test hook: pretend every filesystem refuses O_DIRECT (EINVAL), as tmpfs did
