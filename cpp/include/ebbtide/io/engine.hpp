@@ -82,6 +82,10 @@ class Request {
   std::shared_ptr<detail::RequestState> s_;
 };
 
+// Runs once when a request completes (done() is true, wait() returns after it),
+// on an engine worker thread, or on the thread calling cancel()/free() for a
+// cancelled write. It must not block on engine requests (wait(), drain(),
+// close()); it may submit new ones. Exceptions it throws are logged and dropped.
 using Callback = std::function<void(const Request&)>;
 
 struct EngineStats {
