@@ -8,6 +8,7 @@ prints our/fio ratios.
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,8 @@ def register(subparsers):
     io.add_argument("--checksum", action="store_true", help="crc32c per chunk")
     io.add_argument("--no-device", action="store_true", help="skip GPU transfers")
     io.add_argument("--vs-fio", action="store_true", help="also run fio with equivalent settings")
+    io.add_argument("--repeat", type=int, default=1,
+                    help="runs of each (ebbtide and fio alternating); medians are reported")
     io.add_argument("--json", action="store_true", help="print JSON instead of a table")
     io.set_defaults(func=run_io)
 
@@ -84,16 +87,33 @@ def run_io(args):
     if not dirs:
         tmp = tempfile.mkdtemp(prefix="ebbtide-bench-", dir=os.environ.get("TMPDIR", "/var/tmp"))
         dirs = [tmp]
+    if args.repeat <= 0:
+        raise ValueError(f"--repeat must be positive, got {args.repeat}")
     try:
-        result = dict(_core.bench_io(dirs=dirs, size=size, chunk=chunk, qd=args.qd,
-                                     backend=args.backend, request=request,
-                                     checksum=args.checksum, device=not args.no_device))
-        result.update(dirs=dirs, size=size, chunk=chunk, qd=args.qd)
+        runs, fio_runs = [], []
+        # Alternate ours and fio so slow drifts of a shared disk hit both alike.
+        for _ in range(args.repeat):
+            runs.append(dict(_core.bench_io(dirs=dirs, size=size, chunk=chunk, qd=args.qd,
+                                            backend=args.backend, request=request,
+                                            checksum=args.checksum,
+                                            device=not args.no_device)))
+            if args.vs_fio:
+                fio_runs.append(run_fio(dirs, size, chunk, args.qd, args.backend))
+        result = dict(runs[-1])
+        for key in ("write_gbps", "read_gbps", "device_write_gbps", "device_read_gbps"):
+            result[key] = statistics.median(r[key] for r in runs)
+        result["verified"] = all(r["verified"] for r in runs)
+        result.update(dirs=dirs, size=size, chunk=chunk, qd=args.qd, repeat=args.repeat)
+        if args.repeat > 1:
+            result["runs"] = [{k: r[k] for k in ("write_gbps", "read_gbps")} for r in runs]
         if args.vs_fio:
-            fw, fr = run_fio(dirs, size, chunk, args.qd, args.backend)
+            fw = statistics.median(f[0] for f in fio_runs)
+            fr = statistics.median(f[1] for f in fio_runs)
             result.update(fio_write_gbps=fw, fio_read_gbps=fr,
                           write_vs_fio=result["write_gbps"] / fw if fw else None,
                           read_vs_fio=result["read_gbps"] / fr if fr else None)
+            if args.repeat > 1:
+                result["fio_runs"] = [dict(write_gbps=w, read_gbps=r) for w, r in fio_runs]
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -108,7 +128,8 @@ def run_io(args):
 def print_table(r):
     print(f"ebbtide bench io: {r['describe']}")
     print(f"  dirs={','.join(r['dirs'])} size={_core.format_bytes(r['size'])} "
-          f"chunk={_core.format_bytes(r['chunk'])} qd={r['qd']} O_DIRECT={r['direct']}")
+          f"chunk={_core.format_bytes(r['chunk'])} qd={r['qd']} O_DIRECT={r['direct']}"
+          + (f" (median of {r['repeat']} runs each)" if r["repeat"] > 1 else ""))
     rows = [("host write", r["write_gbps"], r.get("fio_write_gbps")),
             ("host read", r["read_gbps"], r.get("fio_read_gbps"))]
     if r.get("device_measured"):
