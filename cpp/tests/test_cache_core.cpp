@@ -498,3 +498,34 @@ TEST(CacheCore, InflightLimitMakesSaveWaitForStores) {
 
 }  // namespace
 }  // namespace ebbtide::cache
+
+namespace ebbtide::cache {
+namespace {
+
+TEST(CacheCore, ConsumedEntriesAreNotPrefetchedAgainInTheSameBackward) {
+  TensorCache c(make_host_store(HostStoreOptions{}), CacheOptions{});
+  c.begin_step();
+  auto x = test::random_bytes(100, 1), y = test::random_bytes(100, 2);
+  SaveRequest r;
+  r.ptr = x.data();
+  r.nbytes = 100;
+  r.key = 1;
+  EntryId a = c.save(r).id;
+  r.ptr = y.data();
+  r.key = 2;
+  EntryId b = c.save(r).id;
+  c.drain();
+  c.poll();
+  std::vector<unsigned char> out(100);
+  ASSERT_EQ(c.request(a), Reload::kNeedBuffer);
+  c.start_load(a, out.data(), 0);
+  c.wait(a, 0);
+  EXPECT_TRUE(c.consume(a, /*task=*/5));
+  // b's unpack in the same backward (task 5) must not reload a.
+  EXPECT_TRUE(c.prefetch_before(b, 5).empty());
+  // A later backward of the retained graph (task 6) may.
+  EXPECT_EQ(c.prefetch_before(b, 6).size(), 1u);
+}
+
+}  // namespace
+}  // namespace ebbtide::cache

@@ -532,7 +532,7 @@ class TensorCache:
             stream = self._stream()
             if r == _R_NEED:
                 self._start_load_locked(eid, e, stream)
-            self._prefetch(self._core.prefetch_before(eid), stream)
+            self._prefetch(self._core.prefetch_before(eid, torch._C._current_graph_task_id()), stream)
         self._core.wait(eid, stream)
         with self._lock:
             buf = e.buf
@@ -543,7 +543,7 @@ class TensorCache:
                 if cur.cuda_stream != e.stream:
                     buf.record_stream(cur)
             out = self._view(h, buf.untyped_storage(), buf.device)
-            if self._core.consume(eid):
+            if self._core.consume(eid, torch._C._current_graph_task_id()):
                 e.buf = None
         return out
 
@@ -584,7 +584,7 @@ class TensorCache:
             if self._closed:
                 return
             self._poll_locked()
-            self._prefetch(self._core.prefetch_scope(mb, scope), self._stream())
+            self._prefetch(self._core.prefetch_scope(mb, scope, torch._C._current_graph_task_id()), self._stream())
 
     def _release(self, eid):
         with self._lock:

@@ -9,6 +9,7 @@
 #include "bind.hpp"
 #include "ebbtide/cache/store.hpp"
 #include "ebbtide/cache/tensor_cache.hpp"
+#include "ebbtide/io/engine.hpp"
 #include "ebbtide/util/error.hpp"
 
 namespace nb = nanobind;
@@ -47,14 +48,10 @@ std::unique_ptr<Store> make_store(const std::string& target, const std::vector<s
     return make_host_store(o);
   }
   if (target == "ssd") {
-#ifdef EBBTIDE_CACHE_HAVE_SSD
     SsdStoreOptions o;
     o.dirs = paths;
     o.capacity_bytes = capacity_bytes;
     return make_ssd_store(o);
-#else
-    throw ebbtide::Unsupported("tensor cache: target 'ssd' needs the storage engine (not in this build)");
-#endif
   }
   throw ebbtide::InvalidArgument("tensor cache: target '" + target + "' is not valid (valid: ssd, cpu)");
 }
@@ -64,6 +61,11 @@ using Prefetch = std::vector<std::pair<EntryId, uint64_t>>;
 }  // namespace
 
 EBB_BIND(cache, 30) {
+  nb::dict(m.attr("build_info"))["cache_ssd"] = true;
+  // Test hooks for target "ssd" (Note [Fault injection] in io/engine.cpp).
+  m.def("cache_inject_write_fault", &ebbtide::io::inject_write_fault, nb::arg("dir"), nb::arg("after_bytes"),
+        nb::arg("err"), nb::arg("count") = 1);
+  m.def("cache_clear_faults", &ebbtide::io::clear_faults);
   m.def("cuda_driver_available", [] { return cuda_driver(true) != nullptr; });
   m.attr("RELOAD_RESIDENT") = static_cast<int>(Reload::kResident);
   m.attr("RELOAD_FORWARD") = static_cast<int>(Reload::kForward);
@@ -119,10 +121,11 @@ EBB_BIND(cache, 30) {
            },
            nb::arg("id"), nb::arg("dst"), nb::arg("stream"))
       .def("wait", &TensorCache::wait, nb::arg("id"), nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>())
-      .def("consume", &TensorCache::consume, nb::arg("id"))
+      .def("consume", &TensorCache::consume, nb::arg("id"), nb::arg("task") = -1)
       .def("scope_end", &TensorCache::scope_end, nb::arg("microbatch"), nb::arg("scope"))
-      .def("prefetch_scope", &TensorCache::prefetch_scope, nb::arg("microbatch"), nb::arg("scope"))
-      .def("prefetch_before", &TensorCache::prefetch_before, nb::arg("id"))
+      .def("prefetch_scope", &TensorCache::prefetch_scope, nb::arg("microbatch"), nb::arg("scope"),
+           nb::arg("task") = -1)
+      .def("prefetch_before", &TensorCache::prefetch_before, nb::arg("id"), nb::arg("task") = -1)
       .def("begin_step", &TensorCache::begin_step)
       .def("end_step", &TensorCache::end_step)
       .def("release_step", &TensorCache::release_step, nb::arg("step"), nb::call_guard<nb::gil_scoped_release>())

@@ -16,7 +16,7 @@ VOCAB = 128
 
 
 def ssd_available():
-    return hasattr(_core, "IoEngine") or _core.build_info.get("cache_ssd", False)
+    return _core.build_info.get("cache_ssd", False)
 
 
 def make_model(kind, dtype):

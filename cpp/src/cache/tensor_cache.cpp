@@ -48,6 +48,7 @@ struct TensorCache::Entry {
   bool load_started = false;
   int handles = 0;
   int unpacks_left = 0;
+  int64_t consumed_task = -1;  // graph task that consumed the last load
   Location loc = 0;
   bool has_loc = false;
   void* dst = nullptr;
@@ -376,11 +377,19 @@ void TensorCache::wait(EntryId id, mem::cuda::Stream stream) {
   if (f.device >= 0 && f.load_done_ev != 0) opts_.driver->stream_wait_event(stream, f.load_done_ev);
 }
 
-bool TensorCache::consume(EntryId id) {
+// Note [Consumed entries]
+// A consumed entry goes back to kStored but lives on until its handles die,
+// which may be after later unpacks in the same backward (a node unpacks all
+// its saved tensors before running, and dedup'd views die with their nodes).
+// Prefetching it again in that backward would reload bytes no one reads, so
+// prefetches of the consuming graph task skip it; a later backward of a
+// retained graph runs in a new task and prefetches it again.
+bool TensorCache::consume(EntryId id, int64_t task) {
   Lock lock(mu_);
   Entry& e = find(id, "consume");
   if (e.state != EntryState::kLoaded) return false;
   if (--e.unpacks_left > 0) return false;
+  e.consumed_task = task;
   mutate(e, EntryState::kStored, true);
   e.dst = nullptr;
   return true;
@@ -392,7 +401,8 @@ void TensorCache::scope_end(int microbatch, int64_t scope) {
   mb.scope_end[scope] = mb.order.size();
 }
 
-std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_locked(MicroBatch& mb, size_t end) {
+std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_locked(MicroBatch& mb, size_t end,
+                                                                      int64_t task) {
   std::vector<std::pair<EntryId, uint64_t>> out;
   uint64_t window = window_;
   const uint64_t limit = opts_.prefetch_window_bytes;
@@ -401,6 +411,7 @@ std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_locked(MicroBatc
     if (it == entries_.end()) continue;
     const Entry& e = *it->second;
     if (e.state != EntryState::kStored || !e.has_loc) continue;
+    if (task != -1 && e.consumed_task == task) continue;
     if (window + e.nbytes > limit) break;
     window += e.nbytes;
     out.emplace_back(e.id, e.nbytes);
@@ -408,16 +419,17 @@ std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_locked(MicroBatc
   return out;
 }
 
-std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_scope(int microbatch, int64_t scope) {
+std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_scope(int microbatch, int64_t scope,
+                                                                     int64_t task) {
   Lock lock(mu_);
   auto m = microbatches_.find(microbatch);
   if (m == microbatches_.end()) return {};
   auto s = m->second.scope_end.find(scope);
   size_t end = s == m->second.scope_end.end() ? m->second.order.size() : s->second;
-  return prefetch_locked(m->second, end);
+  return prefetch_locked(m->second, end, task);
 }
 
-std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_before(EntryId id) {
+std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_before(EntryId id, int64_t task) {
   Lock lock(mu_);
   auto it = entries_.find(id);
   if (it == entries_.end()) return {};
@@ -425,7 +437,7 @@ std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_before(EntryId i
   if (m == microbatches_.end()) return {};
   auto& order = m->second.order;
   auto pos = std::find(order.begin(), order.end(), id);
-  return prefetch_locked(m->second, static_cast<size_t>(pos - order.begin()));
+  return prefetch_locked(m->second, static_cast<size_t>(pos - order.begin()), task);
 }
 
 void TensorCache::begin_step() {
@@ -630,8 +642,8 @@ void TensorCache::run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Str
     if (e.state == EntryState::kStoring) {
       mutate(e, EntryState::kFailed, true);
       step_c_.tensors_kept += 1;
-      completions_.push_back({id, false});
     }
+    completions_.push_back({id, false});  // also when forwarded meanwhile: the glue warns
     return;
   }
   if (e.state == EntryState::kStoring) {

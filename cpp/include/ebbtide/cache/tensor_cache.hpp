@@ -138,17 +138,20 @@ class TensorCache {
   // Blocks until the entry's load is done; `stream` (device) then waits for
   // it without a host sync. Rethrows the load's error (the entry stays stored).
   void wait(EntryId id, mem::cuda::Stream stream);
-  // One handle of a loaded entry was unpacked. True when every handle was:
-  // the entry returns to kStored and the glue drops its buffer.
-  bool consume(EntryId id);
+  // One handle of a loaded entry was unpacked in backward pass `task` (the
+  // autograd graph task). True when every handle was: the entry returns to
+  // kStored, the glue drops its buffer, and prefetches of the same task skip
+  // it (its other views may still be alive, Note [Consumed entries]).
+  bool consume(EntryId id, int64_t task = -1);
 
   // The micro-batch's current end of forward order (for scope bookkeeping).
   void scope_end(int microbatch, int64_t scope);
   // Stored entries to load next, in reverse forward order from the end of
   // `scope` (or from just before entry `id`), within the prefetch window.
   // Returns (id, nbytes); the glue allocates and calls start_load for each.
-  std::vector<std::pair<EntryId, uint64_t>> prefetch_scope(int microbatch, int64_t scope);
-  std::vector<std::pair<EntryId, uint64_t>> prefetch_before(EntryId id);
+  // `task`: the current backward's graph task (-1: none).
+  std::vector<std::pair<EntryId, uint64_t>> prefetch_scope(int microbatch, int64_t scope, int64_t task = -1);
+  std::vector<std::pair<EntryId, uint64_t>> prefetch_before(EntryId id, int64_t task = -1);
 
   void begin_step();
   void end_step();
@@ -184,7 +187,7 @@ class TensorCache {
   void mutate(Entry& e, EntryState s, bool acked);  // keeps resident/window sums
   void erase_locked(Lock& lock, EntryId id);
   void wait_idle_locked(Lock& lock, Entry& e);
-  std::vector<std::pair<EntryId, uint64_t>> prefetch_locked(MicroBatch& mb, size_t end);
+  std::vector<std::pair<EntryId, uint64_t>> prefetch_locked(MicroBatch& mb, size_t end, int64_t task);
   void worker_main(unsigned index);
   void run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Stream>& side);
   void run_load(Lock& lock, EntryId id, std::map<int, mem::cuda::Stream>& side);
