@@ -20,6 +20,7 @@ streams. See docs/tensor-cache.md for the design and its limits.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import shutil
 import tempfile
@@ -42,6 +43,8 @@ _R_PENDING = _core.RELOAD_PENDING
 
 _DEFAULT_MIN_BYTES = 256 * 1024
 _DEFAULT_WINDOW = 512 * 1024 * 1024
+_DIRECT_MIN = 1 << 20
+_ALIGNED = True  # Note [Aligned host reload buffers]
 
 
 def _env_bytes(name: str) -> Optional[int]:
@@ -61,11 +64,12 @@ def _in_backward() -> bool:
 class _Entry:
     """Glue side of one core entry: what keeps device memory alive for it."""
 
-    __slots__ = ("live", "buf", "sref", "version", "nbytes", "scope", "dirty", "stream")
+    __slots__ = ("live", "buf", "buf_off", "sref", "version", "nbytes", "scope", "dirty", "stream")
 
     def __init__(self, live, sref, version, nbytes, scope):
         self.live = live      # the saved tensor, until its store completes (or for good)
         self.buf = None       # uint8 reload buffer while loading/loaded
+        self.buf_off = 0      # bytes from buf's start to the reloaded storage bytes
         self.sref = sref      # StorageWeakRef: keeps the storage's key unique while we live
         self.version = version
         self.nbytes = nbytes
@@ -489,9 +493,13 @@ class TensorCache:
                 f"{h.version} instead. (reported by ebbtide's saved-tensor hooks)")
 
     @staticmethod
-    def _view(h, storage, device):
+    def _view(h, storage, device, byte_off=0):
         out = torch.empty(0, dtype=h.dtype, device=device)
-        out.set_(storage, h.offset, h.shape, h.stride)
+        itemsize = h.dtype.itemsize
+        if byte_off % itemsize:
+            raise RuntimeError(f"ebbtide.TensorCache: reload buffer offset {byte_off} is not a multiple of "
+                               f"the {h.dtype} element size")
+        out.set_(storage, h.offset + byte_off // itemsize, h.shape, h.stride)
         return out
 
     def _unpack(self, h):
@@ -542,7 +550,7 @@ class TensorCache:
                 cur = torch.cuda.current_stream(device)
                 if cur.cuda_stream != e.stream:
                     buf.record_stream(cur)
-            out = self._view(h, buf.untyped_storage(), buf.device)
+            out = self._view(h, buf.untyped_storage(), buf.device, e.buf_off)
             if self._core.consume(eid, torch._C._current_graph_task_id()):
                 e.buf = None
         return out
@@ -558,11 +566,20 @@ class TensorCache:
         # the caching allocator never hands their memory to another stream
         # before the compute stream's later work; the copy waits on an event
         # recorded here and unpack makes the compute stream wait on its end.
-        buf = torch.empty(e.nbytes, dtype=torch.uint8, device=self._device)
+        off = 0
+        if _ALIGNED and self.target == "ssd" and e.nbytes >= _DIRECT_MIN and (self._device is None or self._device.type == "cpu"):
+            # Note [Aligned host reload buffers]: a page-aligned buffer (an
+            # anonymous mmap shared through the buffer protocol, storage offset
+            # 0) lets O_DIRECT reads land in place instead of going through the
+            # engine's staging copy.
+            buf = torch.frombuffer(mmap.mmap(-1, e.nbytes), dtype=torch.uint8)
+        else:
+            buf = torch.empty(e.nbytes, dtype=torch.uint8, device=self._device)
         e.buf = buf
+        e.buf_off = off
         e.stream = stream
         try:
-            self._core.start_load(eid, buf.data_ptr(), stream)
+            self._core.start_load(eid, buf.data_ptr() + off, stream)
         except BaseException:
             e.buf = None
             raise
