@@ -159,7 +159,7 @@ class TensorCache:
     def __init__(self, target: str = "ssd", path: Union[None, str, os.PathLike, Sequence] = None, *,
                  min_bytes: Optional[int] = None, keep_last_modules: int = 1,
                  prefetch_window_bytes: Optional[int] = None, capacity_bytes: int = 0,
-                 workers: Optional[int] = None, max_inflight_bytes: int = 0,
+                 workers: Optional[int] = None, max_inflight_bytes: Optional[int] = None,
                  device: Union[None, str, torch.device] = None):
         if target not in ("ssd", "cpu"):
             raise ValueError(f"ebbtide.TensorCache: target {target!r} is not valid (valid: 'ssd', 'cpu')")
@@ -197,8 +197,16 @@ class TensorCache:
         window = _DEFAULT_WINDOW if prefetch_window_bytes is None else int(prefetch_window_bytes)
         cuda = torch.cuda.is_available() and (self._device is None or self._device.type == "cuda")
         try:
-            self._core = _core.CacheCore(target, paths, int(capacity_bytes), int(window),
-                                         int(workers) if workers else 2, bool(cuda), int(max_inflight_bytes))
+            if workers is None:
+                w = os.environ.get("EBBTIDE_CACHE_WORKERS")
+                try:
+                    workers = int(w) if w else 2
+                except ValueError:
+                    raise ValueError(f"environment variable EBBTIDE_CACHE_WORKERS: {w!r} is not an integer")
+            if max_inflight_bytes is None:
+                max_inflight_bytes = _env_bytes("EBBTIDE_MAX_INFLIGHT") or 0
+            self._core = _core.CacheCore(target, paths, int(capacity_bytes), int(window), int(workers),
+                                         bool(cuda), int(max_inflight_bytes))
         except BaseException:
             self._remove_tmpdir()
             raise

@@ -84,7 +84,7 @@ EBB_BIND(cache, 30) {
              co.workers = workers;
              co.max_inflight_bytes = max_inflight_bytes;
              co.driver = drv;
-             co = co.with_env();
+             // EBBTIDE_* settings are resolved by the glue (arguments first).
              new (self) TensorCache(std::move(store), co);
            },
            nb::arg("target"), nb::arg("paths"), nb::arg("capacity_bytes") = 0,
