@@ -172,7 +172,7 @@ class TensorCache:
             raise ValueError(f"ebbtide.TensorCache: min_bytes={min_bytes} must be >= 0")
         self.target = target
         self.keep_last_modules = int(keep_last_modules)
-        self._device = torch.device(device) if device is not None else None
+        self._device = self._normalize_device(device) if device is not None else None
         self._tmpdir = None
         paths: list = []
         if target == "ssd":
@@ -210,6 +210,9 @@ class TensorCache:
         except BaseException:
             self._remove_tmpdir()
             raise
+        # Device tensors need the CUDA driver shim; without it (EBBTIDE_CUDA=0,
+        # no libcuda) they stay resident rather than failing the step.
+        self._cuda_ok = bool(cuda) and _core.cuda_driver_available()
         self.paths = paths
         self._lock = threading.RLock()
         self._entries: dict[int, _Entry] = {}
@@ -243,7 +246,7 @@ class TensorCache:
         if self._device is None:
             p = next(iter(model.parameters()), None)
             if p is not None:
-                self._device = p.device
+                self._device = self._normalize_device(p.device)
         self._blocks = _find_blocks(model)
         self._expected_blocks = len(self._blocks)
         self._hooks.append(model.register_forward_pre_hook(self._on_root_forward_pre))
@@ -372,6 +375,13 @@ class TensorCache:
             pass
 
     # ---------------------------------------------------------------- internals
+    @staticmethod
+    def _normalize_device(device):
+        d = torch.device(device)
+        if d.type == "cuda" and d.index is None:
+            d = torch.device("cuda", torch.cuda.current_device())
+        return d
+
     def _check_open(self):
         if self._closed:
             raise RuntimeError("ebbtide.TensorCache: the cache is closed")
@@ -429,6 +439,8 @@ class TensorCache:
         if self._device is None:
             self._device = t.device
         if t.device != self._device:
+            return False
+        if t.device.type != "cpu" and not (t.is_cuda and self._cuda_ok):
             return False
         if _in_backward():
             return False
