@@ -20,7 +20,6 @@ streams. See docs/tensor-cache.md for the design and its limits.
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import shutil
 import tempfile
@@ -43,8 +42,6 @@ _R_PENDING = _core.RELOAD_PENDING
 
 _DEFAULT_MIN_BYTES = 256 * 1024
 _DEFAULT_WINDOW = 512 * 1024 * 1024
-_DIRECT_MIN = 1 << 20
-_ALIGNED = True  # Note [Aligned host reload buffers]
 
 
 def _env_bytes(name: str) -> Optional[int]:
@@ -587,12 +584,11 @@ class TensorCache:
         # before the compute stream's later work; the copy waits on an event
         # recorded here and unpack makes the compute stream wait on its end.
         off = 0
-        if _ALIGNED and self.target == "ssd" and e.nbytes >= _DIRECT_MIN and (self._device is None or self._device.type == "cpu"):
-            # Note [Aligned host reload buffers]: a page-aligned buffer (an
-            # anonymous mmap shared through the buffer protocol, storage offset
-            # 0) lets O_DIRECT reads land in place instead of going through the
-            # engine's staging copy.
-            buf = torch.frombuffer(mmap.mmap(-1, e.nbytes), dtype=torch.uint8)
+        if self._device is None or self._device.type == "cpu":
+            # Note [Host reload buffers]: page-aligned buffers from a pool in
+            # the core, reused by size across steps: O_DIRECT reads land in
+            # place (no staging copy) and no fresh pages are zeroed each step.
+            buf = _core.cache_host_buffer(e.nbytes)
         else:
             buf = torch.empty(e.nbytes, dtype=torch.uint8, device=self._device)
         e.buf = buf

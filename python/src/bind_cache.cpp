@@ -1,12 +1,14 @@
 // Bindings of the tensor cache core (cpp/include/ebbtide/cache). The torch glue
 // lives in python/ebbtide/cache.py; this only converts arguments and releases
 // the GIL where the core may block (release, wait, drain, close).
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include "bind.hpp"
+#include "ebbtide/cache/buffer_pool.hpp"
 #include "ebbtide/cache/store.hpp"
 #include "ebbtide/cache/tensor_cache.hpp"
 #include "ebbtide/io/engine.hpp"
@@ -66,6 +68,23 @@ EBB_BIND(cache, 30) {
   m.def("cache_inject_write_fault", &ebbtide::io::inject_write_fault, nb::arg("dir"), nb::arg("after_bytes"),
         nb::arg("err"), nb::arg("count") = 1);
   m.def("cache_clear_faults", &ebbtide::io::clear_faults);
+  // A page-aligned host buffer from the shared pool as a torch uint8 tensor;
+  // it returns to the pool when torch frees the tensor's storage.
+  m.def("cache_host_buffer", [](size_t nbytes) {
+    auto& pool = HostBufferPool::shared();
+    void* p = pool.take(nbytes);
+    nb::capsule owner(p, [](void* q) noexcept {
+      try {
+        HostBufferPool::shared().give(q);
+      } catch (...) {
+      }
+    });
+    return nb::ndarray<nb::pytorch, uint8_t, nb::ndim<1>>(p, {nbytes}, owner);
+  }, nb::arg("nbytes"));
+  m.def("cache_host_buffer_stats", [] {
+    auto& pool = HostBufferPool::shared();
+    return std::make_tuple(pool.out_bytes(), pool.spare_bytes(), pool.reused());
+  });
   m.def("cuda_driver_available", [] { return cuda_driver(true) != nullptr; });
   m.attr("RELOAD_RESIDENT") = static_cast<int>(Reload::kResident);
   m.attr("RELOAD_FORWARD") = static_cast<int>(Reload::kForward);
