@@ -596,3 +596,36 @@ def test_disk_full_mid_step_keeps_tensors_resident(tmp_path):
     got = step(model, x, cache.step())  # the disk has room again
     assert same(ref[1], got[1])
     cache.close()
+
+
+def test_tensors_off_the_training_device_pass_through():
+    cache = ebbtide.TensorCache(target="cpu", min_bytes=0, device="meta")
+    x = torch.randn(100, requires_grad=True)
+    with cache.step():
+        x.exp().sum().backward()
+    assert cache.stats()["tensors_saved"] == 0
+    cache.close()
+
+
+def test_hints_and_errors_before_any_step():
+    cache = ebbtide.TensorCache(target="cpu")
+    with pytest.raises(ValueError, match="forward"):
+        cache.phase("sideways")
+    cache.microbatch(3)
+    cache.close()
+    cache.close()  # idempotent
+    assert cache.stats()["steps"] == 0  # still readable after close
+    with pytest.raises(RuntimeError, match="closed"):
+        cache.phase("backward")
+
+
+def test_unpack_after_an_aborted_step_fails_clearly(make_cache):
+    cache = make_cache()
+    x = torch.randn(100, requires_grad=True)
+    kept = {}
+    with pytest.raises(KeyError):
+        with cache.step():
+            kept["y"] = x.exp().sin()
+            raise KeyError("stop")
+    with pytest.raises(RuntimeError, match="aborted"):
+        kept["y"].sum().backward()
