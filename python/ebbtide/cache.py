@@ -276,8 +276,9 @@ class TensorCache:
         self._core.begin_step()
         step_no = self._core.current_step
         self._in_step = True
-        self._next_mb = 0
-        self._fwd_mb = 0
+        # Micro-batch ids keep counting across steps: a graph retained past
+        # its step keeps its own records.
+        self._fwd_mb = self._next_mb
         self._mb_hinted = False
         self._scope = -1
         self._blocks_in_fwd = 0
@@ -312,6 +313,7 @@ class TensorCache:
         self._phase = name
         if name == "backward":
             self._prefetch_scope(self._fwd_mb, 1 << 62)
+            self._mb_hinted = False  # a backward hint does not name the next forward
 
     def stats(self) -> dict:
         """Statistics of the last (or current) step, plus "total" over all steps and the plan."""
