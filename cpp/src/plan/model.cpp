@@ -36,6 +36,17 @@ const Spec& find_in(const std::vector<Spec>& catalog, std::string_view name, con
   throw InvalidArgument(detail::concat("unknown ", what, " '", name, "' (valid: ", names_of(catalog), ")"));
 }
 
+// "1, 2, 4, 8" -- the divisors of n up to `limit`, for error messages.
+std::string divisors(int64_t n, int64_t limit) {
+  std::string out;
+  for (int64_t d = 1; d <= n && d <= limit; ++d) {
+    if (n % d != 0) continue;
+    if (!out.empty()) out += ", ";
+    out += std::to_string(d);
+  }
+  return out;
+}
+
 }  // namespace
 
 int64_t ModelConfig::self_only_layers() const {
@@ -67,9 +78,10 @@ void validate(const ModelConfig& c) {
             "model setting 'decoder_layers' applies only to arch encoder-decoder (got arch ",
             to_string(c.arch), ")");
   EBB_CHECK(c.hidden % c.heads == 0, "model setting 'heads' (", c.heads,
-            ") must divide 'hidden' (", c.hidden, "): head size hidden/heads must be an integer");
+            ") must divide 'hidden' (", c.hidden, "): head size hidden/heads must be an integer (valid heads up to 256: ",
+            divisors(c.hidden, 256), ")");
   EBB_CHECK(c.heads % c.tp == 0, "model setting 'tp' (", c.tp, ") must divide 'heads' (", c.heads,
-            "): tensor parallelism splits whole attention heads");
+            "): tensor parallelism splits whole attention heads (valid tp: ", divisors(c.heads, c.heads), ")");
   EBB_CHECK(c.ffn() % c.tp == 0, "model setting 'tp' (", c.tp, ") must divide the MLP width (",
             c.ffn(), ")");
   EBB_CHECK(c.bytes_per_element == 2 || c.bytes_per_element == 4,
