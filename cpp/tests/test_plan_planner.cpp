@@ -162,3 +162,31 @@ TEST(PlanPlanner, BadInputNamesTheSetting) {
   o.replan_fraction = 0;
   EXPECT_THROW(plan_offload(uniform(2, 0.1, kGB), o), ebbtide::InvalidArgument);
 }
+
+TEST(PlanPlanner, UnevenModulesKeepThePrefixRule) {
+  // 400 modules with uneven times and sizes: offloaded modules form a prefix
+  // (the walk stops at the first miss), the plan adds no stall, and forcing
+  // the first kept candidate onto the SSD would stall.
+  std::vector<ModuleProfile> m;
+  uint64_t seed = 12345;
+  auto next = [&seed] {
+    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    return static_cast<double>(seed >> 11) / static_cast<double>(1ULL << 53);
+  };
+  for (int i = 0; i < 400; ++i)
+    m.push_back({"m" + std::to_string(i), 0.001 + 0.004 * next(), static_cast<uint64_t>(1e6 + 4e7 * next())});
+  PlannerOptions o;
+  o.write_bps = 3e9;  // about 7 GB/s would be needed to hide everything
+  o.read_bps = 6e9;
+  const Plan p = plan_offload(m, o);
+  EXPECT_NEAR(p.predicted_stall_seconds, 0, 1e-9);
+  size_t first_keep = 0;
+  while (first_keep < m.size() && p.modules[first_keep].placement == Placement::kOffloadSsd) ++first_keep;
+  ASSERT_GT(first_keep, 0u);
+  ASSERT_LT(first_keep, m.size() - 1);
+  for (size_t i = first_keep; i < m.size(); ++i) EXPECT_EQ(p.modules[i].placement, Placement::kKeep) << i;
+  std::vector<Placement> forced(m.size(), Placement::kKeep);
+  for (size_t i = 0; i <= first_keep; ++i) forced[i] = Placement::kOffloadSsd;
+  EXPECT_GT(simulate_plan(m, o, forced).predicted_stall_seconds, 0);
+  EXPECT_LT(p.peak_resident_bytes, p.all_resident_bytes);
+}

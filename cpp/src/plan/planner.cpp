@@ -78,11 +78,12 @@ double ssd_write_rate(const PlannerOptions& o) {
 // can take ends the walk: it and every later module stay resident. This is
 // ARCHITECTURE.md's rule (offload while the writes so far and the reloads fit
 // in the compute time elapsed and left) made exact for uneven modules.
-Plan simulate_plan(const std::vector<ModuleProfile>& modules, const PlannerOptions& o,
-                   const std::vector<Placement>& placements) {
-  validate(modules, o);
-  EBB_CHECK(placements.size() == modules.size(), "simulate_plan: ", placements.size(),
-            " placements for ", modules.size(), " modules");
+namespace {
+
+// The timing model above; the O(n^2) peak-memory scan only when asked (the
+// greedy walk needs the stall alone). Inputs already validated.
+Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o,
+              const std::vector<Placement>& placements, bool with_peak) {
   const size_t n = modules.size();
   Plan plan;
   plan.replan_fraction = o.replan_fraction;
@@ -143,6 +144,7 @@ Plan simulate_plan(const std::vector<ModuleProfile>& modules, const PlannerOptio
     plan.backward_seconds += beta * modules[idx].forward_seconds;
   }
   plan.predicted_stall_seconds = stall;
+  if (!with_peak) return plan;
 
   // Peak resident bytes: forward peaks come when a module finishes (writes
   // only lower it); backward peaks when a module's backward starts.
@@ -170,6 +172,16 @@ Plan simulate_plan(const std::vector<ModuleProfile>& modules, const PlannerOptio
   return plan;
 }
 
+}  // namespace
+
+Plan simulate_plan(const std::vector<ModuleProfile>& modules, const PlannerOptions& o,
+                   const std::vector<Placement>& placements) {
+  validate(modules, o);
+  EBB_CHECK(placements.size() == modules.size(), "simulate_plan: ", placements.size(),
+            " placements for ", modules.size(), " modules");
+  return simulate(modules, o, placements, true);
+}
+
 Plan plan_offload(const std::vector<ModuleProfile>& modules, const PlannerOptions& o) {
   validate(modules, o);
   const size_t n = modules.size();
@@ -195,7 +207,7 @@ Plan plan_offload(const std::vector<ModuleProfile>& modules, const PlannerOption
       if (tier == Placement::kOffloadSsd && !ssd_usable) continue;
       if (tier == Placement::kOffloadCpu && (!cpu_usable || host_left < modules[i].bytes)) continue;
       placements[i] = tier;
-      const double stall = simulate_plan(modules, o, placements).predicted_stall_seconds;
+      const double stall = simulate(modules, o, placements, false).predicted_stall_seconds;
       if (stall <= base_stall + tolerance) {
         base_stall = stall;
         if (tier == Placement::kOffloadCpu) host_left -= modules[i].bytes;
@@ -206,7 +218,7 @@ Plan plan_offload(const std::vector<ModuleProfile>& modules, const PlannerOption
     }
     if (!placed) break;
   }
-  return simulate_plan(modules, o, placements);
+  return simulate(modules, o, placements, true);
 }
 
 }  // namespace ebbtide::plan
