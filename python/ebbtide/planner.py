@@ -15,7 +15,7 @@ PLACEMENTS = ("keep", "offload_cpu", "offload_ssd")
 
 
 def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bps: float, *,
-                 max_write_mbps: float | None = None, host_budget_bytes: int = 0,
+                 target: str = "auto", max_write_mbps: float | None = None, host_budget_bytes: int = 0,
                  host_write_bps: float = 0.0, host_read_bps: float = 0.0,
                  keep_last_modules: int = 1, backward_factor: float = 2.0,
                  prefetch_modules: int = 2, stall_tolerance_seconds: float = 0.0,
@@ -25,7 +25,9 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
     modules: forward order, each ``{"name": str, "forward_seconds": float, "bytes": int}``.
     write_bps / read_bps: measured SSD bandwidth in bytes/s (0 disables the SSD).
     max_write_mbps: cap on SSD writes in MB/s (1e6 bytes/s). host_budget_bytes with
-    host_write_bps / host_read_bps enable host memory as a second tier (target "auto").
+    host_write_bps / host_read_bps enable host memory as a second tier.
+    target: "auto" (SSD, and host memory when a budget is given), "ssd" (host
+    memory ignored) or "cpu" (host memory only; needs host_budget_bytes).
 
     Returns ``{"modules": [{"name", "placement", "bytes", "forward_end_seconds",
     "write_done_seconds", "read_start_seconds", "backward_start_seconds"}, ...],
@@ -34,6 +36,14 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
     "bytes_keep", "bytes_cpu", "bytes_ssd", "planned_write_bps", "planned_read_bps",
     "replan_fraction"}``. Raises ValueError naming a bad module or setting.
     """
+    if target not in ("auto", "ssd", "cpu"):
+        raise ValueError(f"planner target {target!r} is not valid (valid: auto, ssd, cpu)")
+    if target == "cpu" and int(host_budget_bytes) <= 0:
+        raise ValueError("planner target 'cpu' needs host_budget_bytes > 0")
+    if target == "ssd":
+        host_budget_bytes = 0
+    elif target == "cpu":
+        write_bps = read_bps = 0.0
     if max_write_mbps is not None and max_write_mbps < 0:
         raise ValueError(f"planner setting 'max_write_mbps' must be >= 0, got {max_write_mbps}")
     options = {

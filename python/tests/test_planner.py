@@ -52,6 +52,13 @@ def test_host_tier_and_keep_last():
                              host_budget_bytes=2 * GB, host_write_bps=50e9, host_read_bps=50e9)
     assert placements(p)[:6] == ["offload_ssd"] * 4 + ["offload_cpu"] * 2
     assert p["bytes_cpu"] == 2 * GB
+    host = dict(host_budget_bytes=2 * GB, host_write_bps=50e9, host_read_bps=50e9)
+    p = planner.plan_offload(uniform(10), 100e9, 100e9, max_write_mbps=2500, target="ssd", **host)
+    assert p["bytes_cpu"] == 0 and p["bytes_ssd"] == 4 * GB
+    p = planner.plan_offload(uniform(10), 100e9, 100e9, target="cpu", **host)
+    assert p["bytes_ssd"] == 0 and p["bytes_cpu"] == 2 * GB
+    with pytest.raises(ValueError, match="valid: auto, ssd, cpu"):
+        planner.plan_offload(uniform(2), 1e9, 1e9, target="nvme")
     p = planner.plan_offload(uniform(6), write_bps=1e15, read_bps=1e15, keep_last_modules=3)
     assert placements(p) == ["offload_ssd"] * 3 + ["keep"] * 3
 
