@@ -8,8 +8,8 @@ pytest.importorskip("transformers")
 
 def test_rok_json_and_png(cli, tmp_path):
     png = tmp_path / "rok.png"
-    proc = cli("rok", "--batch", "1,2", "--layers", "2", "--hidden", "64", "--heads", "4",
-               "--seq", "64", "--steps", "1", "--warmup", "0", "--device", "cpu",
+    proc = cli("rok", "--batch", "1,2", "--layers", "4", "--hidden", "128", "--heads", "4",
+               "--seq", "256", "--steps", "1", "--warmup", "0", "--device", "cpu",
                "--png", str(png), "--json")
     r = json.loads(proc.stdout)
     pts = {(p["strategy"], p["batch"]): p for p in r["points"]}
