@@ -42,6 +42,7 @@ stamp="$venv/.ebbtide-requirements"
 if ! cmp -s "$repo/requirements-dev.txt" "$stamp" 2>/dev/null; then
   say "installing requirements-dev.txt"
   "$py" -m pip install -q -r "$repo/requirements-dev.txt"
+  "$py" -m pip install -q --no-deps llm-analysis==0.2.2
   cp "$repo/requirements-dev.txt" "$stamp"
 fi
 

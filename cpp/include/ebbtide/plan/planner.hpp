@@ -1,0 +1,80 @@
+// Adaptive placement: from one profiled step (compute time and saved bytes per
+// module, measured bandwidths) decide which modules' activations stay on the
+// GPU, go to host memory or go to the SSD, so that offloading adds no stall.
+// The rule and its math: Note [Offload rule] in planner.cpp, docs/model.md.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace ebbtide::plan {
+
+// One module, in forward order: its forward compute time and the bytes it saves for backward.
+struct ModuleProfile {
+  std::string name;
+  double forward_seconds = 0;
+  uint64_t bytes = 0;
+};
+
+// Bandwidths in bytes/s. A tier with zero write or read bandwidth is unused;
+// host memory is used only with host_budget_bytes > 0.
+struct PlannerOptions {
+  double write_bps = 0;             // measured SSD write bandwidth
+  double read_bps = 0;              // measured SSD read bandwidth
+  double max_write_bps = 0;         // cap on SSD writes (0: no cap)
+  uint64_t host_budget_bytes = 0;   // host-memory tier in front of the SSD
+  double host_write_bps = 0;
+  double host_read_bps = 0;
+  int64_t keep_last_modules = 1;    // the last modules' activations always stay resident
+  double backward_factor = 2.0;     // backward time = factor * forward time, per module
+  int64_t prefetch_modules = 2;     // a reload may start when backward is this many modules away
+  double stall_tolerance_seconds = 0;  // stall a single offload may add and still be accepted
+  double replan_fraction = 0.7;     // needs_replan() below this fraction of the planned bandwidth
+};
+
+enum class Placement { kKeep, kOffloadCpu, kOffloadSsd };
+std::string to_string(Placement placement);
+
+struct ModuleDecision {
+  std::string name;
+  Placement placement = Placement::kKeep;
+  uint64_t bytes = 0;
+  double forward_end_seconds = 0;    // from the start of the step, no stalls
+  double write_done_seconds = 0;     // offloaded only
+  double read_start_seconds = 0;     // offloaded only
+  double backward_start_seconds = 0; // including the stalls before it
+};
+
+struct Plan {
+  std::vector<ModuleDecision> modules;
+  double forward_seconds = 0;
+  double backward_seconds = 0;        // without stalls
+  double predicted_stall_seconds = 0;
+  uint64_t all_resident_bytes = 0;    // peak when nothing is offloaded
+  uint64_t peak_resident_bytes = 0;   // predicted peak with this plan
+  uint64_t bytes_keep = 0;
+  uint64_t bytes_cpu = 0;
+  uint64_t bytes_ssd = 0;
+  double planned_write_bps = 0;       // SSD write bandwidth the plan assumed (after the cap)
+  double planned_read_bps = 0;
+  double replan_fraction = 0.7;
+
+  double peak_resident_fraction() const {
+    return all_resident_bytes ? static_cast<double>(peak_resident_bytes) / static_cast<double>(all_resident_bytes) : 1.0;
+  }
+  // True when the plan offloads to the SSD and `measured_write_bps` fell below
+  // replan_fraction * planned_write_bps. Throws InvalidArgument for a negative rate.
+  bool needs_replan(double measured_write_bps) const;
+};
+
+// Throws InvalidArgument for negative times or bandwidths, a bad fraction or
+// factor, or keep_last_modules < 0 (each message names the setting or module).
+Plan plan_offload(const std::vector<ModuleProfile>& modules, const PlannerOptions& options);
+
+// Replays `placements` (one per module) with the same timing model; the plan's
+// decisions are those given. Used by plan_offload and by tests.
+Plan simulate_plan(const std::vector<ModuleProfile>& modules, const PlannerOptions& options,
+                   const std::vector<Placement>& placements);
+
+}  // namespace ebbtide::plan

@@ -1,0 +1,192 @@
+// Adaptive planner: ample / zero / capped bandwidth, host tier, replan trigger.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "ebbtide/plan/planner.hpp"
+#include "ebbtide/util/error.hpp"
+
+using namespace ebbtide::plan;
+
+namespace {
+
+std::vector<ModuleProfile> uniform(int n, double seconds, uint64_t bytes) {
+  std::vector<ModuleProfile> m;
+  for (int i = 0; i < n; ++i) m.push_back({"layer" + std::to_string(i), seconds, bytes});
+  return m;
+}
+
+constexpr uint64_t kGB = 1000000000ULL;
+
+}  // namespace
+
+TEST(PlanPlanner, AmpleBandwidthOffloadsAllButTheLast) {
+  PlannerOptions o;
+  o.write_bps = 1e15;
+  o.read_bps = 1e15;
+  const Plan p = plan_offload(uniform(8, 0.1, kGB), o);
+  ASSERT_EQ(p.modules.size(), 8u);
+  for (int i = 0; i < 7; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kOffloadSsd) << i;
+  EXPECT_EQ(p.modules[7].placement, Placement::kKeep);
+  EXPECT_NEAR(p.predicted_stall_seconds, 0, 1e-9);
+  EXPECT_EQ(p.bytes_ssd, 7 * kGB);
+  EXPECT_EQ(p.bytes_keep, kGB);
+  EXPECT_EQ(p.all_resident_bytes, 8 * kGB);
+  // Writes finish almost at once: the peak is the kept module plus the
+  // prefetch window in backward (2 modules), far below all-resident.
+  EXPECT_LE(p.peak_resident_bytes, 3 * kGB);
+  EXPECT_LT(p.peak_resident_fraction(), 0.5);
+  EXPECT_DOUBLE_EQ(p.forward_seconds, 0.8);
+  EXPECT_DOUBLE_EQ(p.backward_seconds, 1.6);
+}
+
+TEST(PlanPlanner, KeepLastModules) {
+  PlannerOptions o;
+  o.write_bps = o.read_bps = 1e15;
+  o.keep_last_modules = 3;
+  const Plan p = plan_offload(uniform(8, 0.1, kGB), o);
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kOffloadSsd) << i;
+  for (int i = 5; i < 8; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kKeep) << i;
+}
+
+TEST(PlanPlanner, ZeroBandwidthOffloadsNothing) {
+  PlannerOptions o;
+  o.write_bps = 0;
+  o.read_bps = 1e12;
+  const Plan p = plan_offload(uniform(8, 0.1, kGB), o);
+  for (const auto& m : p.modules) EXPECT_EQ(m.placement, Placement::kKeep);
+  EXPECT_EQ(p.predicted_stall_seconds, 0);
+  EXPECT_EQ(p.peak_resident_bytes, p.all_resident_bytes);
+  EXPECT_EQ(p.bytes_ssd, 0u);
+  EXPECT_FALSE(p.needs_replan(0));
+}
+
+TEST(PlanPlanner, CapOffloadsAPrefixWithoutStall) {
+  // 10 modules of 0.1 s and 1 GB; writes capped at 2.5 GB/s take 0.4 s each.
+  // Writes finish at 0.5, 0.9, 1.3, 1.7, 2.1 s; module i's backward starts at
+  // 1.0 + 0.2 (9 - i): 2.8, 2.6, 2.4, 2.2, 2.0. Module 4 misses, so 0..3 go.
+  PlannerOptions o;
+  o.write_bps = 100e9;
+  o.read_bps = 100e9;
+  o.max_write_bps = 2.5e9;
+  const Plan p = plan_offload(uniform(10, 0.1, kGB), o);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kOffloadSsd) << i;
+  for (int i = 4; i < 10; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kKeep) << i;
+  EXPECT_NEAR(p.predicted_stall_seconds, 0, 1e-9);
+  EXPECT_NEAR(p.modules[3].write_done_seconds, 1.7, 1e-12);
+  EXPECT_DOUBLE_EQ(p.planned_write_bps, 2.5e9);
+  EXPECT_LT(p.peak_resident_bytes, p.all_resident_bytes);
+  // Forcing module 4 too shows the stall the planner avoided: 2.1 + 0.01 - 2.0.
+  std::vector<Placement> forced(10, Placement::kKeep);
+  for (int i = 0; i < 5; ++i) forced[i] = Placement::kOffloadSsd;
+  EXPECT_NEAR(simulate_plan(uniform(10, 0.1, kGB), o, forced).predicted_stall_seconds, 0.11, 1e-9);
+}
+
+TEST(PlanPlanner, StallToleranceAllowsMore) {
+  PlannerOptions o;
+  o.write_bps = o.read_bps = 100e9;
+  o.max_write_bps = 2.5e9;
+  o.stall_tolerance_seconds = 0.2;
+  const Plan p = plan_offload(uniform(10, 0.1, kGB), o);
+  EXPECT_GT(p.bytes_ssd, 4 * kGB);
+  EXPECT_GT(p.predicted_stall_seconds, 0);
+}
+
+TEST(PlanPlanner, HostTierTakesWhatTheSsdCannotHide) {
+  PlannerOptions o;
+  o.write_bps = o.read_bps = 100e9;
+  o.max_write_bps = 2.5e9;
+  o.host_budget_bytes = 2 * kGB;
+  o.host_write_bps = o.host_read_bps = 50e9;
+  const Plan p = plan_offload(uniform(10, 0.1, kGB), o);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kOffloadSsd) << i;
+  EXPECT_EQ(p.modules[4].placement, Placement::kOffloadCpu);
+  EXPECT_EQ(p.modules[5].placement, Placement::kOffloadCpu);
+  EXPECT_EQ(p.bytes_cpu, 2 * kGB);
+  EXPECT_NEAR(p.predicted_stall_seconds, 0, 1e-9);
+
+  // Host memory only (no SSD): the budget bounds what moves.
+  o.write_bps = 0;
+  const Plan h = plan_offload(uniform(10, 0.1, kGB), o);
+  EXPECT_EQ(h.bytes_cpu, 2 * kGB);
+  EXPECT_EQ(h.bytes_ssd, 0u);
+  EXPECT_EQ(h.modules[0].placement, Placement::kOffloadCpu);
+  EXPECT_EQ(h.modules[1].placement, Placement::kOffloadCpu);
+  EXPECT_EQ(h.modules[2].placement, Placement::kKeep);
+}
+
+TEST(PlanPlanner, ReplanTrigger) {
+  PlannerOptions o;
+  o.write_bps = o.read_bps = 10e9;
+  const Plan p = plan_offload(uniform(8, 0.1, kGB), o);
+  ASSERT_GT(p.bytes_ssd, 0u);
+  EXPECT_FALSE(p.needs_replan(10e9));
+  EXPECT_FALSE(p.needs_replan(7.5e9));
+  EXPECT_TRUE(p.needs_replan(6.9e9));
+  EXPECT_TRUE(p.needs_replan(0));
+  o.replan_fraction = 0.9;
+  EXPECT_TRUE(plan_offload(uniform(8, 0.1, kGB), o).needs_replan(8.5e9));
+  EXPECT_THROW(p.needs_replan(-1), ebbtide::InvalidArgument);
+}
+
+TEST(PlanPlanner, EmptyAndZeroByteModules) {
+  PlannerOptions o;
+  o.write_bps = o.read_bps = 1e12;
+  EXPECT_TRUE(plan_offload({}, o).modules.empty());
+  auto m = uniform(4, 0.1, kGB);
+  m[1].bytes = 0;
+  const Plan p = plan_offload(m, o);
+  EXPECT_EQ(p.modules[1].placement, Placement::kKeep);
+  EXPECT_EQ(p.modules[2].placement, Placement::kOffloadSsd);
+}
+
+TEST(PlanPlanner, BadInputNamesTheSetting) {
+  PlannerOptions o;
+  o.write_bps = -1;
+  try {
+    plan_offload(uniform(2, 0.1, kGB), o);
+    FAIL() << "no error";
+  } catch (const ebbtide::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'write_bps'"), std::string::npos) << e.what();
+  }
+  o = PlannerOptions{};
+  auto m = uniform(2, 0.1, kGB);
+  m[1].forward_seconds = -0.5;
+  try {
+    plan_offload(m, o);
+    FAIL() << "no error";
+  } catch (const ebbtide::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'layer1'"), std::string::npos) << e.what();
+  }
+  o.replan_fraction = 0;
+  EXPECT_THROW(plan_offload(uniform(2, 0.1, kGB), o), ebbtide::InvalidArgument);
+}
+
+TEST(PlanPlanner, UnevenModulesKeepThePrefixRule) {
+  // 400 modules with uneven times and sizes: offloaded modules form a prefix
+  // (the walk stops at the first miss), the plan adds no stall, and forcing
+  // the first kept candidate onto the SSD would stall.
+  std::vector<ModuleProfile> m;
+  uint64_t seed = 12345;
+  auto next = [&seed] {
+    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    return static_cast<double>(seed >> 11) / static_cast<double>(1ULL << 53);
+  };
+  for (int i = 0; i < 400; ++i)
+    m.push_back({"m" + std::to_string(i), 0.001 + 0.004 * next(), static_cast<uint64_t>(1e6 + 4e7 * next())});
+  PlannerOptions o;
+  o.write_bps = 3e9;  // about 7 GB/s would be needed to hide everything
+  o.read_bps = 6e9;
+  const Plan p = plan_offload(m, o);
+  EXPECT_NEAR(p.predicted_stall_seconds, 0, 1e-9);
+  size_t first_keep = 0;
+  while (first_keep < m.size() && p.modules[first_keep].placement == Placement::kOffloadSsd) ++first_keep;
+  ASSERT_GT(first_keep, 0u);
+  ASSERT_LT(first_keep, m.size() - 1);
+  for (size_t i = first_keep; i < m.size(); ++i) EXPECT_EQ(p.modules[i].placement, Placement::kKeep) << i;
+  std::vector<Placement> forced(m.size(), Placement::kKeep);
+  for (size_t i = 0; i <= first_keep; ++i) forced[i] = Placement::kOffloadSsd;
+  EXPECT_GT(simulate_plan(m, o, forced).predicted_stall_seconds, 0);
+  EXPECT_LT(p.peak_resident_bytes, p.all_resident_bytes);
+}

@@ -1,0 +1,48 @@
+"""`ebbtide rok`: recompute-offload-keep curves (see ebbtide.rok)."""
+import json
+import sys
+
+
+def register(subparsers):
+    from ebbtide.demo import MODELS
+
+    p = subparsers.add_parser("rok", help="throughput against activation peak for keep / "
+                                          "offload / recompute per micro-batch size")
+    p.add_argument("--model", default="gpt2", choices=MODELS)
+    p.add_argument("--batch", default="1,2,4,8", help="comma-separated micro-batch sizes")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--layers", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--device")
+    p.add_argument("--path", help="directory for ebbtide's SSD files")
+    p.add_argument("--png", help="write the plot to this file")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args):
+    from ebbtide.rok import format_table, plot, run_rok
+
+    try:
+        batches = [int(b) for b in args.batch.split(",") if b.strip()]
+    except ValueError:
+        raise ValueError(f"--batch {args.batch!r}: expected comma-separated integers") from None
+    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    result = run_rok(model=args.model, batches=batches, steps=args.steps, warmup=args.warmup,
+                     device=args.device, dtype=args.dtype, path=args.path, log=log,
+                     seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
+    if args.png:
+        plot(result, args.png)
+        result["png"] = args.png
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        print()
+    else:
+        print(format_table(result))
+        if args.png:
+            print(f"plot: {args.png}")
+    return 0

@@ -1,0 +1,284 @@
+"""Performance model: activation bytes, FLOPs, step time, SSD bandwidth and
+lifetime, largest micro-batch. The formulas live in C++
+(cpp/src/plan/model.cpp); docs/model.md derives each one and cites its source.
+
+A model config is a plain dict with the keys of ``ebbtide::plan::ModelConfig``:
+layers, hidden, heads, seq, batch, vocab, ffn_hidden, arch ("decoder",
+"encoder", "encoder-decoder"), decoder_layers, flash_attn, tp, sp, recompute
+("none", "selective", "full"), bytes_per_element (or dtype: "bf16", "fp16",
+"fp32"). Missing keys take the C++ defaults. No torch needed.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ebbtide import _core
+
+__all__ = [
+    "activation_bytes",
+    "flops",
+    "parameter_count",
+    "plan",
+    "gpus",
+    "ssds",
+    "normalize_config",
+    "config_from_hf",
+    "predicted_saved_bytes",
+]
+
+
+def _config(config: Mapping[str, Any] | None, kwargs: dict) -> dict:
+    merged = dict(config or {})
+    merged.update(kwargs)
+    merged.pop("attention_inner", None)  # informational key from config_from_hf
+    if "arch" in merged and isinstance(merged["arch"], str):
+        merged["arch"] = merged["arch"].replace("_", "-")
+    return merged
+
+
+def normalize_config(config: Mapping[str, Any] | None = None, **kwargs) -> dict:
+    """The config with defaults filled in; ValueError names a bad setting."""
+    return _core.plan_normalize_config(_config(config, kwargs))
+
+
+def activation_bytes(config: Mapping[str, Any] | None = None, **kwargs) -> dict:
+    """Activation bytes per GPU: ``per_layer`` (largest layer), ``self_layer``,
+    ``cross_layer`` (encoder-decoder decoder layer), ``shared`` (encoder output,
+    once per step), ``per_step``, ``last_layer``, ``logits``.
+
+    ``activation_bytes(layers=24, hidden=2048, heads=16, seq=2048, batch=8,
+    flash_attn=False)`` or ``activation_bytes(config_dict, batch=8)``.
+    """
+    return _core.plan_activation_bytes(_config(config, kwargs))
+
+
+def flops(config: Mapping[str, Any] | None = None, **kwargs) -> dict:
+    """Forward FLOPs per layer and per step (all GPUs together), recompute, step = 3x forward + recompute."""
+    return _core.plan_flops(_config(config, kwargs))
+
+
+def parameter_count(config: Mapping[str, Any] | None = None, **kwargs) -> float:
+    return _core.plan_parameter_count(_config(config, kwargs))
+
+
+def plan(config: Mapping[str, Any] | None = None, *, gpu: str = "h100-sxm", ssd: str = "d7-p5620",
+         ssds: int = 1, mfu: float = 0.5, write_amplification: float = 1.0, **kwargs) -> dict:
+    """Everything ``ebbtide plan`` reports, as a dict (see docs/model.md for each key)."""
+    return _core.plan_report(_config(config, kwargs), gpu, ssd, ssds, mfu, write_amplification)
+
+
+def gpus() -> list[dict]:
+    """The GPU catalog: name, description, peak_bf16_tflops, peak_tf32_tflops, memory_gb, pcie_gbps."""
+    return _core.plan_gpus()
+
+
+def ssds() -> list[dict]:
+    """The SSD catalog: name, description, capacity_tb, dwpd, warranty_years, pbw,
+    seq_write_gbps, seq_read_gbps."""
+    return _core.plan_ssds()
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face configs
+
+
+def _get(cfg, *names, default=None):
+    for name in names:
+        if isinstance(cfg, Mapping):
+            if cfg.get(name) is not None:
+                return cfg[name]
+        else:
+            value = getattr(cfg, name, None)
+            if value is not None:
+                return value
+    return default
+
+
+def _family(cfg) -> str:
+    model_type = _get(cfg, "model_type", default="")
+    if model_type in ("gpt2", "bert", "t5"):
+        return model_type
+    if _get(cfg, "n_layer") is not None and _get(cfg, "n_embd") is not None:
+        return "gpt2"
+    if _get(cfg, "d_model") is not None and _get(cfg, "num_layers") is not None:
+        return "t5"
+    if _get(cfg, "num_hidden_layers") is not None and _get(cfg, "hidden_size") is not None:
+        return "bert"
+    raise ValueError(
+        f"unsupported Hugging Face config (model_type {model_type!r}): expected GPT-2 "
+        "(n_layer/n_embd/n_head), BERT (num_hidden_layers/hidden_size/num_attention_heads) "
+        "or T5 (num_layers/d_model/num_heads)")
+
+
+def _flash(cfg) -> bool:
+    impl = _get(cfg, "_attn_implementation", "attn_implementation")
+    # Eager attention saves the s x s scores; SDPA and flash kernels do not.
+    return impl not in (None, "eager")
+
+
+def config_from_hf(config, seq: int, batch: int) -> dict:
+    """Maps a Hugging Face GPT-2, BERT or T5 config (object or dict) to a model-config dict.
+
+    GPT-2: n_layer, n_embd, n_head, n_inner (default 4h); BERT: num_hidden_layers,
+    hidden_size, num_attention_heads, intermediate_size; T5: num_layers,
+    num_decoder_layers, d_model, num_heads, d_ff (d_kv is kept as
+    ``attention_inner`` = num_heads * d_kv for reference; the formulas assume it
+    equals d_model). flash_attn is False only for attn_implementation "eager".
+    """
+    family = _family(config)
+    out: dict[str, Any] = {"seq": int(seq), "batch": int(batch), "flash_attn": _flash(config)}
+    if family == "gpt2":
+        hidden = int(_get(config, "n_embd"))
+        out.update(layers=int(_get(config, "n_layer")), hidden=hidden, heads=int(_get(config, "n_head")),
+                   ffn_hidden=int(_get(config, "n_inner", default=4 * hidden)), arch="decoder")
+    elif family == "bert":
+        out.update(layers=int(_get(config, "num_hidden_layers")), hidden=int(_get(config, "hidden_size")),
+                   heads=int(_get(config, "num_attention_heads")),
+                   ffn_hidden=int(_get(config, "intermediate_size")), arch="encoder")
+    else:
+        layers = int(_get(config, "num_layers"))
+        heads = int(_get(config, "num_heads"))
+        out.update(layers=layers, decoder_layers=int(_get(config, "num_decoder_layers", default=layers)),
+                   hidden=int(_get(config, "d_model")), heads=heads, ffn_hidden=int(_get(config, "d_ff")),
+                   arch="encoder-decoder",
+                   attention_inner=heads * int(_get(config, "d_kv", default=_get(config, "d_model") // heads)))
+    vocab = _get(config, "vocab_size")
+    if vocab is not None:
+        out["vocab"] = int(vocab)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# What PyTorch eager autograd saves for the HF demo models (see docs/model.md,
+# "Eager PyTorch vs the paper"). Counted per distinct storage, parameters
+# excluded, as the tensor cache sees them.
+
+_DTYPE_BYTES = {"fp32": 4, "float32": 4, "float": 4, "bf16": 2, "bfloat16": 2, "fp16": 2,
+                "float16": 2, "half": 2}
+
+
+def _dtype_bytes(dtype) -> int:
+    name = str(dtype).lower().replace("torch.", "")
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r} (valid: fp32, bf16, fp16 or a torch dtype)")
+    return _DTYPE_BYTES[name]
+
+
+# Tensors an activation function saves, in units of its input size:
+# (saved internally, whether its output is one of them).
+_ACT_SAVES = {
+    "gelu_new": (4, False),        # x, tanh(.), 0.5x, 1 + tanh(.) (Python formula)
+    "gelu_fast": (4, False),
+    "gelu_pytorch_tanh": (1, False),
+    "gelu": (1, False),
+    "relu": (1, True),             # saves its result
+    "silu": (1, False),
+    "swish": (1, False),
+}
+
+
+def _act(cfg, *names, default):
+    name = _get(cfg, *names, default=default)
+    if name not in _ACT_SAVES:
+        raise ValueError(f"activation {name!r} not modelled (valid: {', '.join(sorted(_ACT_SAVES))})")
+    return _ACT_SAVES[name]
+
+
+def predicted_saved_bytes(hf_config, seq: int, batch: int, dtype="fp32", *, device: str = "cpu",
+                          with_loss: bool = True) -> int:
+    """Bytes autograd saves in one training forward of a HF GPT-2 (LM head), BERT
+    (masked LM) or T5 (conditional generation) model in eager PyTorch: distinct
+    storages, parameters excluded, labels a tensor of their own.
+
+    device: "cpu" or "cuda". On CPU dropout saves its mask in the input dtype
+    and layer_norm its statistics in the input dtype; on CUDA the mask is bool
+    and the statistics fp32. with_loss: the model was called with labels.
+    """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not valid (valid: cpu, cuda)")
+    if int(seq) <= 0 or int(batch) <= 0:
+        raise ValueError(f"seq and batch must be positive, got seq={seq}, batch={batch}")
+    if _flash(hf_config):
+        raise ValueError("predicted_saved_bytes models attn_implementation='eager' only")
+    p = _dtype_bytes(dtype)
+    mask = 1 if device == "cuda" else p
+    stats = 4 if device == "cuda" else p
+    s, b = int(seq), int(batch)
+    family = _family(hf_config)
+    cfg = config_from_hf(hf_config, s, b)
+    h, a, f, vocab = cfg["hidden"], cfg["heads"], cfg["ffn_hidden"], cfg.get("vocab", 0)
+    sbh, sbf, ss = s * b * h, s * b * f, a * s * s * b
+    ints = 8  # int64 ids
+
+    def drop_mask(prob, numel):
+        return mask * numel if prob and prob > 0 else 0
+
+    def scores(attn_drop):
+        # softmax output, then (with dropout) its mask and the dropped copy bmm saves
+        return p * ss + (mask * ss + p * ss if attn_drop and attn_drop > 0 else 0)
+
+    loss = 0
+    if family == "gpt2":
+        attn_drop = _get(hf_config, "attn_pdrop", default=0.1)
+        resid_drop = _get(hf_config, "resid_pdrop", default=0.1)
+        embd_drop = _get(hf_config, "embd_pdrop", default=0.1)
+        act_saved, act_out_saved = _act(hf_config, "activation_function", default="gelu_new")
+        ln = p * sbh + 2 * stats * s * b
+        layer = (ln + p * sbh + 3 * p * sbh + scores(attn_drop) + p * sbh + drop_mask(resid_drop, sbh)
+                 + ln + p * sbh + act_saved * p * sbf + (0 if act_out_saved else p * sbf)
+                 + drop_mask(resid_drop, sbh))
+        stack = cfg["layers"] * layer
+        extra = ints * s * b + ints * s + drop_mask(embd_drop, sbh) + ln + p * sbh
+        if with_loss:
+            # causal-LM loss upcasts logits: fp32 log_softmax, shifted targets, total weight
+            loss = 4 * s * b * vocab + ints * s * b + 4
+        return int(stack + extra + loss)
+
+    if family == "bert":
+        attn_drop = _get(hf_config, "attention_probs_dropout_prob", default=0.1)
+        hid_drop = _get(hf_config, "hidden_dropout_prob", default=0.1)
+        act_saved, act_out_saved = _act(hf_config, "hidden_act", default="gelu")
+        ln = p * sbh + 2 * stats * s * b
+        layer = (p * sbh + 3 * p * sbh + scores(attn_drop) + p * sbh + drop_mask(hid_drop, sbh) + ln
+                 + p * sbh + act_saved * p * sbf + (0 if act_out_saved else p * sbf)
+                 + drop_mask(hid_drop, sbh) + ln)
+        stack = cfg["layers"] * layer
+        max_pos = int(_get(hf_config, "max_position_embeddings", default=512))
+        # ids, token-type ids (s), the position-id buffer; embedding LayerNorm and dropout
+        extra = ints * s * b + ints * s + ints * max_pos + ln + drop_mask(hid_drop, sbh)
+        # MLM head: dense input, activation input, LayerNorm, decoder input
+        extra += p * sbh + act_saved * p * sbh + ln + p * sbh
+        if with_loss:
+            loss = p * s * b * vocab + ints * s * b + p
+        return int(stack + extra + loss)
+
+    # T5
+    drop = _get(hf_config, "dropout_rate", default=0.1)
+    gated = bool(_get(hf_config, "is_gated_act", default=False))
+    act_name = _get(hf_config, "dense_act_fn", default=None)
+    if act_name is None:
+        ff_proj = _get(hf_config, "feed_forward_proj", default="relu")
+        act_name = ff_proj.split("-")[-1]
+        gated = gated or ff_proj.startswith("gated-")
+    act_saved, act_out_saved = _act({"a": act_name}, "a", default="relu")
+    c32 = 4 * sbh if p != 4 else 0  # T5LayerNorm's fp32 copy of a half-precision input
+    ln = 2 * p * sbh + c32 + 4 * s * b
+    attn = p * sbh + 3 * p * sbh + scores(drop) + p * sbh + drop_mask(drop, sbh)
+    ff = p * sbh + act_saved * p * sbf
+    if gated:
+        ff += p * sbf + p * sbf  # the linear branch and the product
+        act_out_saved = True     # the product is what dropout / wo sees
+    if drop and drop > 0:
+        ff += mask * sbf + p * sbf
+    elif not act_out_saved:
+        ff += p * sbf
+    ff += drop_mask(drop, sbh)
+    enc_layer = ln + attn + ln + ff
+    cross = ln + p * sbh + p * sbh + 2 * p * sbh + scores(drop) + p * sbh + drop_mask(drop, sbh)
+    dec_layer = enc_layer + cross
+    stack = cfg["layers"] * enc_layer + cfg["decoder_layers"] * dec_layer
+    per_stack = ints * s * b + drop_mask(drop, sbh) + ints * s * s + ln + drop_mask(drop, sbh)
+    extra = 2 * per_stack + p * sbh + p * sbh  # encoder output (cross K/V input), LM-head input
+    if with_loss:
+        loss = p * s * b * vocab + ints * s * b + p
+    return int(stack + extra + loss)

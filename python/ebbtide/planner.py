@@ -1,0 +1,71 @@
+"""Adaptive offload planner: from one profiled step decide, per module, keep /
+offload_cpu / offload_ssd so that the writes and reloads hide behind compute.
+The rule is ``ebbtide::plan::plan_offload`` (Note [Offload rule] in
+cpp/src/plan/planner.cpp, docs/model.md). Plain dicts in and out; no torch.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from ebbtide import _core
+
+__all__ = ["plan_offload", "needs_replan", "PLACEMENTS"]
+
+PLACEMENTS = ("keep", "offload_cpu", "offload_ssd")
+
+
+def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bps: float, *,
+                 target: str = "auto", max_write_mbps: float | None = None, host_budget_bytes: int = 0,
+                 host_write_bps: float = 0.0, host_read_bps: float = 0.0,
+                 keep_last_modules: int = 1, backward_factor: float = 2.0,
+                 prefetch_modules: int = 2, stall_tolerance_seconds: float = 0.0,
+                 replan_fraction: float = 0.7) -> dict:
+    """Plans where each module's saved activations go.
+
+    modules: forward order, each ``{"name": str, "forward_seconds": float, "bytes": int}``.
+    write_bps / read_bps: measured SSD bandwidth in bytes/s (0 disables the SSD).
+    max_write_mbps: cap on SSD writes in MB/s (1e6 bytes/s). host_budget_bytes with
+    host_write_bps / host_read_bps enable host memory as a second tier.
+    target: "auto" (SSD, and host memory when a budget is given), "ssd" (host
+    memory ignored) or "cpu" (host memory only; needs host_budget_bytes).
+
+    Returns ``{"modules": [{"name", "placement", "bytes", "forward_end_seconds",
+    "write_done_seconds", "read_start_seconds", "backward_start_seconds"}, ...],
+    "forward_seconds", "backward_seconds", "predicted_stall_seconds",
+    "all_resident_bytes", "peak_resident_bytes", "peak_resident_fraction",
+    "bytes_keep", "bytes_cpu", "bytes_ssd", "planned_write_bps", "planned_read_bps",
+    "replan_fraction"}``. Raises ValueError naming a bad module or setting.
+    """
+    if target not in ("auto", "ssd", "cpu"):
+        raise ValueError(f"planner target {target!r} is not valid (valid: auto, ssd, cpu)")
+    if target == "cpu" and int(host_budget_bytes) <= 0:
+        raise ValueError("planner target 'cpu' needs host_budget_bytes > 0")
+    if target == "ssd":
+        host_budget_bytes = 0
+    elif target == "cpu":
+        write_bps = read_bps = 0.0
+    if max_write_mbps is not None and max_write_mbps < 0:
+        raise ValueError(f"planner setting 'max_write_mbps' must be >= 0, got {max_write_mbps}")
+    options = {
+        "write_bps": float(write_bps),
+        "read_bps": float(read_bps),
+        "max_write_bps": float(max_write_mbps) * 1e6 if max_write_mbps else 0.0,
+        "host_budget_bytes": int(host_budget_bytes),
+        "host_write_bps": float(host_write_bps),
+        "host_read_bps": float(host_read_bps),
+        "keep_last_modules": int(keep_last_modules),
+        "backward_factor": float(backward_factor),
+        "prefetch_modules": int(prefetch_modules),
+        "stall_tolerance_seconds": float(stall_tolerance_seconds),
+        "replan_fraction": float(replan_fraction),
+    }
+    if int(host_budget_bytes) < 0:
+        raise ValueError(f"planner setting 'host_budget_bytes' must be >= 0, got {host_budget_bytes}")
+    return _core.plan_offload([dict(m) for m in modules], options)
+
+
+def needs_replan(plan: Mapping[str, Any], measured_write_bps: float) -> bool:
+    """True when ``plan`` offloads to the SSD and the measured write bandwidth
+    fell below ``plan["replan_fraction"]`` (default 0.7) of what it planned for."""
+    return _core.plan_needs_replan(int(plan["bytes_ssd"]), float(plan["planned_write_bps"]),
+                                   float(plan["replan_fraction"]), float(measured_write_bps))

@@ -1,0 +1,98 @@
+"""Offload planner through Python: ample / zero / capped bandwidth, host tier,
+replan trigger, bad input, and no torch import."""
+import subprocess
+import sys
+
+import pytest
+
+from ebbtide import planner
+
+GB = 10**9
+
+
+def uniform(n, seconds=0.1, nbytes=GB):
+    return [{"name": f"layer{i}", "forward_seconds": seconds, "bytes": nbytes} for i in range(n)]
+
+
+def placements(plan):
+    return [m["placement"] for m in plan["modules"]]
+
+
+def test_ample_bandwidth_offloads_all_but_last():
+    p = planner.plan_offload(uniform(8), write_bps=1e15, read_bps=1e15)
+    assert placements(p) == ["offload_ssd"] * 7 + ["keep"]
+    assert p["predicted_stall_seconds"] == pytest.approx(0, abs=1e-9)
+    assert p["bytes_ssd"] == 7 * GB and p["bytes_keep"] == GB and p["bytes_cpu"] == 0
+    assert p["all_resident_bytes"] == 8 * GB
+    assert p["peak_resident_bytes"] < p["all_resident_bytes"]
+    assert p["peak_resident_fraction"] == pytest.approx(p["peak_resident_bytes"] / p["all_resident_bytes"])
+    assert [m["name"] for m in p["modules"]] == [f"layer{i}" for i in range(8)]
+
+
+def test_zero_bandwidth_offloads_nothing():
+    p = planner.plan_offload(uniform(8), write_bps=0, read_bps=1e12)
+    assert placements(p) == ["keep"] * 8
+    assert p["peak_resident_bytes"] == p["all_resident_bytes"]
+    assert not planner.needs_replan(p, 0)
+
+
+def test_cap_offloads_a_prefix_without_stall():
+    # See PlanPlanner.CapOffloadsAPrefixWithoutStall: 2500 MB/s -> modules 0..3.
+    p = planner.plan_offload(uniform(10), write_bps=100e9, read_bps=100e9, max_write_mbps=2500)
+    assert placements(p) == ["offload_ssd"] * 4 + ["keep"] * 6
+    assert p["predicted_stall_seconds"] == pytest.approx(0, abs=1e-9)
+    assert p["planned_write_bps"] == pytest.approx(2.5e9)
+    # A higher cap moves more.
+    more = planner.plan_offload(uniform(10), write_bps=100e9, read_bps=100e9, max_write_mbps=10000)
+    assert more["bytes_ssd"] > p["bytes_ssd"]
+
+
+def test_host_tier_and_keep_last():
+    p = planner.plan_offload(uniform(10), write_bps=100e9, read_bps=100e9, max_write_mbps=2500,
+                             host_budget_bytes=2 * GB, host_write_bps=50e9, host_read_bps=50e9)
+    assert placements(p)[:6] == ["offload_ssd"] * 4 + ["offload_cpu"] * 2
+    assert p["bytes_cpu"] == 2 * GB
+    host = dict(host_budget_bytes=2 * GB, host_write_bps=50e9, host_read_bps=50e9)
+    p = planner.plan_offload(uniform(10), 100e9, 100e9, max_write_mbps=2500, target="ssd", **host)
+    assert p["bytes_cpu"] == 0 and p["bytes_ssd"] == 4 * GB
+    p = planner.plan_offload(uniform(10), 100e9, 100e9, target="cpu", **host)
+    assert p["bytes_ssd"] == 0 and p["bytes_cpu"] == 2 * GB
+    with pytest.raises(ValueError, match="valid: auto, ssd, cpu"):
+        planner.plan_offload(uniform(2), 1e9, 1e9, target="nvme")
+    p = planner.plan_offload(uniform(6), write_bps=1e15, read_bps=1e15, keep_last_modules=3)
+    assert placements(p) == ["offload_ssd"] * 3 + ["keep"] * 3
+
+
+def test_needs_replan():
+    p = planner.plan_offload(uniform(8), write_bps=10e9, read_bps=10e9)
+    assert p["bytes_ssd"] > 0 and p["replan_fraction"] == 0.7
+    assert not planner.needs_replan(p, 9e9)
+    assert not planner.needs_replan(p, 7.1e9)
+    assert planner.needs_replan(p, 6.9e9)
+    p = planner.plan_offload(uniform(8), write_bps=10e9, read_bps=10e9, replan_fraction=0.95)
+    assert planner.needs_replan(p, 9e9)
+    with pytest.raises(ValueError, match="non-negative"):
+        planner.needs_replan(p, -1)
+
+
+def test_bad_input_names_the_problem():
+    with pytest.raises(ValueError, match="'write_bps'"):
+        planner.plan_offload(uniform(2), write_bps=-1, read_bps=1)
+    with pytest.raises(ValueError, match="'layer1'"):
+        planner.plan_offload([uniform(2)[0], {"name": "layer1", "forward_seconds": -1, "bytes": 1}], 1e9, 1e9)
+    with pytest.raises(ValueError, match="lacks 'bytes'"):
+        planner.plan_offload([{"name": "x", "forward_seconds": 1.0}], 1e9, 1e9)
+    with pytest.raises(ValueError, match="'max_write_mbps'"):
+        planner.plan_offload(uniform(2), 1e9, 1e9, max_write_mbps=-5)
+    with pytest.raises(ValueError, match="'keep_last_modules'"):
+        planner.plan_offload(uniform(2), 1e9, 1e9, keep_last_modules=-1)
+
+
+def test_planner_and_model_do_not_import_torch():
+    code = ("import sys, ebbtide.planner, ebbtide.model; "
+            "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
+    import os
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in sys.path if p)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
