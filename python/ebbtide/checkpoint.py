@@ -138,7 +138,9 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy):
 
     lossy_error = None
     delta = None
+    original_bytes = None
     if compress == "delta":
+        original_bytes = _state_bytes(state_dict)
         from ebbtide import _ckpt_lossy
         base_abs = os.path.abspath(os.fspath(base))
         base_state = load(base_abs, device="cpu", rank=rank if world > 1 else None)
@@ -228,7 +230,8 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy):
         info = SaveInfo(r)
         info.update(path=path, file=os.path.join(path, shard), files=[os.path.join(path, shard)], rank=rank, world_size=world,
                     compress=compress or "none",
-                    ratio=(info["raw_bytes"] / info["stored_bytes"]) if info["stored_bytes"] else 1.0,
+                    original_bytes=original_bytes or info["raw_bytes"],
+                    ratio=((original_bytes or info["raw_bytes"]) / info["stored_bytes"]) if info["stored_bytes"] else 1.0,
                     wall_seconds=time.perf_counter() - t_start)
         if lossy_error is not None:
             info["error"] = lossy_error
@@ -241,6 +244,16 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy):
     if async_:
         return handle
     return handle.wait()
+
+
+def _state_bytes(state):
+    seen, total = set(), 0
+    for _, t in tree.walk_tensors(state):
+        key = (str(t.device), t.untyped_storage().data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
 
 
 def _rmtree(p):
