@@ -33,6 +33,8 @@ struct BenchResult {
   bool device_measured = false;
   double device_write_gbps = 0, device_read_gbps = 0;  // device->file, file->device
   bool verified = false;
+  bool direct = false;  // O_DIRECT on every slab (else the page cache may flatter reads)
+  uint64_t alignment = 0;
 };
 
 BenchResult run_io_bench(const BenchOptions& options);

@@ -57,7 +57,8 @@ using SlotId = uint64_t;
 
 namespace detail {
 struct RequestState;
-}
+struct EngineTesting;
+}  // namespace detail
 
 // Handle to one submitted write or read. Copyable; all copies share the state.
 class Request {
@@ -81,6 +82,10 @@ class Request {
   std::shared_ptr<detail::RequestState> s_;
 };
 
+// Runs once when a request completes (done() is true, wait() returns after it),
+// on an engine worker thread, or on the thread calling cancel()/free() for a
+// cancelled write. It must not block on engine requests (wait(), drain(),
+// close()); it may submit new ones. Exceptions it throws are logged and dropped.
 using Callback = std::function<void(const Request&)>;
 
 struct EngineStats {
@@ -144,6 +149,7 @@ class Engine {
   std::string describe() const;              // one line for logs
 
  private:
+  friend struct detail::EngineTesting;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
