@@ -13,6 +13,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "ebbtide/io/engine.hpp"
+
 namespace ebbtide::ckpt::detail {
 
 // An open shard file; O_DIRECT when asked for and the filesystem allows it.
@@ -38,7 +40,9 @@ class ShardFile {
 class TransferLoop {
  public:
   // `fixed`: pinned buffers registered with the ring (buf_index refers to them).
-  TransferLoop(unsigned depth, const std::vector<iovec>& fixed);
+  // kAuto tries io_uring and falls back to the POSIX pool; kUring throws
+  // Unsupported when io_uring is unavailable.
+  TransferLoop(unsigned depth, const std::vector<iovec>& fixed, io::BackendKind kind);
   ~TransferLoop();  // waits for transfers in flight
   TransferLoop(const TransferLoop&) = delete;
   TransferLoop& operator=(const TransferLoop&) = delete;

@@ -48,6 +48,9 @@ WriterOptions WriterOptions::with_env() const {
   if (auto v = config::env_int("EBBTIDE_CKPT_THREADS", 0, 256)) o.threads = static_cast<unsigned>(*v);
   if (auto v = config::env_int("EBBTIDE_CKPT_ZSTD_LEVEL", -7, 19)) o.zstd_level = static_cast<int>(*v);
   if (auto v = config::env_bool("EBBTIDE_CKPT_DIRECT")) o.direct = *v;
+  io::EngineOptions eo;
+  eo.backend = o.backend;
+  o.backend = eo.with_env().backend;
   EBB_CHECK(o.chunk_bytes >= kBlockBytes && o.chunk_bytes % kBlockBytes == 0 && o.chunk_bytes <= (1ull << 30),
             "EBBTIDE_CKPT_CHUNK / chunk_bytes ", o.chunk_bytes, " must be a multiple of 4 KiB between 4 KiB and 1 GiB");
   return o;
@@ -130,7 +133,7 @@ struct CheckpointWriter::Impl {
     auto* sbase = static_cast<char*>(staging->base());
     for (size_t i = 0; i < staging->count(); ++i)
       fixed.push_back({sbase + i * staging->buffer_bytes(), staging->buffer_bytes()});
-    loop = std::make_unique<detail::TransferLoop>(opt.queue_depth, fixed);
+    loop = std::make_unique<detail::TransferLoop>(opt.queue_depth, fixed, opt.backend);
   }
 
   void join_bg() {

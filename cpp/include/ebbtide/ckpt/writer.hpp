@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ebbtide/ckpt/format.hpp"
+#include "ebbtide/io/engine.hpp"
 
 namespace ebbtide::ckpt {
 
@@ -22,6 +23,7 @@ struct WriterOptions {
   unsigned threads = 0;               // snapshot copy and compression threads; 0 = min(4, cores)
   int zstd_level = 1;
   bool direct = true;                 // O_DIRECT where the filesystem allows it
+  io::BackendKind backend = io::BackendKind::kAuto;  // engine backend (EBBTIDE_IO_BACKEND)
   // Copy with EBBTIDE_CKPT_* environment overrides applied; bad values throw
   // InvalidArgument naming the variable.
   WriterOptions with_env() const;
