@@ -280,7 +280,8 @@ struct CheckpointWriter::Impl {
     size_t dispatched_any = 0;
     auto wait_all_dispatched = [&] {
       std::unique_lock lock(jmu);
-      for (size_t i = 0; i < next_dispatch; ++i) jcv.wait(lock, [&] { return jobs[i].ready; });
+      for (size_t i = 0; i < next_dispatch; ++i)
+        if (jobs[i].codec != Codec::kNone) jcv.wait(lock, [&] { return jobs[i].ready; });
     };
     try {
       for (size_t i = 0; i < jobs.size(); ++i) {
