@@ -131,7 +131,10 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy):
         raise StateError(f"checkpoint.save: a save to {w._pending._path} is still in flight on this "
                          "writer; call wait() on its handle first, or pass block=True")
     if w._pending is not None and not w._pending._done:
-        w._pending.wait()
+        try:  # finish the previous save; its error stays with its handle
+            w._pending.wait()
+        except Exception:  # noqa: BLE001
+            pass
     path = os.path.abspath(os.fspath(path))
     dist, rank, world = _dist()
     t_start = time.perf_counter()
@@ -165,6 +168,7 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy):
 
     # One temporary directory for all ranks, named by rank 0.
     if rank == 0:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         _core.ckpt_remove_stale_temps(path)
         tmp = _core.ckpt_make_temp_dir(path)
     else:

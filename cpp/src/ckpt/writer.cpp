@@ -440,6 +440,10 @@ SaveHandle CheckpointWriter::save(SaveRequest req, bool block) {
       r.total_seconds = seconds_since(t0);
     } catch (...) {
       err = std::current_exception();
+      if (!req.commit_path.empty()) {  // nothing half-written stays visible
+        std::error_code ec;
+        std::filesystem::remove_all(req.commit_dir, ec);
+      }
     }
     std::lock_guard l(st->mu);
     if (err) st->error = err;
