@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""Checkpoint benchmark: a GPT-2 model state with AdamW moments saved to a
+directory with ebbtide.checkpoint, compared with fio (same directory, same
+run), torch.save/torch.load and torch.distributed.checkpoint.
+
+    python bench/ckpt_bench.py --dir /path/on/ssd --size 1.0 [--json out.json]
+
+Save times are until durable (fsync'd and committed); loads read from the
+device (O_DIRECT for ebbtide, page cache dropped per file for torch.load).
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from ebbtide import checkpoint as ckpt
+
+
+def gpt2_state(size_gb):
+    import transformers
+    # params + exp_avg + exp_avg_sq in fp32: 12 bytes per parameter.
+    target = size_gb * 1e9 / 12
+    n_embd, n_layer = 768, 1
+    while True:  # grow layers until the parameter count reaches the target
+        cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=12, vocab_size=50257,
+                                      n_positions=1024, bos_token_id=0, eos_token_id=0)
+        n = 50257 * n_embd + 1024 * n_embd + n_layer * 12 * n_embd * n_embd
+        if n >= target or n_layer >= 48:
+            break
+        n_layer += 1
+    if n > target * 1.3 and n_layer == 1:  # small sizes: shrink the width
+        n_embd = max(64, int((target / 50257) // 64 * 64))
+        cfg = transformers.GPT2Config(n_layer=1, n_embd=n_embd, n_head=4, vocab_size=50257, n_positions=256,
+                                      bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, cfg.vocab_size, (1, 32))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt, cfg
+
+
+def state_bytes(sd):
+    seen, total = set(), 0
+
+    def walk(o):
+        nonlocal total
+        if isinstance(o, torch.Tensor):
+            k = o.untyped_storage().data_ptr()
+            if k not in seen:
+                seen.add(k)
+                total += o.untyped_storage().nbytes()
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+    walk(sd)
+    return total
+
+
+def fio(directory, rw, size_bytes):
+    if shutil.which("fio") is None:
+        return None
+    cmd = ["fio", "--name=ckptbench", f"--directory={directory}", f"--rw={rw}", "--bs=1M", "--direct=1",
+           "--ioengine=io_uring", "--iodepth=16", f"--size={size_bytes}", "--output-format=json",
+           "--filename=fio.dat"]
+    if rw == "write":
+        cmd.append("--end_fsync=1")
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        return {"error": r.stderr.strip()[-300:]}
+    job = json.loads(r.stdout[r.stdout.index("{"):])["jobs"][0]
+    side = job["write" if rw == "write" else "read"]
+    runtime = side["runtime"] / 1e3 or 1e-9
+    # job_runtime includes end_fsync for writes; bytes / that is durable bandwidth.
+    jr = job.get("job_runtime", side["runtime"]) / 1e3 or runtime
+    return {"GBps": side["io_bytes"] / jr / 1e9, "seconds": jr}
+
+
+def dir_bytes(p):
+    total = 0
+    for root, _, files in os.walk(p):
+        for f in files:
+            total += os.path.getsize(os.path.join(root, f))
+    return total
+
+
+def drop_file_cache(p):
+    for root, _, files in os.walk(p) if os.path.isdir(p) else [(os.path.dirname(p), [], [os.path.basename(p)])]:
+        for f in files:
+            fd = os.open(os.path.join(root, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def fsync_tree(p):
+    drop = []
+    for root, _, files in os.walk(p) if os.path.isdir(p) else [(os.path.dirname(p), [], [os.path.basename(p)])]:
+        for f in files:
+            fd = os.open(os.path.join(root, f), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+            drop.append(f)
+    fd = os.open(os.path.dirname(p.rstrip("/")) or ".", os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def timed(fn):
+    t = time.perf_counter()
+    r = fn()
+    return time.perf_counter() - t, r
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default=None, help="target directory (default: a temporary one under .)")
+    ap.add_argument("--size", type=float, default=1.0, help="state size in GB (params + 2 AdamW moments, fp32)")
+    ap.add_argument("--json", default=None, help="write results as JSON to this file")
+    ap.add_argument("--no-fio", action="store_true")
+    ap.add_argument("--no-torch", action="store_true", help="skip torch.save / torch.load / DCP")
+    args = ap.parse_args(argv)
+
+    base = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-", dir=".")
+    os.makedirs(base, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="run-", dir=base)
+    res = {"size_arg_gb": args.size, "dir": os.path.abspath(work)}
+    try:
+        model, opt, cfg = gpt2_state(args.size)
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
+        nbytes = state_bytes(state)
+        res.update(state_bytes=nbytes, n_layer=cfg.n_layer, n_embd=cfg.n_embd)
+        gb = nbytes / 1e9
+        rows = []
+
+        if not args.no_fio:
+            fw = fio(work, "write", nbytes)
+            fr = fio(work, "read", nbytes)
+            try:
+                os.unlink(os.path.join(work, "fio.dat"))
+            except OSError:
+                pass
+            res["fio_write"], res["fio_read"] = fw, fr
+
+        w = ckpt.Writer()
+        path = os.path.join(work, "ebb")
+        t_first, info = timed(lambda: w.save(state, path))        # allocates the snapshot buffers
+        t_sync, info = timed(lambda: w.save(state, path))         # warm: buffers reused
+        res["ebbtide_save_first_s"] = t_first
+        res["ebbtide_save_s"] = t_sync
+        res["ebbtide_backend"] = info["backend"]
+        t_load, _ = timed(lambda: ckpt.load(path))
+        res["ebbtide_load_s"] = t_load
+
+        t0 = time.perf_counter()
+        h = w.save(state, path, async_=True)
+        t_block = time.perf_counter() - t0
+        h.wait()
+        t_async_total = time.perf_counter() - t0
+        res.update(async_blocked_s=t_block, async_total_s=t_async_total, async_blocked_fraction=t_block / t_sync)
+
+        # Lossless compression: full fp32 state and bf16 weights.
+        lpath = os.path.join(work, "ebb-lossless")
+        t_l, linfo = timed(lambda: w.save(state, lpath, compress="lossless"))
+        res.update(lossless_fp32_state_ratio=linfo["ratio"], lossless_fp32_state_GBps=gb / t_l)
+        bf = {k: v.detach().bfloat16() for k, v in model.state_dict().items()}
+        bpath = os.path.join(work, "ebb-bf16")
+        t_b, binfo = timed(lambda: w.save(bf, bpath, compress="lossless"))
+        res.update(lossless_bf16_weights_ratio=binfo["ratio"],
+                   lossless_bf16_weights_GBps=binfo["raw_bytes"] / 1e9 / t_b)
+        shutil.rmtree(lpath, ignore_errors=True)
+        shutil.rmtree(bpath, ignore_errors=True)
+
+        if not args.no_torch:
+            tpath = os.path.join(work, "torch.pt")
+
+            def tsave():
+                torch.save(state, tpath)
+                fsync_tree(tpath)
+            t_ts, _ = timed(tsave)
+            drop_file_cache(tpath)
+            t_tl, _ = timed(lambda: torch.load(tpath, weights_only=True))
+            res.update(torch_save_s=t_ts, torch_load_s=t_tl)
+            os.unlink(tpath)
+            try:
+                import torch.distributed.checkpoint as dcp
+                dpath = os.path.join(work, "dcp")
+                flat = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+                def dsave():
+                    dcp.save(flat, checkpoint_id=dpath)
+                    fsync_tree(dpath)
+                t_d, _ = timed(dsave)
+                res["dcp_save_s"] = t_d
+                shutil.rmtree(dpath, ignore_errors=True)
+                try:
+                    t0 = time.perf_counter()
+                    fut = dcp.async_save(flat, checkpoint_id=dpath + "-async")
+                    t_db = time.perf_counter() - t0
+                    fut.result()
+                    fsync_tree(dpath + "-async")
+                    res.update(dcp_async_blocked_s=t_db, dcp_async_total_s=time.perf_counter() - t0)
+                except Exception as e:  # noqa: BLE001 - reported, not fatal
+                    res["dcp_async_error"] = f"{type(e).__name__}: {e}"[:200]
+                shutil.rmtree(dpath + "-async", ignore_errors=True)
+            except Exception as e:  # noqa: BLE001
+                res["dcp_error"] = f"{type(e).__name__}: {e}"[:200]
+
+        def row(name, secs, note=""):
+            rows.append((name, f"{secs:.3f}" if secs is not None else "-",
+                         f"{gb / secs:.2f}" if secs else "-", note))
+        fw, fr = res.get("fio_write"), res.get("fio_read")
+        if fw and "GBps" in fw:
+            rows.append(("fio seq write (1M, qd16, direct, fsync)", f"{fw['seconds']:.3f}", f"{fw['GBps']:.2f}", ""))
+        row("ebbtide save (first, allocates buffers)", t_first)
+        row("ebbtide save (durable, committed)", t_sync,
+            f"{(gb / t_sync) / fw['GBps']:.0%} of fio write" if fw and "GBps" in fw else "")
+        row("ebbtide async save: caller blocked", t_block, f"{t_block / t_sync:.1%} of sync save")
+        row("ebbtide async save: until committed", t_async_total)
+        if "torch_save_s" in res:
+            row("torch.save + fsync", res["torch_save_s"], f"ebbtide {res['torch_save_s'] / t_sync:.2f}x faster")
+        if "dcp_save_s" in res:
+            row("torch.distributed.checkpoint.save + fsync", res["dcp_save_s"])
+        if "dcp_async_blocked_s" in res:
+            row("dcp.async_save: caller blocked", res["dcp_async_blocked_s"])
+            row("dcp.async_save: until done", res["dcp_async_total_s"])
+        if fr and "GBps" in fr:
+            rows.append(("fio seq read (1M, qd16, direct)", f"{fr['seconds']:.3f}", f"{fr['GBps']:.2f}", ""))
+        row("ebbtide load", t_load, f"{(gb / t_load) / fr['GBps']:.0%} of fio read" if fr and "GBps" in fr else "")
+        if "torch_load_s" in res:
+            row("torch.load (page cache dropped)", res["torch_load_s"], f"ebbtide {res['torch_load_s'] / t_load:.2f}x faster")
+        rows.append(("lossless, fp32 state + moments", f"{t_l:.3f}", f"{gb / t_l:.2f}",
+                     f"ratio {linfo['ratio']:.3f}"))
+        rows.append(("lossless, bf16 weights", f"{t_b:.3f}", f"{binfo['raw_bytes'] / 1e9 / t_b:.2f}",
+                     f"ratio {binfo['ratio']:.3f}"))
+        print(f"\nstate: GPT-2 n_layer={cfg.n_layer} n_embd={cfg.n_embd}, params + AdamW moments = "
+              f"{gb:.3f} GB; dir {work}; backend {res['ebbtide_backend']}")
+        print(f"{'operation':<46} {'seconds':>9} {'GB/s':>7}  note")
+        for name, s, g, note in rows:
+            print(f"{name:<46} {s:>9} {g:>7}  {note}")
+        if "dcp_async_error" in res:
+            print(f"dcp.async_save did not run: {res['dcp_async_error']}")
+        if "dcp_error" in res:
+            print(f"dcp did not run: {res['dcp_error']}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if args.dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

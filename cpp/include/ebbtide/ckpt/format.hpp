@@ -1,0 +1,82 @@
+// On-disk format of one checkpoint shard file (docs/checkpoint-format.md).
+//
+// A shard holds blobs (raw tensor storages) cut into chunks; each chunk is
+// stored at a 4 KiB-aligned file offset, optionally compressed, with a crc32c
+// of its stored bytes. The binary header (blob table, chunk table, names and
+// the caller's JSON metadata) follows the data; the superblock at offset 0
+// points to it and is written last. All integers are little-endian.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace ebbtide::ckpt {
+
+inline constexpr uint32_t kFormatVersion = 1;
+inline constexpr uint64_t kBlockBytes = 4096;  // file offset alignment of every chunk
+inline constexpr uint64_t kDataStart = kBlockBytes;
+inline constexpr char kSuperMagic[16] = {'E', 'B', 'B', 'T', 'I', 'D', 'E', '-',
+                                         'C', 'K', 'P', 'T', '\0', '\0', '\0', '\0'};
+
+enum class Codec : uint16_t {
+  kNone = 0,         // raw bytes
+  kZstd = 1,         // zstd frame of the raw bytes
+  kShuffleZstd = 2,  // byte planes (Note [Byte grouping] in codec.cpp), then zstd
+  kFloatZstd = 3,    // IEEE floats: sign bit rotated to the bottom, byte planes, zstd
+};
+std::string_view to_string(Codec c);
+// "none" | "zstd" | "shuffle-zstd" | "float-zstd"; InvalidArgument otherwise.
+Codec parse_codec(std::string_view text);
+
+// Superblock: the first 64 bytes of block 0 (rest of the block zero).
+struct Superblock {
+  uint32_t format_version = kFormatVersion;
+  uint32_t flags = 0;
+  uint64_t header_offset = 0;
+  uint64_t header_bytes = 0;
+  uint64_t file_bytes = 0;   // size of the complete file
+  uint32_t header_crc = 0;   // crc32c of the header bytes
+  uint32_t super_crc = 0;    // crc32c of bytes [0, 56) of the superblock
+};
+inline constexpr size_t kSuperBytes = 64;
+void encode_superblock(const Superblock& sb, unsigned char out[kSuperBytes]);
+// Throws InvalidArgument naming `path` for a bad magic or crc, Unsupported for
+// a newer format version.
+Superblock decode_superblock(const unsigned char in[kSuperBytes], const std::string& path);
+
+struct ChunkEntry {
+  uint64_t file_offset = 0;  // multiple of kBlockBytes
+  uint64_t raw_offset = 0;   // offset of the chunk's bytes inside its blob
+  uint32_t raw_bytes = 0;
+  uint32_t stored_bytes = 0;
+  uint32_t crc = 0;          // crc32c of the stored bytes
+  uint32_t blob = 0;
+  Codec codec = Codec::kNone;
+  uint16_t stripe = 0;       // reserved for striping; 0 = this file
+};
+inline constexpr size_t kChunkEntryBytes = 40;
+
+struct BlobEntry {
+  std::string name;          // for messages: the tensor (storage) it holds
+  uint64_t nbytes = 0;
+  uint32_t first_chunk = 0;
+  uint32_t chunk_count = 0;
+  Codec codec = Codec::kNone;  // requested codec (chunks may fall back to kNone)
+  uint16_t elem_bytes = 1;
+};
+inline constexpr size_t kBlobEntryBytes = 32;
+
+struct Header {
+  std::vector<BlobEntry> blobs;
+  std::vector<ChunkEntry> chunks;
+  std::string meta;          // caller's JSON metadata, opaque here
+};
+std::string encode_header(const Header& h);
+// Throws InvalidArgument naming `path` when the bytes are inconsistent.
+Header decode_header(std::string_view bytes, const std::string& path);
+
+inline constexpr uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+}  // namespace ebbtide::ckpt

@@ -1,0 +1,54 @@
+// Checkpoint shard reader: validates the superblock and header, reads blobs
+// back (O_DIRECT, checksums verified, decompressed) into host or device
+// memory, and verifies whole shards for `ebbtide ckpt inspect`.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ebbtide/ckpt/format.hpp"
+
+namespace ebbtide::ckpt {
+
+struct BlobTarget {
+  uint32_t blob = 0;
+  void* ptr = nullptr;       // nbytes of the blob
+  bool device = false;       // CUDA device pointer, copied on `stream`
+  uintptr_t stream = 0;
+};
+
+struct VerifyProblem {
+  std::string blob;          // blob (tensor) name
+  uint64_t file_offset = 0;  // chunk offset in the shard file
+  std::string message;
+};
+
+class ShardReader {
+ public:
+  // Opens and validates `path`. InvalidArgument (corrupt, truncated, not a
+  // shard), Unsupported (newer format version), IoError (cannot read).
+  explicit ShardReader(const std::string& path, bool direct = true);
+  ~ShardReader();
+  ShardReader(const ShardReader&) = delete;
+  ShardReader& operator=(const ShardReader&) = delete;
+
+  const Superblock& superblock() const;
+  const Header& header() const;
+  const std::string& path() const;
+  uint64_t file_bytes() const;  // actual size on disk
+
+  // Reads the given blobs; ChecksumError / InvalidArgument name the blob and
+  // the file offset of the bad chunk.
+  void read(const std::vector<BlobTarget>& targets, unsigned threads = 0);
+  // Reads and checks every chunk (checksum, decompression); never throws for
+  // bad data, returns the problems found.
+  std::vector<VerifyProblem> verify(unsigned threads = 0);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ebbtide::ckpt

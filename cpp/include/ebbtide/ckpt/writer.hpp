@@ -1,0 +1,120 @@
+// Checkpoint shard writer: snapshots caller memory into reusable pinned
+// buffers, then writes one shard file in the background (O_DIRECT through the
+// storage engine's backends, chunk checksums, optional compression, header
+// and superblock last, fsync) and optionally commits its directory by atomic
+// rename. See Note [Save pipeline] in writer.cpp and docs/checkpoint-format.md.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ebbtide/ckpt/format.hpp"
+#include "ebbtide/io/engine.hpp"
+
+namespace ebbtide::ckpt {
+
+struct WriterOptions {
+  uint64_t chunk_bytes = 4ull << 20;  // chunk (checksum and compression unit), multiple of 4 KiB
+  unsigned queue_depth = 8;           // writes in flight
+  unsigned threads = 0;               // snapshot copy and compression threads; 0 = min(4, cores)
+  int zstd_level = 1;
+  bool direct = true;                 // O_DIRECT where the filesystem allows it
+  io::BackendKind backend = io::BackendKind::kAuto;  // engine backend (EBBTIDE_IO_BACKEND)
+  // Copy with EBBTIDE_CKPT_* environment overrides applied; bad values throw
+  // InvalidArgument naming the variable.
+  WriterOptions with_env() const;
+};
+
+// Memory to save. Device blobs are CUDA device pointers copied on `stream`.
+struct BlobSource {
+  std::string name;       // named in errors and in the header
+  const void* ptr = nullptr;
+  uint64_t nbytes = 0;
+  bool device = false;
+  uintptr_t stream = 0;
+  uint16_t elem_bytes = 1;
+  Codec codec = Codec::kNone;
+};
+
+struct SaveRequest {
+  std::string file;                   // shard file to create (must not exist)
+  std::vector<BlobSource> blobs;
+  std::string meta;                   // JSON stored in the header
+  // When commit_path is set: after the shard is durable, write `extra_files`
+  // (name, content) into commit_dir (the directory holding `file`), fsync it
+  // and commit it to commit_path (commit_directory()).
+  std::string commit_dir, commit_path;
+  std::vector<std::pair<std::string, std::string>> extra_files;
+};
+
+struct SaveResult {
+  std::string file;
+  uint64_t raw_bytes = 0;     // sum of blob sizes
+  uint64_t stored_bytes = 0;  // sum of stored chunk sizes
+  uint64_t file_bytes = 0;
+  double snapshot_seconds = 0;  // time save() blocked the caller
+  double total_seconds = 0;     // until durable (and committed)
+  std::string backend;          // I/O path used, for logs
+};
+
+namespace detail {
+struct SaveState;
+}
+
+// Handle to a background save. Copyable; copies share the state.
+class SaveHandle {
+ public:
+  SaveHandle() = default;
+  explicit SaveHandle(std::shared_ptr<detail::SaveState> s) : s_(std::move(s)) {}
+  bool valid() const { return s_ != nullptr; }
+  bool done() const;
+  // Blocks until durable; rethrows the writer's error (IoError, ...).
+  SaveResult wait() const;
+
+ private:
+  std::shared_ptr<detail::SaveState> s_;
+};
+
+class CheckpointWriter {
+ public:
+  explicit CheckpointWriter(WriterOptions options = WriterOptions{}.with_env());
+  ~CheckpointWriter();  // waits for the save in flight (errors are dropped)
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+
+  // Copies every blob into the snapshot buffers, then returns while the
+  // shard is written by a background thread. One save at a time: with a save
+  // in flight, `block` waits for it first, otherwise StateError. Snapshot
+  // errors (bad request, device copy) throw here and leave no file behind.
+  SaveHandle save(SaveRequest request, bool block = false);
+  bool busy() const;
+  const WriterOptions& options() const { return options_; }
+  uint64_t snapshot_capacity() const;  // bytes of reusable snapshot buffers held
+
+ private:
+  struct Impl;
+  WriterOptions options_;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Durable directory commit (Note [Commit by rename] in commit.cpp).
+// Creates an empty PATH.tmp-XXXXXX beside `path` (the parent must exist).
+std::string make_temp_dir(const std::string& path);
+// fsyncs `tmp_dir` and its files, then atomically replaces `path` by it
+// (renameat2 RENAME_EXCHANGE, or rename when `path` does not exist), fsyncs
+// the parent and removes the previous contents. IoError naming the paths.
+void commit_directory(const std::string& tmp_dir, const std::string& path);
+// Writes a small file durably (write + fsync). IoError naming it.
+void write_file_durably(const std::string& path, const std::string& content);
+// Removes PATH.tmp-* and PATH.old-* left by a killed save of `path`.
+void remove_stale_temps(const std::string& path);
+
+// Test hook (process-wide): the next write of shard data at or beyond
+// `after_bytes` of any shard fails with errno `err`; err = 0 clears it.
+void inject_write_fault(uint64_t after_bytes, int err);
+
+}  // namespace ebbtide::ckpt

@@ -1,0 +1,255 @@
+// Shard reader: validates superblock and header (pread), then reads chunks
+// through the engine's backends (Note [Read pipeline]).
+#include "ebbtide/ckpt/reader.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <cstring>
+#include <memory>
+
+#include "ebbtide/ckpt/codec.hpp"
+#include "ebbtide/mem/cuda_shim.hpp"
+#include "ebbtide/mem/pinned_pool.hpp"
+#include "ebbtide/util/crc32c.hpp"
+#include "ebbtide/util/error.hpp"
+#include "shard_io.hpp"
+#include "workers.hpp"
+
+namespace ebbtide::ckpt {
+namespace {
+
+struct AlignedFree {
+  void operator()(void* p) const { std::free(p); }
+};
+using AlignedBuf = std::unique_ptr<char, AlignedFree>;
+AlignedBuf aligned_buf(uint64_t n) {
+  void* p = std::aligned_alloc(kBlockBytes, align_up(std::max<uint64_t>(n, 1), kBlockBytes));
+  if (p == nullptr) throw std::bad_alloc();
+  return AlignedBuf(static_cast<char*>(p));
+}
+
+std::string tensor_at(const std::string& path, const std::string& blob) {
+  return path + ": tensor '" + blob + "'";
+}
+
+}  // namespace
+
+struct ShardReader::Impl {
+  std::unique_ptr<detail::ShardFile> file;
+  Superblock sb;
+  Header h;
+  uint64_t size = 0;
+
+  void check_crc(const ChunkEntry& c, const char* stored) const {
+    uint32_t crc = crc32c(stored, c.stored_bytes);
+    if (crc != c.crc)
+      throw ChecksumError(tensor_at(file->path(), h.blobs[c.blob].name), static_cast<int64_t>(c.file_offset), c.crc, crc);
+  }
+  void run_chunks(const std::vector<const ChunkEntry*>& chunks, unsigned threads,
+                  const std::function<void(size_t, const char*)>& process);
+
+  void decode_chunk(const ChunkEntry& c, const char* stored, char* dst, char* scratch) {
+    const auto& b = h.blobs[c.blob];
+    std::string what = ebbtide::detail::concat(tensor_at(file->path(), b.name), " chunk at offset ", c.file_offset);
+    decompress_chunk(c.codec, b.elem_bytes, stored, c.stored_bytes, dst, c.raw_bytes, scratch, what.c_str());
+  }
+};
+
+ShardReader::ShardReader(const std::string& path, bool direct) : impl_(std::make_unique<Impl>()) {
+  auto& I = *impl_;
+  I.file = std::make_unique<detail::ShardFile>(path, false, direct);
+  I.size = I.file->size();
+  if (I.size < kBlockBytes) {
+    throw InvalidArgument(ebbtide::detail::concat(path, ": truncated checkpoint shard (", I.size,
+                                         " bytes, smaller than the 4096-byte superblock)"));
+  }
+  auto blk = aligned_buf(kBlockBytes);
+  detail::read_exact(*I.file, blk.get(), kBlockBytes, 0);
+  I.sb = decode_superblock(reinterpret_cast<const unsigned char*>(blk.get()), path);
+  if (I.sb.file_bytes > I.size || I.sb.header_offset + I.sb.header_bytes > I.size) {
+    throw InvalidArgument(ebbtide::detail::concat(path, ": truncated checkpoint shard (", I.size, " bytes on disk, the superblock says ",
+                                         I.sb.file_bytes, "; the header at offset ", I.sb.header_offset, " is missing)"));
+  }
+  EBB_CHECK(I.sb.header_offset % kBlockBytes == 0 && I.sb.header_offset >= kDataStart, path,
+            ": corrupt superblock (header offset ", I.sb.header_offset, ")");
+  uint64_t hlen = align_up(I.sb.header_bytes, kBlockBytes);
+  auto hb = aligned_buf(hlen);
+  detail::read_exact(*I.file, hb.get(), std::min(hlen, I.size - I.sb.header_offset), I.sb.header_offset);
+  uint32_t crc = crc32c(hb.get(), I.sb.header_bytes);
+  if (crc != I.sb.header_crc) throw ChecksumError(path + " (header)", static_cast<int64_t>(I.sb.header_offset), I.sb.header_crc, crc);
+  I.h = decode_header(std::string_view(hb.get(), I.sb.header_bytes), path);
+}
+
+ShardReader::~ShardReader() = default;
+const Superblock& ShardReader::superblock() const { return impl_->sb; }
+const Header& ShardReader::header() const { return impl_->h; }
+const std::string& ShardReader::path() const { return impl_->file->path(); }
+uint64_t ShardReader::file_bytes() const { return impl_->size; }
+
+// Note [Read pipeline]
+// Chunks are read through the engine's backend (io_uring or POSIX pool) into
+// a ring of pinned staging buffers; each completion hands its buffer to a
+// worker that checks the crc32c, decodes into the destination and returns
+// the buffer. `process` runs on the workers; errors are collected.
+void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks, unsigned threads,
+                                   const std::function<void(size_t, const char*)>& process) {
+  if (chunks.empty()) return;
+  uint64_t need = kBlockBytes;
+  for (const auto* c : chunks) need = std::max<uint64_t>(need, align_up(c->stored_bytes, kBlockBytes));
+  unsigned nthreads = threads ? threads : detail::default_threads();
+  mem::PinnedPool staging(need, std::max<size_t>(4, 2 * nthreads));
+  std::vector<iovec> fixed;
+  for (size_t i = 0; i < staging.count(); ++i)
+    fixed.push_back({static_cast<char*>(staging.base()) + i * staging.buffer_bytes(), staging.buffer_bytes()});
+  detail::TransferLoop loop(8, fixed, io::BackendKind::kAuto);
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<int> free_slots;
+  for (int i = static_cast<int>(staging.count()) - 1; i >= 0; --i) free_slots.push_back(i);
+  size_t pending = 0;
+  std::exception_ptr error;
+  {
+    detail::Workers pool(nthreads);
+    try {
+      for (size_t i = 0; i < chunks.size(); ++i) {
+        const ChunkEntry& c = *chunks[i];
+        uint64_t len = align_up(c.stored_bytes, kBlockBytes);
+        if (c.file_offset + len > size) {
+          throw IoError(ENODATA, tensor_at(file->path(), h.blobs[c.blob].name), static_cast<int64_t>(c.file_offset),
+                        ebbtide::detail::concat("truncated checkpoint shard: chunk needs bytes up to ", c.file_offset + len,
+                                                " but the file has ", size));
+        }
+        int slot = -1;
+        for (;;) {
+          {
+            std::unique_lock lock(mu);
+            if (error) std::rethrow_exception(error);
+            if (!free_slots.empty()) {
+              slot = free_slots.back();
+              free_slots.pop_back();
+              break;
+            }
+            if (pending > 0) {  // buffers are with the workers
+              cv.wait(lock, [&] { return !free_slots.empty() || error; });
+              continue;
+            }
+          }
+          loop.poll(true);
+        }
+        char* buf = static_cast<char*>(staging.base()) + static_cast<uint64_t>(slot) * staging.buffer_bytes();
+        loop.submit(*file, false, buf, len, c.file_offset, slot, [&, i, slot, buf] {
+          {
+            std::lock_guard lock(mu);
+            ++pending;
+          }
+          pool.post([&, i, slot, buf] {
+            std::exception_ptr e;
+            try {
+              process(i, buf);
+            } catch (...) {
+              e = std::current_exception();
+            }
+            std::lock_guard lock(mu);
+            if (e && !error) error = e;
+            free_slots.push_back(slot);
+            --pending;
+            cv.notify_all();
+          });
+        });
+      }
+      loop.drain();
+    } catch (...) {
+      std::lock_guard lock(mu);
+      if (!error) error = std::current_exception();
+    }
+    try {
+      loop.drain();
+    } catch (...) {
+    }
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return pending == 0; });
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads) {
+  auto& I = *impl_;
+  std::vector<const ChunkEntry*> chunks;
+  std::vector<const BlobTarget*> owner;
+  mem::cuda::Driver* drv = nullptr;
+  for (const auto& t : targets) {
+    EBB_CHECK(t.blob < I.h.blobs.size(), path(), ": blob index ", t.blob, " out of range (", I.h.blobs.size(), " blobs)");
+    const auto& b = I.h.blobs[t.blob];
+    EBB_CHECK(t.ptr != nullptr || b.nbytes == 0, "null destination for tensor '", b.name, "'");
+    if (t.device && drv == nullptr) {
+      drv = mem::cuda::driver();
+      EBB_CHECK(drv != nullptr, "tensor '", b.name, "' is to be loaded into CUDA memory but no CUDA driver is usable: ",
+                mem::cuda::unavailable_reason());
+    }
+    for (uint32_t k = 0; k < b.chunk_count; ++k) {
+      chunks.push_back(&I.h.chunks[b.first_chunk + k]);
+      owner.push_back(&t);
+    }
+  }
+  I.run_chunks(chunks, threads, [&](size_t i, const char* stored) {
+    thread_local std::vector<char> scratch, host;
+    const ChunkEntry& c = *chunks[i];
+    const BlobTarget& t = *owner[i];
+    I.check_crc(c, stored);
+    if (scratch.size() < c.raw_bytes) scratch.resize(c.raw_bytes);
+    if (!t.device) {
+      I.decode_chunk(c, stored, static_cast<char*>(t.ptr) + c.raw_offset, scratch.data());
+      return;
+    }
+    if (host.size() < c.raw_bytes) host.resize(c.raw_bytes);
+    I.decode_chunk(c, stored, host.data(), scratch.data());
+    auto dst = reinterpret_cast<mem::cuda::DevicePtr>(t.ptr) + c.raw_offset;
+    drv->bind_context_of(dst);
+    drv->memcpy_htod_async(dst, host.data(), c.raw_bytes, t.stream);
+    drv->stream_synchronize(t.stream);
+  });
+}
+
+std::vector<VerifyProblem> ShardReader::verify(unsigned threads) {
+  auto& I = *impl_;
+  std::vector<VerifyProblem> problems;
+  std::mutex mu;
+  std::vector<const ChunkEntry*> chunks;
+  for (const auto& c : I.h.chunks) chunks.push_back(&c);
+  auto note = [&](const ChunkEntry& c, const char* what) {
+    std::lock_guard lock(mu);
+    problems.push_back({I.h.blobs[c.blob].name, c.file_offset, what});
+  };
+  // Truncated chunks are problems too, reported before the rest is read.
+  std::vector<const ChunkEntry*> readable;
+  for (const auto* c : chunks) {
+    if (c->file_offset + align_up(c->stored_bytes, kBlockBytes) > I.size) {
+      note(*c, "chunk lies beyond the end of the file (truncated shard)");
+    } else {
+      readable.push_back(c);
+    }
+  }
+  try {
+    I.run_chunks(readable, threads, [&](size_t i, const char* stored) {
+      thread_local std::vector<char> out, scratch;
+      const ChunkEntry& c = *readable[i];
+      try {
+        I.check_crc(c, stored);
+        if (out.size() < c.raw_bytes) out.resize(c.raw_bytes);
+        if (scratch.size() < c.raw_bytes) scratch.resize(c.raw_bytes);
+        I.decode_chunk(c, stored, out.data(), scratch.data());
+      } catch (const std::exception& e) {
+        note(c, e.what());
+      }
+    });
+  } catch (const std::exception& e) {
+    problems.push_back({"", 0, e.what()});
+  }
+  std::sort(problems.begin(), problems.end(), [](const auto& a, const auto& b) { return a.file_offset < b.file_offset; });
+  return problems;
+}
+
+}  // namespace ebbtide::ckpt

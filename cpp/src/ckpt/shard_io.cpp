@@ -1,0 +1,237 @@
+#include "shard_io.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <algorithm>
+
+#include "ebbtide/ckpt/format.hpp"
+#include "ebbtide/ckpt/writer.hpp"
+#include "ebbtide/util/error.hpp"
+#include "ebbtide/util/log.hpp"
+#include "../io/backend.hpp"
+
+namespace ebbtide::io::detail {
+bool query_dio_align(int fd, uint32_t* mem_align, uint32_t* offset_align);  // io/dio_align.cpp
+}
+
+namespace ebbtide::ckpt {
+namespace {
+std::atomic<uint64_t> g_fault_after{0};
+std::atomic<int> g_fault_err{0};
+}  // namespace
+
+void inject_write_fault(uint64_t after_bytes, int err) {
+  g_fault_after = after_bytes;
+  g_fault_err = err;
+}
+
+namespace detail {
+
+ShardFile::ShardFile(const std::string& path, bool write, bool want_direct) : path_(path) {
+  int flags = O_CLOEXEC | (write ? (O_WRONLY | O_CREAT | O_EXCL) : O_RDONLY);
+  fd_ = ::open(path.c_str(), flags, 0644);
+  if (fd_ < 0) {
+    int e = errno;
+    throw IoError(e, path, -1,
+                  e == EROFS    ? "cannot create the checkpoint shard: read-only filesystem"
+                  : e == EACCES ? "cannot open the checkpoint shard: permission denied"
+                  : e == ENOENT ? (write ? "cannot create the checkpoint shard: no such directory"
+                                         : "checkpoint shard does not exist")
+                                : (write ? "cannot create the checkpoint shard" : "cannot open the checkpoint shard"));
+  }
+  if (want_direct) {
+    int fl = ::fcntl(fd_, F_GETFL);
+    uint32_t mem = 0, off = 0;
+    if (::fcntl(fd_, F_SETFL, fl | O_DIRECT) == 0) {
+      direct_ = true;
+      // Chunks sit at 4 KiB offsets in 4 KiB-aligned buffers: enough unless the
+      // device wants more (rare); then buffered I/O keeps the format unchanged.
+      if (io::detail::query_dio_align(fd_, &mem, &off) && (off > kBlockBytes || mem > kBlockBytes)) {
+        ::fcntl(fd_, F_SETFL, fl);
+        direct_ = false;
+        log::warn_once("ckpt-dioalign:" + path, ebbtide::detail::concat("O_DIRECT on ", path, " needs ", off,
+                                                                         "-byte alignment: using buffered I/O"));
+      }
+    } else {
+      std::string dir = path.substr(0, path.rfind('/'));
+      log::warn_once("ckpt-odirect:" + dir,
+                     ebbtide::detail::concat("O_DIRECT refused in ", dir, " (", std::strerror(errno),
+                                             "): checkpoint files there use buffered I/O"));
+    }
+  }
+}
+
+ShardFile::~ShardFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+uint64_t ShardFile::size() const {
+  struct stat st {};
+  EBB_SYSCALL(::fstat(fd_, &st), path_, -1);
+  return static_cast<uint64_t>(st.st_size);
+}
+
+void ShardFile::sync() const { EBB_SYSCALL(::fdatasync(fd_), path_, -1); }
+
+void read_exact(const ShardFile& f, void* buf, uint64_t len, uint64_t off) {
+  uint64_t done = 0;
+  auto* p = static_cast<char*>(buf);
+  while (done < len) {
+    ssize_t r = ::pread(f.fd(), p + done, len - done, static_cast<off_t>(off + done));
+    if (r < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      throw_io_error(errno, f.path(), static_cast<int64_t>(off + done), "pread");
+    }
+    if (r == 0) throw IoError(ENODATA, f.path(), static_cast<int64_t>(off + done), "unexpected end of file (truncated checkpoint shard)");
+    done += static_cast<uint64_t>(r);
+  }
+}
+
+std::vector<Piece> split_by_segment(uint64_t region_offset, uint64_t len, uint64_t seg, bool registered) {
+  std::vector<Piece> out;
+  if (!registered || seg == 0) {
+    out.push_back({region_offset, len, -1});
+    return out;
+  }
+  while (len > 0) {
+    uint64_t idx = region_offset / seg;
+    uint64_t n = std::min(len, (idx + 1) * seg - region_offset);
+    out.push_back({region_offset, n, static_cast<int>(idx)});
+    region_offset += n;
+    len -= n;
+  }
+  return out;
+}
+
+// Transfers go through the storage engine's backends (io/backend.hpp):
+// io_uring with the arena and staging buffers registered, or the POSIX thread
+// pool where io_uring is unavailable. Every completion is checked; short
+// transfers are resubmitted for the remainder, EINTR/EAGAIN retried.
+struct TransferLoop::Impl {
+  struct Op {
+    const ShardFile* file;
+    bool write;
+    char* buf;
+    uint64_t len, offset, done;
+    int buf_index;
+    std::function<void()> on_done;
+  };
+  std::unique_ptr<io::detail::Backend> backend;
+  unsigned depth = 1;
+  uint64_t next_tag = 1;
+  std::unordered_map<uint64_t, Op> inflight;
+  std::vector<io::detail::IoCompletion> comps;
+  std::exception_ptr error;
+
+  void issue(uint64_t tag, const Op& op) {
+    io::detail::IoOp io;
+    io.tag = tag;
+    io.fd = op.file->fd();
+    io.write = op.write;
+    io.buf = op.buf + op.done;
+    io.len = op.len - op.done;
+    io.offset = op.offset + op.done;
+    io.buf_index = op.buf_index;
+    backend->submit(io);
+  }
+
+  void complete(const io::detail::IoCompletion& c) {
+    auto it = inflight.find(c.tag);
+    EBB_ASSERT(it != inflight.end(), "unknown completion tag ", c.tag);
+    Op& op = it->second;
+    if (c.res == -EINTR || c.res == -EAGAIN) {
+      issue(c.tag, op);
+      return;
+    }
+    if (c.res <= 0) {
+      if (!error) {
+        int e = c.res < 0 ? static_cast<int>(-c.res) : (op.write ? EIO : ENODATA);
+        error = std::make_exception_ptr(IoError(
+            e, op.file->path(), static_cast<int64_t>(op.offset + op.done),
+            op.write ? (c.res == 0 ? "write wrote nothing" : "checkpoint write failed")
+                     : (c.res == 0 ? "unexpected end of file (truncated checkpoint shard)" : "checkpoint read failed")));
+      }
+      inflight.erase(it);
+      return;
+    }
+    op.done += static_cast<uint64_t>(c.res);
+    if (op.done < op.len) {  // short transfer: resubmit the remainder
+      issue(c.tag, op);
+      return;
+    }
+    auto cb = std::move(op.on_done);
+    inflight.erase(it);
+    if (cb && !error) cb();
+  }
+
+  void pump(bool block) {
+    backend->flush();
+    comps.clear();
+    backend->reap(comps, block && !inflight.empty());
+    for (const auto& c : comps) complete(c);
+  }
+};
+
+TransferLoop::TransferLoop(unsigned depth, const std::vector<iovec>& fixed, io::BackendKind kind)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->depth = std::max(1u, depth);
+  std::string why;
+  if (kind != io::BackendKind::kPosix) {
+    impl_->backend = io::detail::make_uring_backend(impl_->depth, fixed, &why);
+    if (!impl_->backend && kind == io::BackendKind::kUring)
+      throw Unsupported("checkpoint: io backend 'uring' was requested but is unavailable: " + why);
+    if (!impl_->backend) log::info("checkpoint: io backend auto -> posix (", why, ")");
+  }
+  if (!impl_->backend) impl_->backend = io::detail::make_posix_backend(impl_->depth);
+}
+
+TransferLoop::~TransferLoop() {
+  try {
+    while (!impl_->inflight.empty()) impl_->pump(true);
+  } catch (...) {
+  }
+}
+
+void TransferLoop::submit(const ShardFile& file, bool write, void* buf, uint64_t len, uint64_t offset,
+                          int buf_index, std::function<void()> on_done) {
+  auto& I = *impl_;
+  if (I.error) return;  // drain() reports it
+  while (I.inflight.size() >= I.depth) I.pump(true);
+  int fe = g_fault_err.load();
+  if (write && fe != 0 && offset + len > g_fault_after.load()) {
+    g_fault_err = 0;
+    if (!I.error) I.error = std::make_exception_ptr(IoError(fe, file.path(), static_cast<int64_t>(offset),
+                                                            "checkpoint write failed (injected fault)"));
+    return;
+  }
+  uint64_t tag = I.next_tag++;
+  auto [it, ok] = I.inflight.emplace(tag, Impl::Op{&file, write, static_cast<char*>(buf), len, offset, 0,
+                                                    buf_index, std::move(on_done)});
+  I.issue(tag, it->second);
+  if (I.inflight.size() >= I.depth) I.backend->flush();
+}
+
+void TransferLoop::poll(bool block) {
+  impl_->pump(block);
+  if (impl_->error && impl_->inflight.empty()) drain();
+}
+
+void TransferLoop::drain() {
+  auto& I = *impl_;
+  while (!I.inflight.empty()) I.pump(true);
+  if (I.error) {
+    auto e = I.error;
+    I.error = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+std::string TransferLoop::describe() const { return impl_->backend->describe(); }
+
+}  // namespace detail
+}  // namespace ebbtide::ckpt

@@ -1,0 +1,268 @@
+// Checkpoint format, codecs, writer and reader (C++ level).
+#include <gtest/gtest.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "ebbtide/ckpt/codec.hpp"
+#include "ebbtide/ckpt/format.hpp"
+#include "ebbtide/ckpt/reader.hpp"
+#include "ebbtide/ckpt/writer.hpp"
+#include "ebbtide/util/error.hpp"
+#include "test_utils.hpp"
+
+namespace ebbtide::ckpt {
+namespace {
+
+using test::TempDir;
+
+TEST(CkptFormat, SuperblockRoundTripAndErrors) {
+  Superblock sb;
+  sb.header_offset = 8192;
+  sb.header_bytes = 123;
+  sb.file_bytes = 12288;
+  sb.header_crc = 0xdeadbeef;
+  unsigned char buf[kSuperBytes];
+  encode_superblock(sb, buf);
+  auto back = decode_superblock(buf, "f");
+  EXPECT_EQ(back.header_offset, 8192u);
+  EXPECT_EQ(back.header_crc, 0xdeadbeefu);
+  buf[30] ^= 1;
+  EXPECT_THROW(decode_superblock(buf, "f"), ChecksumError);
+  encode_superblock(sb, buf);
+  buf[16] = 7;  // format version 7 > kFormatVersion (crc check comes after)
+  try {
+    decode_superblock(buf, "f");
+    FAIL();
+  } catch (const Unsupported& e) {
+    EXPECT_NE(std::string(e.what()).find("version 7"), std::string::npos);
+  }
+  std::memset(buf, 0, sizeof buf);
+  EXPECT_THROW(decode_superblock(buf, "f"), InvalidArgument);
+}
+
+TEST(CkptFormat, HeaderRoundTripAndCorruption) {
+  Header h;
+  h.blobs.push_back({"a.weight", 10000, 0, 2, Codec::kFloatZstd, 2});
+  h.blobs.push_back({"b", 0, 2, 0, Codec::kNone, 1});
+  h.chunks.push_back({4096, 0, 8192, 5000, 7, 0, Codec::kFloatZstd, 0});
+  h.chunks.push_back({12288, 8192, 1808, 1808, 9, 0, Codec::kNone, 0});
+  h.meta = "{\"x\": 1}";
+  auto bytes = encode_header(h);
+  auto back = decode_header(bytes, "f");
+  ASSERT_EQ(back.blobs.size(), 2u);
+  EXPECT_EQ(back.blobs[0].name, "a.weight");
+  EXPECT_EQ(back.chunks[1].raw_offset, 8192u);
+  EXPECT_EQ(back.chunks[0].codec, Codec::kFloatZstd);
+  EXPECT_EQ(back.meta, h.meta);
+  EXPECT_THROW(decode_header(bytes.substr(0, bytes.size() - 1), "f"), InvalidArgument);
+  auto bad = bytes;
+  bad[32 + 8] = 100;  // first_chunk of blob 0 out of range
+  EXPECT_THROW(decode_header(bad, "f"), InvalidArgument);
+}
+
+TEST(CkptCodec, GroupBytesInverts) {
+  for (uint16_t e : {1, 2, 3, 4, 8, 16}) {
+    for (bool rot : {false, true}) {
+      auto src = test::random_bytes(4099, e);
+      std::vector<unsigned char> mid(src.size()), back(src.size());
+      group_bytes(src.data(), mid.data(), src.size(), e, rot);
+      ungroup_bytes(mid.data(), back.data(), src.size(), e, rot);
+      EXPECT_EQ(src, back) << "elem " << e << " rot " << rot;
+    }
+  }
+}
+
+TEST(CkptCodec, CompressRoundTripEveryCodec) {
+  if (!have_zstd()) GTEST_SKIP() << "no zstd in this build";
+  std::vector<uint16_t> bf(1 << 16);
+  for (size_t i = 0; i < bf.size(); ++i) bf[i] = static_cast<uint16_t>(0x3c00 + (i * 2654435761u >> 20) % 512);
+  for (Codec c : {Codec::kZstd, Codec::kShuffleZstd, Codec::kFloatZstd}) {
+    size_t n = bf.size() * 2;
+    std::vector<char> out(compress_bound(n)), scratch(n), back(n);
+    size_t stored = compress_chunk(c, 2, 1, bf.data(), n, out.data(), out.size(), scratch.data());
+    ASSERT_GT(stored, 0u);
+    EXPECT_LT(stored, n);
+    decompress_chunk(c, 2, out.data(), stored, back.data(), n, scratch.data(), "t");
+    EXPECT_EQ(std::memcmp(back.data(), bf.data(), n), 0);
+    out[stored / 2] ^= 0x55;
+    try {
+      decompress_chunk(c, 2, out.data(), stored, back.data(), n, scratch.data(), "t");
+      // zstd may decode garbage without noticing; the crc32c catches it.
+    } catch (const InvalidArgument&) {
+    }
+  }
+  auto rnd = test::random_bytes(1 << 16, 3);
+  std::vector<char> out(compress_bound(rnd.size())), scratch(rnd.size());
+  EXPECT_EQ(compress_chunk(Codec::kZstd, 1, 1, rnd.data(), rnd.size(), out.data(), out.size(), scratch.data()), 0u)
+      << "incompressible data is stored raw";
+}
+
+SaveResult save_blobs(const std::string& dir, std::vector<BlobSource> blobs, WriterOptions o = {}) {
+  CheckpointWriter w(o);
+  SaveRequest r;
+  std::string tmp = make_temp_dir(dir + "/ck");
+  r.file = tmp + "/rank0.ebt";
+  r.blobs = std::move(blobs);
+  r.meta = "{}";
+  r.commit_dir = tmp;
+  r.commit_path = dir + "/ck";
+  r.extra_files = {{"index.json", "{}"}};
+  return w.save(std::move(r)).wait();
+}
+
+class CkptWriterTest : public ::testing::TestWithParam<io::BackendKind> {};
+
+TEST_P(CkptWriterTest, WriteReadRoundTripWithCompression) {
+  TempDir d;
+  auto a = test::random_bytes((9 << 20) + 123, 1);  // several chunks, odd tail
+  std::vector<uint16_t> b(100000);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint16_t>(0x3f00 + i % 97);
+  WriterOptions o;
+  o.chunk_bytes = 1 << 20;
+  o.threads = 2;
+  o.backend = GetParam();
+  auto res = save_blobs(d.path(), {{"a", a.data(), a.size(), false, 0, 1, Codec::kNone},
+                                   {"b", b.data(), b.size() * 2, false, 0, 2, Codec::kFloatZstd},
+                                   {"empty", nullptr, 0, false, 0, 4, Codec::kZstd}},
+                        o);
+  EXPECT_EQ(res.raw_bytes, a.size() + b.size() * 2);
+  EXPECT_LT(res.stored_bytes, res.raw_bytes);
+  ASSERT_TRUE(std::filesystem::exists(d.path() + "/ck/rank0.ebt"));
+  EXPECT_EQ(d.entries(), 1u);  // committed, no temporaries
+  ShardReader rd(d.path() + "/ck/rank0.ebt");
+  ASSERT_EQ(rd.header().blobs.size(), 3u);
+  std::vector<unsigned char> a2(a.size());
+  std::vector<uint16_t> b2(b.size());
+  rd.read({{0, a2.data()}, {1, b2.data()}});
+  EXPECT_EQ(a, a2);
+  EXPECT_EQ(b, b2);
+  EXPECT_TRUE(rd.verify().empty());
+}
+
+TEST_P(CkptWriterTest, CorruptChunkNamesBlobAndOffset) {
+  TempDir d;
+  auto a = test::random_bytes(3 << 20, 2);
+  WriterOptions o;
+  o.chunk_bytes = 1 << 20;
+  o.backend = GetParam();
+  save_blobs(d.path(), {{"layer.w", a.data(), a.size(), false, 0, 1, Codec::kNone}}, o);
+  std::string f = d.path() + "/ck/rank0.ebt";
+  uint64_t off;
+  {
+    ShardReader rd(f);
+    off = rd.header().chunks[1].file_offset;
+  }
+  {
+    std::fstream fs(f, std::ios::in | std::ios::out | std::ios::binary);
+    fs.seekp(static_cast<std::streamoff>(off + 10));
+    fs.put('\x42');
+  }
+  ShardReader rd(f);
+  std::vector<unsigned char> a2(a.size());
+  try {
+    rd.read({{0, a2.data()}});
+    FAIL() << "corruption not detected";
+  } catch (const ChecksumError& e) {
+    EXPECT_EQ(e.offset(), static_cast<int64_t>(off));
+    EXPECT_NE(std::string(e.what()).find("layer.w"), std::string::npos) << e.what();
+  }
+  auto problems = rd.verify();
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_EQ(problems[0].blob, "layer.w");
+  EXPECT_EQ(problems[0].file_offset, off);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, CkptWriterTest,
+                         ::testing::Values(io::BackendKind::kAuto, io::BackendKind::kPosix),
+                         [](const auto& info) { return std::string(io::to_string(info.param)); });
+
+TEST(CkptWriter, InjectedFaultLeavesPreviousCheckpoint) {
+  TempDir d;
+  auto a = test::random_bytes(1 << 20, 4);
+  save_blobs(d.path(), {{"x", a.data(), a.size(), false, 0, 1, Codec::kNone}});
+  inject_write_fault(0, ENOSPC);
+  auto b = test::random_bytes(2 << 20, 5);
+  try {
+    save_blobs(d.path(), {{"x", b.data(), b.size(), false, 0, 1, Codec::kNone}});
+    inject_write_fault(0, 0);
+    FAIL() << "fault not reported";
+  } catch (const IoError& e) {
+    inject_write_fault(0, 0);
+    EXPECT_EQ(e.err(), ENOSPC);
+  }
+  ShardReader rd(d.path() + "/ck/rank0.ebt");
+  EXPECT_EQ(rd.header().blobs[0].nbytes, a.size());
+}
+
+TEST(CkptWriter, SecondSaveWhileInFlightIsRejectedOrBlocks) {
+  TempDir d;
+  WriterOptions o;
+  o.zstd_level = 19;
+  o.threads = 1;
+  CheckpointWriter w(o);
+  std::vector<float> big(4 << 20);
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<float>(i % 1000) * 0.001f;
+  auto mk = [&](const std::string& name) {
+    SaveRequest r;
+    r.file = d.path() + "/" + name;
+    r.blobs = {{"x", big.data(), big.size() * 4, false, 0, 4, Codec::kFloatZstd}};
+    return r;
+  };
+  auto h = w.save(mk("a"));
+  if (!h.done()) {
+    EXPECT_THROW(w.save(mk("b")), StateError);
+    EXPECT_FALSE(std::filesystem::exists(d.path() + "/b"));
+  }
+  auto h2 = w.save(mk("c"), /*block=*/true);
+  h.wait();
+  h2.wait();
+  EXPECT_TRUE(std::filesystem::exists(d.path() + "/c"));
+}
+
+TEST(CkptWriter, BadRequestsThrowBeforeWriting) {
+  TempDir d;
+  CheckpointWriter w;
+  SaveRequest r;
+  r.file = d.path() + "/x";
+  r.blobs = {{"null", nullptr, 10, false, 0, 1, Codec::kNone}};
+  EXPECT_THROW(w.save(r), InvalidArgument);
+  EXPECT_EQ(d.entries(), 0u);
+  EXPECT_THROW(make_temp_dir("/nonexistent-dir-ebbtide/ck"), IoError);
+}
+
+TEST(CkptReader, TruncatedAndGarbageFiles) {
+  TempDir d;
+  auto a = test::random_bytes(1 << 20, 6);
+  save_blobs(d.path(), {{"x", a.data(), a.size(), false, 0, 1, Codec::kNone}});
+  std::string f = d.path() + "/ck/rank0.ebt";
+  auto size = std::filesystem::file_size(f);
+  std::filesystem::resize_file(f, size - 4096);
+  EXPECT_THROW(ShardReader{f}, InvalidArgument);
+  std::filesystem::resize_file(f, 100);
+  EXPECT_THROW(ShardReader{f}, InvalidArgument);
+  EXPECT_THROW(ShardReader{d.path() + "/missing"}, IoError);
+}
+
+TEST(CkptCommit, ReplacesExistingDirectoryAtomically) {
+  TempDir d;
+  std::string path = d.path() + "/ck";
+  for (int gen = 0; gen < 3; ++gen) {
+    std::string tmp = make_temp_dir(path);
+    write_file_durably(tmp + "/gen", std::to_string(gen));
+    commit_directory(tmp, path);
+    std::ifstream in(path + "/gen");
+    std::string s;
+    in >> s;
+    EXPECT_EQ(s, std::to_string(gen));
+    EXPECT_EQ(d.entries(), 1u);
+  }
+  std::filesystem::create_directory(path + ".tmp-abcdef");
+  remove_stale_temps(path);
+  EXPECT_EQ(d.entries(), 1u);
+}
+
+}  // namespace
+}  // namespace ebbtide::ckpt

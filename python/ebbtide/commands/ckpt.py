@@ -1,0 +1,56 @@
+"""`ebbtide ckpt inspect PATH`: lists a checkpoint's tensors, sizes and
+compression and verifies every chunk's checksum (exit 1 on a bad chunk,
+naming the tensor and the file offset)."""
+import json
+import sys
+
+
+def register(sub):
+    p = sub.add_parser("ckpt", help="inspect ebbtide checkpoints")
+    s = p.add_subparsers(dest="ckpt_command", metavar="SUBCOMMAND")
+    s.required = True
+    i = s.add_parser("inspect", help="list tensors and verify checksums")
+    i.add_argument("path")
+    i.add_argument("--no-verify", action="store_true", help="skip reading the data")
+    i.add_argument("--json", action="store_true", help="print JSON")
+    i.set_defaults(func=_inspect)
+
+
+def _fmt(n):
+    from ebbtide import _core
+    return _core.format_bytes(float(n))
+
+
+def _inspect(args):
+    from ebbtide import checkpoint
+    info = checkpoint.inspect(args.path, verify=not args.no_verify)
+    bad = sum(len(s.get("problems", [])) for s in info["shards"])
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 1 if bad else 0
+    idx = info["index"]
+    print(f"{info['path']}: format version {idx['format_version']}, world size {idx['world_size']}, "
+          f"compression {idx.get('compress', 'none')}" + (f", delta against {idx['delta']['base']}" if idx.get("delta") else ""))
+    for s in info["shards"]:
+        ratio = s["raw_bytes"] / s["stored_bytes"] if s["stored_bytes"] else 1.0
+        print(f"\n{s['file']}: {_fmt(s['file_bytes'])} on disk, {_fmt(s['raw_bytes'])} of storages, "
+              f"{_fmt(s['stored_bytes'])} stored (ratio {ratio:.2f})")
+        print(f"  {'tensor':<56} {'dtype':<14} {'shape':<18} {'bytes':>10} {'stored':>10} {'codec':<12} offset")
+        for t in s["tensors"]:
+            shape = "x".join(map(str, t["shape"])) or "()"
+            note = " (shares storage)" if t["shared"] else ""
+            print(f"  {t['path'][:56]:<56} {t['dtype']:<14} {shape:<18} {_fmt(t['nbytes']):>10} "
+                  f"{_fmt(t['stored_bytes']):>10} {t['codec']:<12} {t['offset']}{note}")
+        le = s.get("lossy_error")
+        if le:
+            o = le["overall"]
+            print(f"  lossy error: max abs {o['max_abs']:.3g}, relative L2 {o['rel_l2']:.3g} over {o['tensors']} tensors")
+        for name, off, msg in s.get("problems", []):
+            print(f"BAD CHUNK: tensor '{name}' at file offset {off}: {msg}", file=sys.stderr)
+    if args.no_verify:
+        print("\nchecksums not verified (--no-verify)")
+    elif bad:
+        print(f"\n{bad} bad chunk(s)", file=sys.stderr)
+    else:
+        print("\nall chunk checksums OK")
+    return 1 if bad else 0

@@ -1,0 +1,145 @@
+// Checkpoint writer/reader bindings: the Python glue (ebbtide/checkpoint.py)
+// flattens state dicts into blobs (pointer, size) and JSON metadata.
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "bind.hpp"
+#include "ebbtide/ckpt/codec.hpp"
+#include "ebbtide/ckpt/reader.hpp"
+#include "ebbtide/ckpt/writer.hpp"
+
+namespace nb = nanobind;
+using namespace ebbtide::ckpt;
+
+namespace {
+
+// (name, ptr, nbytes, device, stream, elem_bytes, codec)
+using BlobTuple = std::tuple<std::string, uintptr_t, uint64_t, bool, uintptr_t, uint16_t, std::string>;
+
+nb::dict result_dict(const SaveResult& r) {
+  nb::dict d;
+  d["file"] = r.file;
+  d["raw_bytes"] = r.raw_bytes;
+  d["stored_bytes"] = r.stored_bytes;
+  d["file_bytes"] = r.file_bytes;
+  d["snapshot_seconds"] = r.snapshot_seconds;
+  d["total_seconds"] = r.total_seconds;
+  d["backend"] = r.backend;
+  return d;
+}
+
+}  // namespace
+
+EBB_BIND(ckpt, 30) {
+  m.attr("CKPT_FORMAT_VERSION") = kFormatVersion;
+  m.def("ckpt_have_zstd", &have_zstd);
+
+  nb::class_<SaveHandle>(m, "CkptSaveHandle")
+      .def("done", &SaveHandle::done)
+      .def("wait", [](const SaveHandle& h) {
+        SaveResult r;
+        {
+          ebbtide::py::gil_release g;
+          r = h.wait();
+        }
+        return result_dict(r);
+      });
+
+  nb::class_<CheckpointWriter>(m, "CkptWriter")
+      .def("__init__",
+           [](CheckpointWriter* self, std::optional<uint64_t> chunk_bytes, std::optional<unsigned> queue_depth,
+              std::optional<unsigned> threads, std::optional<int> zstd_level, std::optional<bool> direct) {
+             WriterOptions o = WriterOptions{}.with_env();
+             if (chunk_bytes) o.chunk_bytes = *chunk_bytes;
+             if (queue_depth) o.queue_depth = *queue_depth;
+             if (threads) o.threads = *threads;
+             if (zstd_level) o.zstd_level = *zstd_level;
+             if (direct) o.direct = *direct;
+             new (self) CheckpointWriter(o);
+           },
+           nb::arg("chunk_bytes") = nb::none(), nb::arg("queue_depth") = nb::none(), nb::arg("threads") = nb::none(),
+           nb::arg("zstd_level") = nb::none(), nb::arg("direct") = nb::none())
+      .def("save",
+           [](CheckpointWriter& w, const std::string& file, const std::vector<BlobTuple>& blobs, const std::string& meta,
+              const std::string& commit_dir, const std::string& commit_path,
+              const std::vector<std::pair<std::string, std::string>>& extra_files, bool block) {
+             SaveRequest req;
+             req.file = file;
+             req.meta = meta;
+             req.commit_dir = commit_dir;
+             req.commit_path = commit_path;
+             req.extra_files = extra_files;
+             for (const auto& [name, ptr, nbytes, device, stream, elem, codec] : blobs) {
+               req.blobs.push_back({name, reinterpret_cast<const void*>(ptr), nbytes, device, stream, elem,
+                                    parse_codec(codec)});
+             }
+             ebbtide::py::gil_release g;
+             return w.save(std::move(req), block);
+           },
+           nb::arg("file"), nb::arg("blobs"), nb::arg("meta"), nb::arg("commit_dir") = "", nb::arg("commit_path") = "",
+           nb::arg("extra_files") = std::vector<std::pair<std::string, std::string>>{}, nb::arg("block") = false)
+      .def_prop_ro("busy", &CheckpointWriter::busy)
+      .def_prop_ro("snapshot_capacity", &CheckpointWriter::snapshot_capacity)
+      .def_prop_ro("chunk_bytes", [](const CheckpointWriter& w) { return w.options().chunk_bytes; });
+
+  nb::class_<ShardReader>(m, "CkptReader")
+      .def(nb::init<const std::string&, bool>(), nb::arg("path"), nb::arg("direct") = true)
+      .def_prop_ro("meta", [](const ShardReader& r) { return nb::bytes(r.header().meta.data(), r.header().meta.size()); })
+      .def_prop_ro("format_version", [](const ShardReader& r) { return r.superblock().format_version; })
+      .def_prop_ro("file_bytes", &ShardReader::file_bytes)
+      .def_prop_ro("path", &ShardReader::path)
+      .def_prop_ro("blobs", [](const ShardReader& r) {
+        nb::list out;
+        const auto& h = r.header();
+        for (const auto& b : h.blobs) {
+          nb::dict d;
+          uint64_t stored = 0;
+          nb::dict codecs;
+          for (uint32_t k = 0; k < b.chunk_count; ++k) {
+            const auto& c = h.chunks[b.first_chunk + k];
+            stored += c.stored_bytes;
+          }
+          d["name"] = b.name;
+          d["nbytes"] = b.nbytes;
+          d["stored_bytes"] = stored;
+          d["codec"] = std::string(to_string(b.codec));
+          d["elem_bytes"] = b.elem_bytes;
+          d["chunks"] = b.chunk_count;
+          d["offset"] = b.chunk_count ? h.chunks[b.first_chunk].file_offset : 0;
+          out.append(d);
+        }
+        return out;
+      })
+      .def("read",
+           [](ShardReader& r, const std::vector<std::tuple<uint32_t, uintptr_t, bool, uintptr_t>>& targets,
+              unsigned threads) {
+             std::vector<BlobTarget> t;
+             for (const auto& [blob, ptr, device, stream] : targets)
+               t.push_back({blob, reinterpret_cast<void*>(ptr), device, stream});
+             ebbtide::py::gil_release g;
+             r.read(t, threads);
+           },
+           nb::arg("targets"), nb::arg("threads") = 0)
+      .def("verify", [](ShardReader& r) {
+        std::vector<VerifyProblem> p;
+        {
+          ebbtide::py::gil_release g;
+          p = r.verify();
+        }
+        nb::list out;
+        for (const auto& x : p) out.append(nb::make_tuple(x.blob, x.file_offset, x.message));
+        return out;
+      });
+
+  m.def("ckpt_make_temp_dir", &make_temp_dir, nb::arg("path"));
+  m.def("ckpt_commit_directory", [](const std::string& tmp, const std::string& path) {
+    ebbtide::py::gil_release g;
+    commit_directory(tmp, path);
+  }, nb::arg("tmp_dir"), nb::arg("path"));
+  m.def("ckpt_write_file_durably", &write_file_durably, nb::arg("path"), nb::arg("content"));
+  m.def("ckpt_remove_stale_temps", &remove_stale_temps, nb::arg("path"));
+  m.def("ckpt_inject_write_fault", &inject_write_fault, nb::arg("after_bytes"), nb::arg("err"));
+}
