@@ -195,17 +195,28 @@ def encode(state, base_state, lossy):
     return _substitute(state, replace, "state"), {"overall": overall, "tensors": report}
 
 
-def _substitute(obj, replace, path):
-    if isinstance(obj, torch.Tensor):
-        return replace.get(path, obj)
+_DESCEND = object()
+
+
+def _map_tree(obj, path, leaf):
+    """Rebuilds nested dicts, lists and tuples; `leaf(obj, path)` returns the
+    replacement of a node, or _DESCEND to recurse into a container as usual."""
+    out = leaf(obj, path)
+    if out is not _DESCEND:
+        return out
     if isinstance(obj, dict):
-        out = {k: _substitute(v, replace, tree._join(path, k)) for k, v in obj.items()}
+        out = {k: _map_tree(v, tree._join(path, k), leaf) for k, v in obj.items()}
         return type(obj)(out) if type(obj) is not dict else out
     if isinstance(obj, list):
-        return [_substitute(v, replace, f"{path}[{i}]") for i, v in enumerate(obj)]
+        return [_map_tree(v, f"{path}[{i}]", leaf) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
-        return tuple(_substitute(v, replace, f"{path}[{i}]") for i, v in enumerate(obj))
+        return tuple(_map_tree(v, f"{path}[{i}]", leaf) for i, v in enumerate(obj))
     return obj
+
+
+def _substitute(obj, replace, path):
+    return _map_tree(obj, path, lambda o, p: replace.get(p, o)
+                     if isinstance(o, torch.Tensor) else _DESCEND)
 
 
 def decode(state, base_state):
@@ -214,25 +225,22 @@ def decode(state, base_state):
 
 
 def _decode(obj, base, path):
-    if isinstance(obj, dict) and set(obj) == {"__excp__"}:
-        e = obj["__excp__"]
-        shape = e["shape"]
-        numel = 1
-        for s in shape:
-            numel *= s
-        vals = _decode_values(e, numel)
-        dtype = tree.dtype_from_name(e["dtype"], path)
-        if e["mode"] == "delta":
-            b = base.get(path)
-            if b is None or list(b.shape) != shape:
-                raise ValueError(f"checkpoint: {path}: delta-compressed tensor has no matching tensor in the base")
-            vals = b.float().reshape(-1).to(vals.device) + vals
-        return vals.reshape(shape).to(dtype)
-    if isinstance(obj, dict):
-        out = {k: _decode(v, base, tree._join(path, k)) for k, v in obj.items()}
-        return type(obj)(out) if type(obj) is not dict else out
-    if isinstance(obj, list):
-        return [_decode(v, base, f"{path}[{i}]") for i, v in enumerate(obj)]
-    if isinstance(obj, tuple):
-        return tuple(_decode(v, base, f"{path}[{i}]") for i, v in enumerate(obj))
-    return obj
+    return _map_tree(obj, path, lambda o, p: _decode_leaf(o, base, p))
+
+
+def _decode_leaf(obj, base, path):
+    if not (isinstance(obj, dict) and set(obj) == {"__excp__"}):
+        return _DESCEND
+    e = obj["__excp__"]
+    shape = e["shape"]
+    numel = 1
+    for s in shape:
+        numel *= s
+    vals = _decode_values(e, numel)
+    dtype = tree.dtype_from_name(e["dtype"], path)
+    if e["mode"] == "delta":
+        b = base.get(path)
+        if b is None or list(b.shape) != shape:
+            raise ValueError(f"checkpoint: {path}: delta-compressed tensor has no matching tensor in the base")
+        vals = b.float().reshape(-1).to(vals.device) + vals
+    return vals.reshape(shape).to(dtype)
