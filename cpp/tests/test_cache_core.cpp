@@ -121,6 +121,30 @@ TEST(CacheCore, StoreThenReloadRoundTrips) {
   EXPECT_EQ(f.cache->stats().resident_bytes, 0u);
 }
 
+TEST(CacheCore, ReuseOfALiveOriginalCountsOncePerEntryAndStep) {
+  Fixture f;
+  auto data = test::random_bytes(4096, 3);
+  EntryId id = f.save(data, 12);
+  f.cache->drain();
+  f.cache->poll();
+  EXPECT_TRUE(f.cache->reuse(id));
+  EXPECT_FALSE(f.cache->reuse(id));  // a second handle of the same entry
+  auto s = f.cache->stats();
+  EXPECT_EQ(s.step.tensors_reused, 1u);
+  EXPECT_EQ(s.step.bytes_reused, data.size());
+  EXPECT_EQ(s.step.bytes_reloaded, 0u);
+  EXPECT_EQ(f.cache->state(id), EntryState::kStored);  // nothing was loaded
+  f.cache->end_step();
+  f.cache->begin_step();  // a retained graph's backward in a later step counts again
+  EXPECT_TRUE(f.cache->reuse(id));
+  s = f.cache->stats();
+  EXPECT_EQ(s.step.tensors_reused, 1u);
+  EXPECT_EQ(s.total.tensors_reused, 1u);
+  f.cache->end_step();
+  EXPECT_EQ(f.cache->stats().total.bytes_reused, 2 * data.size());
+  EXPECT_TRUE(f.cache->release(id));
+}
+
 TEST(CacheCore, DedupByKeyCountsBytesOnceAndLivesUntilLastHandle) {
   Fixture f;
   auto data = test::random_bytes(4096, 2);

@@ -61,10 +61,14 @@ def _in_backward() -> bool:
 class _Entry:
     """Glue side of one core entry: what keeps device memory alive for it."""
 
-    __slots__ = ("live", "buf", "buf_off", "sref", "version", "nbytes", "scope", "dirty", "stream")
+    __slots__ = ("live", "tref", "buf", "buf_off", "sref", "version", "nbytes", "scope", "dirty", "stream")
 
     def __init__(self, live, sref, version, nbytes, scope):
         self.live = live      # the saved tensor, until its store completes (or for good)
+        try:                  # the saved tensor, while something outside autograd keeps it
+            self.tref = weakref.ref(live)
+        except TypeError:
+            self.tref = None
         self.buf = None       # uint8 reload buffer while loading/loaded
         self.buf_off = 0      # bytes from buf's start to the reloaded storage bytes
         self.sref = sref      # StorageWeakRef: keeps the storage's key unique while we live
@@ -547,13 +551,15 @@ class TensorCache:
                     return self._view(h, live.untyped_storage(), live.device)
                 e.live = None  # stored after our last poll: reload it
             else:
-                t = h.tref() if h.tref is not None else None
+                t = self._original(e, h)
                 if t is not None:
-                    # Still alive elsewhere: the bytes need no reload, and an
-                    # in-place change since the save is caught.
+                    # Note [Originals still alive] (tensor_cache.cpp): no
+                    # reload, and an in-place change since the save is caught.
                     self._check_version(h, t._version)
-                    if t.untyped_storage()._cdata == e.sref.cdata:
+                    self._core.reuse(eid)
+                    if h.tref is not None and h.tref() is t:
                         return t
+                    return self._view(h, t.untyped_storage(), t.device)
                 r = self._core.request(eid)
             device = self._device
             stream = self._stream()
@@ -602,10 +608,20 @@ class TensorCache:
             e.buf = None
             raise
 
+    @staticmethod
+    def _original(e, h=None):
+        """The saved tensor (the handle's, else the entry's first) if something
+        outside autograd still keeps it and it still owns the entry's storage."""
+        for ref in ((h.tref if h is not None else None), e.tref):
+            t = ref() if ref is not None else None
+            if t is not None and t.untyped_storage()._cdata == e.sref.cdata:
+                return t
+        return None
+
     def _prefetch(self, candidates, stream):
         for eid, _ in candidates:
             e = self._entries.get(eid)
-            if e is None:
+            if e is None or (e.live is None and self._original(e) is not None):
                 continue
             try:
                 self._start_load_locked(eid, e, stream)

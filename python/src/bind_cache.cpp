@@ -29,6 +29,8 @@ nb::dict counters_dict(const Counters& c) {
   d["tensors_forwarded"] = c.tensors_forwarded;
   d["tensors_kept"] = c.tensors_kept;
   d["tensors_reloaded"] = c.tensors_reloaded;
+  d["tensors_reused"] = c.tensors_reused;
+  d["bytes_reused"] = c.bytes_reused;
   d["store_failures"] = c.store_failures;
   d["load_failures"] = c.load_failures;
   d["saved_bytes_total"] = c.saved_bytes_total;
@@ -141,6 +143,7 @@ EBB_BIND(cache, 30) {
            nb::arg("id"), nb::arg("dst"), nb::arg("stream"))
       .def("wait", &TensorCache::wait, nb::arg("id"), nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>())
       .def("consume", &TensorCache::consume, nb::arg("id"), nb::arg("task") = -1)
+      .def("reuse", &TensorCache::reuse, nb::arg("id"))
       .def("scope_end", &TensorCache::scope_end, nb::arg("microbatch"), nb::arg("scope"))
       .def("prefetch_scope", &TensorCache::prefetch_scope, nb::arg("microbatch"), nb::arg("scope"),
            nb::arg("task") = -1)

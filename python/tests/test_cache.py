@@ -112,7 +112,8 @@ def test_model_round_trip_reloads_and_releases(make_cache):
     assert torch.equal(ref[0], got[0]) and same(ref[1], got[1])
     s = cache.stats()
     assert s["tensors_offloaded"] > 0
-    assert s["tensors_reloaded"] == s["tensors_offloaded"] and s["tensors_forwarded"] == 0
+    assert s["tensors_reused"] == 1  # x, still alive here
+    assert s["tensors_reloaded"] + s["tensors_reused"] == s["tensors_offloaded"] and s["tensors_forwarded"] == 0
     got = step(model, x, cache.step())  # no drain: some may be forwarded, same gradients
     assert same(ref[1], got[1])
     assert s["entries"] == 0 and s["store_bytes_held"] == 0
@@ -414,13 +415,35 @@ def test_stats_are_consistent(make_cache):
     plan = cache.plan()
     assert s["bytes_offloaded"] == sum(p["bytes_offloaded"] for p in plan)
     assert s["saved_bytes_total"] == sum(p["bytes"] for p in plan)
-    assert s["bytes_reloaded"] == s["bytes_offloaded"]
+    # x (the model's input, alive in this frame) is answered from itself: the
+    # one offloaded tensor that needs no reload, whatever the prefetch timing.
+    assert s["tensors_reused"] == 1 and s["bytes_reused"] == x.numel() * x.element_size()
+    assert s["bytes_reloaded"] + s["bytes_reused"] == s["bytes_offloaded"]
+    assert s["tensors_reloaded"] + s["tensors_reused"] == s["tensors_offloaded"]
     assert s["tensors_forwarded"] == 0
     assert 0 < s["peak_resident_bytes"] <= s["saved_bytes_total"]
     kept = sum(p["bytes"] - p["bytes_offloaded"] for p in plan)
     assert mid["resident_bytes"] == kept
     assert s["stall_seconds"] >= 0
     assert s["total"]["bytes_offloaded"] == s["bytes_offloaded"] and s["steps"] == 1
+
+
+@pytest.mark.parametrize("window", [1, None])
+def test_original_still_alive_is_neither_prefetched_nor_reloaded(make_cache, window):
+    # A saved tensor the caller still holds (here the input) never left
+    # memory: unpack answers from it whether or not the prefetch window would
+    # have reached it, and no load is spent on it.
+    torch.manual_seed(0)
+    model = Net(layers=4, d=64)
+    x = torch.randn(64, 64, requires_grad=True)
+    ref = step(model, x)
+    cache = make_cache(keep_last_modules=0, min_bytes=1024, prefetch_window_bytes=window)
+    cache.attach(model)
+    got = step(model, x, cache.step(), drain=cache)
+    assert same(ref[1], got[1])
+    s = cache.stats()
+    assert s["tensors_reused"] == 1 and s["bytes_reused"] == 64 * 64 * 4
+    assert s["bytes_reloaded"] + s["bytes_reused"] == s["bytes_offloaded"]
 
 
 def test_peak_resident_well_below_no_offload(make_cache):

@@ -49,6 +49,7 @@ struct TensorCache::Entry {
   int handles = 0;
   int unpacks_left = 0;
   int64_t consumed_task = -1;  // graph task that consumed the last load
+  uint64_t reused_step = UINT64_MAX;  // step in which reuse() last counted this entry
   Location loc = 0;
   bool has_loc = false;
   void* dst = nullptr;
@@ -82,6 +83,8 @@ void fold(Counters& total, const Counters& step) {
   total.tensors_forwarded += step.tensors_forwarded;
   total.tensors_kept += step.tensors_kept;
   total.tensors_reloaded += step.tensors_reloaded;
+  total.tensors_reused += step.tensors_reused;
+  total.bytes_reused += step.bytes_reused;
   total.store_failures += step.store_failures;
   total.load_failures += step.load_failures;
   total.saved_bytes_total += step.saved_bytes_total;
@@ -392,6 +395,21 @@ bool TensorCache::consume(EntryId id, int64_t task) {
   e.consumed_task = task;
   mutate(e, EntryState::kStored, true);
   e.dst = nullptr;
+  return true;
+}
+
+// Note [Originals still alive]
+// A saved tensor may outlive forward outside autograd: the model's input, a
+// tensor the user keeps. Its storage then never left memory, so the glue
+// answers its unpack from it and does not prefetch it; the counters record it
+// so that bytes_reloaded + bytes_reused accounts for every offloaded byte.
+bool TensorCache::reuse(EntryId id) {
+  Lock lock(mu_);
+  Entry& e = find(id, "reuse");
+  if (e.reused_step == step_) return false;
+  e.reused_step = step_;
+  step_c_.tensors_reused += 1;
+  step_c_.bytes_reused += e.nbytes;
   return true;
 }
 

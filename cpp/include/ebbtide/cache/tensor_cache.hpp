@@ -92,6 +92,8 @@ struct Counters {
   uint64_t tensors_forwarded = 0;  // entries answered from the live tensor
   uint64_t tensors_kept = 0;       // entries kept resident by policy
   uint64_t tensors_reloaded = 0;   // completed loads
+  uint64_t tensors_reused = 0;     // stored entries answered from their original, still alive
+  uint64_t bytes_reused = 0;       // (Note [Originals still alive]): no reload needed
   uint64_t store_failures = 0;
   uint64_t load_failures = 0;
   uint64_t saved_bytes_total = 0;  // bytes of new entries (after dedup)
@@ -143,6 +145,10 @@ class TensorCache {
   // kStored, the glue drops its buffer, and prefetches of the same task skip
   // it (its other views may still be alive, Note [Consumed entries]).
   bool consume(EntryId id, int64_t task = -1);
+  // The glue answered an unpack of a stored entry from the original tensor,
+  // still alive outside autograd (Note [Originals still alive]): counted once
+  // per entry and step; returns false when it was already counted.
+  bool reuse(EntryId id);
 
   // The micro-batch's current end of forward order (for scope bookkeeping).
   void scope_end(int microbatch, int64_t scope);
