@@ -61,9 +61,10 @@ def _in_backward() -> bool:
 class _Entry:
     """Glue side of one core entry: what keeps device memory alive for it."""
 
-    __slots__ = ("live", "tref", "buf", "buf_off", "sref", "version", "nbytes", "scope", "dirty", "stream")
+    __slots__ = ("live", "tref", "buf", "buf_off", "sref", "version", "nbytes", "scope", "dirty", "stream",
+                 "phase")
 
-    def __init__(self, live, sref, version, nbytes, scope):
+    def __init__(self, live, sref, version, nbytes, scope, phase=0):
         self.live = live      # the saved tensor, until its store completes (or for good)
         try:                  # the saved tensor, while something outside autograd keeps it
             self.tref = weakref.ref(live)
@@ -77,6 +78,7 @@ class _Entry:
         self.scope = scope
         self.dirty = False    # modified in place while its store ran: keep live for the check
         self.stream = 0       # CUDA stream the reload buffer was allocated on
+        self.phase = phase    # the storage's address modulo the store's I/O alignment
 
 
 class _Handle:
@@ -214,6 +216,7 @@ class TensorCache:
         # Device tensors need the CUDA driver shim; without it (EBBTIDE_CUDA=0,
         # no libcuda) they stay resident rather than failing the step.
         self._cuda_ok = bool(cuda) and _core.cuda_driver_available()
+        self._io_align = max(1, int(self._core.io_alignment))
         self.paths = paths
         self._lock = threading.RLock()
         self._entries: dict[int, _Entry] = {}
@@ -472,7 +475,8 @@ class TensorCache:
             eid, is_new, off = self._core.save(st._cdata, version, st.data_ptr(), nbytes, dev, stream,
                                                self._fwd_mb, offload)
             if is_new:
-                self._entries[eid] = _Entry(t, StorageWeakRef(st), version, nbytes, self._scope)
+                phase = st.data_ptr() % self._io_align if not cuda else 0
+                self._entries[eid] = _Entry(t, StorageWeakRef(st), version, nbytes, self._scope, phase)
                 self._note_plan(nbytes, off)
             return _Handle(self, eid, t, version)
 
@@ -594,9 +598,11 @@ class TensorCache:
         off = 0
         if self._device is None or self._device.type == "cpu":
             # Note [Host reload buffers]: page-aligned buffers from a pool in
-            # the core, reused by size across steps: O_DIRECT reads land in
-            # place (no staging copy) and no fresh pages are zeroed each step.
-            buf = _core.cache_host_buffer(e.nbytes)
+            # the core, reused by size across steps, so no fresh pages are
+            # zeroed each step. The bytes start at the saved storage's phase
+            # (Note [Slot phase] in engine.cpp), so O_DIRECT reads land in
+            # place; any phase an element type cannot start at goes staged.
+            buf = _core.cache_host_buffer(e.nbytes, e.phase if e.phase % 16 == 0 else 0)
         else:
             buf = torch.empty(e.nbytes, dtype=torch.uint8, device=self._device)
         e.buf = buf
@@ -665,6 +671,7 @@ class TensorCache:
         out["resident_bytes"] = s["resident_bytes"]
         out["entries"] = s["entries"]
         out["store_bytes_held"] = s["store_bytes_held"]
+        out["store_bytes_staged"] = s["store_bytes_staged"]
         out["target"] = self.target
         out["plan"] = self.plan()
         return out

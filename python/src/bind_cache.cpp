@@ -72,17 +72,20 @@ EBB_BIND(cache, 30) {
   m.def("cache_clear_faults", &ebbtide::io::clear_faults);
   // A page-aligned host buffer from the shared pool as a torch uint8 tensor;
   // it returns to the pool when torch frees the tensor's storage.
-  m.def("cache_host_buffer", [](size_t nbytes) {
+  // A pooled page-aligned host buffer whose bytes start `phase` bytes in (the
+  // tensor's storage begins there, Note [Slot phase] in engine.cpp).
+  m.def("cache_host_buffer", [](size_t nbytes, size_t phase) {
+    EBB_CHECK(phase < 4096, "cache_host_buffer: phase ", phase, " is not below 4096");
     auto& pool = HostBufferPool::shared();
-    void* p = pool.take(nbytes);
+    void* p = pool.take(nbytes + phase);
     nb::capsule owner(p, [](void* q) noexcept {
       try {
         HostBufferPool::shared().give(q);
       } catch (...) {
       }
     });
-    return nb::ndarray<nb::pytorch, uint8_t, nb::ndim<1>>(p, {nbytes}, owner);
-  }, nb::arg("nbytes"));
+    return nb::ndarray<nb::pytorch, uint8_t, nb::ndim<1>>(static_cast<char*>(p) + phase, {nbytes}, owner);
+  }, nb::arg("nbytes"), nb::arg("phase") = 0);
   m.def("cache_host_buffer_stats", [] {
     auto& pool = HostBufferPool::shared();
     return std::make_tuple(pool.out_bytes(), pool.spare_bytes(), pool.reused());
@@ -162,6 +165,7 @@ EBB_BIND(cache, 30) {
            nb::arg("id"))
       .def("contains", &TensorCache::contains, nb::arg("id"))
       .def("describe", &TensorCache::describe)
+      .def_prop_ro("io_alignment", &TensorCache::io_alignment)
       .def("stats", [](const TensorCache& c) {
         auto s = c.stats();
         nb::dict d;
@@ -176,6 +180,7 @@ EBB_BIND(cache, 30) {
         d["queued_loads"] = s.queued_loads;
         d["store_bytes_held"] = s.store.bytes_held;
         d["store_blobs"] = s.store.blobs;
+        d["store_bytes_staged"] = s.store.bytes_staged;
         return d;
       });
 }

@@ -26,7 +26,9 @@ class SsdStore final : public Store {
 
   Location put(const Span& src) override {
     EBB_CHECK(src.nbytes > 0, "ssd store: empty put");
-    io::SlotId slot = engine_.allocate(src.nbytes);
+    // Host data: lay the slot out after the source's address, so that O_DIRECT
+    // writes it in place (Note [Slot phase] in engine.cpp).
+    io::SlotId slot = engine_.allocate(src.nbytes, src.device < 0 ? src.ptr : nullptr);
     try {
       engine_.write(slot, buffer(src)).wait();
     } catch (...) {
@@ -45,10 +47,12 @@ class SsdStore final : public Store {
 
   StoreStats stats() const override {
     auto s = engine_.stats();
-    return StoreStats{s.bytes_stored, s.slots_live, engine_.options().capacity_bytes};
+    return StoreStats{s.bytes_stored, s.slots_live, engine_.options().capacity_bytes, s.bytes_staged};
   }
 
   std::string describe() const override { return "ssd: " + engine_.describe(); }
+
+  uint64_t io_alignment() const override { return engine_.io_alignment(); }
 
  private:
   static io::Buffer buffer(const Span& s) {

@@ -27,6 +27,18 @@
 //   Staging is bounded (staging_bytes); a worker that finds none free waits
 //   for its own in-flight chunks to return theirs.
 //
+// Note [Slot phase]
+//   Buffers the caller does not control (torch's CPU tensors are 64-byte
+//   aligned) would all go through staging. allocate(n, like) therefore starts
+//   the slot's data `phase` = like % io_align bytes into its aligned extent, and
+//   every request is cut at io_align boundaries of the file: a head piece up
+//   to the first boundary, an aligned middle, a tail piece after the last.
+//   When the buffer shares the slot's phase, the middle moves in place with
+//   O_DIRECT and only the head and tail (< io_align bytes each) are staged,
+//   padded with the extent's own slack; otherwise everything is staged as
+//   before. The cut depends only on the slot, so per-chunk checksums of a
+//   write line up with any later read.
+//
 // Note [Fault injection]
 //   inject_write_fault() arms a per-directory fault consumed by the worker just
 //   before it would submit a data write at or beyond `after_bytes` in that
@@ -226,7 +238,8 @@ struct Chunk {
   uint64_t file_off = 0;
   char* user = nullptr;
   uint64_t len = 0;     // bytes of user data
-  uint64_t io_len = 0;  // bytes moved (len rounded up to the alignment on staging)
+  uint64_t io_len = 0;  // bytes moved (delta + len rounded up to the alignment on staging)
+  uint64_t delta = 0;   // staging: the data starts this far into io_buf (file_off - delta is aligned)
   int staging = -1;  // index of `lease` in the pool (io_uring fixed buffer)
   mem::PinnedPool::Lease lease;
   char* io_buf = nullptr;
@@ -236,6 +249,7 @@ struct Chunk {
 
 struct SlotMeta {
   detail::Extent extent;
+  uint64_t phase = 0;  // data starts this far into the extent (Note [Slot phase])
   uint64_t stored = 0;
   std::vector<uint32_t> crcs;
   bool writing = false;
@@ -258,8 +272,10 @@ struct Engine::Impl {
   std::mutex cufile_mu;
   std::vector<mem::cufile::Handle> cufile_handles;  // per slab, 0 = not registered
   std::atomic<bool> cufile_off{false};
+  std::atomic<uint64_t> bytes_staged{0};  // host bytes that went through staging (stats)
   uint64_t align = 4096;      // slot alignment
   uint64_t dio_align = 0;     // largest O_DIRECT offset alignment (stats)
+  uint64_t io_align = 0;      // largest O_DIRECT memory/offset alignment; 0: no direct slab
   uint64_t slab_limit = 0;    // per slab, 0 = none
   uint64_t grow_step = 0;
   uint64_t slab_size = 0;     // every slab holds at least this much
@@ -283,6 +299,10 @@ struct Engine::Impl {
   enum class Start { kSubmitted, kDone, kNoStaging };
   Start start(Device& d, Chunk* c, unsigned inflight);
   void submit_op(Device& d, Chunk* c);
+  static void pad_staging(Chunk* c) {  // zero what the staged block holds besides the data
+    std::memset(c->io_buf, 0, c->delta);
+    std::memset(c->io_buf + c->delta + c->len, 0, c->io_len - c->delta - c->len);
+  }
   void copy_device(Chunk* c, bool to_device);
   bool try_cufile(Chunk* c);
   bool on_completion(Device& d, const detail::IoCompletion& comp);  // true when the chunk left flight
@@ -306,7 +326,10 @@ Engine::Impl::Impl(EngineOptions o) : opt(std::move(o)) {
     slabs.push_back(std::make_unique<detail::SlabFile>(dir, opt.direct));
     const auto& s = *slabs.back();
     align = std::max({align, s.mem_align(), s.offset_align()});
-    if (s.direct()) dio_align = std::max(dio_align, s.offset_align());
+    if (s.direct()) {
+      dio_align = std::max(dio_align, s.offset_align());
+      io_align = std::max({io_align, s.mem_align(), s.offset_align()});
+    }
     all_direct = all_direct && s.direct();
   }
   EBB_CHECK(opt.chunk_bytes % align == 0, "chunk_bytes ", opt.chunk_bytes,
@@ -395,8 +418,8 @@ void Engine::Impl::copy_device(Chunk* c, bool to_device) {
   const auto dptr = static_cast<mem::cuda::DevicePtr>(reinterpret_cast<uintptr_t>(c->user));
   const auto stream = static_cast<mem::cuda::Stream>(c->req->buf.stream);
   drv->bind_context_of(dptr);
-  if (to_device) drv->memcpy_htod_async(dptr, c->io_buf, c->len, stream);
-  else drv->memcpy_dtoh_async(c->io_buf, dptr, c->len, stream);
+  if (to_device) drv->memcpy_htod_async(dptr, c->io_buf + c->delta, c->len, stream);
+  else drv->memcpy_dtoh_async(c->io_buf + c->delta, dptr, c->len, stream);
   auto ev = drv->event_create();
   try {
     drv->event_record(ev, stream);
@@ -518,11 +541,12 @@ Engine::Impl::Start Engine::Impl::start(Device& d, Chunk* c, unsigned inflight) 
     complete_chunk(c, nullptr);
     return Start::kDone;
   }
-  const bool use_user =
-      !c->device && (!slab.direct() || (aligned_to(c->user, slab.mem_align()) && c->len % slab.offset_align() == 0));
+  const bool use_user = !c->device && (!slab.direct() || (c->delta == 0 && aligned_to(c->user, slab.mem_align()) &&
+                                                          c->len % slab.offset_align() == 0));
   if (use_user) {
     c->io_buf = c->user;
     c->io_len = c->len;
+    c->delta = 0;
   } else {
     if (inflight > 0) {
       auto lease = staging->try_acquire();
@@ -533,6 +557,7 @@ Engine::Impl::Start Engine::Impl::start(Device& d, Chunk* c, unsigned inflight) 
     }
     c->staging = static_cast<int>(staging->index_of(c->lease));
     c->io_buf = static_cast<char*>(c->lease.data());
+    if (!c->device) bytes_staged.fetch_add(c->len, std::memory_order_relaxed);
   }
   if (rq.write && c->device) {  // device -> pinned staging on the caller's stream
     try {
@@ -541,14 +566,14 @@ Engine::Impl::Start Engine::Impl::start(Device& d, Chunk* c, unsigned inflight) 
       complete_chunk(c, std::current_exception());
       return Start::kDone;
     }
-    std::memset(c->io_buf + c->len, 0, c->io_len - c->len);
+    pad_staging(c);
   }
   if (rq.write) {
     if (c->staging >= 0 && !c->device) {
-      std::memcpy(c->io_buf, c->user, c->len);
-      std::memset(c->io_buf + c->len, 0, c->io_len - c->len);
+      std::memcpy(c->io_buf + c->delta, c->user, c->len);
+      pad_staging(c);
     }
-    if (opt.checksum) rq.crcs[c->index] = crc32c(c->io_buf, c->len);
+    if (opt.checksum) rq.crcs[c->index] = crc32c(c->io_buf + c->delta, c->len);
     if (int e = take_fault(slab.dir(), c->file_off)) {
       complete_chunk(c, std::make_exception_ptr(IoError(e, slab.label(), static_cast<int64_t>(c->file_off),
                                                         "write failed (injected fault)")));
@@ -566,7 +591,7 @@ void Engine::Impl::submit_op(Device& d, Chunk* c) {
   op.write = c->req->write;
   op.buf = c->io_buf + c->done;
   op.len = c->io_len - c->done;
-  op.offset = c->file_off + c->done;
+  op.offset = c->file_off - c->delta + c->done;
   op.buf_index = c->staging;
   d.backend->submit(op);
 }
@@ -574,7 +599,7 @@ void Engine::Impl::submit_op(Device& d, Chunk* c) {
 bool Engine::Impl::on_completion(Device& d, const detail::IoCompletion& comp) {
   auto* c = reinterpret_cast<Chunk*>(comp.tag);
   const bool write = c->req->write;
-  const auto at = static_cast<int64_t>(c->file_off + c->done);
+  const auto at = static_cast<int64_t>(c->file_off - c->delta + c->done);
   if (comp.res == -EAGAIN || comp.res == -EINTR) {
     submit_op(d, c);
     return false;
@@ -601,7 +626,7 @@ bool Engine::Impl::on_completion(Device& d, const detail::IoCompletion& comp) {
   if (!write) {
     if (opt.checksum) {
       uint32_t expected = c->req->crcs[c->index];
-      uint32_t actual = crc32c(c->io_buf, c->len);
+      uint32_t actual = crc32c(c->io_buf + c->delta, c->len);
       if (actual != expected) {
         complete_chunk(c, std::make_exception_ptr(ChecksumError(c->slab->label(),
                                                                 static_cast<int64_t>(c->file_off), expected, actual)));
@@ -616,7 +641,7 @@ bool Engine::Impl::on_completion(Device& d, const detail::IoCompletion& comp) {
         return true;
       }
     } else if (c->staging >= 0) {
-      std::memcpy(c->user, c->io_buf, c->len);
+      std::memcpy(c->user, c->io_buf + c->delta, c->len);
     }
   }
   complete_chunk(c, nullptr);
@@ -781,8 +806,8 @@ ReqPtr Engine::Impl::submit(SlotId slot, const Buffer& b, Callback cb, bool writ
     SlotMeta& m = it->second;
     EBB_CHECK_STATE(!m.writing, what, " of slot ", slot, ": a write to this slot is still in flight");
     if (write) {
-      EBB_CHECK(b.nbytes <= m.extent.length, "write of ", b.nbytes, " bytes does not fit slot ", slot,
-                " (capacity ", m.extent.length, " bytes)");
+      EBB_CHECK(b.nbytes <= m.extent.length - m.phase, "write of ", b.nbytes, " bytes does not fit slot ", slot,
+                " (capacity ", m.extent.length - m.phase, " bytes)");
       EBB_CHECK_STATE(m.readers == 0, "write of slot ", slot, ": ", m.readers, " read(s) of it still in flight");
       m.writing = true;
       st.bytes_stored -= m.stored;
@@ -796,18 +821,23 @@ ReqPtr Engine::Impl::submit(SlotId slot, const Buffer& b, Callback cb, bool writ
       ++m.readers;
       req->crcs = m.crcs;
     }
-    base = m.extent.offset;
+    base = m.extent.offset + m.phase;
     ++st.pending;
   }
 
-  // Split at stripe boundaries; each piece goes to its device's queue.
-  const uint64_t chunk = opt.chunk_bytes, n = slabs.size();
+  // Split at stripe boundaries, and at io_align boundaries around a head and
+  // a tail (Note [Slot phase]); each piece goes to its device's queue.
+  const uint64_t chunk = opt.chunk_bytes, n = slabs.size(), ia = io_align;
   std::vector<Chunk*> pieces;
   uint64_t pos = 0;
   while (pos < b.nbytes) {
     const uint64_t logical = base + pos;
     const uint64_t stripe = logical / chunk, within = logical % chunk;
-    const uint64_t len = std::min(chunk - within, b.nbytes - pos);
+    uint64_t len = std::min(chunk - within, b.nbytes - pos);
+    if (ia > 1) {
+      if (logical % ia != 0) len = std::min(len, ia - logical % ia);  // head
+      else if (len >= ia) len -= len % ia;                              // aligned middle; tail next
+    }
     auto* c = new Chunk();
     c->req = req;
     c->index = static_cast<uint32_t>(pieces.size());
@@ -818,7 +848,9 @@ ReqPtr Engine::Impl::submit(SlotId slot, const Buffer& b, Callback cb, bool writ
     c->file_off = (stripe / n) * chunk + within;
     c->user = static_cast<char*>(b.ptr) + pos;
     c->len = len;
-    c->io_len = (len + align - 1) / align * align;
+    const uint64_t unit = ia > 1 ? ia : align;
+    c->delta = c->file_off % unit;
+    c->io_len = (c->delta + len + unit - 1) / unit * unit;
     pieces.push_back(c);
     pos += len;
   }
@@ -872,20 +904,22 @@ Engine::~Engine() {
   }
 }
 
-SlotId Engine::allocate(uint64_t nbytes) {
+SlotId Engine::allocate(uint64_t nbytes, const void* like) {
   auto& I = *impl_;
   EBB_CHECK(nbytes > 0, "cannot allocate a slot of 0 bytes");
+  const uint64_t phase = like != nullptr && I.io_align > 1 ? reinterpret_cast<uintptr_t>(like) % I.io_align : 0;
   std::lock_guard lock(I.mu);
   EBB_CHECK_STATE(!I.closing, "allocate: the engine is closed");
-  auto ext = I.alloc.allocate(nbytes);
+  auto ext = I.alloc.allocate(nbytes + phase);
   if (!ext) {
-    I.grow_for(nbytes);
-    ext = I.alloc.allocate(nbytes);
-    EBB_ASSERT(ext.has_value(), "no extent after growing for ", nbytes, " bytes");
+    I.grow_for(nbytes + phase);
+    ext = I.alloc.allocate(nbytes + phase);
+    EBB_ASSERT(ext.has_value(), "no extent after growing for ", nbytes + phase, " bytes");
   }
   SlotId id = I.next_slot++;
   SlotMeta meta;
   meta.extent = *ext;
+  meta.phase = phase;
   I.slots.emplace(id, std::move(meta));
   ++I.st.slots_live;
   I.st.bytes_reserved += ext->length;
@@ -959,8 +993,10 @@ uint64_t Engine::slot_capacity(SlotId slot) const {
   auto it = impl_->slots.find(slot);
   EBB_CHECK_STATE(it != impl_->slots.end() && !it->second.free_pending, "slot ", slot,
                   ": unknown or already freed slot");
-  return it->second.extent.length;
+  return it->second.extent.length - it->second.phase;
 }
+
+uint64_t Engine::io_alignment() const { return impl_->io_align > 1 ? impl_->io_align : 1; }
 
 uint64_t Engine::stored_bytes(SlotId slot) const {
   std::lock_guard lock(impl_->mu);
@@ -974,6 +1010,7 @@ EngineStats Engine::stats() const {
   std::lock_guard lock(impl_->mu);
   EngineStats s = impl_->st;
   s.slab_bytes = impl_->slab_size * impl_->slabs.size();
+  s.bytes_staged = impl_->bytes_staged.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -988,7 +1025,7 @@ detail::SlotByteLocation detail::EngineTesting::locate(const Engine& engine, Slo
   std::lock_guard lock(I.mu);
   auto it = I.slots.find(slot);
   EBB_CHECK_STATE(it != I.slots.end(), "slot ", slot, ": unknown");
-  const uint64_t logical = it->second.extent.offset + byte;
+  const uint64_t logical = it->second.extent.offset + it->second.phase + byte;
   const uint64_t stripe = logical / I.opt.chunk_bytes, n = I.slabs.size();
   auto& slab = *I.slabs[stripe % n];
   return {slab.dir(), slab.fd(), (stripe / n) * I.opt.chunk_bytes + logical % I.opt.chunk_bytes};

@@ -32,6 +32,7 @@ struct StoreStats {
   uint64_t bytes_held = 0;   // bytes currently stored (true lengths)
   uint64_t blobs = 0;        // live locations
   uint64_t capacity = 0;     // 0 = unlimited
+  uint64_t bytes_staged = 0; // host bytes copied through staging buffers on their way (ssd)
 };
 
 class Store {
@@ -46,6 +47,9 @@ class Store {
   virtual void free(Location loc) = 0;
   virtual StoreStats stats() const = 0;
   virtual std::string describe() const = 0;
+  // Host buffers whose address matches the source's at put() modulo this
+  // move without a staging copy at get() (1: any buffer does).
+  virtual uint64_t io_alignment() const { return 1; }
 };
 
 struct HostStoreOptions {

@@ -179,6 +179,9 @@ class TensorCache {
   CacheStats stats() const;
   std::string describe() const;
   const CacheOptions& options() const { return opts_; }
+  // Reload buffers at the saved storage's address modulo this skip a staging
+  // copy (Store::io_alignment).
+  uint64_t io_alignment() const { return store_->io_alignment(); }
 
  private:
   struct Entry;

@@ -102,6 +102,7 @@ struct EngineStats {
   uint64_t bytes_reserved = 0;    // capacity of live slots
   uint64_t bytes_stored = 0;      // true lengths of successfully written live slots
   uint64_t slab_bytes = 0;        // allocated file space, all slabs
+  uint64_t bytes_staged = 0;      // host bytes copied through staging (unaligned to the slot)
   uint64_t alignment = 0;         // O_DIRECT alignment used
   bool direct = false;            // O_DIRECT in use on every slab
 };
@@ -116,9 +117,11 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  // Reserves space for `nbytes` (> 0) in the slabs. IoError(ENOSPC) when the
-  // disk or `capacity_bytes` is exhausted.
-  SlotId allocate(uint64_t nbytes);
+  // Reserves space for `nbytes` (> 0) in the slabs. With `like`, the slot is
+  // laid out so that host buffers at the same address modulo io_alignment()
+  // move in place under O_DIRECT (Note [Slot phase] in engine.cpp); any buffer
+  // still works. IoError(ENOSPC) when the disk or `capacity_bytes` is exhausted.
+  SlotId allocate(uint64_t nbytes, const void* like = nullptr);
   // Returns the slot's space. A slot with a request in flight is freed when the
   // request completes (pending writes are cancelled). StateError on an unknown
   // or already freed slot.
@@ -142,6 +145,9 @@ class Engine {
   bool closed() const;
 
   uint64_t slot_capacity(SlotId slot) const;
+  // The alignment buffers must share with a slot's `like` to move in place
+  // (largest O_DIRECT memory/offset alignment); 1 when no slab uses O_DIRECT.
+  uint64_t io_alignment() const;
   uint64_t stored_bytes(SlotId slot) const;  // 0 when never written
   EngineStats stats() const;
   BackendKind backend() const;               // kUring or kPosix, never kAuto
