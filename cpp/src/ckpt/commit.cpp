@@ -51,6 +51,8 @@ void fsync_path(const std::string& path, bool dir) {
 
 }  // namespace
 
+void fsync_directory(const std::string& dir) { fsync_path(dir, true); }
+
 std::string make_temp_dir(const std::string& path_in) {
   std::string path = strip_slashes(path_in);
   EBB_CHECK(!path.empty(), "checkpoint path is empty");
