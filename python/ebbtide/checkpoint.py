@@ -422,7 +422,7 @@ _ALIGNED_MIN_BYTES = 1 << 20
 def _host_buffer(nbytes):
     if nbytes >= _ALIGNED_MIN_BYTES:
         # An anonymous mapping is page-aligned; the tensor keeps it alive.
-        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+        return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
