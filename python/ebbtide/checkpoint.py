@@ -27,7 +27,7 @@ INDEX_NAME = "index.json"
 StateError = _core.StateError
 ChecksumError = _core.ChecksumError
 
-__all__ = ["save", "load", "inspect", "Writer", "SaveHandle", "SaveInfo", "FORMAT_VERSION",
+__all__ = ["save", "load", "inspect", "join", "Writer", "SaveHandle", "SaveInfo", "FORMAT_VERSION",
            "StateError", "ChecksumError"]
 
 
@@ -85,6 +85,12 @@ class Writer:
     def busy(self):
         return self._native.busy
 
+    def join(self):
+        """Waits until the writer is idle: the save in flight is durable and the
+        checkpoint it replaced has been removed (removal runs after the save
+        returns; the next save on this writer waits for it)."""
+        self._native.join()
+
     def save(self, state_dict, path, *, async_=False, compress=None, base=None, block=False, lossy=None,
              stripe_dirs=None):
         return _save(self, state_dict, path, async_=async_, compress=compress, base=base, block=block,
@@ -99,6 +105,12 @@ def _writer():
     if _default_writer is None:
         _default_writer = Writer()
     return _default_writer
+
+
+def join():
+    """Writer.join() for the default writer used by save()."""
+    if _default_writer is not None:
+        _default_writer.join()
 
 
 def save(state_dict, path, *, async_=False, compress=None, base=None, block=False, lossy=None, writer=None,
@@ -199,6 +211,7 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_d
             w._pending.wait()
         except Exception:  # noqa: BLE001
             pass
+    w._native.join()  # the previous save's deferred removal of the checkpoint it replaced
     path = os.path.abspath(os.fspath(path))
     stripe_dirs = _check_stripe_dirs(stripe_dirs, path)
     dist, rank, world = _dist()

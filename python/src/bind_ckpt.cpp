@@ -86,6 +86,10 @@ EBB_BIND(ckpt, 30) {
            nb::arg("extra_files") = std::vector<std::pair<std::string, std::string>>{}, nb::arg("block") = false,
            nb::arg("stripe_files") = std::vector<std::string>{}, nb::arg("pipelined") = false)
       .def_prop_ro("busy", &CheckpointWriter::busy)
+      .def("join", [](CheckpointWriter& w) {
+        ebbtide::py::gil_release g;
+        w.join();
+      })
       .def_prop_ro("snapshot_capacity", &CheckpointWriter::snapshot_capacity)
       .def_prop_ro("chunk_bytes", [](const CheckpointWriter& w) { return w.options().chunk_bytes; });
 

@@ -184,6 +184,7 @@ def test_kill_during_striped_save_leaves_a_complete_checkpoint(tmp_path):
         assert torch.equal(out["b"], torch.arange(1000) + g)
         assert ckpt.inspect(path)["shards"][0]["problems"] == []
     ckpt.save({"x": torch.ones(1)}, path, stripe_dirs=dirs)  # the next save removes stale stripes
+    ckpt.join()
     idx = json.loads((path / "index.json").read_text())
     for d, sd in zip(dirs, idx["stripes"]):
         assert os.listdir(d) == [os.path.basename(sd)]

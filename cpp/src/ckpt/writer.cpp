@@ -165,6 +165,7 @@ struct CheckpointWriter::Impl {
   std::mutex mu;
   std::thread bg;
   std::shared_ptr<detail::SaveState> inflight;
+  std::string replaced;  // previous checkpoint directory, removed after the save is done
   std::string inflight_file;
 
   explicit Impl(const WriterOptions& o)
@@ -541,7 +542,7 @@ struct CheckpointWriter::Impl {
     if (pipelined) r.snapshot_seconds = snapshot_done;
     if (!req.commit_path.empty()) {
       for (const auto& [name, content] : req.extra_files) write_file_durably(req.commit_dir + "/" + name, content);
-      commit_directory(req.commit_dir, req.commit_path);
+      replaced = commit_directory_keep_old(req.commit_dir, req.commit_path);
     }
     r.total_seconds = seconds_since(t0);
     return r;
@@ -578,6 +579,11 @@ CheckpointWriter::CheckpointWriter(WriterOptions options)
 }
 
 CheckpointWriter::~CheckpointWriter() { impl_->join_bg(); }
+
+void CheckpointWriter::join() {
+  std::lock_guard lock(impl_->mu);
+  impl_->join_bg();
+}
 
 bool CheckpointWriter::busy() const {
   std::lock_guard lock(impl_->mu);
@@ -639,11 +645,25 @@ SaveHandle CheckpointWriter::save(SaveRequest req, bool block) {
         std::filesystem::remove(f, ec);
       }
     }
-    std::lock_guard l(st->mu);
-    if (err) st->error = err;
-    else st->result = r;
-    st->done = true;
-    st->cv.notify_all();
+    {
+      std::lock_guard l(st->mu);
+      if (err) st->error = err;
+      else st->result = r;
+      st->done = true;
+      st->cv.notify_all();
+    }
+    // Note [Deferred removal]
+    // Deleting the replaced checkpoint (freeing GBs of extents) is not part of
+    // making the new one durable: it runs after done(), and the next save on
+    // this writer joins it first. A crash before it leaves a PATH.tmp-*
+    // directory that the next save of PATH removes.
+    if (!impl->replaced.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(impl->replaced, ec);
+      if (ec) log::warn("checkpoint committed but the previous one at ", impl->replaced, " could not be removed: ",
+                        ec.message());
+      impl->replaced.clear();
+    }
   });
   return SaveHandle(st);
 }

@@ -102,6 +102,9 @@ class CheckpointWriter {
   // errors (bad request, device copy) throw here and leave no file behind.
   SaveHandle save(SaveRequest request, bool block = false);
   bool busy() const;
+  // Waits until the background thread is idle: the save in flight is done
+  // and the previous checkpoint it replaced is removed (Note [Deferred removal]).
+  void join();
   const WriterOptions& options() const { return options_; }
   uint64_t snapshot_capacity() const;  // bytes of reusable snapshot buffers held
 
@@ -118,6 +121,10 @@ std::string make_temp_dir(const std::string& path);
 // (renameat2 RENAME_EXCHANGE, or rename when `path` does not exist), fsyncs
 // the parent and removes the previous contents. IoError naming the paths.
 void commit_directory(const std::string& tmp_dir, const std::string& path);
+// Same, but leaves the previous contents for the caller to remove: returns
+// their directory (named PATH.tmp-* or PATH.old-*, so a crash before the
+// removal leaves them to remove_stale_temps), or "" when `path` was new.
+std::string commit_directory_keep_old(const std::string& tmp_dir, const std::string& path);
 // fsyncs a directory (its entries become durable). IoError naming it.
 void fsync_directory(const std::string& dir);
 // Writes a small file durably (write + fsync). IoError naming it.
