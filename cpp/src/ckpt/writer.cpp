@@ -660,8 +660,9 @@ SaveHandle CheckpointWriter::save(SaveRequest req, bool block) {
     if (!impl->replaced.empty()) {
       std::error_code ec;
       std::filesystem::remove_all(impl->replaced, ec);
-      if (ec) log::warn("checkpoint committed but the previous one at ", impl->replaced, " could not be removed: ",
-                        ec.message());
+      if (ec && ec != std::errc::no_such_file_or_directory)
+        log::warn("checkpoint committed but the previous one at ", impl->replaced, " could not be removed: ",
+                  ec.message());
       impl->replaced.clear();
     }
   });
