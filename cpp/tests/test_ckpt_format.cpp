@@ -299,6 +299,11 @@ TEST_P(CkptWriterTest, StripedAndPipelinedRoundTrip) {
     EXPECT_EQ(a, a2);
     EXPECT_EQ(b, b2);
     EXPECT_TRUE(rd.verify().empty());
+    // A page-aligned destination: full chunks are read in place (Note [Read pipeline]).
+    std::unique_ptr<unsigned char, decltype(&std::free)> al(
+        static_cast<unsigned char*>(std::aligned_alloc(4096, align_up(a.size(), 4096))), &std::free);
+    rd.read({{0, al.get()}});
+    EXPECT_EQ(0, std::memcmp(al.get(), a.data(), a.size()));
     EXPECT_THROW(ShardReader(d.path() + "/main-" + tag + ".ebt"), InvalidArgument);  // stripes not given
   }
   // A missing stripe file: read() names it and a tensor; verify() reports problems.
