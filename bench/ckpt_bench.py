@@ -132,6 +132,10 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="write results as JSON to this file")
     ap.add_argument("--no-fio", action="store_true")
     ap.add_argument("--no-torch", action="store_true", help="skip torch.save / torch.load / DCP")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds of (fio write, fio read, ebbtide save, load, async save); medians are reported")
+    ap.add_argument("--stripe-dirs", nargs="*", default=None,
+                    help="also time a save/load striped over --dir plus these directories")
     args = ap.parse_args(argv)
 
     base = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-", dir=".")
@@ -146,31 +150,59 @@ def main(argv=None):
         gb = nbytes / 1e9
         rows = []
 
-        if not args.no_fio:
-            fw = fio(work, "write", nbytes)
-            fr = fio(work, "read", nbytes)
-            try:
-                os.unlink(os.path.join(work, "fio.dat"))
-            except OSError:
-                pass
-            res["fio_write"], res["fio_read"] = fw, fr
-
+        import statistics
         w = ckpt.Writer()
         path = os.path.join(work, "ebb")
         t_first, info = timed(lambda: w.save(state, path))        # allocates the snapshot buffers
-        t_sync, info = timed(lambda: w.save(state, path))         # warm: buffers reused
         res["ebbtide_save_first_s"] = t_first
-        res["ebbtide_save_s"] = t_sync
         res["ebbtide_backend"] = info["backend"]
-        t_load, _ = timed(lambda: ckpt.load(path))
-        res["ebbtide_load_s"] = t_load
+        rounds = {k: [] for k in ("fio_write_s", "fio_read_s", "save_s", "load_s", "blocked_s", "async_total_s")}
+        fws, frs = [], []
+        for _ in range(max(1, args.repeat)):
+            if not args.no_fio:
+                fw = fio(work, "write", nbytes)
+                fr = fio(work, "read", nbytes)
+                try:
+                    os.unlink(os.path.join(work, "fio.dat"))
+                except OSError:
+                    pass
+                fws.append(fw)
+                frs.append(fr)
+            rounds["save_s"].append(timed(lambda: w.save(state, path))[0])   # warm: buffers reused
+            rounds["load_s"].append(timed(lambda: ckpt.load(path))[0])
+            t0 = time.perf_counter()
+            h = w.save(state, path, async_=True)
+            rounds["blocked_s"].append(time.perf_counter() - t0)
+            h.wait()
+            rounds["async_total_s"].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) for k, v in rounds.items() if v}
 
-        t0 = time.perf_counter()
-        h = w.save(state, path, async_=True)
-        t_block = time.perf_counter() - t0
-        h.wait()
-        t_async_total = time.perf_counter() - t0
+        def med_fio(runs):
+            ok = [r for r in runs if r and "GBps" in r]
+            if not ok:
+                return runs[0] if runs else None
+            secs = statistics.median(r["seconds"] for r in ok)
+            return {"GBps": nbytes / secs / 1e9, "seconds": secs, "rounds_s": [r["seconds"] for r in ok]}
+        if not args.no_fio:
+            res["fio_write"], res["fio_read"] = med_fio(fws), med_fio(frs)
+        res["rounds"] = rounds
+        res["load_average"] = os.getloadavg()
+        t_sync, t_load = med["save_s"], med["load_s"]
+        t_block, t_async_total = med["blocked_s"], med["async_total_s"]
+        res["ebbtide_save_s"] = t_sync
+        res["ebbtide_load_s"] = t_load
         res.update(async_blocked_s=t_block, async_total_s=t_async_total, async_blocked_fraction=t_block / t_sync)
+
+        if args.stripe_dirs:
+            sdirs = [tempfile.mkdtemp(prefix="stripe-", dir=d) for d in args.stripe_dirs]
+            spath = os.path.join(work, "ebb-striped")
+            w.save(state, spath, stripe_dirs=sdirs)
+            t_ss, sinfo = timed(lambda: w.save(state, spath, stripe_dirs=sdirs))
+            t_sl, _ = timed(lambda: ckpt.load(spath))
+            res.update(striped_save_s=t_ss, striped_load_s=t_sl, striped_files=len(sinfo["files"]))
+            shutil.rmtree(spath, ignore_errors=True)
+            for d in sdirs:
+                shutil.rmtree(d, ignore_errors=True)
 
         # Lossless compression: full fp32 state and bf16 weights.
         lpath = os.path.join(work, "ebb-lossless")
@@ -226,6 +258,9 @@ def main(argv=None):
         if fw and "GBps" in fw:
             rows.append(("fio seq write (1M, qd16, direct, fsync)", f"{fw['seconds']:.3f}", f"{fw['GBps']:.2f}", ""))
         row("ebbtide save (first, allocates buffers)", t_first)
+        if "striped_save_s" in res:
+            row(f"ebbtide save striped over {res['striped_files']} dirs", res["striped_save_s"])
+            row(f"ebbtide load striped over {res['striped_files']} dirs", res["striped_load_s"])
         row("ebbtide save (durable, committed)", t_sync,
             f"{(gb / t_sync) / fw['GBps']:.0%} of fio write" if fw and "GBps" in fw else "")
         row("ebbtide async save: caller blocked", t_block, f"{t_block / t_sync:.1%} of sync save")
@@ -248,6 +283,8 @@ def main(argv=None):
                      f"ratio {binfo['ratio']:.3f}"))
         print(f"\nstate: GPT-2 n_layer={cfg.n_layer} n_embd={cfg.n_embd}, params + AdamW moments = "
               f"{gb:.3f} GB; dir {work}; backend {res['ebbtide_backend']}")
+        print(f"medians of {max(1, args.repeat)} round(s); load average {res['load_average'][0]:.2f} "
+              f"{res['load_average'][1]:.2f} {res['load_average'][2]:.2f}")
         print(f"{'operation':<46} {'seconds':>9} {'GB/s':>7}  note")
         for name, s, g, note in rows:
             print(f"{name:<46} {s:>9} {g:>7}  {note}")

@@ -12,6 +12,7 @@ reusable pinned buffers, background O_DIRECT writes with crc32c per chunk,
 header last, commit by atomic rename. Loading executes no code.
 """
 import json
+import mmap
 import os
 import time
 import uuid
@@ -26,7 +27,7 @@ INDEX_NAME = "index.json"
 StateError = _core.StateError
 ChecksumError = _core.ChecksumError
 
-__all__ = ["save", "load", "inspect", "Writer", "SaveHandle", "SaveInfo", "FORMAT_VERSION",
+__all__ = ["save", "load", "inspect", "join", "Writer", "SaveHandle", "SaveInfo", "FORMAT_VERSION",
            "StateError", "ChecksumError"]
 
 
@@ -84,9 +85,16 @@ class Writer:
     def busy(self):
         return self._native.busy
 
-    def save(self, state_dict, path, *, async_=False, compress=None, base=None, block=False, lossy=None):
+    def join(self):
+        """Waits until the writer is idle: the save in flight is durable and the
+        checkpoint it replaced has been removed (removal runs after the save
+        returns; the next save on this writer waits for it)."""
+        self._native.join()
+
+    def save(self, state_dict, path, *, async_=False, compress=None, base=None, block=False, lossy=None,
+             stripe_dirs=None):
         return _save(self, state_dict, path, async_=async_, compress=compress, base=base, block=block,
-                     lossy=lossy)
+                     lossy=lossy, stripe_dirs=stripe_dirs)
 
 
 _default_writer = None
@@ -99,7 +107,14 @@ def _writer():
     return _default_writer
 
 
-def save(state_dict, path, *, async_=False, compress=None, base=None, block=False, lossy=None, writer=None):
+def join():
+    """Writer.join() for the default writer used by save()."""
+    if _default_writer is not None:
+        _default_writer.join()
+
+
+def save(state_dict, path, *, async_=False, compress=None, base=None, block=False, lossy=None, writer=None,
+         stripe_dirs=None):
     """Saves `state_dict` (nested dicts/lists/tuples of tensors and plain values)
     to the directory `path`, replacing an existing checkpoint atomically.
 
@@ -107,9 +122,14 @@ def save(state_dict, path, *, async_=False, compress=None, base=None, block=Fals
     ExCP-style residual against the checkpoint `base`; options in `lossy`, see
     ebbtide._ckpt_lossy.LossyOptions). async_: return a SaveHandle right after
     the snapshot. block: with a save in flight on the writer, wait for it
-    instead of raising StateError. Returns SaveInfo (or a SaveHandle)."""
+    instead of raising StateError. stripe_dirs: extra directories (one per
+    device) to stripe the tensor data over: chunks go round-robin over `path`
+    and these, written in parallel; each gets a directory
+    `<dir>/<basename(path)>.stripe-<id>` holding one file per rank, recorded in
+    the index (docs/checkpoints.md, "Striping"). Returns SaveInfo (or a
+    SaveHandle)."""
     return _save(writer or _writer(), state_dict, path, async_=async_, compress=compress, base=base,
-                 block=block, lossy=lossy)
+                 block=block, lossy=lossy, stripe_dirs=stripe_dirs)
 
 
 def _dist():
@@ -119,7 +139,63 @@ def _dist():
     return None, 0, 1
 
 
-def _save(w, state_dict, path, *, async_, compress, base, block, lossy):
+def _check_stripe_dirs(stripe_dirs, path):
+    if stripe_dirs is None:
+        return []
+    if isinstance(stripe_dirs, (str, bytes, os.PathLike)):
+        raise ValueError("checkpoint.save: stripe_dirs must be a list of directories, not one path")
+    out = []
+    for d in stripe_dirs:
+        d = os.path.abspath(os.fspath(d))
+        if not os.path.isdir(d):
+            raise ValueError(f"checkpoint.save: stripe directory {d} does not exist (or is not a directory)")
+        if d in out:
+            raise ValueError(f"checkpoint.save: stripe directory {d} is listed twice")
+        if d == path or d.startswith(path + os.sep):
+            raise ValueError(f"checkpoint.save: stripe directory {d} lies inside the checkpoint {path}")
+        out.append(d)
+    if len(out) > 255:
+        raise ValueError(f"checkpoint.save: {len(out)} stripe directories; at most 255")
+    return out
+
+
+def _stripe_dir(d, path, ckpt_id):
+    return os.path.join(d, f"{os.path.basename(path)}.stripe-{ckpt_id}")
+
+
+STRIPE_OWNER = "owner.json"
+
+
+def _remove_stale_stripes(path, dirs, keep):
+    """Removes stripe directories of `path` in `dirs` that no committed
+    checkpoint refers to (left by a killed or failed save); keeps `keep`."""
+    prefix = os.path.basename(path) + ".stripe-"
+    for d in dirs:
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for n in names:
+            full = os.path.join(d, n)
+            if not n.startswith(prefix) or full in keep:
+                continue
+            try:
+                with open(os.path.join(full, STRIPE_OWNER)) as f:
+                    owner = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if owner.get("checkpoint") == path:
+                _rmtree(full)
+
+
+def _committed_index(path):
+    try:
+        return _read_index(path)
+    except (OSError, ValueError, NotImplementedError):
+        return None
+
+
+def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_dirs=None):
     if compress not in (None, "none", "lossless", "delta"):
         raise ValueError(f"checkpoint.save: compress={compress!r} is not valid "
                          "(valid: None, 'lossless', 'delta')")
@@ -135,7 +211,9 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy):
             w._pending.wait()
         except Exception:  # noqa: BLE001
             pass
+    w._native.join()  # the previous save's deferred removal of the checkpoint it replaced
     path = os.path.abspath(os.fspath(path))
+    stripe_dirs = _check_stripe_dirs(stripe_dirs, path)
     dist, rank, world = _dist()
     t_start = time.perf_counter()
 
@@ -153,7 +231,8 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy):
     fl = tree.Flattener(compress in ("lossless", "delta"))
     root = fl.tree(state_dict)
     ckpt_id = uuid.uuid4().hex
-    meta = {"format": "ebbtide-checkpoint", "format_version": FORMAT_VERSION, "id": ckpt_id, "rank": rank,
+    version = 2 if stripe_dirs else 1  # unstriped checkpoints stay readable by version-1 readers
+    meta = {"format": "ebbtide-checkpoint", "format_version": version, "id": ckpt_id, "rank": rank,
             "world_size": world, "tree": root, "tensors": fl.tensors, "storages": fl.storages,
             "compress": compress or "none", "torch": torch.__version__}
     if delta:
@@ -166,46 +245,73 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy):
         stream = torch.cuda.current_stream(device).cuda_stream if on_dev else 0
         blobs.append((name, st.data_ptr() if nbytes else 0, nbytes, on_dev, stream, elem, codec))
 
-    # One temporary directory for all ranks, named by rank 0.
+    # One temporary directory (and one stripe directory per stripe_dirs entry)
+    # for all ranks, named by rank 0.
+    old_stripes = []
+    stripes = []
     if rank == 0:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         _core.ckpt_remove_stale_temps(path)
+        old = _committed_index(path)
+        old_stripes = list(old.get("stripes", [])) if old else []
+        if stripe_dirs or old_stripes:
+            _remove_stale_stripes(path, set(stripe_dirs) | {os.path.dirname(s) for s in old_stripes},
+                                  set(old_stripes))
         tmp = _core.ckpt_make_temp_dir(path)
+        try:
+            for d in stripe_dirs:
+                sd = _stripe_dir(d, path, ckpt_id)
+                os.mkdir(sd)
+                stripes.append(sd)
+                _core.ckpt_write_file_durably(os.path.join(sd, STRIPE_OWNER),
+                                              json.dumps({"checkpoint": path, "id": ckpt_id}))
+        except BaseException:
+            for sd in stripes:
+                _rmtree(sd)
+            _rmtree(tmp)
+            raise
     else:
         tmp = None
     if dist is not None:
-        box = [tmp]
+        box = [(tmp, ckpt_id, stripes)]
         dist.broadcast_object_list(box, src=0)
-        tmp = box[0]
+        tmp, ckpt_id, stripes = box[0]
+        meta["id"] = ckpt_id
     shard = f"rank{rank}.ebt"
-    index = {"format": "ebbtide-checkpoint", "format_version": FORMAT_VERSION, "id": ckpt_id,
+    index = {"format": "ebbtide-checkpoint", "format_version": version, "id": ckpt_id,
              "world_size": world, "shards": [f"rank{r}.ebt" for r in range(world)],
              "compress": compress or "none", "created": time.time()}
+    if stripes:
+        index["stripes"] = meta["stripes"] = stripes
     if delta:
         index["delta"] = delta
-    if dist is not None:
-        ckpt_id_box = [ckpt_id]
-        dist.broadcast_object_list(ckpt_id_box, src=0)
-        index["id"] = meta["id"] = ckpt_id_box[0]
     single = dist is None
+    pipelined = not async_  # the caller waits: the snapshot overlaps the writes
     try:
-        native = w._native.save(os.path.join(tmp, shard), blobs, json.dumps(meta), 
+        native = w._native.save(os.path.join(tmp, shard), blobs, json.dumps(meta),
                                 commit_dir=tmp if single else "", commit_path=path if single else "",
                                 extra_files=[(INDEX_NAME, json.dumps(index, indent=1))] if single else [],
-                                block=block)
+                                block=block, stripe_files=[os.path.join(sd, shard) for sd in stripes],
+                                pipelined=pipelined)
     except BaseException:
         if single:
             _rmtree(tmp)
+            for sd in stripes:
+                _rmtree(sd)
         raise
-    del fl, blobs  # the snapshot holds the data now
+    # Async: the snapshot holds the data now. Pipelined: the writer still reads the tensors.
+    keep = (fl, blobs, state_dict) if pipelined else None
+    del fl, blobs
 
     def finish():
+        nonlocal keep
         err = None
         try:
             r = native.wait()
         except BaseException as e:  # noqa: BLE001 - reported to every rank below
             err = e
             r = None
+        keep = None
         if dist is not None:
             errs = [None] * world
             dist.all_gather_object(errs, None if err is None else f"rank {rank}: {err}")
@@ -225,14 +331,23 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy):
             if failed:
                 if rank == 0:
                     _rmtree(tmp)
+                    for sd in stripes:
+                        _rmtree(sd)
                 if err is not None:
                     raise err
                 raise OSError(f"checkpoint.save to {path} failed on another rank: {'; '.join(failed)}")
         elif err is not None:
             _rmtree(tmp)
+            for sd in stripes:
+                _rmtree(sd)
             raise err
+        if rank == 0:  # committed: the previous checkpoint's stripes go
+            for sd in old_stripes:
+                if sd not in stripes:
+                    _rmtree(sd)
         info = SaveInfo(r)
-        info.update(path=path, file=os.path.join(path, shard), files=[os.path.join(path, shard)], rank=rank, world_size=world,
+        files = [os.path.join(path, shard)] + [os.path.join(sd, shard) for sd in stripes]
+        info.update(path=path, file=os.path.join(path, shard), files=files, stripes=stripes, rank=rank, world_size=world,
                     compress=compress or "none",
                     original_bytes=original_bytes or info["raw_bytes"],
                     ratio=((original_bytes or info["raw_bytes"]) / info["stored_bytes"]) if info["stored_bytes"] else 1.0,
@@ -312,15 +427,34 @@ def _map_device(saved, device):
     return d
 
 
-def _load_shard(file, device, threads=0):
-    reader = _core.CkptReader(file)
+# Storages at least this large are allocated page-aligned on the host, so the
+# reader's O_DIRECT reads land in them in place (Note [Read pipeline]).
+_ALIGNED_MIN_BYTES = 1 << 20
+
+
+def _host_buffer(nbytes):
+    if nbytes >= _ALIGNED_MIN_BYTES:
+        # An anonymous mapping is page-aligned; the tensor keeps it alive.
+        return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _stripe_files(idx, shard_name):
+    return [os.path.join(sd, shard_name) for sd in idx.get("stripes", [])]
+
+
+def _load_shard(file, device, threads=0, stripes=()):
+    reader = _core.CkptReader(file, stripes=list(stripes))
     meta = json.loads(reader.meta)
     blobs_info = reader.blobs
     storages = []
     targets = []
     for s in meta["storages"]:
         dev = _map_device(s["device"], device)
-        buf = torch.empty(s["nbytes"], dtype=torch.uint8, device=dev)
+        if dev.type == "cpu":
+            buf = _host_buffer(s["nbytes"])
+        else:
+            buf = torch.empty(s["nbytes"], dtype=torch.uint8, device=dev)
         storages.append(buf)
         if s["nbytes"]:
             b = blobs_info[s["blob"]]
@@ -361,7 +495,8 @@ def load(path, *, device=None, into=None, rank=None, strict=True):
     if rank == "all":
         return [load(path, device=device, rank=r) for r in range(idx["world_size"])]
     r = _resolve_rank(idx, rank, path)
-    state, meta = _load_shard(os.path.join(path, idx["shards"][r]), device)
+    state, meta = _load_shard(os.path.join(path, idx["shards"][r]), device,
+                              stripes=_stripe_files(idx, idx["shards"][r]))
     if meta.get("id") != idx.get("id"):
         raise ValueError(f"{path}: shard rank{r}.ebt belongs to checkpoint {meta.get('id')}, "
                          f"the index to {idx.get('id')}")
@@ -442,7 +577,7 @@ def inspect(path, *, verify=True):
     out = {"path": path, "index": idx, "shards": []}
     for name in idx["shards"]:
         f = os.path.join(path, name)
-        reader = _core.CkptReader(f)
+        reader = _core.CkptReader(f, stripes=_stripe_files(idx, name))
         meta = json.loads(reader.meta)
         blobs = reader.blobs
         rows = []
@@ -457,6 +592,7 @@ def inspect(path, *, verify=True):
                          "stored_bytes": b["stored_bytes"] if b else 0, "codec": b["codec"] if b else "none",
                          "offset": b["offset"] if b else 0, "shared": b is not None and b["name"] != t["path"]})
         shard = {"file": f, "format_version": reader.format_version, "file_bytes": reader.file_bytes,
+                 "stripe_files": _stripe_files(idx, name),
                  "tensors": rows, "raw_bytes": sum(b["nbytes"] for b in blobs),
                  "stored_bytes": sum(b["stored_bytes"] for b in blobs),
                  "lossy_error": meta.get("lossy_error")}

@@ -65,8 +65,11 @@ EBB_BIND(ckpt, 30) {
       .def("save",
            [](CheckpointWriter& w, const std::string& file, const std::vector<BlobTuple>& blobs, const std::string& meta,
               const std::string& commit_dir, const std::string& commit_path,
-              const std::vector<std::pair<std::string, std::string>>& extra_files, bool block) {
+              const std::vector<std::pair<std::string, std::string>>& extra_files, bool block,
+              const std::vector<std::string>& stripe_files, bool pipelined) {
              SaveRequest req;
+             req.stripe_files = stripe_files;
+             req.pipelined = pipelined;
              req.file = file;
              req.meta = meta;
              req.commit_dir = commit_dir;
@@ -80,13 +83,20 @@ EBB_BIND(ckpt, 30) {
              return w.save(std::move(req), block);
            },
            nb::arg("file"), nb::arg("blobs"), nb::arg("meta"), nb::arg("commit_dir") = "", nb::arg("commit_path") = "",
-           nb::arg("extra_files") = std::vector<std::pair<std::string, std::string>>{}, nb::arg("block") = false)
+           nb::arg("extra_files") = std::vector<std::pair<std::string, std::string>>{}, nb::arg("block") = false,
+           nb::arg("stripe_files") = std::vector<std::string>{}, nb::arg("pipelined") = false)
       .def_prop_ro("busy", &CheckpointWriter::busy)
+      .def("join", [](CheckpointWriter& w) {
+        ebbtide::py::gil_release g;
+        w.join();
+      })
       .def_prop_ro("snapshot_capacity", &CheckpointWriter::snapshot_capacity)
       .def_prop_ro("chunk_bytes", [](const CheckpointWriter& w) { return w.options().chunk_bytes; });
 
   nb::class_<ShardReader>(m, "CkptReader")
-      .def(nb::init<const std::string&, bool>(), nb::arg("path"), nb::arg("direct") = true)
+      .def(nb::init<const std::string&, bool, std::vector<std::string>>(), nb::arg("path"), nb::arg("direct") = true,
+           nb::arg("stripes") = std::vector<std::string>{})
+      .def_prop_ro("stripe_count", &ShardReader::stripe_count)
       .def_prop_ro("meta", [](const ShardReader& r) { return nb::bytes(r.header().meta.data(), r.header().meta.size()); })
       .def_prop_ro("format_version", [](const ShardReader& r) { return r.superblock().format_version; })
       .def_prop_ro("file_bytes", &ShardReader::file_bytes)
@@ -109,6 +119,15 @@ EBB_BIND(ckpt, 30) {
           d["elem_bytes"] = b.elem_bytes;
           d["chunks"] = b.chunk_count;
           d["offset"] = b.chunk_count ? h.chunks[b.first_chunk].file_offset : 0;
+          d["stripe"] = b.chunk_count ? h.chunks[b.first_chunk].stripe : 0;
+          nb::list stripes;
+          for (uint32_t k = 0; k < b.chunk_count; ++k) {
+            uint16_t sk = h.chunks[b.first_chunk + k].stripe;
+            bool seen = false;
+            for (auto x : stripes) seen = seen || nb::cast<uint16_t>(x) == sk;
+            if (!seen) stripes.append(sk);
+          }
+          d["stripes"] = stripes;
           out.append(d);
         }
         return out;

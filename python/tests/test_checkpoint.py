@@ -94,6 +94,7 @@ def test_replaces_existing_checkpoint_and_leaves_no_temporaries(tmp_path):
     ckpt.save({"v": torch.ones(10)}, tmp_path / "c")
     ckpt.save({"v": torch.full((10,), 2.0)}, tmp_path / "c")
     assert torch.equal(ckpt.load(tmp_path / "c")["v"], torch.full((10,), 2.0))
+    ckpt.join()  # the replaced checkpoint is removed after save() returns
     assert sorted(os.listdir(tmp_path)) == ["c"]
 
 
@@ -315,6 +316,7 @@ def test_kill_during_save_leaves_a_complete_checkpoint(tmp_path):
         for name in os.listdir(tmp_path):
             assert name == "c" or name.startswith("c.tmp-"), name
     ckpt.save({"x": torch.ones(1)}, path)  # the next save removes stale temporaries
+    ckpt.join()
     assert os.listdir(tmp_path) == ["c"]
 
 

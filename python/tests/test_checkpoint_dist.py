@@ -43,6 +43,35 @@ def test_two_ranks_save_and_load(tmp_path):
         ckpt.load(path)
 
 
+def _striped_worker(rank, world, init_file, path, dirs, results):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        w = ckpt.Writer(chunk_bytes=64 << 10)
+        w.save(_rank_state(rank), path, stripe_dirs=dirs)
+        w.save(_rank_state(rank + 10), path, stripe_dirs=dirs, async_=True).wait()  # collective
+        out = ckpt.load(path)
+        exp = _rank_state(rank + 10)
+        results[rank] = out["rank"] == rank + 10 and torch.equal(out["w"], exp["w"])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_striped(tmp_path):
+    path = str(tmp_path / "c")
+    dirs = [str(tmp_path / "s1"), str(tmp_path / "s2")]
+    for d in dirs:
+        os.mkdir(d)
+    results = mp.Manager().dict()
+    mp.spawn(_striped_worker, args=(2, str(tmp_path / "init"), path, dirs, results), nprocs=2, join=True)
+    assert results[0] and results[1]
+    for d in dirs:  # one stripe directory (the committed one) with both ranks' files
+        (sd,) = os.listdir(d)
+        assert sorted(os.listdir(os.path.join(d, sd))) == ["owner.json", "rank0.ebt", "rank1.ebt"]
+    both = ckpt.load(path, rank="all")
+    assert [s["rank"] for s in both] == [10, 11]
+    assert all(not s["problems"] for s in ckpt.inspect(path)["shards"])
+
+
 def _gpt2_bf16_ratio(tmp_path, trained):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

@@ -51,6 +51,8 @@ void fsync_path(const std::string& path, bool dir) {
 
 }  // namespace
 
+void fsync_directory(const std::string& dir) { fsync_path(dir, true); }
+
 std::string make_temp_dir(const std::string& path_in) {
   std::string path = strip_slashes(path_in);
   EBB_CHECK(!path.empty(), "checkpoint path is empty");
@@ -90,6 +92,14 @@ void write_file_durably(const std::string& path, const std::string& content) {
 }
 
 void commit_directory(const std::string& tmp_in, const std::string& path_in) {
+  std::string old = commit_directory_keep_old(tmp_in, path_in);
+  if (old.empty()) return;
+  std::error_code ec;
+  fs::remove_all(old, ec);
+  if (ec) log::warn("checkpoint committed to ", path_in, " but the previous one at ", old, " could not be removed: ", ec.message());
+}
+
+std::string commit_directory_keep_old(const std::string& tmp_in, const std::string& path_in) {
   std::string tmp = strip_slashes(tmp_in), path = strip_slashes(path_in);
   for (auto& e : fs::directory_iterator(tmp)) {
     if (e.is_regular_file()) fsync_path(e.path().string(), false);
@@ -101,7 +111,7 @@ void commit_directory(const std::string& tmp_in, const std::string& path_in) {
   if (!exists) {
     if (::rename(tmp.c_str(), path.c_str()) != 0) throw_io_error(errno, path, -1, "rename (commit)");
     fsync_path(parent, true);
-    return;
+    return {};
   }
   if (!S_ISDIR(st.st_mode)) throw IoError(EEXIST, path, -1, "cannot commit the checkpoint: the path exists and is not a directory");
   long rc = ::syscall(SYS_renameat2, AT_FDCWD, tmp.c_str(), AT_FDCWD, path.c_str(), RENAME_EXCHANGE);
@@ -120,9 +130,7 @@ void commit_directory(const std::string& tmp_in, const std::string& path_in) {
     if (::rename(tmp.c_str(), path.c_str()) != 0) throw_io_error(errno, path, -1, "rename (commit)");
   }
   fsync_path(parent, true);
-  std::error_code ec;
-  fs::remove_all(old, ec);
-  if (ec) log::warn("checkpoint committed to ", path, " but the previous one at ", old, " could not be removed: ", ec.message());
+  return old;
 }
 
 void remove_stale_temps(const std::string& path_in) {

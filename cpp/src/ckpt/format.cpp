@@ -58,6 +58,10 @@ void encode_superblock(const Superblock& sb, unsigned char out[kSuperBytes]) {
   put_at(out, 32, sb.header_bytes);
   put_at(out, 40, sb.file_bytes);
   put_at(out, 48, sb.header_crc);
+  if (sb.format_version >= 2) {
+    put_at(out, 52, sb.stripe_index);
+    put_at(out, 54, sb.stripe_count);
+  }
   put_at(out, 56, crc32c(out, 56));
 }
 
@@ -84,6 +88,13 @@ Superblock decode_superblock(const unsigned char in[kSuperBytes], const std::str
   sb.header_bytes = get_at<uint64_t>(in, 32);
   sb.file_bytes = get_at<uint64_t>(in, 40);
   sb.header_crc = get_at<uint32_t>(in, 48);
+  if (sb.format_version >= 2) {
+    sb.stripe_index = get_at<uint16_t>(in, 52);
+    sb.stripe_count = get_at<uint16_t>(in, 54);
+    if (sb.stripe_count == 0 || sb.stripe_index >= sb.stripe_count)
+      throw InvalidArgument(detail::concat(path, ": corrupt superblock (stripe ", sb.stripe_index, " of ",
+                                           sb.stripe_count, ")"));
+  }
   return sb;
 }
 

@@ -42,23 +42,80 @@ struct ShardReader::Impl {
   Superblock sb;
   Header h;
   uint64_t size = 0;
+  // Stripe k (0 = the shard file): file, size, and why it is unusable ("" = fine).
+  std::vector<const detail::ShardFile*> files;
+  std::vector<std::unique_ptr<detail::ShardFile>> stripes;
+  std::vector<std::string> stripe_paths;
+  std::vector<uint64_t> sizes;
+  std::vector<std::string> stripe_error;
+  std::vector<int> stripe_errno;
 
+  const std::string& path_of(const ChunkEntry& c) const {
+    return c.stripe == 0 ? file->path() : stripe_paths[c.stripe - 1];
+  }
+  // Throws for a chunk whose stripe file is missing or bad, naming both.
+  void check_stripe(const ChunkEntry& c) const {
+    if (stripe_error[c.stripe].empty()) return;
+    std::string what = ebbtide::detail::concat("stripe file ", c.stripe, " of checkpoint shard ", file->path(),
+                                               ", needed for tensor '", h.blobs[c.blob].name, "' (chunk at offset ",
+                                               c.file_offset, "): ", stripe_error[c.stripe]);
+    if (stripe_errno[c.stripe] != 0) throw IoError(stripe_errno[c.stripe], path_of(c), -1, what);
+    throw InvalidArgument(path_of(c) + ": " + what);
+  }
   void check_crc(const ChunkEntry& c, const char* stored) const {
     uint32_t crc = crc32c(stored, c.stored_bytes);
     if (crc != c.crc)
-      throw ChecksumError(tensor_at(file->path(), h.blobs[c.blob].name), static_cast<int64_t>(c.file_offset), c.crc, crc);
+      throw ChecksumError(tensor_at(path_of(c), h.blobs[c.blob].name), static_cast<int64_t>(c.file_offset), c.crc, crc);
   }
-  void run_chunks(const std::vector<const ChunkEntry*>& chunks, unsigned threads,
+  // `direct[i]`, when set, is where chunk i's stored bytes are read (in place,
+  // Note [Read pipeline]); `process` then gets that pointer.
+  void run_chunks(const std::vector<const ChunkEntry*>& chunks, const std::vector<char*>& direct, unsigned threads,
                   const std::function<void(size_t, const char*)>& process);
 
   void decode_chunk(const ChunkEntry& c, const char* stored, char* dst, char* scratch) {
     const auto& b = h.blobs[c.blob];
-    std::string what = ebbtide::detail::concat(tensor_at(file->path(), b.name), " chunk at offset ", c.file_offset);
+    std::string what = ebbtide::detail::concat(tensor_at(path_of(c), b.name), " chunk at offset ", c.file_offset);
     decompress_chunk(c.codec, b.elem_bytes, stored, c.stored_bytes, dst, c.raw_bytes, scratch, what.c_str());
+  }
+
+  void open_stripes(bool direct) {
+    size_t n = sb.stripe_count;
+    files.assign(n, nullptr);
+    files[0] = file.get();
+    sizes.assign(n, 0);
+    sizes[0] = size;
+    stripe_error.assign(n, "");
+    stripe_errno.assign(n, 0);
+    stripes.resize(n);
+    auto blk = aligned_buf(kBlockBytes);
+    for (size_t k = 1; k < n; ++k) {
+      const std::string& p = stripe_paths[k - 1];
+      try {
+        stripes[k] = std::make_unique<detail::ShardFile>(p, false, direct);
+        files[k] = stripes[k].get();
+        sizes[k] = stripes[k]->size();
+        if (sizes[k] < kBlockBytes)
+          throw InvalidArgument(ebbtide::detail::concat("truncated stripe file (", sizes[k], " bytes)"));
+        detail::read_exact(*stripes[k], blk.get(), kBlockBytes, 0);
+        Superblock s = decode_superblock(reinterpret_cast<const unsigned char*>(blk.get()), p);
+        if (!(s.flags & kFlagStripeFile) || s.stripe_index != k || s.stripe_count != n)
+          throw InvalidArgument(ebbtide::detail::concat("not stripe ", k, " of ", n, " (its superblock says stripe ",
+                                                        s.stripe_index, " of ", s.stripe_count, ")"));
+        if (s.file_bytes > sizes[k])
+          throw InvalidArgument(ebbtide::detail::concat("truncated stripe file (", sizes[k],
+                                                        " bytes on disk, its superblock says ", s.file_bytes, ")"));
+      } catch (const IoError& e) {
+        stripe_errno[k] = e.err();
+        stripe_error[k] = e.what();
+      } catch (const std::exception& e) {
+        stripe_error[k] = e.what();
+      }
+    }
   }
 };
 
-ShardReader::ShardReader(const std::string& path, bool direct) : impl_(std::make_unique<Impl>()) {
+ShardReader::ShardReader(const std::string& path, bool direct, std::vector<std::string> stripe_paths)
+    : impl_(std::make_unique<Impl>()) {
   auto& I = *impl_;
   I.file = std::make_unique<detail::ShardFile>(path, false, direct);
   I.size = I.file->size();
@@ -69,6 +126,8 @@ ShardReader::ShardReader(const std::string& path, bool direct) : impl_(std::make
   auto blk = aligned_buf(kBlockBytes);
   detail::read_exact(*I.file, blk.get(), kBlockBytes, 0);
   I.sb = decode_superblock(reinterpret_cast<const unsigned char*>(blk.get()), path);
+  EBB_CHECK(!(I.sb.flags & kFlagStripeFile) && I.sb.stripe_index == 0, path,
+            ": this is a stripe data file of a striped shard, not the shard file (rankR.ebt in the checkpoint directory)");
   if (I.sb.file_bytes > I.size || I.sb.header_offset + I.sb.header_bytes > I.size) {
     throw InvalidArgument(ebbtide::detail::concat(path, ": truncated checkpoint shard (", I.size, " bytes on disk, the superblock says ",
                                          I.sb.file_bytes, "; the header at offset ", I.sb.header_offset, " is missing)"));
@@ -81,46 +140,99 @@ ShardReader::ShardReader(const std::string& path, bool direct) : impl_(std::make
   uint32_t crc = crc32c(hb.get(), I.sb.header_bytes);
   if (crc != I.sb.header_crc) throw ChecksumError(path + " (header)", static_cast<int64_t>(I.sb.header_offset), I.sb.header_crc, crc);
   I.h = decode_header(std::string_view(hb.get(), I.sb.header_bytes), path);
+  for (const auto& c : I.h.chunks)
+    EBB_CHECK(c.stripe < I.sb.stripe_count, path, ": corrupt checkpoint header (chunk of tensor '",
+              I.h.blobs[c.blob].name, "' in stripe ", c.stripe, ", the shard has ", I.sb.stripe_count, " files)");
+  EBB_CHECK(stripe_paths.size() + 1 == I.sb.stripe_count, path, ": the shard is striped over ", I.sb.stripe_count,
+            " files; ", I.sb.stripe_count - 1, " stripe file paths are needed, ", stripe_paths.size(), " were given");
+  I.stripe_paths = std::move(stripe_paths);
+  I.open_stripes(direct);
 }
 
 ShardReader::~ShardReader() = default;
 const Superblock& ShardReader::superblock() const { return impl_->sb; }
 const Header& ShardReader::header() const { return impl_->h; }
 const std::string& ShardReader::path() const { return impl_->file->path(); }
-uint64_t ShardReader::file_bytes() const { return impl_->size; }
+uint64_t ShardReader::file_bytes() const {
+  uint64_t n = 0;
+  for (auto v : impl_->sizes) n += v;
+  return n;
+}
+size_t ShardReader::stripe_count() const { return impl_->sb.stripe_count; }
 
 // Note [Read pipeline]
-// Chunks are read through the engine's backend (io_uring or POSIX pool) into
-// a ring of pinned staging buffers; each completion hands its buffer to a
-// worker that checks the crc32c, decodes into the destination and returns
-// the buffer. `process` runs on the workers; errors are collected.
-void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks, unsigned threads,
-                                   const std::function<void(size_t, const char*)>& process) {
+// Chunks are read through the engine's backend (io_uring or POSIX pool).
+// Raw chunks whose destination is host memory at a 4 KiB-aligned address
+// (checkpoint.load allocates large storages page-aligned) and whose length
+// is a multiple of 4 KiB are read in place: O_DIRECT lands in the tensor,
+// then a worker checks the crc32c there; no staging copy. Other chunks go
+// into a ring of pinned staging buffers; each completion hands its buffer to
+// a worker that checks the crc32c, decodes into the destination and returns
+// the buffer. `process` runs on the workers; errors are collected. Depth:
+// 8 transfers per file of the shard in flight.
+void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks, const std::vector<char*>& direct,
+                                   unsigned threads, const std::function<void(size_t, const char*)>& process) {
   if (chunks.empty()) return;
   uint64_t need = kBlockBytes;
-  for (const auto* c : chunks) need = std::max<uint64_t>(need, align_up(c->stored_bytes, kBlockBytes));
+  for (size_t i = 0; i < chunks.size(); ++i)
+    if (direct.empty() || direct[i] == nullptr) need = std::max<uint64_t>(need, align_up(chunks[i]->stored_bytes, kBlockBytes));
   unsigned nthreads = threads ? threads : detail::default_threads();
   mem::PinnedPool staging(need, std::max<size_t>(4, 2 * nthreads));
   std::vector<iovec> fixed;
   for (size_t i = 0; i < staging.count(); ++i)
     fixed.push_back({static_cast<char*>(staging.base()) + i * staging.buffer_bytes(), staging.buffer_bytes()});
-  detail::TransferLoop loop(8, fixed, io::BackendKind::kAuto);
+  detail::TransferLoop loop(8 * static_cast<unsigned>(files.size()), fixed, io::BackendKind::kAuto);
   std::mutex mu;
   std::condition_variable cv;
   std::vector<int> free_slots;
   for (int i = static_cast<int>(staging.count()) - 1; i >= 0; --i) free_slots.push_back(i);
-  size_t pending = 0;
+  size_t pending = 0;       // chunks with the workers
+  size_t slots_held = 0;    // staging buffers among them
   std::exception_ptr error;
   {
     detail::Workers pool(nthreads);
+    auto hand_off = [&](size_t i, int slot, const char* buf) {
+      {
+        std::lock_guard lock(mu);
+        ++pending;
+        if (slot >= 0) ++slots_held;
+      }
+      pool.post([&, i, slot, buf] {
+        std::exception_ptr e;
+        try {
+          process(i, buf);
+        } catch (...) {
+          e = std::current_exception();
+        }
+        std::lock_guard lock(mu);
+        if (e && !error) error = e;
+        if (slot >= 0) {
+          free_slots.push_back(slot);
+          --slots_held;
+        }
+        --pending;
+        cv.notify_all();
+      });
+    };
     try {
       for (size_t i = 0; i < chunks.size(); ++i) {
         const ChunkEntry& c = *chunks[i];
+        check_stripe(c);
+        const detail::ShardFile& f = *files[c.stripe];
         uint64_t len = align_up(c.stored_bytes, kBlockBytes);
-        if (c.file_offset + len > size) {
-          throw IoError(ENODATA, tensor_at(file->path(), h.blobs[c.blob].name), static_cast<int64_t>(c.file_offset),
-                        ebbtide::detail::concat("truncated checkpoint shard: chunk needs bytes up to ", c.file_offset + len,
-                                                " but the file has ", size));
+        if (c.file_offset + len > sizes[c.stripe]) {
+          throw IoError(ENODATA, tensor_at(f.path(), h.blobs[c.blob].name), static_cast<int64_t>(c.file_offset),
+                        ebbtide::detail::concat("truncated checkpoint file: chunk needs bytes up to ", c.file_offset + len,
+                                                " but the file has ", sizes[c.stripe]));
+        }
+        {
+          std::lock_guard lock(mu);
+          if (error) std::rethrow_exception(error);
+        }
+        if (!direct.empty() && direct[i] != nullptr) {
+          char* dst = direct[i];
+          loop.submit(f, false, dst, len, c.file_offset, -1, [&, i, dst] { hand_off(i, -1, dst); });
+          continue;
         }
         int slot = -1;
         for (;;) {
@@ -132,7 +244,7 @@ void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks,
               free_slots.pop_back();
               break;
             }
-            if (pending > 0) {  // buffers are with the workers
+            if (slots_held > 0) {  // buffers are with the workers
               cv.wait(lock, [&] { return !free_slots.empty() || error; });
               continue;
             }
@@ -140,25 +252,7 @@ void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks,
           loop.poll(true);
         }
         char* buf = static_cast<char*>(staging.base()) + static_cast<uint64_t>(slot) * staging.buffer_bytes();
-        loop.submit(*file, false, buf, len, c.file_offset, slot, [&, i, slot, buf] {
-          {
-            std::lock_guard lock(mu);
-            ++pending;
-          }
-          pool.post([&, i, slot, buf] {
-            std::exception_ptr e;
-            try {
-              process(i, buf);
-            } catch (...) {
-              e = std::current_exception();
-            }
-            std::lock_guard lock(mu);
-            if (e && !error) error = e;
-            free_slots.push_back(slot);
-            --pending;
-            cv.notify_all();
-          });
-        });
+        loop.submit(f, false, buf, len, c.file_offset, slot, [&, i, slot, buf] { hand_off(i, slot, buf); });
       }
       loop.drain();
     } catch (...) {
@@ -179,6 +273,7 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads)
   auto& I = *impl_;
   std::vector<const ChunkEntry*> chunks;
   std::vector<const BlobTarget*> owner;
+  std::vector<char*> direct;
   mem::cuda::Driver* drv = nullptr;
   for (const auto& t : targets) {
     EBB_CHECK(t.blob < I.h.blobs.size(), path(), ": blob index ", t.blob, " out of range (", I.h.blobs.size(), " blobs)");
@@ -190,15 +285,22 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads)
                 mem::cuda::unavailable_reason());
     }
     for (uint32_t k = 0; k < b.chunk_count; ++k) {
-      chunks.push_back(&I.h.chunks[b.first_chunk + k]);
+      const ChunkEntry& c = I.h.chunks[b.first_chunk + k];
+      chunks.push_back(&c);
       owner.push_back(&t);
+      char* dst = t.device ? nullptr : static_cast<char*>(t.ptr) + c.raw_offset;
+      bool in_place = dst != nullptr && c.codec == Codec::kNone && c.stored_bytes == c.raw_bytes &&
+                      c.raw_bytes % kBlockBytes == 0 && reinterpret_cast<uintptr_t>(dst) % kBlockBytes == 0 &&
+                      c.raw_offset + c.raw_bytes <= b.nbytes;
+      direct.push_back(in_place ? dst : nullptr);
     }
   }
-  I.run_chunks(chunks, threads, [&](size_t i, const char* stored) {
+  I.run_chunks(chunks, direct, threads, [&](size_t i, const char* stored) {
     thread_local std::vector<char> scratch, host;
     const ChunkEntry& c = *chunks[i];
     const BlobTarget& t = *owner[i];
     I.check_crc(c, stored);
+    if (direct[i] != nullptr) return;  // read in place
     if (scratch.size() < c.raw_bytes) scratch.resize(c.raw_bytes);
     if (!t.device) {
       I.decode_chunk(c, stored, static_cast<char*>(t.ptr) + c.raw_offset, scratch.data());
@@ -219,21 +321,24 @@ std::vector<VerifyProblem> ShardReader::verify(unsigned threads) {
   std::mutex mu;
   std::vector<const ChunkEntry*> chunks;
   for (const auto& c : I.h.chunks) chunks.push_back(&c);
-  auto note = [&](const ChunkEntry& c, const char* what) {
+  auto note = [&](const ChunkEntry& c, const std::string& what) {
     std::lock_guard lock(mu);
-    problems.push_back({I.h.blobs[c.blob].name, c.file_offset, what});
+    problems.push_back({I.h.blobs[c.blob].name, c.file_offset,
+                        c.stripe == 0 ? what : ebbtide::detail::concat("in stripe file ", I.path_of(c), ": ", what)});
   };
-  // Truncated chunks are problems too, reported before the rest is read.
+  // Truncated chunks and missing stripe files are problems too, reported before the rest is read.
   std::vector<const ChunkEntry*> readable;
   for (const auto* c : chunks) {
-    if (c->file_offset + align_up(c->stored_bytes, kBlockBytes) > I.size) {
+    if (!I.stripe_error[c->stripe].empty()) {
+      note(*c, I.stripe_error[c->stripe]);
+    } else if (c->file_offset + align_up(c->stored_bytes, kBlockBytes) > I.sizes[c->stripe]) {
       note(*c, "chunk lies beyond the end of the file (truncated shard)");
     } else {
       readable.push_back(c);
     }
   }
   try {
-    I.run_chunks(readable, threads, [&](size_t i, const char* stored) {
+    I.run_chunks(readable, {}, threads, [&](size_t i, const char* stored) {
       thread_local std::vector<char> out, scratch;
       const ChunkEntry& c = *readable[i];
       try {

@@ -6,7 +6,8 @@
 // Host blobs are copied by the worker threads, device blobs with
 // cuMemcpyDtoHAsync on their stream. Then a background thread writes:
 //  - raw chunks straight from the arena (adjacent ones coalesced into one
-//    O_DIRECT write), their crc32c computed just before submission;
+//    O_DIRECT write), their crc32c computed by the workers (all raw chunks
+//    queued in order at the start, consumed in order);
 //  - compressed chunks through a ring of pinned staging buffers: worker
 //    threads compress chunk i into buffer i % N while the ring writes the
 //    earlier ones (N >= 2: double buffering), in chunk order, each padded to
@@ -14,6 +15,24 @@
 //  - the header after the data, fdatasync, the superblock last, fdatasync;
 //  - with a commit target: the extra files, fsync and the atomic rename.
 // A failure anywhere leaves the temporary directory, never the target.
+//
+// Note [Pipelined save]
+// A synchronous save (the caller waits anyway and keeps its memory unchanged)
+// need not finish the snapshot before writing: the workers copy chunk k into
+// the arena (and checksum it while the bytes are in cache) while chunk k-1 is
+// being written, so the save costs about max(copy, write) instead of the sum.
+// Only host blobs without compression; others take the path above.
+//
+// Note [Striping]
+// With stripe files, chunk i goes to file i % (1 + stripes) (file 0 is the
+// shard file), each file with its own cursor, all written through one ring
+// with depth x files in flight. The chunk table's `stripe` field says where a
+// chunk lives. Stripe files have a superblock (flag kFlagStripeFile, their
+// stripe number and size) and no header; they are made durable, with their
+// directories, before the shard file's superblock, which is written last.
+// Atomicity across directories comes from the caller (checkpoint.py): stripe
+// files live in directories named by the checkpoint id that nothing refers to
+// until the index directory is committed by rename.
 #include "ebbtide/ckpt/writer.hpp"
 
 #include <chrono>
@@ -23,6 +42,9 @@
 #include <mutex>
 #include <thread>
 #include <unordered_set>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "ebbtide/ckpt/codec.hpp"
 #include "ebbtide/mem/cuda_shim.hpp"
@@ -83,6 +105,33 @@ SaveResult SaveHandle::wait() const {
 namespace {
 constexpr uint64_t kSegmentBytes = 64ull << 20;  // arena segment = one registered io buffer
 
+// Snapshot copy with streaming (non-temporal) stores where the destination is
+// 16-byte aligned: the arena is written once and read back only by the
+// disk, so caching it would cost a read-for-ownership per line and evict the
+// caller's working set. Same result as memcpy.
+void copy_snapshot(char* dst, const char* src, uint64_t n) {
+#if defined(__x86_64__)
+  if (reinterpret_cast<uintptr_t>(dst) % 16 == 0 && n >= (256u << 10)) {
+    uint64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+      __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    }
+    std::memcpy(dst + i, src + i, n - i);
+    _mm_sfence();
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
+  // arena segment = one registered io buffer
+
 struct BlobPlan {
   uint64_t arena_offset = 0;
 };
@@ -94,7 +143,10 @@ struct ChunkJob {
   uint32_t raw = 0;
   Codec codec = Codec::kNone;
   uint16_t elem = 1;
-  // results (compressed chunks)
+  uint16_t stripe = 0;
+  const char* src = nullptr;  // pipelined: caller memory copied into the arena by the job
+  uint32_t pad = 0;           // pipelined: zero bytes after the blob's last chunk
+  // results
   uint32_t stored = 0;
   uint32_t crc = 0;
   Codec used = Codec::kNone;
@@ -109,9 +161,11 @@ struct CheckpointWriter::Impl {
   std::unique_ptr<mem::PinnedPool> arena;    // snapshot image
   std::unique_ptr<mem::PinnedPool> staging;  // compressed chunk ring
   std::unique_ptr<detail::TransferLoop> loop;
+  unsigned loop_depth = 0;
   std::mutex mu;
   std::thread bg;
   std::shared_ptr<detail::SaveState> inflight;
+  std::string replaced;  // previous checkpoint directory, removed after the save is done
   std::string inflight_file;
 
   explicit Impl(const WriterOptions& o)
@@ -123,17 +177,10 @@ struct CheckpointWriter::Impl {
   void ensure_arena(uint64_t bytes) {
     uint64_t segs = std::max<uint64_t>(1, (bytes + kSegmentBytes - 1) / kSegmentBytes);
     if (arena && arena->count() >= segs) return;
-    loop.reset();
+    loop.reset();  // its registered buffers are the old arena's
     arena.reset();
     arena = std::make_unique<mem::PinnedPool>(kSegmentBytes, segs);
     if (!staging) staging = std::make_unique<mem::PinnedPool>(staging_buffer_bytes(), staging_count());
-    std::vector<iovec> fixed;
-    auto* base = static_cast<char*>(arena->base());
-    for (uint64_t i = 0; i < segs; ++i) fixed.push_back({base + i * kSegmentBytes, kSegmentBytes});
-    auto* sbase = static_cast<char*>(staging->base());
-    for (size_t i = 0; i < staging->count(); ++i)
-      fixed.push_back({sbase + i * staging->buffer_bytes(), staging->buffer_bytes()});
-    loop = std::make_unique<detail::TransferLoop>(opt.queue_depth, fixed, opt.backend);
   }
 
   void join_bg() {
@@ -141,7 +188,16 @@ struct CheckpointWriter::Impl {
   }
 
   // Copies every blob into the arena; returns the arena offset of each.
-  std::vector<BlobPlan> snapshot(const SaveRequest& req) {
+  static bool can_pipeline(const SaveRequest& req) {
+    if (!req.pipelined) return false;
+    for (const auto& b : req.blobs)
+      if (b.device || b.codec != Codec::kNone) return false;
+    return true;
+  }
+
+  // Copies every blob into the arena (with `copy`; else the write's workers
+  // copy, Note [Pipelined save]); returns the arena offset of each.
+  std::vector<BlobPlan> snapshot(const SaveRequest& req, bool copy) {
     std::vector<BlobPlan> plan(req.blobs.size());
     uint64_t off = 0;
     for (size_t i = 0; i < req.blobs.size(); ++i) {
@@ -154,6 +210,7 @@ struct CheckpointWriter::Impl {
       off += align_up(b.nbytes, kBlockBytes);
     }
     ensure_arena(off);
+    if (!copy) return plan;
     auto* base = static_cast<char*>(arena->base());
     mem::cuda::Driver* drv = nullptr;
     std::unordered_set<uintptr_t> streams;
@@ -188,14 +245,31 @@ struct CheckpointWriter::Impl {
       for (uint64_t o = 0; o < b.nbytes; o += kPiece)
         pieces.push_back({static_cast<const char*>(b.ptr) + o, dst + o, std::min(kPiece, b.nbytes - o)});
     }
-    workers.parallel_for(pieces.size(), [&](size_t k) { std::memcpy(pieces[k].dst, pieces[k].src, pieces[k].n); });
+    workers.parallel_for(pieces.size(), [&](size_t k) { copy_snapshot(pieces[k].dst, pieces[k].src, pieces[k].n); });
     for (auto s : streams) drv->stream_synchronize(s);
     return plan;
   }
 
-  SaveResult write(const SaveRequest& req, const std::vector<BlobPlan>& plan) {
+  void ensure_loop(unsigned depth) {
+    if (loop && loop_depth == depth) return;
+    loop.reset();
+    std::vector<iovec> fixed;
+    auto* base = static_cast<char*>(arena->base());
+    for (uint64_t i = 0; i < arena->count(); ++i) fixed.push_back({base + i * kSegmentBytes, kSegmentBytes});
+    auto* sbase = static_cast<char*>(staging->base());
+    for (size_t i = 0; i < staging->count(); ++i)
+      fixed.push_back({sbase + i * staging->buffer_bytes(), staging->buffer_bytes()});
+    loop = std::make_unique<detail::TransferLoop>(depth, fixed, opt.backend);
+    loop_depth = depth;
+  }
+
+  SaveResult write(const SaveRequest& req, const std::vector<BlobPlan>& plan, bool pipelined) {
     auto t0 = Clock::now();
-    detail::ShardFile file(req.file, true, opt.direct);
+    const size_t nfiles = 1 + req.stripe_files.size();
+    ensure_loop(opt.queue_depth * static_cast<unsigned>(nfiles));
+    std::vector<std::unique_ptr<detail::ShardFile>> files;
+    files.push_back(std::make_unique<detail::ShardFile>(req.file, true, opt.direct));
+    for (const auto& f : req.stripe_files) files.push_back(std::make_unique<detail::ShardFile>(f, true, opt.direct));
     Header h;
     h.meta = req.meta;
     std::vector<ChunkJob> jobs;
@@ -210,6 +284,11 @@ struct CheckpointWriter::Impl {
         j.raw = static_cast<uint32_t>(std::min<uint64_t>(opt.chunk_bytes, b.nbytes - o));
         j.codec = b.codec;
         j.elem = b.elem_bytes;
+        j.stripe = static_cast<uint16_t>(jobs.size() % nfiles);
+        if (pipelined) {
+          j.src = static_cast<const char*>(b.ptr) + o;
+          j.pad = o + j.raw == b.nbytes ? static_cast<uint32_t>(align_up(j.raw, kBlockBytes) - j.raw) : 0;
+        }
         jobs.push_back(j);
       }
       be.chunk_count = static_cast<uint32_t>(jobs.size()) - be.first_chunk;
@@ -224,25 +303,90 @@ struct CheckpointWriter::Impl {
     auto* sbase = static_cast<char*>(staging->base());
     std::mutex jmu;
     std::condition_variable jcv;
+    size_t posted = 0, finished = 0;  // worker tasks referencing this frame
     std::vector<int> stage_busy(nstage, 0);  // 1 while a write from the buffer is in flight
-    uint64_t cursor = kDataStart, stored_total = 0;
+    std::vector<uint64_t> cursor(nfiles, kDataStart);
+    uint64_t stored_total = 0;
+    double snapshot_done = 0;
 
-    // Raw run: adjacent raw chunks coalesced (same offsets in arena and file).
-    uint64_t run_arena = 0, run_len = 0, run_file = 0;
-    auto flush_run = [&] {
-      if (run_len == 0) return;
-      for (auto& p : detail::split_by_segment(run_arena, run_len, kSegmentBytes, true))
-        loop->submit(file, true, abase + p.offset, p.len, run_file + (p.offset - run_arena), p.buf_index);
-      run_len = 0;
+    auto finish_job = [&](ChunkJob* j) {
+      std::lock_guard lock(jmu);
+      j->ready = true;
+      ++finished;
+      jcv.notify_all();
     };
-    auto submit_raw = [&](uint64_t aoff, uint64_t len) {
-      if (run_len > 0 && (run_arena + run_len != aoff || cursor != run_file + run_len || run_len >= opt.chunk_bytes))
-        flush_run();
-      if (run_len == 0) {
-        run_arena = aoff;
-        run_file = cursor;
+    auto post = [&](std::function<void()> fn) {
+      {
+        std::lock_guard lock(jmu);
+        ++posted;
       }
-      run_len += len;
+      workers.post(std::move(fn));
+    };
+    // Worker tasks reference this frame: every exit waits for them.
+    struct Join {
+      std::mutex& mu;
+      std::condition_variable& cv;
+      size_t& posted;
+      size_t& finished;
+      ~Join() {
+        std::unique_lock lock(mu);
+        cv.wait(lock, [&] { return finished == posted; });
+      }
+    } join{jmu, jcv, posted, finished};
+
+    // Raw chunks: copy (pipelined) and crc32c on the workers, all queued up
+    // front in chunk order; the loop below consumes them in the same order.
+    for (auto& j : jobs) {
+      if (j.codec != Codec::kNone) continue;
+      ChunkJob* jp = &j;
+      post([jp, abase, &finish_job] {
+        char* dst = abase + jp->arena_offset;
+        try {
+          if (jp->src != nullptr) {
+            // Copy and checksum in cache-sized pieces: the crc reads bytes still in cache.
+            constexpr uint64_t kStep = 256 << 10;
+            uint32_t crc = 0;
+            for (uint64_t o = 0; o < jp->raw; o += kStep) {
+              uint64_t n = std::min<uint64_t>(kStep, jp->raw - o);
+              std::memcpy(dst + o, jp->src + o, n);
+              crc = crc32c(dst + o, n, crc);
+            }
+            if (jp->pad) std::memset(dst + jp->raw, 0, jp->pad);
+            jp->crc = crc;
+          } else {
+            jp->crc = crc32c(dst, jp->raw);
+          }
+        } catch (...) {
+          jp->error = std::current_exception();
+        }
+        finish_job(jp);
+      });
+    }
+
+    // Raw runs, one per file: adjacent raw chunks coalesced (contiguous in arena and file).
+    struct Run {
+      uint64_t arena = 0, len = 0, file = 0;
+    };
+    std::vector<Run> runs(nfiles);
+    auto flush_run = [&](size_t f) {
+      Run& r = runs[f];
+      if (r.len == 0) return;
+      for (auto& p : detail::split_by_segment(r.arena, r.len, kSegmentBytes, true))
+        loop->submit(*files[f], true, abase + p.offset, p.len, r.file + (p.offset - r.arena), p.buf_index);
+      r.len = 0;
+    };
+    auto flush_runs = [&] {
+      for (size_t f = 0; f < nfiles; ++f) flush_run(f);
+    };
+    auto submit_raw = [&](size_t f, uint64_t aoff, uint64_t len) {
+      Run& r = runs[f];
+      if (r.len > 0 && (r.arena + r.len != aoff || cursor[f] != r.file + r.len || r.len >= opt.chunk_bytes))
+        flush_run(f);
+      if (r.len == 0) {
+        r.arena = aoff;
+        r.file = cursor[f];
+      }
+      r.len += len;
     };
 
     size_t next_dispatch = 0;
@@ -252,7 +396,7 @@ struct CheckpointWriter::Impl {
       const char* in = abase + j->arena_offset;
       uint64_t bound = sbytes;
       int level = opt.zstd_level;
-      workers.post([j, out, in, bound, level, &jmu, &jcv, chunk = opt.chunk_bytes] {
+      post([j, out, in, bound, level, &finish_job, chunk = opt.chunk_bytes] {
         thread_local std::vector<char> scratch;
         if (scratch.size() < chunk) scratch.resize(chunk);
         try {
@@ -271,21 +415,13 @@ struct CheckpointWriter::Impl {
         } catch (...) {
           j->error = std::current_exception();
         }
-        std::lock_guard lock(jmu);
-        j->ready = true;
-        jcv.notify_all();
+        finish_job(j);
       });
-    };
-    // Tasks posted to workers reference locals; make sure none outlive this frame.
-    size_t dispatched_any = 0;
-    auto wait_all_dispatched = [&] {
-      std::unique_lock lock(jmu);
-      for (size_t i = 0; i < next_dispatch; ++i)
-        if (jobs[i].codec != Codec::kNone) jcv.wait(lock, [&] { return jobs[i].ready; });
     };
     try {
       for (size_t i = 0; i < jobs.size(); ++i) {
         ChunkJob& j = jobs[i];
+        const size_t f = j.stripe;
         if (j.codec != Codec::kNone) {
           // Keep the ring full: chunk k may use buffer k % nstage once the write from it is done.
           while (next_dispatch < jobs.size() && next_dispatch < i + nstage) {
@@ -294,58 +430,62 @@ struct CheckpointWriter::Impl {
               continue;
             }
             if (stage_busy[next_dispatch % nstage]) {
-              flush_run();
+              flush_runs();
               loop->poll(true);
               continue;
             }
             dispatch(next_dispatch++);
-            ++dispatched_any;
           }
-          {
-            std::unique_lock lock(jmu);
+        }
+        {
+          std::unique_lock lock(jmu);
+          if (!j.ready) {
+            lock.unlock();
+            flush_runs();  // the disk works while we wait for the workers
+            loop->poll(false);
+            lock.lock();
             jcv.wait(lock, [&] { return j.ready; });
           }
-          if (j.error) std::rethrow_exception(j.error);
         }
+        if (j.error) std::rethrow_exception(j.error);
         ChunkEntry& ce = h.chunks[i];
         ce.raw_offset = j.raw_offset;
         ce.raw_bytes = j.raw;
         ce.blob = j.blob;
-        ce.file_offset = cursor;
+        ce.stripe = j.stripe;
+        ce.file_offset = cursor[f];
         if (j.codec == Codec::kNone || j.used == Codec::kNone) {
           ce.codec = Codec::kNone;
           ce.stored_bytes = j.raw;
-          ce.crc = j.codec == Codec::kNone ? crc32c(abase + j.arena_offset, j.raw) : j.crc;
-          submit_raw(j.arena_offset, align_up(j.raw, kBlockBytes));
+          ce.crc = j.crc;
+          submit_raw(f, j.arena_offset, align_up(j.raw, kBlockBytes));
         } else {
-          flush_run();
+          flush_run(f);
           ce.codec = j.used;
           ce.stored_bytes = j.stored;
           ce.crc = j.crc;
           size_t slot = i % nstage;
           stage_busy[slot] = 1;
-          loop->submit(file, true, sbase + slot * sbytes, align_up(j.stored, kBlockBytes), cursor,
+          loop->submit(*files[f], true, sbase + slot * sbytes, align_up(j.stored, kBlockBytes), cursor[f],
                        static_cast<int>(arena_segs + slot), [&stage_busy, slot] { stage_busy[slot] = 0; });
         }
         stored_total += ce.stored_bytes;
-        cursor += align_up(ce.stored_bytes, kBlockBytes);
+        cursor[f] += align_up(ce.stored_bytes, kBlockBytes);
       }
-      flush_run();
+      snapshot_done = seconds_since(t0);
+      flush_runs();
       loop->drain();
     } catch (...) {
-      wait_all_dispatched();
       try {
         loop->drain();
       } catch (...) {
       }
       throw;
     }
-    wait_all_dispatched();
-    (void)dispatched_any;
 
-    // Header, then superblock last.
+    // Header into the shard file, then the superblocks last.
     std::string hdr = encode_header(h);
-    uint64_t hdr_off = cursor, hdr_padded = align_up(hdr.size(), kBlockBytes);
+    uint64_t hdr_off = cursor[0], hdr_padded = align_up(hdr.size(), kBlockBytes);
     uint64_t file_bytes = hdr_off + hdr_padded;
     {
       // The header goes through staging buffer 0 (free: all writes drained) in pieces.
@@ -353,34 +493,80 @@ struct CheckpointWriter::Impl {
         uint64_t n = std::min<uint64_t>(sbytes, hdr_padded - o);
         std::memset(sbase, 0, n);
         std::memcpy(sbase, hdr.data() + o, std::min<uint64_t>(n, hdr.size() - std::min<uint64_t>(o, hdr.size())));
-        loop->submit(file, true, sbase, n, hdr_off + o, static_cast<int>(arena_segs));
+        loop->submit(*files[0], true, sbase, n, hdr_off + o, static_cast<int>(arena_segs));
         loop->drain();
       }
     }
-    file.sync();
-    Superblock sb;
-    sb.header_offset = hdr_off;
-    sb.header_bytes = hdr.size();
-    sb.file_bytes = file_bytes;
-    sb.header_crc = crc32c(hdr.data(), hdr.size());
-    std::memset(sbase, 0, kBlockBytes);
-    encode_superblock(sb, reinterpret_cast<unsigned char*>(sbase));
-    loop->submit(file, true, sbase, kBlockBytes, 0, static_cast<int>(arena_segs));
+    sync_all(files);
+    uint64_t total_file_bytes = file_bytes;
+    // Superblocks: the stripe files' first (durable), the shard file's last of all.
+    EBB_CHECK(nfiles * kBlockBytes <= sbytes, "too many stripe files (", nfiles - 1, ")");
+    for (size_t f = nfiles; f-- > 0;) {
+      Superblock sb;
+      sb.format_version = nfiles > 1 ? kFormatVersion : kFormatVersionUnstriped;
+      sb.stripe_count = static_cast<uint16_t>(nfiles);
+      sb.stripe_index = static_cast<uint16_t>(f);
+      if (f == 0) {
+        sb.header_offset = hdr_off;
+        sb.header_bytes = hdr.size();
+        sb.file_bytes = file_bytes;
+        sb.header_crc = crc32c(hdr.data(), hdr.size());
+        loop->drain();
+        sync_all(files, 1);
+      } else {
+        sb.flags = kFlagStripeFile;
+        sb.file_bytes = cursor[f];
+        total_file_bytes += cursor[f];
+      }
+      char* blk = sbase + f * kBlockBytes;
+      std::memset(blk, 0, kBlockBytes);
+      encode_superblock(sb, reinterpret_cast<unsigned char*>(blk));
+      loop->submit(*files[f], true, blk, kBlockBytes, 0, static_cast<int>(arena_segs));
+    }
     loop->drain();
-    file.sync();
+    files[0]->sync();
+    for (size_t f = 1; f < nfiles; ++f) {  // stripe directories: new entries durable before the commit
+      std::filesystem::path d = std::filesystem::path(req.stripe_files[f - 1]).parent_path();
+      fsync_directory(d.empty() ? "." : d.string());
+      if (d.has_parent_path()) fsync_directory(d.parent_path().string());
+    }
 
     SaveResult r;
     r.file = req.file;
     for (const auto& b : req.blobs) r.raw_bytes += b.nbytes;
     r.stored_bytes = stored_total;
-    r.file_bytes = file_bytes;
-    r.backend = loop->describe() + (file.direct() ? " O_DIRECT" : " buffered");
+    r.file_bytes = total_file_bytes;
+    r.backend = loop->describe() + (files[0]->direct() ? " O_DIRECT" : " buffered") +
+                (nfiles > 1 ? ebbtide::detail::concat(", striped over ", nfiles, " files") : std::string()) +
+                (pipelined ? ", pipelined snapshot" : "");
+    if (pipelined) r.snapshot_seconds = snapshot_done;
     if (!req.commit_path.empty()) {
       for (const auto& [name, content] : req.extra_files) write_file_durably(req.commit_dir + "/" + name, content);
-      commit_directory(req.commit_dir, req.commit_path);
+      replaced = commit_directory_keep_old(req.commit_dir, req.commit_path);
     }
     r.total_seconds = seconds_since(t0);
     return r;
+  }
+
+  // fdatasync of files [first, n), in parallel (one flush per device).
+  void sync_all(const std::vector<std::unique_ptr<detail::ShardFile>>& files, size_t first = 0) {
+    if (files.size() - first <= 1) {
+      for (size_t f = first; f < files.size(); ++f) files[f]->sync();
+      return;
+    }
+    std::vector<std::exception_ptr> errs(files.size());
+    std::vector<std::thread> ts;
+    for (size_t f = first; f < files.size(); ++f)
+      ts.emplace_back([&, f] {
+        try {
+          files[f]->sync();
+        } catch (...) {
+          errs[f] = std::current_exception();
+        }
+      });
+    for (auto& t : ts) t.join();
+    for (auto& e : errs)
+      if (e) std::rethrow_exception(e);
   }
 };
 
@@ -393,6 +579,11 @@ CheckpointWriter::CheckpointWriter(WriterOptions options)
 }
 
 CheckpointWriter::~CheckpointWriter() { impl_->join_bg(); }
+
+void CheckpointWriter::join() {
+  std::lock_guard lock(impl_->mu);
+  impl_->join_bg();
+}
 
 bool CheckpointWriter::busy() const {
   std::lock_guard lock(impl_->mu);
@@ -423,20 +614,25 @@ SaveHandle CheckpointWriter::save(SaveRequest req, bool block) {
   {
     std::error_code ec;
     EBB_CHECK(!std::filesystem::exists(req.file, ec), "checkpoint shard ", req.file, " already exists");
+    for (const auto& f : req.stripe_files)
+      EBB_CHECK(!f.empty() && !std::filesystem::exists(f, ec), "checkpoint stripe file '", f, "' already exists");
+    EBB_CHECK(req.stripe_files.size() < 256, "too many stripe files (", req.stripe_files.size(), "; at most 255)");
   }
   auto t0 = Clock::now();
-  auto plan = impl_->snapshot(req);
+  const bool pipelined = Impl::can_pipeline(req);
+  auto plan = impl_->snapshot(req, !pipelined);
   double snap = seconds_since(t0);
   auto st = std::make_shared<detail::SaveState>();
   st->result.file = req.file;
   impl_->inflight = st;
   impl_->inflight_file = req.file;
-  impl_->bg = std::thread([impl = impl_.get(), st, req = std::move(req), plan = std::move(plan), snap, t0] {
+  impl_->bg = std::thread([impl = impl_.get(), st, req = std::move(req), plan = std::move(plan), snap, t0,
+                           pipelined] {
     SaveResult r;
     std::exception_ptr err;
     try {
-      r = impl->write(req, plan);
-      r.snapshot_seconds = snap;
+      r = impl->write(req, plan, pipelined);
+      if (!pipelined) r.snapshot_seconds = snap;
       r.total_seconds = seconds_since(t0);
     } catch (...) {
       err = std::current_exception();
@@ -444,12 +640,31 @@ SaveHandle CheckpointWriter::save(SaveRequest req, bool block) {
         std::error_code ec;
         std::filesystem::remove_all(req.commit_dir, ec);
       }
+      for (const auto& f : req.stripe_files) {
+        std::error_code ec;
+        std::filesystem::remove(f, ec);
+      }
     }
-    std::lock_guard l(st->mu);
-    if (err) st->error = err;
-    else st->result = r;
-    st->done = true;
-    st->cv.notify_all();
+    {
+      std::lock_guard l(st->mu);
+      if (err) st->error = err;
+      else st->result = r;
+      st->done = true;
+      st->cv.notify_all();
+    }
+    // Note [Deferred removal]
+    // Deleting the replaced checkpoint (freeing GBs of extents) is not part of
+    // making the new one durable: it runs after done(), and the next save on
+    // this writer joins it first. A crash before it leaves a PATH.tmp-*
+    // directory that the next save of PATH removes.
+    if (!impl->replaced.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(impl->replaced, ec);
+      if (ec && ec != std::errc::no_such_file_or_directory)
+        log::warn("checkpoint committed but the previous one at ", impl->replaced, " could not be removed: ",
+                  ec.message());
+      impl->replaced.clear();
+    }
   });
   return SaveHandle(st);
 }

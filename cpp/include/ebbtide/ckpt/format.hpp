@@ -14,7 +14,11 @@
 
 namespace ebbtide::ckpt {
 
-inline constexpr uint32_t kFormatVersion = 1;
+// Newest version this build reads and writes. Unstriped shards are still
+// written as version 1 (readable by older builds); striped ones need 2.
+inline constexpr uint32_t kFormatVersion = 2;
+inline constexpr uint32_t kFormatVersionUnstriped = 1;
+inline constexpr uint32_t kFlagStripeFile = 1;  // superblock flag: a stripe data file (no header)
 inline constexpr uint64_t kBlockBytes = 4096;  // file offset alignment of every chunk
 inline constexpr uint64_t kDataStart = kBlockBytes;
 inline constexpr char kSuperMagic[16] = {'E', 'B', 'B', 'T', 'I', 'D', 'E', '-',
@@ -33,11 +37,16 @@ Codec parse_codec(std::string_view text);
 // Superblock: the first 64 bytes of block 0 (rest of the block zero).
 struct Superblock {
   uint32_t format_version = kFormatVersion;
-  uint32_t flags = 0;
+  uint32_t flags = 0;         // kFlagStripeFile for stripe data files
   uint64_t header_offset = 0;
   uint64_t header_bytes = 0;
   uint64_t file_bytes = 0;   // size of the complete file
   uint32_t header_crc = 0;   // crc32c of the header bytes
+  // Version 2 (Note [Striping] in writer.cpp): files of the shard (1 when not
+  // striped; v1 files read as 1), and this file's stripe number (0 = the
+  // shard file holding the header, k >= 1 = stripe data file k).
+  uint16_t stripe_index = 0;
+  uint16_t stripe_count = 1;
   uint32_t super_crc = 0;    // crc32c of bytes [0, 56) of the superblock
 };
 inline constexpr size_t kSuperBytes = 64;
@@ -54,7 +63,7 @@ struct ChunkEntry {
   uint32_t crc = 0;          // crc32c of the stored bytes
   uint32_t blob = 0;
   Codec codec = Codec::kNone;
-  uint16_t stripe = 0;       // reserved for striping; 0 = this file
+  uint16_t stripe = 0;       // file holding the chunk: 0 = the shard file, k = stripe file k
 };
 inline constexpr size_t kChunkEntryBytes = 40;
 

@@ -29,7 +29,10 @@ class ShardReader {
  public:
   // Opens and validates `path`. InvalidArgument (corrupt, truncated, not a
   // shard), Unsupported (newer format version), IoError (cannot read).
-  explicit ShardReader(const std::string& path, bool direct = true);
+  // A striped shard (superblock stripe_count > 1) needs `stripe_paths`, the
+  // stripe files 1..count-1 in order (InvalidArgument otherwise); a missing
+  // or bad stripe file is reported by read()/verify(), naming it and a tensor.
+  explicit ShardReader(const std::string& path, bool direct = true, std::vector<std::string> stripe_paths = {});
   ~ShardReader();
   ShardReader(const ShardReader&) = delete;
   ShardReader& operator=(const ShardReader&) = delete;
@@ -37,7 +40,8 @@ class ShardReader {
   const Superblock& superblock() const;
   const Header& header() const;
   const std::string& path() const;
-  uint64_t file_bytes() const;  // actual size on disk
+  uint64_t file_bytes() const;  // actual size on disk (all stripe files together)
+  size_t stripe_count() const;  // files of the shard (1 when not striped)
 
   // Reads the given blobs; ChecksumError / InvalidArgument name the blob and
   // the file offset of the bad chunk.

@@ -44,6 +44,16 @@ struct SaveRequest {
   std::string file;                   // shard file to create (must not exist)
   std::vector<BlobSource> blobs;
   std::string meta;                   // JSON stored in the header
+  // Striping (Note [Striping] in writer.cpp): stripe data files to create
+  // (must not exist; their directories must), typically one per extra
+  // directory. Chunks go round-robin over `file` and these, written in
+  // parallel; the header in `file` records where each chunk lives.
+  std::vector<std::string> stripe_files;
+  // The caller waits for the save and keeps every blob's memory unchanged
+  // until wait() returns: the snapshot then overlaps the writes
+  // (Note [Pipelined save]). Host blobs without compression only; other
+  // requests fall back to snapshot-then-write.
+  bool pipelined = false;
   // When commit_path is set: after the shard is durable, write `extra_files`
   // (name, content) into commit_dir (the directory holding `file`), fsync it
   // and commit it to commit_path (commit_directory()).
@@ -92,6 +102,9 @@ class CheckpointWriter {
   // errors (bad request, device copy) throw here and leave no file behind.
   SaveHandle save(SaveRequest request, bool block = false);
   bool busy() const;
+  // Waits until the background thread is idle: the save in flight is done
+  // and the previous checkpoint it replaced is removed (Note [Deferred removal]).
+  void join();
   const WriterOptions& options() const { return options_; }
   uint64_t snapshot_capacity() const;  // bytes of reusable snapshot buffers held
 
@@ -108,6 +121,12 @@ std::string make_temp_dir(const std::string& path);
 // (renameat2 RENAME_EXCHANGE, or rename when `path` does not exist), fsyncs
 // the parent and removes the previous contents. IoError naming the paths.
 void commit_directory(const std::string& tmp_dir, const std::string& path);
+// Same, but leaves the previous contents for the caller to remove: returns
+// their directory (named PATH.tmp-* or PATH.old-*, so a crash before the
+// removal leaves them to remove_stale_temps), or "" when `path` was new.
+std::string commit_directory_keep_old(const std::string& tmp_dir, const std::string& path);
+// fsyncs a directory (its entries become durable). IoError naming it.
+void fsync_directory(const std::string& dir);
 // Writes a small file durably (write + fsync). IoError naming it.
 void write_file_durably(const std::string& path, const std::string& content);
 // Removes PATH.tmp-* and PATH.old-* left by a killed save of `path`.
