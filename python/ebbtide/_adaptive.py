@@ -79,9 +79,10 @@ class Adaptive:
         self._profile_next = True
 
     def begin_step(self, core_stats: dict) -> None:
+        # _profile_next stays set until a profiling step completes: a step
+        # that raised leaves the next one to profile.
         self.profiling = self._profile_next
         self.last_profiled = self.profiling
-        self._profile_next = False
         self._marks = []
         self._meter0 = {t["tier"]: dict(t) for t in core_stats.get("tiers", [])}
 
@@ -172,8 +173,8 @@ class Adaptive:
                 modules.append(dict(name=name, scope=scope, forward_seconds=times.get(scope, 0.0), bytes=nbytes))
             self.profiling = False
             if not self._marks or cache_unscoped(self.cache):
-                self._profile_next = True  # no module scopes to time: profile once attached
-                return
+                return  # no module scopes to time: profile again once attached
+            self._profile_next = False
             self.profile_modules = modules
             self.measured = self._measure_tiers(core_stats)
             self._make_plan(reason="profile")

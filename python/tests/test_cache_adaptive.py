@@ -235,3 +235,18 @@ def test_env_settings(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="max_write_mbps"):
         with ebbtide.TensorCache(path=str(tmp_path)) as c:
             c.max_write_mbps = -1
+
+
+def test_failed_profiling_step_profiles_again(tmp_path):
+    model = make_model(layers=3)
+    x = torch.randn(128, 256)
+    with ebbtide.TensorCache(target="ssd", path=str(tmp_path), adaptive=True) as c:
+        c.attach(model)
+        with pytest.raises(RuntimeError, match="boom"):
+            with c.step():
+                model(x)
+                raise RuntimeError("boom")
+        assert c.stats()["planner"] is None
+        grads_of(model, x, c)
+        s = c.stats()
+        assert s["profiled"] and s["planner"] is not None
