@@ -33,7 +33,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ebbtide import _core
-from ebbtide._adaptive import Adaptive, tier_name
+from ebbtide._adaptive import Adaptive, resolve_settings, tier_name
 
 __all__ = ["TensorCache", "offload"]
 
@@ -44,7 +44,6 @@ _R_PENDING = _core.RELOAD_PENDING
 
 _DEFAULT_MIN_BYTES = 64 * 1024
 _DEFAULT_WINDOW = 512 * 1024 * 1024
-_DEFAULT_HOST_FRACTION = 0.25  # of MemAvailable: auto's host tier when training on CUDA
 _TARGETS = ("auto", "ssd", "cpu")
 
 
@@ -53,30 +52,6 @@ def _env_bytes(name: str) -> Optional[int]:
     if not v:
         return None
     return _core.parse_bytes(v, f"environment variable {name}")
-
-
-def _env_float(name: str) -> Optional[float]:
-    v = os.environ.get(name)
-    if not v:
-        return None
-    try:
-        return float(v)
-    except ValueError:
-        raise ValueError(f"environment variable {name}: {v!r} is not a number") from None
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 0
 
 
 def _in_backward() -> bool:
@@ -229,8 +204,8 @@ class TensorCache:
         self._auto_window = prefetch_window_bytes is None
         window = _DEFAULT_WINDOW if prefetch_window_bytes is None else int(prefetch_window_bytes)
         cuda = torch.cuda.is_available() and (self._device is None or self._device.type == "cuda")
-        max_write_bps, host_budget, adaptive = self._resolve_adaptive(target, cuda, adaptive, host_budget_bytes,
-                                                                      max_write_mbps)
+        max_write_bps, host_budget, adaptive = resolve_settings(target, cuda, adaptive, host_budget_bytes,
+                                                               max_write_mbps)
         self.host_budget_bytes = host_budget
         try:
             if workers is None:
@@ -284,38 +259,6 @@ class TensorCache:
         self._phase = "forward"
         self._plan: dict = {}
         self._adapt = Adaptive(self, max_write_bps=max_write_bps, host_budget_bytes=host_budget) if adaptive else None
-
-    @staticmethod
-    def _resolve_adaptive(target, cuda, adaptive, host_budget_bytes, max_write_mbps):
-        """(max_write_bps, host_budget_bytes, adaptive) from arguments, then EBBTIDE_* variables."""
-        explicit_cap = max_write_mbps is not None
-        if max_write_mbps is None:
-            max_write_mbps = _env_float("EBBTIDE_MAX_WRITE_MBPS")
-        if max_write_mbps is not None and (isinstance(max_write_mbps, bool) or not math.isfinite(max_write_mbps)
-                                           or max_write_mbps < 0):
-            raise ValueError(f"ebbtide.TensorCache: max_write_mbps={max_write_mbps!r} must be a number >= 0 "
-                             "(MB/s; 0 = no cap)")
-        if target == "cpu" and explicit_cap and max_write_mbps:
-            raise ValueError("ebbtide.TensorCache: max_write_mbps caps SSD writes; target 'cpu' writes none "
-                             "(use target 'auto' or 'ssd')")
-        max_write_bps = float(max_write_mbps or 0) * 1e6 if target != "cpu" else 0.0
-        if host_budget_bytes is None:
-            host_budget_bytes = _env_bytes("EBBTIDE_HOST_BUDGET")
-        if host_budget_bytes is None:
-            # On CPU the activations already live in host memory: a host tier saves nothing.
-            host_budget_bytes = int(_available_memory() * _DEFAULT_HOST_FRACTION) if cuda else 0
-        if isinstance(host_budget_bytes, bool) or int(host_budget_bytes) < 0:
-            raise ValueError(f"ebbtide.TensorCache: host_budget_bytes={host_budget_bytes!r} must be >= 0")
-        host_budget = int(host_budget_bytes) if target == "auto" else 0
-        if adaptive is None:
-            env = os.environ.get("EBBTIDE_ADAPTIVE")
-            if env:
-                if env.lower() not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-                    raise ValueError(f"environment variable EBBTIDE_ADAPTIVE: {env!r} is not a boolean")
-                adaptive = env.lower() in ("1", "true", "yes", "on")
-            else:
-                adaptive = target == "auto"
-        return max_write_bps, host_budget, bool(adaptive)
 
     # ------------------------------------------------------------------ public
     def attach(self, model: torch.nn.Module) -> "TensorCache":

@@ -162,15 +162,15 @@ def test_write_cap_limits_store_rate(tmp_path):
 
 
 def test_replan_when_bandwidth_drops(tmp_path, caplog):
-    model = make_model(layers=4, d=1024)
-    x = torch.randn(64, 1024)  # 256 KiB activations, ~ms of compute per block
+    model = make_model(layers=4, d=2048)
+    x = torch.randn(32, 2048)  # 256 KiB activations, ~10 ms of compute per block
     with ebbtide.TensorCache(target="ssd", path=str(tmp_path), adaptive=True) as c:
         c.attach(model)
         grads_of(model, x, c, steps=2)
         s = c.stats()
         if not s["planner"]["bytes_ssd"]:
             pytest.skip("this machine's planner offloads nothing even uncapped (store too slow for the compute)")
-        assert s["replans"] == 0
+        before = s["replans"]  # a loaded machine may already have re-planned on noise
         c.max_write_mbps = 5  # the SSD is now shared: 5 MB/s
         assert c.max_write_mbps == 5
         with caplog.at_level(logging.WARNING, logger="ebbtide"):
@@ -180,7 +180,7 @@ def test_replan_when_bandwidth_drops(tmp_path, caplog):
                 c.drain()  # every store runs through the cap
                 loss.backward()
         s = c.stats()
-        assert s["replans"] == 1
+        assert s["replans"] == before + 1
         assert s["planner"]["reason"] == "replan"
         assert s["planner"]["planned_write_bps"] <= 5e6 * 1.0001
         assert sum("re-planning" in r.getMessage() for r in caplog.records) == 1
@@ -204,6 +204,7 @@ def test_auto_without_ssd_degrades_to_host(tmp_path):
     (dict(target="nvme"), "valid: 'auto', 'ssd', 'cpu'"),
     (dict(max_write_mbps=-1), "max_write_mbps=-1 must be a number >= 0"),
     (dict(max_write_mbps=float("nan")), "max_write_mbps"),
+    (dict(max_write_mbps="fast"), "max_write_mbps='fast' must be a number"),
     (dict(target="cpu", max_write_mbps=10), "caps SSD writes"),
     (dict(host_budget_bytes=-5), "host_budget_bytes=-5 must be >= 0"),
 ])
