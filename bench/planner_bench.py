@@ -127,7 +127,7 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2, help="steps not timed (the planned run profiles in the first)")
-    ap.add_argument("--max-write-mbps", type=float, default=50.0)
+    ap.add_argument("--max-write-mbps", type=float, default=200.0)
     ap.add_argument("--methods", default="none,all,planned")
     ap.add_argument("--path", default=None)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave)")
