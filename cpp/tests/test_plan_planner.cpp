@@ -116,6 +116,25 @@ TEST(PlanPlanner, HostTierTakesWhatTheSsdCannotHide) {
   EXPECT_EQ(h.modules[2].placement, Placement::kKeep);
 }
 
+TEST(PlanPlanner, HostTierFilledFirstWhenNothingIsLost) {
+  // Fast SSD: everything but the last module moves either way, so host memory
+  // (Note [Tier order]) takes the first modules up to its budget.
+  PlannerOptions o;
+  o.write_bps = o.read_bps = 100e9;
+  o.host_budget_bytes = 2 * kGB;
+  o.host_write_bps = o.host_read_bps = 50e9;
+  const Plan p = plan_offload(uniform(10, 0.1, kGB), o);
+  EXPECT_EQ(p.modules[0].placement, Placement::kOffloadCpu);
+  EXPECT_EQ(p.modules[1].placement, Placement::kOffloadCpu);
+  for (int i = 2; i < 9; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kOffloadSsd) << i;
+  EXPECT_EQ(p.modules[9].placement, Placement::kKeep);
+  EXPECT_EQ(p.bytes_cpu, 2 * kGB);
+  EXPECT_EQ(p.bytes_ssd, 7 * kGB);
+  // A budget too small for any module leaves the host tier empty.
+  o.host_budget_bytes = kGB / 2;
+  EXPECT_EQ(plan_offload(uniform(10, 0.1, kGB), o).bytes_cpu, 0u);
+}
+
 TEST(PlanPlanner, ReplanTrigger) {
   PlannerOptions o;
   o.write_bps = o.read_bps = 10e9;

@@ -20,6 +20,7 @@ streams. See docs/tensor-cache.md for the design and its limits.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import tempfile
@@ -32,6 +33,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ebbtide import _core
+from ebbtide._adaptive import Adaptive, resolve_settings, tier_name
 
 __all__ = ["TensorCache", "offload"]
 
@@ -42,6 +44,7 @@ _R_PENDING = _core.RELOAD_PENDING
 
 _DEFAULT_MIN_BYTES = 64 * 1024
 _DEFAULT_WINDOW = 512 * 1024 * 1024
+_TARGETS = ("auto", "ssd", "cpu")
 
 
 def _env_bytes(name: str) -> Optional[int]:
@@ -147,8 +150,15 @@ def _find_blocks(model: torch.nn.Module):
 class TensorCache:
     """Offloads the activations autograd saves to SSD files or host memory.
 
-    target: "ssd" (files under ``path``; a list of directories stripes) or
-    "cpu" (host memory). min_bytes: storages below stay resident.
+    target: "auto" (host memory up to ``host_budget_bytes``, then SSD files
+    under ``path``; adaptive), "ssd" (files under ``path``; a list of
+    directories stripes) or "cpu" (host memory). adaptive: profile the first
+    step and let the planner choose per block what to offload and where
+    (default: True for "auto", False otherwise; EBBTIDE_ADAPTIVE).
+    host_budget_bytes: auto's host tier (default EBBTIDE_HOST_BUDGET, else a
+    quarter of the available memory when training on CUDA and 0 on CPU).
+    max_write_mbps: cap on SSD writes in MB/s (EBBTIDE_MAX_WRITE_MBPS; 0 or
+    None: no cap). min_bytes: storages below stay resident.
     keep_last_modules: activations of the last N scoped blocks (and whatever
     follows them, e.g. the head and the loss) stay resident: backward needs
     them first. prefetch_window_bytes: how much backward loads ahead (default:
@@ -159,13 +169,14 @@ class TensorCache:
     of the attached model's first parameter, else of the first saved tensor).
     """
 
-    def __init__(self, target: str = "ssd", path: Union[None, str, os.PathLike, Sequence] = None, *,
+    def __init__(self, target: str = "auto", path: Union[None, str, os.PathLike, Sequence] = None, *,
                  min_bytes: Optional[int] = None, keep_last_modules: int = 1,
                  prefetch_window_bytes: Optional[int] = None, capacity_bytes: int = 0,
                  workers: Optional[int] = None, max_inflight_bytes: Optional[int] = None,
-                 device: Union[None, str, torch.device] = None):
-        if target not in ("ssd", "cpu"):
-            raise ValueError(f"ebbtide.TensorCache: target {target!r} is not valid (valid: 'ssd', 'cpu')")
+                 device: Union[None, str, torch.device] = None, adaptive: Optional[bool] = None,
+                 host_budget_bytes: Optional[int] = None, max_write_mbps: Optional[float] = None):
+        if target not in _TARGETS:
+            raise ValueError(f"ebbtide.TensorCache: target {target!r} is not valid (valid: 'auto', 'ssd', 'cpu')")
         if keep_last_modules < 0:
             raise ValueError(f"ebbtide.TensorCache: keep_last_modules={keep_last_modules} must be >= 0")
         if min_bytes is None:
@@ -178,7 +189,7 @@ class TensorCache:
         self._device = self._normalize_device(device) if device is not None else None
         self._tmpdir = None
         paths: list = []
-        if target == "ssd":
+        if target in ("ssd", "auto"):
             if path is None:
                 self._tmpdir = tempfile.mkdtemp(prefix="ebbtide-")
                 paths = [self._tmpdir]
@@ -199,6 +210,9 @@ class TensorCache:
         self._auto_window = prefetch_window_bytes is None
         window = _DEFAULT_WINDOW if prefetch_window_bytes is None else int(prefetch_window_bytes)
         cuda = torch.cuda.is_available() and (self._device is None or self._device.type == "cuda")
+        max_write_bps, host_budget, adaptive = resolve_settings(target, cuda, adaptive, host_budget_bytes,
+                                                               max_write_mbps)
+        self.host_budget_bytes = host_budget
         try:
             if workers is None:
                 w = os.environ.get("EBBTIDE_CACHE_WORKERS")
@@ -208,8 +222,21 @@ class TensorCache:
                     raise ValueError(f"environment variable EBBTIDE_CACHE_WORKERS: {w!r} is not an integer")
             if max_inflight_bytes is None:
                 max_inflight_bytes = _env_bytes("EBBTIDE_MAX_INFLIGHT") or 0
-            self._core = _core.CacheCore(target, paths, int(capacity_bytes), int(window), int(workers),
-                                         bool(cuda), int(max_inflight_bytes))
+            args = (paths, int(capacity_bytes), int(window), int(workers), bool(cuda), int(max_inflight_bytes))
+            try:
+                self._core = _core.CacheCore(target, *args, host_budget_bytes=host_budget,
+                                             max_write_bps=max_write_bps)
+            except OSError as exc:
+                if target != "auto":
+                    raise
+                # Note [Auto without an SSD]: host memory alone, bounded by the
+                # budget when there is one.
+                warnings.warn(f"ebbtide: target 'auto' cannot use the SSD path {paths} ({exc}); offloading to "
+                              "host memory only", RuntimeWarning, stacklevel=2)
+                self._remove_tmpdir()
+                paths = []
+                args = (paths, int(host_budget)) + args[2:]
+                self._core = _core.CacheCore("cpu", *args)
         except BaseException:
             self._remove_tmpdir()
             raise
@@ -238,6 +265,7 @@ class TensorCache:
         self._blocks_in_fwd = 0
         self._phase = "forward"
         self._plan: dict = {}
+        self._adapt = Adaptive(self, max_write_bps=max_write_bps, host_budget_bytes=host_budget) if adaptive else None
 
     # ------------------------------------------------------------------ public
     def attach(self, model: torch.nn.Module) -> "TensorCache":
@@ -281,6 +309,8 @@ class TensorCache:
         if model is not None:
             self._record_params(model)
         self._core.begin_step()
+        if self._adapt is not None:
+            self._adapt.begin_step(self._core.stats())
         step_no = self._core.current_step
         self._in_step = True
         # Micro-batch ids keep counting across steps: a graph retained past
@@ -304,7 +334,41 @@ class TensorCache:
                 if not self._closed:
                     self._poll_locked()
                     self._core.end_step()
+                    if ok and self._adapt is not None:
+                        self._adapt.end_step(self._core.stats())
                     self._last_stats = self._make_stats()
+
+    def profile(self) -> None:
+        """Makes the next step a profiling step (Note [Profiling step] in
+        ebbtide/_adaptive.py); the plan is made again from its measurements.
+        Turns an adaptive=False cache adaptive."""
+        self._check_open()
+        if self._adapt is None:
+            self._adapt = Adaptive(self, max_write_bps=self.max_write_mbps * 1e6,
+                                   host_budget_bytes=self.host_budget_bytes)
+        self._adapt.request_profile()
+
+    @property
+    def adaptive(self) -> bool:
+        return self._adapt is not None
+
+    @property
+    def max_write_mbps(self) -> float:
+        """The SSD write cap in MB/s (0: none). Settable; a lower cap shows in
+        the next step's measured bandwidth, which triggers a re-plan."""
+        for t in self._core.stats()["tiers"]:
+            if t["tier"] == "ssd":
+                return t["write_limit_bps"] / 1e6
+        return 0.0
+
+    @max_write_mbps.setter
+    def max_write_mbps(self, value: float) -> None:
+        self._check_open()
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"ebbtide.TensorCache: max_write_mbps={value!r} must be a number >= 0 (MB/s)")
+        self._core.set_write_limit(_core.TIER_SSD, float(value) * 1e6)
+        if self._adapt is not None:
+            self._adapt.max_write_bps = float(value) * 1e6
 
     def microbatch(self, index: int) -> None:
         """Hint: the next forward (or backward) is micro-batch `index` (pipeline schedules)."""
@@ -465,7 +529,8 @@ class TensorCache:
         nbytes = st.nbytes()
         if nbytes == 0:
             return t
-        offload = nbytes >= self.min_bytes and not self._keeping_scope()
+        decision, tier = self._scope_placement()
+        offload = nbytes >= self.min_bytes and decision == "offload"
         cuda = t.device.type == "cuda"
         dev = t.device.index if cuda else -1
         stream = torch.cuda.current_stream(t.device).cuda_stream if cuda else 0
@@ -473,20 +538,32 @@ class TensorCache:
         with self._lock:
             self._poll_locked()
             eid, is_new, off = self._core.save(st._cdata, version, st.data_ptr(), nbytes, dev, stream,
-                                               self._fwd_mb, offload)
+                                               self._fwd_mb, offload, tier)
             if is_new:
                 phase = st.data_ptr() % self._io_align if not cuda else 0
                 self._entries[eid] = _Entry(t, StorageWeakRef(st), version, nbytes, self._scope, phase)
-                self._note_plan(nbytes, off)
+                self._note_plan(nbytes, off, decision, tier)
             return _Handle(self, eid, t, version)
 
-    def _note_plan(self, nbytes, offloaded):
+    def _scope_placement(self):
+        """("keep" | "offload", store tier hint) for the current scope: keep_last_modules, then the plan."""
+        if self._keeping_scope():
+            return "keep", -1
+        if self._adapt is not None:
+            offload, tier = self._adapt.placement(self._scope)
+            return ("offload" if offload else "keep"), tier
+        return "offload", -1
+
+    def _scope_name(self, s):
+        return self._blocks[s][0] if 0 <= s < len(self._blocks) else ("<before blocks>" if s < 0 else
+                                                                      f"<scope {s}>")
+
+    def _note_plan(self, nbytes, offloaded, decision="offload", tier=-1):
         s = self._scope
         p = self._plan.get(s)
         if p is None:
-            name = self._blocks[s][0] if 0 <= s < len(self._blocks) else ("<before blocks>" if s < 0 else
-                                                                          f"<scope {s}>")
-            p = self._plan[s] = dict(scope=s, module=name, decision="keep" if self._keeping_scope() else "offload",
+            p = self._plan[s] = dict(scope=s, module=self._scope_name(s), decision=decision,
+                                     tier=tier_name(tier) if decision == "offload" else None,
                                      tensors=0, bytes=0, bytes_offloaded=0)
         p["tensors"] += 1
         p["bytes"] += nbytes
@@ -674,6 +751,12 @@ class TensorCache:
         out["store_bytes_staged"] = s["store_bytes_staged"]
         out["target"] = self.target
         out["plan"] = self.plan()
+        out["tiers"] = s["tiers"]
+        out["adaptive"] = self._adapt is not None
+        if self._adapt is not None:
+            out.update(self._adapt.stats())
+        else:
+            out.update(planner=None, predicted_stall_seconds=None, predicted_peak_bytes=None)
         return out
 
     # ------------------------------------------------------------ module hooks
@@ -687,10 +770,14 @@ class TensorCache:
             self._next_mb += 1
         self._scope = -1
         self._blocks_in_fwd = 0
+        if self._adapt is not None:
+            self._adapt.mark(-1)
 
     def _on_root_forward(self, module, args, output):
         if not self._in_step or _in_backward():
             return
+        if self._adapt is not None:
+            self._adapt.mark(None)
         with self._lock:
             if self._closed:
                 return
@@ -713,6 +800,8 @@ class TensorCache:
                 self._core.scope_end(self._fwd_mb, self._scope)
             self._scope = self._blocks_in_fwd
             self._blocks_in_fwd += 1
+            if self._adapt is not None:
+                self._adapt.mark(self._scope)
             self._poll_locked()
 
     def _make_block_post(self, name):
@@ -736,7 +825,7 @@ class TensorCache:
 
 
 @contextlib.contextmanager
-def offload(model: Optional[torch.nn.Module] = None, target: str = "ssd",
+def offload(model: Optional[torch.nn.Module] = None, target: str = "auto",
             path: Union[None, str, os.PathLike, Sequence] = None, **kwargs):
     """One training step with activation offloading (like torch.autograd.graph.save_on_cpu).
 

@@ -44,20 +44,45 @@ ebbtide::mem::cuda::Driver* cuda_driver(bool want) {
 }
 
 std::unique_ptr<Store> make_store(const std::string& target, const std::vector<std::string>& paths,
-                                  uint64_t capacity_bytes, ebbtide::mem::cuda::Driver* drv) {
-  if (target == "cpu") {
+                                  uint64_t capacity_bytes, uint64_t host_budget_bytes, double max_write_bps,
+                                  ebbtide::mem::cuda::Driver* drv) {
+  if (target != "cpu" && target != "ssd" && target != "auto")
+    throw ebbtide::InvalidArgument("tensor cache: target '" + target + "' is not valid (valid: auto, ssd, cpu)");
+  TieredStoreOptions t;
+  if (target == "cpu" || target == "auto") {
     HostStoreOptions o;
-    o.capacity_bytes = capacity_bytes;
+    o.capacity_bytes = target == "cpu" ? capacity_bytes : host_budget_bytes;
     o.driver = drv;
-    return make_host_store(o);
+    // auto with no host budget: the SSD alone.
+    if (target == "cpu" || host_budget_bytes > 0) t.cpu = make_host_store(o);
   }
-  if (target == "ssd") {
+  if (target == "ssd" || target == "auto") {
     SsdStoreOptions o;
     o.dirs = paths;
     o.capacity_bytes = capacity_bytes;
-    return make_ssd_store(o);
+    t.ssd = make_ssd_store(o);
+    t.ssd_max_write_bps = max_write_bps;
   }
-  throw ebbtide::InvalidArgument("tensor cache: target '" + target + "' is not valid (valid: ssd, cpu)");
+  return make_tiered_store(std::move(t));
+}
+
+nb::list tiers_list(const StoreStats& s) {
+  nb::list out;
+  const char* names[kTiers] = {"cpu", "ssd"};
+  for (int t = 0; t < kTiers; ++t) {
+    const TierMeter& m = s.tiers[t];
+    if (!m.present) continue;
+    nb::dict d;
+    d["tier"] = names[t];
+    d["bytes_held"] = m.bytes_held;
+    d["bytes_written"] = m.bytes_written;
+    d["write_seconds"] = m.write_seconds;
+    d["bytes_read"] = m.bytes_read;
+    d["read_seconds"] = m.read_seconds;
+    d["write_limit_bps"] = m.write_limit_bps;
+    out.append(d);
+  }
+  return out;
 }
 
 using Prefetch = std::vector<std::pair<EntryId, uint64_t>>;
@@ -94,15 +119,17 @@ EBB_BIND(cache, 30) {
   m.attr("RELOAD_RESIDENT") = static_cast<int>(Reload::kResident);
   m.attr("RELOAD_FORWARD") = static_cast<int>(Reload::kForward);
   m.attr("RELOAD_NEED_BUFFER") = static_cast<int>(Reload::kNeedBuffer);
+  m.attr("TIER_CPU") = kTierCpu;
+  m.attr("TIER_SSD") = kTierSsd;
   m.attr("RELOAD_PENDING") = static_cast<int>(Reload::kPending);
 
   nb::class_<TensorCache>(m, "CacheCore", "The C++ tensor cache (bookkeeping, store/load workers).")
       .def("__init__",
            [](TensorCache* self, const std::string& target, const std::vector<std::string>& paths,
               uint64_t capacity_bytes, uint64_t prefetch_window_bytes, unsigned workers, bool cuda,
-              uint64_t max_inflight_bytes) {
+              uint64_t max_inflight_bytes, uint64_t host_budget_bytes, double max_write_bps) {
              auto* drv = cuda_driver(cuda);
-             auto store = make_store(target, paths, capacity_bytes, drv);
+             auto store = make_store(target, paths, capacity_bytes, host_budget_bytes, max_write_bps, drv);
              CacheOptions co;
              co.prefetch_window_bytes = prefetch_window_bytes;
              co.workers = workers;
@@ -113,10 +140,10 @@ EBB_BIND(cache, 30) {
            },
            nb::arg("target"), nb::arg("paths"), nb::arg("capacity_bytes") = 0,
            nb::arg("prefetch_window_bytes") = 512ull << 20, nb::arg("workers") = 2, nb::arg("cuda") = false,
-           nb::arg("max_inflight_bytes") = 0)
+           nb::arg("max_inflight_bytes") = 0, nb::arg("host_budget_bytes") = 0, nb::arg("max_write_bps") = 0.0)
       .def("save",
            [](TensorCache& c, uint64_t key, uint64_t version, uintptr_t ptr, uint64_t nbytes, int device,
-              uintptr_t stream, int microbatch, bool offload) {
+              uintptr_t stream, int microbatch, bool offload, int tier) {
              SaveRequest r;
              r.key = key;
              r.version = version;
@@ -126,11 +153,12 @@ EBB_BIND(cache, 30) {
              r.stream = stream;
              r.microbatch = microbatch;
              r.offload = offload;
+             r.tier = tier;
              auto res = c.save(r);
              return std::make_tuple(res.id, res.is_new, res.offloaded);
            },
            nb::arg("key"), nb::arg("version"), nb::arg("ptr"), nb::arg("nbytes"), nb::arg("device"),
-           nb::arg("stream"), nb::arg("microbatch"), nb::arg("offload"), nb::call_guard<nb::gil_scoped_release>())
+           nb::arg("stream"), nb::arg("microbatch"), nb::arg("offload"), nb::arg("tier") = -1, nb::call_guard<nb::gil_scoped_release>())
       .def("release", &TensorCache::release, nb::arg("id"), nb::call_guard<nb::gil_scoped_release>())
       .def("poll",
            [](TensorCache& c) {
@@ -158,6 +186,8 @@ EBB_BIND(cache, 30) {
       .def("drain", &TensorCache::drain, nb::call_guard<nb::gil_scoped_release>())
       .def("set_prefetch_window", &TensorCache::set_prefetch_window, nb::arg("bytes"))
       .def_prop_ro("prefetch_window_bytes", [](const TensorCache& c) { return c.options().prefetch_window_bytes; })
+      .def("set_write_limit", &TensorCache::set_write_limit, nb::arg("tier"), nb::arg("bytes_per_second"))
+      .def("probe", &TensorCache::probe, nb::arg("tier"), nb::arg("nbytes"), nb::call_guard<nb::gil_scoped_release>())
       .def("pause_stores", &TensorCache::pause_stores, nb::arg("paused"))
       .def("close", &TensorCache::close, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("closed", &TensorCache::closed)
@@ -181,6 +211,7 @@ EBB_BIND(cache, 30) {
         d["store_bytes_held"] = s.store.bytes_held;
         d["store_blobs"] = s.store.blobs;
         d["store_bytes_staged"] = s.store.bytes_staged;
+        d["tiers"] = tiers_list(s.store);
         return d;
       });
 }

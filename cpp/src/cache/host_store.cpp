@@ -97,7 +97,7 @@ class HostStore final : public Store {
 
   StoreStats stats() const override {
     std::lock_guard<std::mutex> lock(mu_);
-    return StoreStats{held_, blobs_.size(), opts_.capacity_bytes};
+    return StoreStats{held_, blobs_.size(), opts_.capacity_bytes, {}};
   }
 
   std::string describe() const override {

@@ -47,7 +47,7 @@ class SsdStore final : public Store {
 
   StoreStats stats() const override {
     auto s = engine_.stats();
-    return StoreStats{s.bytes_stored, s.slots_live, engine_.options().capacity_bytes, s.bytes_staged};
+    return StoreStats{s.bytes_stored, s.slots_live, engine_.options().capacity_bytes, s.bytes_staged, {}};
   }
 
   std::string describe() const override { return "ssd: " + engine_.describe(); }

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 
 #include "ebbtide/util/config.hpp"
 #include "ebbtide/util/error.hpp"
@@ -41,6 +43,7 @@ struct TensorCache::Entry {
   uint64_t nbytes = 0;
   int device = -1;
   int microbatch = 0;
+  int tier = -1;
   uint64_t step = 0;
   EntryState state = EntryState::kKept;
   bool acked = true;
@@ -208,6 +211,7 @@ SaveResult TensorCache::save(const SaveRequest& r) {
   e->nbytes = r.nbytes;
   e->device = r.device;
   e->microbatch = r.microbatch;
+  e->tier = r.tier;
   e->step = step_;
   e->handles = 1;
   e->state = EntryState::kKept;
@@ -505,6 +509,35 @@ void TensorCache::set_prefetch_window(uint64_t bytes) {
   opts_.prefetch_window_bytes = bytes;
 }
 
+void TensorCache::set_write_limit(int tier, double bytes_per_second) {
+  store_->set_write_limit(tier, bytes_per_second);
+}
+
+std::pair<double, double> TensorCache::probe(int tier, uint64_t nbytes) {
+  EBB_CHECK(nbytes > 0 && nbytes <= (1ull << 30), "tensor cache: probe size ", nbytes, " out of range 1..1 GiB");
+  EBB_CHECK_STATE(!closed(), "tensor cache: probe on a closed cache");
+  constexpr size_t kAlign = 4096;
+  const size_t alloc = (nbytes + kAlign - 1) / kAlign * kAlign;
+  auto free_fn = [](void* p) { std::free(p); };
+  std::unique_ptr<void, decltype(free_fn)> buf(std::aligned_alloc(kAlign, alloc), free_fn);
+  EBB_CHECK_STATE(buf != nullptr, "tensor cache: cannot allocate a ", nbytes, "-byte probe buffer");
+  std::memset(buf.get(), 0x5a, alloc);
+  Span span{buf.get(), nbytes, -1, 0, tier};
+  auto t0 = std::chrono::steady_clock::now();
+  const Location loc = store_->put(span);
+  const double write_s = seconds_since(t0);
+  t0 = std::chrono::steady_clock::now();
+  try {
+    store_->get(loc, span);
+  } catch (...) {
+    store_->free(loc);
+    throw;
+  }
+  const double read_s = seconds_since(t0);
+  store_->free(loc);
+  return {write_s, read_s};
+}
+
 void TensorCache::pause_stores(bool paused) {
   Lock lock(mu_);
   stores_paused_ = paused;
@@ -628,7 +661,7 @@ void TensorCache::run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Str
   Entry& e = *it->second;
   mutate(e, EntryState::kStoring, true);
   e.busy = true;
-  Span src{const_cast<void*>(e.src), e.nbytes, e.device, 0};
+  Span src{const_cast<void*>(e.src), e.nbytes, e.device, 0, e.tier};
   mem::cuda::Event ready = e.ready_ev;
   lock.unlock();
   Location loc = 0;

@@ -253,6 +253,7 @@ const std::vector<GpuSpec>& gpu_catalog() {
 
 const std::vector<SsdSpec>& ssd_catalog() {
   static const std::vector<SsdSpec> kSsds = {
+      // Sources and the issue-4 re-check of each figure: docs/model.md, "Catalogs".
       {"d7-p5620", "Solidigm D7-P5620 6.4TB (TLC, mixed use)", 6.4, 3.0, 5.0, 35.04, 4.2, 7.1},
       {"d7-p5810", "Solidigm D7-P5810 800GB (SLC, write intensive)", 0.8, 50.0, 5.0, 73.0, 4.0, 6.4},
       {"fl6", "Kioxia FL6 1.6TB (XL-FLASH SLC)", 1.6, 60.0, 5.0, 175.2, 5.8, 6.2},

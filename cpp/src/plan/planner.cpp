@@ -72,8 +72,8 @@ double ssd_write_rate(const PlannerOptions& o) {
 // Its backward starts at start_i = max(end of module i+1's backward, r_i);
 // the stall is the sum of the r_i - (end of i+1's backward) that are positive.
 // The planner walks the forward order, keeping the last keep_last_modules
-// resident, and offloads module i to the first tier (SSD, then host memory
-// while its budget lasts) whose simulated total stall stays within
+// resident, and offloads module i to the first tier (host memory while its
+// budget lasts, then the SSD) whose simulated total stall stays within
 // stall_tolerance_seconds of the plan without it. The first module no tier
 // can take ends the walk: it and every later module stay resident. This is
 // ARCHITECTURE.md's rule (offload while the writes so far and the reloads fit
@@ -182,8 +182,11 @@ Plan simulate_plan(const std::vector<ModuleProfile>& modules, const PlannerOptio
   return simulate(modules, o, placements, true);
 }
 
-Plan plan_offload(const std::vector<ModuleProfile>& modules, const PlannerOptions& o) {
-  validate(modules, o);
+namespace {
+
+// The greedy walk of Note [Offload rule], trying the tiers in `order`.
+Plan plan_greedy(const std::vector<ModuleProfile>& modules, const PlannerOptions& o,
+                 std::initializer_list<Placement> order) {
   const size_t n = modules.size();
   std::vector<Placement> placements(n, Placement::kKeep);
   const size_t keep = std::min(n, static_cast<size_t>(o.keep_last_modules));
@@ -203,7 +206,7 @@ Plan plan_offload(const std::vector<ModuleProfile>& modules, const PlannerOption
   for (size_t i = 0; i < candidates; ++i) {
     if (modules[i].bytes == 0) continue;  // nothing to move
     bool placed = false;
-    for (Placement tier : {Placement::kOffloadSsd, Placement::kOffloadCpu}) {
+    for (Placement tier : order) {
       if (tier == Placement::kOffloadSsd && !ssd_usable) continue;
       if (tier == Placement::kOffloadCpu && (!cpu_usable || host_left < modules[i].bytes)) continue;
       placements[i] = tier;
@@ -219,6 +222,23 @@ Plan plan_offload(const std::vector<ModuleProfile>& modules, const PlannerOption
     if (!placed) break;
   }
   return simulate(modules, o, placements, true);
+}
+
+}  // namespace
+
+// Note [Tier order]
+// Host memory is the tier in front of the SSD: the walk fills it first (no
+// SSD wear, fastest reloads). With a small budget that can cost offload: the
+// early modules, whose writes have the most compute to hide behind, would
+// serve the SSD best. So with both tiers the walk also runs SSD-first, and
+// that plan wins only when it moves strictly more bytes.
+Plan plan_offload(const std::vector<ModuleProfile>& modules, const PlannerOptions& o) {
+  validate(modules, o);
+  Plan cpu_first = plan_greedy(modules, o, {Placement::kOffloadCpu, Placement::kOffloadSsd});
+  if (cpu_first.bytes_cpu == 0 || cpu_first.bytes_keep == 0) return cpu_first;  // nothing to gain
+  Plan ssd_first = plan_greedy(modules, o, {Placement::kOffloadSsd, Placement::kOffloadCpu});
+  const auto moved = [](const Plan& p) { return p.bytes_cpu + p.bytes_ssd; };
+  return moved(ssd_first) > moved(cpu_first) ? ssd_first : cpu_first;
 }
 
 }  // namespace ebbtide::plan

@@ -26,6 +26,25 @@ struct Span {
   uint64_t nbytes = 0;
   int device = -1;
   mem::cuda::Stream stream = 0;
+  int tier = -1;  // put() hint for a tiered store: kTierCpu, kTierSsd, -1 = its first tier
+};
+
+// Tiers of a tiered store (make_tiered_store), in the order they are filled.
+constexpr int kTierCpu = 0;
+constexpr int kTierSsd = 1;
+constexpr int kTiers = 2;
+
+// Cumulative traffic of one tier. *_seconds count wall time during which at
+// least one put (get) of the tier was running, so bytes / seconds is the rate
+// the tier delivered while busy, whatever the number of workers.
+struct TierMeter {
+  bool present = false;
+  uint64_t bytes_held = 0;
+  uint64_t bytes_written = 0;
+  double write_seconds = 0;
+  uint64_t bytes_read = 0;
+  double read_seconds = 0;
+  double write_limit_bps = 0;  // 0 = no cap
 };
 
 struct StoreStats {
@@ -33,6 +52,7 @@ struct StoreStats {
   uint64_t blobs = 0;        // live locations
   uint64_t capacity = 0;     // 0 = unlimited
   uint64_t bytes_staged = 0; // host bytes copied through staging buffers on their way (ssd)
+  TierMeter tiers[kTiers];   // filled by tiered stores only
 };
 
 class Store {
@@ -50,6 +70,9 @@ class Store {
   // Host buffers whose address matches the source's at put() modulo this
   // move without a staging copy at get() (1: any buffer does).
   virtual uint64_t io_alignment() const { return 1; }
+  // Caps the write rate of `tier` (bytes/s, 0 = no cap). Unsupported unless
+  // the store is tiered; InvalidArgument for a negative rate or absent tier.
+  virtual void set_write_limit(int tier, double bytes_per_second);
 };
 
 struct HostStoreOptions {
@@ -71,5 +94,17 @@ struct SsdStoreOptions {
 // target "ssd": blobs in slab files through io::Engine (O_DIRECT, io_uring).
 // Throws IoError naming the directory when it cannot be written.
 std::unique_ptr<Store> make_ssd_store(SsdStoreOptions options);
+
+struct TieredStoreOptions {
+  std::unique_ptr<Store> cpu;         // host memory tier (may be null)
+  std::unique_ptr<Store> ssd;         // SSD tier (may be null); at least one tier
+  double ssd_max_write_bps = 0;       // token-bucket cap on SSD puts (0 = none)
+};
+
+// Routes each put by Span::tier (-1: the first tier present); a cpu put that
+// fails with ENOSPC (host budget full) goes to the SSD tier when there is one.
+// Meters every tier (StoreStats::tiers) and caps SSD writes (Note [Write cap]).
+// describe() of a single-tier store is that tier's.
+std::unique_ptr<Store> make_tiered_store(TieredStoreOptions options);
 
 }  // namespace ebbtide::cache

@@ -70,6 +70,7 @@ struct SaveRequest {
   mem::cuda::Stream stream = 0; // compute stream that produced the data (device only)
   int microbatch = 0;
   bool offload = true;          // false: keep resident (policy)
+  int tier = -1;                // store tier hint (Span::tier), -1 = the store's first
 };
 
 struct SaveResult {
@@ -171,6 +172,12 @@ class TensorCache {
   void pause_stores(bool paused);
   // Changes the prefetch window (the glue sizes it from the blocks it saw).
   void set_prefetch_window(uint64_t bytes);
+  // Caps the store's SSD writes (Store::set_write_limit).
+  void set_write_limit(int tier, double bytes_per_second);
+  // Writes `nbytes` of host memory to `tier` and reads them back, through the
+  // store (its cap and meters included); returns {write seconds, read seconds}.
+  // For a tier the step's own traffic did not measure. Throws what the store does.
+  std::pair<double, double> probe(int tier, uint64_t nbytes);
   void close();
   bool closed() const;
 

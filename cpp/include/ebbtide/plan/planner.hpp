@@ -18,7 +18,7 @@ struct ModuleProfile {
 };
 
 // Bandwidths in bytes/s. A tier with zero write or read bandwidth is unused;
-// host memory is used only with host_budget_bytes > 0.
+// host memory is used only with host_budget_bytes > 0, and is filled first.
 struct PlannerOptions {
   double write_bps = 0;             // measured SSD write bandwidth
   double read_bps = 0;              // measured SSD read bandwidth

@@ -1,0 +1,353 @@
+"""Adaptive placement for TensorCache: the profiling step, the plan, re-plans.
+
+The tensor cache (ebbtide/cache.py) calls into one ``Adaptive`` per cache:
+``mark(scope)`` at every scope change of a forward (block pre-hooks, root
+hooks), ``placement(scope)`` from the pack hook, ``begin_step`` /
+``end_step`` around each step. The decision itself is the C++ planner's
+(``ebbtide.planner.plan_offload``, Note [Offload rule] in
+cpp/src/plan/planner.cpp); this module only measures and passes numbers.
+
+Note [Profiling step]
+The first step (and the step after ``TensorCache.profile()``) offloads every
+eligible tensor as a non-adaptive cache would (host tier first, spilling to
+the SSD when the host budget is full), and measures:
+- per scope, forward compute time: host clocks on CPU; on CUDA, events
+  recorded in the hooks (no host sync) and read after the step;
+- per scope, the bytes saved (the cache's per-scope bookkeeping);
+- per tier, write and read bandwidth: bytes / busy time from the store's own
+  meters over the step (Note [Tier meters] in cpp/src/cache/tiered_store.cpp).
+  A tier the step moved less than 1 MiB through is measured by a short probe
+  (8 MiB written and read back through the same store, cap included).
+Offloading during the profile measures the bandwidth under the real load (the
+store competing with compute, the cap applied); the compute times then include
+what offloading costs the compute, which errs on the side of a longer forward,
+i.e. it slightly favours offloading. Keeping everything and probing would give
+cleaner compute times but an idle-disk bandwidth that training never sees.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Optional
+
+import torch
+
+from ebbtide import _core, planner
+
+logger = logging.getLogger("ebbtide")
+
+_TIER_NAMES = {_core.TIER_CPU: "cpu", _core.TIER_SSD: "ssd"}
+_PLACEMENT_TIER = {"offload_cpu": _core.TIER_CPU, "offload_ssd": _core.TIER_SSD}
+_MIN_MEASURED_BYTES = 1 << 20
+_PROBE_BYTES = 8 << 20
+_DEFAULT_HOST_FRACTION = 0.25  # of MemAvailable: auto's host tier when training on CUDA
+
+
+def _env_bytes(name: str) -> Optional[int]:
+    v = os.environ.get(name)
+    if not v:
+        return None
+    return _core.parse_bytes(v, f"environment variable {name}")
+
+
+def _env_float(name: str) -> Optional[float]:
+    v = os.environ.get(name)
+    if not v:
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        raise ValueError(f"environment variable {name}: {v!r} is not a number") from None
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+
+
+def resolve_settings(target, cuda, adaptive, host_budget_bytes, max_write_mbps):
+    """(max_write_bps, host_budget_bytes, adaptive) from arguments, then EBBTIDE_* variables."""
+    explicit_cap = max_write_mbps is not None
+    if max_write_mbps is None:
+        max_write_mbps = _env_float("EBBTIDE_MAX_WRITE_MBPS")
+    if max_write_mbps is not None and (isinstance(max_write_mbps, bool)
+                                       or not isinstance(max_write_mbps, (int, float))
+                                       or not math.isfinite(max_write_mbps) or max_write_mbps < 0):
+        raise ValueError(f"ebbtide.TensorCache: max_write_mbps={max_write_mbps!r} must be a number >= 0 "
+                         "(MB/s; 0 = no cap)")
+    if target == "cpu" and explicit_cap and max_write_mbps:
+        raise ValueError("ebbtide.TensorCache: max_write_mbps caps SSD writes; target 'cpu' writes none "
+                         "(use target 'auto' or 'ssd')")
+    max_write_bps = float(max_write_mbps or 0) * 1e6 if target != "cpu" else 0.0
+    if host_budget_bytes is None:
+        host_budget_bytes = _env_bytes("EBBTIDE_HOST_BUDGET")
+    if host_budget_bytes is None:
+        # On CPU the activations already live in host memory: a host tier saves nothing.
+        host_budget_bytes = int(_available_memory() * _DEFAULT_HOST_FRACTION) if cuda else 0
+    if isinstance(host_budget_bytes, bool) or int(host_budget_bytes) < 0:
+        raise ValueError(f"ebbtide.TensorCache: host_budget_bytes={host_budget_bytes!r} must be >= 0")
+    host_budget = int(host_budget_bytes) if target == "auto" else 0
+    if adaptive is None:
+        env = os.environ.get("EBBTIDE_ADAPTIVE")
+        if env:
+            if env.lower() not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(f"environment variable EBBTIDE_ADAPTIVE: {env!r} is not a boolean")
+            adaptive = env.lower() in ("1", "true", "yes", "on")
+        else:
+            adaptive = target == "auto"
+    return max_write_bps, host_budget, bool(adaptive)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"
+
+
+class Adaptive:
+    """Profile -> plan -> apply -> watch, for one TensorCache."""
+
+    def __init__(self, cache, *, max_write_bps: float, host_budget_bytes: int, backward_factor: float = 2.0,
+                 prefetch_modules: int = 2, replan_fraction: float = 0.7):
+        self.cache = cache
+        self.max_write_bps = float(max_write_bps)
+        self.host_budget_bytes = int(host_budget_bytes)
+        self.backward_factor = backward_factor
+        self.default_backward_factor = backward_factor
+        self._step_begin = None
+        self.prefetch_modules = prefetch_modules
+        self.replan_fraction = replan_fraction
+        self.profiling = True        # this (or the next) step profiles
+        self.last_profiled = False   # the last step begun was a profiling step
+        self._profile_next = True
+        self.plan: Optional[dict] = None
+        self.decisions: dict = {}    # scope -> (offload, tier)
+        self.profile_modules: list = []
+        self.measured: dict = {}     # tier name -> {"write_bps", "read_bps", "source"}
+        self.replans = 0
+        self.plans = 0
+        self._marks: list = []       # (scope or None, float seconds | torch.cuda.Event)
+        self._meter0: dict = {}
+        self._cuda = False
+
+    # ---------------------------------------------------------------- control
+    def request_profile(self) -> None:
+        self._profile_next = True
+
+    def begin_step(self, core_stats: dict) -> None:
+        # _profile_next stays set until a profiling step completes: a step
+        # that raised leaves the next one to profile.
+        self.profiling = self._profile_next
+        self.last_profiled = self.profiling
+        self._marks = []
+        self._step_begin = self._now() if self.profiling else None
+        self._meter0 = {t["tier"]: dict(t) for t in core_stats.get("tiers", [])}
+
+    def _now(self):
+        """A point in time: a CUDA event on the compute stream (no sync) or a host clock."""
+        dev = self.cache._device
+        if dev is not None and dev.type == "cuda":
+            self._cuda = True
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(dev))
+            return ev
+        return time.perf_counter()
+
+    def mark(self, scope: Optional[int]) -> None:
+        """A scope begins (None: the forward ended). Only while profiling."""
+        if self.profiling:
+            self._marks.append((scope, self._now()))
+
+    def _measured_backward_factor(self, forward_seconds: float, stall_seconds: float) -> Optional[float]:
+        """(step time - forward - stall) / forward of the profiling step, or None.
+
+        Note [Backward factor]: the paper's backward ~ 2 x forward holds for
+        large GPU matmuls; on CPU (and for small models) backward measured
+        0.6-1x forward, and planning with 2x then offloads more than the step
+        can hide. The step's wall time includes whatever else runs inside
+        step() (an optimizer step, say), so this errs towards a longer backward.
+        """
+        a, b = self._step_begin, self._now()
+        if forward_seconds <= 0 or a is None or type(a) is not type(b):
+            return None
+        if self._cuda:
+            b.synchronize()
+            total = a.elapsed_time(b) / 1e3
+        else:
+            total = b - a
+        backward = total - forward_seconds - stall_seconds
+        return min(max(backward / forward_seconds, 0.25), 4.0)
+
+    def placement(self, scope: int):
+        """(offload, tier) for a tensor saved in `scope` (tier -1: the store's order)."""
+        if self.profiling or self.plan is None or self.cache._model_ref is None:
+            return True, -1  # unscoped (no attach): nothing to plan by
+        return self.decisions.get(scope, (False, -1))
+
+    # ------------------------------------------------------------ measurement
+    def _scope_times(self) -> dict:
+        marks = self._marks
+        times: dict = {}
+        if not marks:
+            return times
+        if self._cuda:
+            marks[-1][1].synchronize()  # after the step: the hooks never sync
+        for (scope, a), (_, b) in zip(marks, marks[1:]):
+            if scope is None:
+                continue
+            dt = a.elapsed_time(b) / 1e3 if self._cuda else b - a
+            times[scope] = times.get(scope, 0.0) + max(dt, 0.0)
+        return times
+
+    def _tier_rates(self, core_stats: dict) -> dict:
+        out = {}
+        for t in core_stats.get("tiers", []):
+            t0 = self._meter0.get(t["tier"], {})
+            dw = t["bytes_written"] - t0.get("bytes_written", 0)
+            sw = t["write_seconds"] - t0.get("write_seconds", 0.0)
+            dr = t["bytes_read"] - t0.get("bytes_read", 0)
+            sr = t["read_seconds"] - t0.get("read_seconds", 0.0)
+            out[t["tier"]] = dict(bytes_written=dw, write_bps=dw / sw if sw > 0 and dw else 0.0,
+                                  bytes_read=dr, read_bps=dr / sr if sr > 0 and dr else 0.0)
+        return out
+
+    def _measure_tiers(self, core_stats: dict) -> dict:
+        rates = self._tier_rates(core_stats)
+        measured = {}
+        for t in core_stats.get("tiers", []):
+            name = t["tier"]
+            r = rates[name]
+            entry = dict(write_bps=r["write_bps"], read_bps=r["read_bps"], source="step")
+            if r["bytes_written"] < _MIN_MEASURED_BYTES or r["bytes_read"] < _MIN_MEASURED_BYTES:
+                tier = _core.TIER_CPU if name == "cpu" else _core.TIER_SSD
+                nbytes = _PROBE_BYTES
+                if name == "cpu" and self.host_budget_bytes:
+                    nbytes = max(4096, min(nbytes, self.host_budget_bytes - t["bytes_held"]))
+                try:
+                    w, rd = self.cache._core.probe(tier, nbytes)
+                    if r["bytes_written"] < _MIN_MEASURED_BYTES:
+                        entry["write_bps"] = nbytes / w if w > 0 else 0.0
+                    if r["bytes_read"] < _MIN_MEASURED_BYTES:
+                        entry["read_bps"] = nbytes / rd if rd > 0 else 0.0
+                    entry["source"] = "probe" if entry["source"] == "step" and r["bytes_written"] < _MIN_MEASURED_BYTES \
+                        else "step+probe"
+                except (OSError, RuntimeError) as exc:
+                    logger.warning("ebbtide: probing the %s tier failed (%s); the planner will not use it", name, exc)
+                    entry = dict(write_bps=0.0, read_bps=0.0, source="failed")
+            measured[name] = entry
+        return measured
+
+    def end_step(self, core_stats: dict) -> None:
+        if self.profiling:
+            times = self._scope_times()
+            step_plan = self.cache._plan
+            modules = []
+            for scope in sorted(set(times) | set(step_plan)):
+                p = step_plan.get(scope)
+                if p is None and scope < 0:
+                    continue  # no time worth planning before the first block
+                name = p["module"] if p else self.cache._scope_name(scope)
+                # Offloadable bytes: what the profile offloaded; kept scopes (keep_last) count whole.
+                nbytes = 0 if p is None else (p["bytes"] if p["decision"] == "keep" else p["bytes_offloaded"])
+                modules.append(dict(name=name, scope=scope, forward_seconds=times.get(scope, 0.0), bytes=nbytes))
+            self.profiling = False
+            if not self._marks or cache_unscoped(self.cache):
+                return  # no module scopes to time: profile again once attached
+            self._profile_next = False
+            self.profile_modules = modules
+            fwd = sum(m["forward_seconds"] for m in modules)
+            factor = self._measured_backward_factor(fwd, core_stats["step"]["stall_seconds"])
+            self.backward_factor = factor if factor is not None else self.default_backward_factor
+            self.measured = self._measure_tiers(core_stats)
+            self._make_plan(reason="profile")
+            return
+        if self.plan is None or not self.plan["bytes_ssd"]:
+            return
+        r = self._tier_rates(core_stats).get("ssd")
+        if r is None or r["bytes_written"] < _MIN_MEASURED_BYTES or r["write_bps"] <= 0:
+            return
+        if planner.needs_replan(self.plan, r["write_bps"]):
+            old = self.plan["planned_write_bps"]
+            self.measured.setdefault("ssd", {})["write_bps"] = r["write_bps"]
+            self.measured["ssd"]["source"] = "step"
+            self.replans += 1
+            logger.warning("ebbtide: SSD writes ran at %.1f MB/s, below %.0f%% of the %.1f MB/s the plan assumed; "
+                           "re-planning for the next step", r["write_bps"] / 1e6, 100 * self.plan["replan_fraction"],
+                           old / 1e6)
+            self._make_plan(reason="replan")
+
+    # --------------------------------------------------------------- planning
+    def _make_plan(self, reason: str) -> None:
+        ssd = self.measured.get("ssd", {})
+        cpu = self.measured.get("cpu", {})
+        has_cpu = "cpu" in self.measured
+        cache = self.cache
+        keep_last = cache.keep_last_modules if cache._model_ref is not None else 0
+        plan = planner.plan_offload(
+            [dict(name=m["name"], forward_seconds=m["forward_seconds"], bytes=m["bytes"]) for m in self.profile_modules],
+            write_bps=ssd.get("write_bps", 0.0), read_bps=ssd.get("read_bps", 0.0),
+            target="auto", max_write_mbps=self.max_write_bps / 1e6 if self.max_write_bps else None,
+            host_budget_bytes=self.host_budget_bytes if has_cpu else 0,
+            host_write_bps=cpu.get("write_bps", 0.0), host_read_bps=cpu.get("read_bps", 0.0),
+            keep_last_modules=keep_last, backward_factor=self.backward_factor,
+            prefetch_modules=self.prefetch_modules, replan_fraction=self.replan_fraction)
+        decisions = {}
+        for m, d in zip(self.profile_modules, plan["modules"]):
+            tier = _PLACEMENT_TIER.get(d["placement"])
+            decisions[m["scope"]] = (tier is not None, -1 if tier is None else tier)
+            d["scope"] = m["scope"]
+            d["forward_seconds"] = m["forward_seconds"]
+        plan["reason"] = reason
+        plan["backward_factor"] = self.backward_factor
+        plan["measured"] = {k: dict(v) for k, v in self.measured.items()}
+        self.plan = plan
+        self.decisions = decisions
+        self.plans += 1
+        self._log_plan()
+
+    def _log_plan(self) -> None:
+        p = self.plan
+        counts = {"keep": 0, "offload_cpu": 0, "offload_ssd": 0}
+        for d in p["modules"]:
+            counts[d["placement"]] += 1
+        rates = ", ".join(f"{k} write {v['write_bps'] / 1e6:.0f} MB/s read {v['read_bps'] / 1e6:.0f} MB/s "
+                          f"({v['source']})" for k, v in sorted(p["measured"].items()))
+        cap = f", SSD write cap {self.max_write_bps / 1e6:.0f} MB/s" if self.max_write_bps else ""
+        logger.info("ebbtide plan (%s): %d blocks: keep %d, host %d (%s), ssd %d (%s); predicted stall %.3f s, "
+                    "peak %s of %s (%.0f%%); forward %.3f s, backward %.2fx forward; %s%s", p["reason"], len(p["modules"]), counts["keep"],
+                    counts["offload_cpu"], _fmt_bytes(p["bytes_cpu"]), counts["offload_ssd"],
+                    _fmt_bytes(p["bytes_ssd"]), p["predicted_stall_seconds"], _fmt_bytes(p["peak_resident_bytes"]),
+                    _fmt_bytes(p["all_resident_bytes"]), 100 * p["peak_resident_fraction"], p["forward_seconds"], p["backward_factor"],
+                    rates, cap)
+
+    def stats(self) -> dict:
+        p = self.plan
+        return dict(
+            profiled=self.last_profiled,
+            planner=None if p is None else dict(p, modules=[dict(m) for m in p["modules"]]),
+            predicted_stall_seconds=None if p is None else p["predicted_stall_seconds"],
+            predicted_peak_bytes=None if p is None else p["peak_resident_bytes"],
+            replans=self.replans,
+            measured_bandwidth={k: dict(v) for k, v in self.measured.items()},
+        )
+
+
+def cache_unscoped(cache) -> bool:
+    return cache._model_ref is None
+
+
+def tier_name(tier: int) -> Optional[str]:
+    return _TIER_NAMES.get(tier)

@@ -1,0 +1,253 @@
+"""Adaptive offloading in the tensor cache (CPU): the profiling step, the plan
+applied per block, target "auto" (host tier then SSD), the SSD write cap,
+re-plans, bad settings. The planner's decisions for given measurements are
+tested in C++ (cpp/tests/test_plan_planner.cpp) and tests/test_planner.py."""
+import logging
+import time
+
+import pytest
+import torch
+
+import ebbtide
+from ebbtide import _core
+
+pytestmark = pytest.mark.skipif(not _core.build_info.get("cache_ssd", False),
+                                reason="storage engine not in this build")
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.lin(x)) + x
+
+
+class Net(torch.nn.Module):
+    def __init__(self, layers=6, d=256):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = torch.nn.Linear(d, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).sum()
+
+
+def make_model(layers=6, d=256):
+    torch.manual_seed(0)
+    return Net(layers, d)
+
+
+def grads_of(model, x, cache=None, steps=1):
+    out = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        if cache is None:
+            model(x).backward()
+        else:
+            with cache.step():
+                model(x).backward()
+        out.append([p.grad.clone() for p in model.parameters()])
+    return out
+
+
+def tier(stats, name):
+    return next((t for t in stats["tiers"] if t["tier"] == name), None)
+
+
+def test_default_target_is_auto(tmp_path):
+    with ebbtide.TensorCache(path=str(tmp_path)) as c:
+        assert c.target == "auto" and c.adaptive
+    with ebbtide.TensorCache(target="ssd", path=str(tmp_path)) as c:
+        assert not c.adaptive  # explicit targets keep offloading everything unless asked
+
+
+def test_auto_fills_host_tier_then_ssd_bitwise(tmp_path):
+    model = make_model()
+    x = torch.randn(256, 256)  # 256 KiB per activation
+    want = grads_of(model, x)[0]
+    budget = 1 << 20
+    with ebbtide.TensorCache(target="auto", path=str(tmp_path), host_budget_bytes=budget, adaptive=False,
+                             min_bytes=0) as c:
+        c.attach(model)
+        model.zero_grad(set_to_none=True)
+        with c.step():
+            loss = model(x)
+            c.drain()
+            s = c.stats()
+            cpu, ssd = tier(s, "cpu"), tier(s, "ssd")
+            assert 0 < cpu["bytes_held"] <= budget
+            assert ssd["bytes_written"] > 0  # spilled past the budget
+            assert cpu["bytes_written"] + ssd["bytes_written"] == s["bytes_offloaded"]
+            loss.backward()
+        got = [p.grad for p in model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        assert c.stats()["bytes_reloaded"] > 0
+
+
+def test_profile_step_then_plan_applied(tmp_path, caplog):
+    model = make_model()
+    x = torch.randn(256, 256)
+    want = grads_of(model, x)[0]
+    with caplog.at_level(logging.INFO, logger="ebbtide"):
+        with ebbtide.TensorCache(target="auto", path=str(tmp_path), host_budget_bytes=2 << 20) as c:
+            c.attach(model)
+            got = grads_of(model, x, c, steps=3)
+            s = c.stats()
+    for g in got:
+        assert all(torch.equal(a, b) for a, b in zip(want, g))
+    plan = s["planner"]
+    assert plan is not None and not s["profiled"]
+    assert [m["name"] for m in plan["modules"] if m["scope"] >= 0] == [str(i) for i in range(6)] or \
+        [m["name"] for m in plan["modules"] if m["scope"] >= 0] == [f"blocks.{i}" for i in range(6)]
+    assert all(m["forward_seconds"] > 0 for m in plan["modules"] if m["scope"] >= 0)
+    assert s["predicted_stall_seconds"] == plan["predicted_stall_seconds"] >= 0
+    assert s["predicted_peak_bytes"] == plan["peak_resident_bytes"] > 0
+    assert set(s["measured_bandwidth"]) == {"cpu", "ssd"}
+    assert all(v["write_bps"] > 0 and v["read_bps"] > 0 for v in s["measured_bandwidth"].values())
+    # The step applied the plan block by block; the last block stays (keep_last_modules=1).
+    by_scope = {m["scope"]: m["placement"] for m in plan["modules"]}
+    blocks = {p["scope"]: p for p in s["plan"]}
+    assert blocks[5]["decision"] == "keep" and by_scope[5] == "keep"
+    for scope, placement in by_scope.items():
+        if scope in blocks:
+            want_decision = "keep" if placement == "keep" else "offload"
+            assert blocks[scope]["decision"] == want_decision, (scope, placement)
+            if want_decision == "offload":
+                assert blocks[scope]["tier"] == placement.split("_")[1]
+            else:
+                assert blocks[scope]["bytes_offloaded"] == 0
+    plan_logs = [r for r in caplog.records if r.name == "ebbtide" and "ebbtide plan" in r.getMessage()]
+    assert len(plan_logs) == 1  # once per plan, not per step
+
+
+def test_profile_makes_next_step_profile(tmp_path):
+    model = make_model(layers=3)
+    x = torch.randn(128, 256)
+    with ebbtide.TensorCache(target="ssd", path=str(tmp_path)) as c:
+        c.attach(model)
+        grads_of(model, x, c)
+        assert c.stats()["planner"] is None and not c.adaptive
+        c.profile()
+        assert c.adaptive
+        grads_of(model, x, c)
+        s = c.stats()
+        assert s["profiled"] and s["planner"] is not None and s["planner"]["reason"] == "profile"
+        grads_of(model, x, c)
+        assert not c.stats()["profiled"]
+
+
+def test_write_cap_limits_store_rate(tmp_path):
+    core = _core.CacheCore("ssd", [str(tmp_path)], 0, 512 << 20, 2, False, 0, host_budget_bytes=0,
+                           max_write_bps=20e6)
+    try:
+        ts = [torch.full((1 << 20,), i, dtype=torch.uint8) for i in range(10)]  # 10 MiB
+        t0 = time.perf_counter()
+        for i, t in enumerate(ts):
+            st = t.untyped_storage()
+            core.save(st._cdata, 0, st.data_ptr(), st.nbytes(), -1, 0, 0, True)
+        core.drain()
+        elapsed = time.perf_counter() - t0
+        ssd = core.stats()["tiers"][0]
+        assert ssd["tier"] == "ssd" and ssd["bytes_written"] == 10 << 20
+        assert ssd["write_limit_bps"] == 20e6
+        # 10.5 MB at 20 MB/s, less one burst (<= 4 MiB): at least 0.3 s, whatever the load.
+        assert elapsed >= 0.3
+        assert ssd["write_seconds"] >= 0.3
+    finally:
+        core.close()
+
+
+def test_replan_when_bandwidth_drops(tmp_path, caplog):
+    model = make_model(layers=4, d=2048)
+    x = torch.randn(32, 2048)  # 256 KiB activations, ~10 ms of compute per block
+    with ebbtide.TensorCache(target="ssd", path=str(tmp_path), adaptive=True) as c:
+        c.attach(model)
+        grads_of(model, x, c, steps=2)
+        s = c.stats()
+        if not s["planner"]["bytes_ssd"]:
+            pytest.skip("this machine's planner offloads nothing even uncapped (store too slow for the compute)")
+        before = s["replans"]  # a loaded machine may already have re-planned on noise
+        c.max_write_mbps = 5  # the SSD is now shared: 5 MB/s
+        assert c.max_write_mbps == 5
+        with caplog.at_level(logging.WARNING, logger="ebbtide"):
+            model.zero_grad(set_to_none=True)
+            with c.step():
+                loss = model(x)
+                c.drain()  # every store runs through the cap
+                loss.backward()
+        s = c.stats()
+        assert s["replans"] == before + 1
+        assert s["planner"]["reason"] == "replan"
+        assert s["planner"]["planned_write_bps"] <= 5e6 * 1.0001
+        assert sum("re-planning" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_auto_without_ssd_degrades_to_host(tmp_path):
+    missing = tmp_path / "does-not-exist"
+    with pytest.warns(RuntimeWarning, match="host memory only"):
+        c = ebbtide.TensorCache(target="auto", path=str(missing), host_budget_bytes=1 << 30)
+    with c:
+        model = make_model(layers=2)
+        x = torch.randn(128, 256)
+        want = grads_of(model, x)[0]
+        c.attach(model)
+        got = grads_of(model, x, c)[0]
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        assert [t["tier"] for t in c.stats()["tiers"]] == ["cpu"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(target="nvme"), "valid: 'auto', 'ssd', 'cpu'"),
+    (dict(max_write_mbps=-1), "max_write_mbps=-1 must be a number >= 0"),
+    (dict(max_write_mbps=float("nan")), "max_write_mbps"),
+    (dict(max_write_mbps="fast"), "max_write_mbps='fast' must be a number"),
+    (dict(target="cpu", max_write_mbps=10), "caps SSD writes"),
+    (dict(host_budget_bytes=-5), "host_budget_bytes=-5 must be >= 0"),
+])
+def test_bad_settings(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ebbtide.TensorCache(path=str(tmp_path), **kwargs)
+
+
+@pytest.mark.parametrize("var, value, match", [
+    ("EBBTIDE_MAX_WRITE_MBPS", "fast", "EBBTIDE_MAX_WRITE_MBPS: 'fast' is not a number"),
+    ("EBBTIDE_MAX_WRITE_MBPS", "-3", "must be a number >= 0"),
+    ("EBBTIDE_ADAPTIVE", "maybe", "EBBTIDE_ADAPTIVE: 'maybe' is not a boolean"),
+    ("EBBTIDE_HOST_BUDGET", "lots", "EBBTIDE_HOST_BUDGET"),
+])
+def test_bad_env(tmp_path, monkeypatch, var, value, match):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=match):
+        ebbtide.TensorCache(path=str(tmp_path))
+
+
+def test_env_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("EBBTIDE_MAX_WRITE_MBPS", "100")
+    monkeypatch.setenv("EBBTIDE_HOST_BUDGET", "1MiB")
+    monkeypatch.setenv("EBBTIDE_ADAPTIVE", "0")
+    with ebbtide.TensorCache(path=str(tmp_path)) as c:
+        assert c.max_write_mbps == 100 and c.host_budget_bytes == 1 << 20 and not c.adaptive
+    with ebbtide.TensorCache(path=str(tmp_path), max_write_mbps=0) as c:
+        assert c.max_write_mbps == 0  # the argument wins over the variable
+    with pytest.raises(ValueError, match="max_write_mbps"):
+        with ebbtide.TensorCache(path=str(tmp_path)) as c:
+            c.max_write_mbps = -1
+
+
+def test_failed_profiling_step_profiles_again(tmp_path):
+    model = make_model(layers=3)
+    x = torch.randn(128, 256)
+    with ebbtide.TensorCache(target="ssd", path=str(tmp_path), adaptive=True) as c:
+        c.attach(model)
+        with pytest.raises(RuntimeError, match="boom"):
+            with c.step():
+                model(x)
+                raise RuntimeError("boom")
+        assert c.stats()["planner"] is None
+        grads_of(model, x, c)
+        s = c.stats()
+        assert s["profiled"] and s["planner"] is not None
