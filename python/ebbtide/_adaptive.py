@@ -280,17 +280,28 @@ class Adaptive:
         if r is None or r["bytes_written"] < _MIN_MEASURED_BYTES or r["write_bps"] <= 0:
             return
         if planner.needs_replan(self.plan, r["write_bps"]):
-            old = self.plan["planned_write_bps"]
+            # Note [Quiet re-plan]: the plan is remade with the measured rate; only
+            # a plan that places blocks differently is a re-plan users hear of
+            # (WARNING, INFO line, `replans`). Small steps measure noisy rates,
+            # and a slower SSD that still hides every write changes nothing.
+            old = self.plan
             self.measured.setdefault("ssd", {})["write_bps"] = r["write_bps"]
             self.measured["ssd"]["source"] = "step"
+            self._make_plan(reason="replan", log=False)
+            if [m["placement"] for m in self.plan["modules"]] == [m["placement"] for m in old["modules"]]:
+                logger.debug("ebbtide: SSD writes ran at %.1f MB/s, below %.0f%% of the %.1f MB/s planned; "
+                             "the plan at the measured rate is unchanged", r["write_bps"] / 1e6,
+                             100 * old["replan_fraction"], old["planned_write_bps"] / 1e6)
+                self.plan["reason"] = old["reason"]
+                return
             self.replans += 1
             logger.warning("ebbtide: SSD writes ran at %.1f MB/s, below %.0f%% of the %.1f MB/s the plan assumed; "
-                           "re-planning for the next step", r["write_bps"] / 1e6, 100 * self.plan["replan_fraction"],
-                           old / 1e6)
-            self._make_plan(reason="replan")
+                           "re-planned for the next step", r["write_bps"] / 1e6, 100 * old["replan_fraction"],
+                           old["planned_write_bps"] / 1e6)
+            self._log_plan()
 
     # --------------------------------------------------------------- planning
-    def _make_plan(self, reason: str) -> None:
+    def _make_plan(self, reason: str, log: bool = True) -> None:
         ssd = self.measured.get("ssd", {})
         cpu = self.measured.get("cpu", {})
         has_cpu = "cpu" in self.measured
@@ -316,7 +327,8 @@ class Adaptive:
         self.plan = plan
         self.decisions = decisions
         self.plans += 1
-        self._log_plan()
+        if log:
+            self._log_plan()
 
     def _log_plan(self) -> None:
         p = self.plan

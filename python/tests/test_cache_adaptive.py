@@ -95,8 +95,13 @@ def test_profile_step_then_plan_applied(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="ebbtide"):
         with ebbtide.TensorCache(target="auto", path=str(tmp_path), host_budget_bytes=2 << 20) as c:
             c.attach(model)
-            got = grads_of(model, x, c, steps=3)
-            s = c.stats()
+            got = grads_of(model, x, c, steps=2)
+            for _ in range(6):  # the checks below need a last step that applied the plan still in force
+                replans = c.stats()["replans"]
+                got += grads_of(model, x, c)
+                s = c.stats()
+                if s["replans"] == replans:  # a loaded machine may re-plan after a step
+                    break
     for g in got:
         assert all(torch.equal(a, b) for a, b in zip(want, g))
     plan = s["planner"]
@@ -121,7 +126,7 @@ def test_profile_step_then_plan_applied(tmp_path, caplog):
             else:
                 assert blocks[scope]["bytes_offloaded"] == 0
     plan_logs = [r for r in caplog.records if r.name == "ebbtide" and "ebbtide plan" in r.getMessage()]
-    assert len(plan_logs) == 1  # once per plan, not per step
+    assert len(plan_logs) == 1 + s["replans"]  # once per plan, not per step (a loaded machine may re-plan)
 
 
 def test_profile_makes_next_step_profile(tmp_path):
@@ -171,6 +176,7 @@ def test_replan_when_bandwidth_drops(tmp_path, caplog):
         if not s["planner"]["bytes_ssd"]:
             pytest.skip("this machine's planner offloads nothing even uncapped (store too slow for the compute)")
         before = s["replans"]  # a loaded machine may already have re-planned on noise
+        placements = [m["placement"] for m in s["planner"]["modules"]]
         c.max_write_mbps = 5  # the SSD is now shared: 5 MB/s
         assert c.max_write_mbps == 5
         with caplog.at_level(logging.WARNING, logger="ebbtide"):
@@ -180,10 +186,58 @@ def test_replan_when_bandwidth_drops(tmp_path, caplog):
                 c.drain()  # every store runs through the cap
                 loss.backward()
         s = c.stats()
-        assert s["replans"] == before + 1
-        assert s["planner"]["reason"] == "replan"
+        # The plan now assumes the capped rate. Usually that moves blocks back to
+        # the device (a re-plan, announced once); a loaded machine may already
+        # have planned so little that 5 MB/s changes nothing (quiet, Note [Quiet re-plan]).
         assert s["planner"]["planned_write_bps"] <= 5e6 * 1.0001
-        assert sum("re-planning" in r.getMessage() for r in caplog.records) == 1
+        changed = [m["placement"] for m in s["planner"]["modules"]] != placements
+        assert s["replans"] == before + changed
+        if changed:
+            assert s["planner"]["reason"] == "replan"
+        assert sum("re-planned" in r.getMessage() for r in caplog.records) == changed
+
+
+def test_replan_is_quiet_when_the_plan_stays(tmp_path, caplog, monkeypatch):
+    # Note [Quiet re-plan]: a measured rate below 70% of the planned one remakes
+    # the plan; only a plan that places blocks differently is announced. The
+    # store's meters are replaced so the rates are the test's, not the disk's.
+    model = make_model(layers=4, d=1024)
+    x = torch.randn(64, 1024)
+    with ebbtide.TensorCache(target="ssd", path=str(tmp_path), adaptive=True) as c:
+        adapt = c._adapt
+
+        def rates(write_bps):
+            return lambda core_stats: {"ssd": dict(bytes_written=64 << 20, write_bps=write_bps,
+                                                   bytes_read=64 << 20, read_bps=10e9)}
+        monkeypatch.setattr(adapt, "_tier_rates", rates(10e9))  # profiled at 10 GB/s
+        c.attach(model)
+        grads_of(model, x, c, steps=2)
+        s = c.stats()
+        placements = [m["placement"] for m in s["planner"]["modules"]]
+        assert placements.count("offload_ssd") == 3  # all but keep_last_modules=1
+        assert s["planner"]["planned_write_bps"] == pytest.approx(10e9)
+        # Half the planned rate still moves the few MB of a step in a fraction of a ms.
+        monkeypatch.setattr(adapt, "_tier_rates", rates(5e9))
+        with caplog.at_level(logging.DEBUG, logger="ebbtide"):
+            want = grads_of(model, x)[0]
+            got = grads_of(model, x, c)[0]
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        s = c.stats()
+        assert s["replans"] == 0 and s["planner"]["reason"] == "profile"
+        assert [m["placement"] for m in s["planner"]["modules"]] == placements
+        assert s["planner"]["planned_write_bps"] == pytest.approx(5e9)
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert any("unchanged" in r.getMessage() for r in caplog.records)
+        # 1 KB/s cannot hide a block: the plan changes, and that is announced once.
+        caplog.clear()
+        monkeypatch.setattr(adapt, "_tier_rates", rates(1e3))
+        with caplog.at_level(logging.INFO, logger="ebbtide"):
+            grads_of(model, x, c)
+        s = c.stats()
+        assert s["replans"] == 1 and s["planner"]["reason"] == "replan"
+        assert s["planner"]["bytes_ssd"] == 0
+        assert sum("re-planned" in r.getMessage() for r in caplog.records) == 1
+        assert sum("ebbtide plan (replan)" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_auto_without_ssd_degrades_to_host(tmp_path):
