@@ -1,10 +1,14 @@
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstdlib>
+#include <random>
 #include <string>
+#include <vector>
 
 #include "ebbtide/util/config.hpp"
 #include "ebbtide/util/crc32c.hpp"
+#include "ebbtide/util/detail/crc32c_testing.hpp"
 #include "ebbtide/util/error.hpp"
 #include "test_utils.hpp"
 
@@ -62,6 +66,57 @@ TEST(Crc32c, IncrementalEqualsWhole) {
   uint32_t whole = crc32c(s.data(), s.size());
   uint32_t part = crc32c(s.data() + 333, s.size() - 333, crc32c(s.data(), 333));
   EXPECT_EQ(whole, part);
+}
+
+std::string random_bytes(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::string s(n, '\0');
+  for (char& c : s) c = static_cast<char>(rng());
+  return s;
+}
+
+// Lengths where the interleaved path changes tier (Note [Interleaved crc32c]):
+// 3 x 256 B blocks, 3 x 8 KiB blocks, and mixes of both with a tail.
+const std::vector<size_t> kBlockEdgeLengths = {
+    767,          768,   769,   1535,  1536,  1543,  8191,  8192,  8193,  24575,
+    24576,        24577, 24583, 25343, 25344, 25345, 49151, 49152, 49153, 3 * 8192 * 5 + 17,
+    (1 << 20) + 3};
+
+TEST(Crc32c, SoftwarePathKnownVectors) {
+  // The reference the hardware path is checked against must itself be right.
+  std::string zeros(32, '\0');
+  EXPECT_EQ(detail::crc32c_software(zeros.data(), zeros.size()), 0x8A9136AAu);
+  EXPECT_EQ(detail::crc32c_software("123456789", 9), 0xE3069283u);
+}
+
+TEST(Crc32c, HardwareMatchesSoftwareAtEveryShortLength) {
+  if (!crc32c_hardware()) GTEST_SKIP() << "no SSE4.2";
+  std::string s = random_bytes(1100, 1);
+  for (size_t n = 0; n <= s.size(); ++n)
+    ASSERT_EQ(detail::crc32c_hw(s.data(), n), detail::crc32c_software(s.data(), n)) << "n=" << n;
+}
+
+TEST(Crc32c, HardwareMatchesSoftwareAroundBlockSizesUnalignedWithSeed) {
+  if (!crc32c_hardware()) GTEST_SKIP() << "no SSE4.2";
+  std::string s = random_bytes((1 << 20) + 3 + 15, 2);
+  for (size_t n : kBlockEdgeLengths)
+    for (size_t offset = 0; offset < 16; ++offset)
+      for (uint32_t seed : {0u, 0xE3069283u}) {
+        const char* p = s.data() + offset;
+        ASSERT_EQ(detail::crc32c_hw(p, n, seed), detail::crc32c_software(p, n, seed))
+            << "n=" << n << " offset=" << offset << " seed=" << seed;
+      }
+}
+
+TEST(Crc32c, ChainedCallsEqualOneCallAcrossBlocks) {
+  std::string s = random_bytes(3 * 8192 * 5 + 17, 3);
+  const uint32_t whole = crc32c(s.data(), s.size());
+  EXPECT_EQ(whole, detail::crc32c_software(s.data(), s.size()));
+  for (size_t split : {size_t{1}, size_t{767}, size_t{768}, size_t{8193}, size_t{24576},
+                       size_t{24577}, s.size() - 769, s.size() - 1}) {
+    const uint32_t a = crc32c(s.data(), split);
+    EXPECT_EQ(crc32c(s.data() + split, s.size() - split, a), whole) << "split=" << split;
+  }
 }
 
 TEST(Errors, IoErrorNamesPathOffsetAndErrno) {
