@@ -1,10 +1,14 @@
 // Checkpoint format, codecs, writer and reader (C++ level).
+#include <sys/mman.h>
+
 #include <gtest/gtest.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "ebbtide/ckpt/codec.hpp"
 #include "ebbtide/ckpt/format.hpp"
@@ -220,6 +224,94 @@ TEST(CkptWriter, SecondSaveWhileInFlightIsRejectedOrBlocks) {
   h.wait();
   h2.wait();
   EXPECT_TRUE(std::filesystem::exists(d.path() + "/c"));
+}
+
+SaveRequest commit_request(const std::string& dir, const std::vector<unsigned char>& data, bool gated) {
+  SaveRequest r;
+  std::string tmp = make_temp_dir(dir + "/ck");
+  r.file = tmp + "/rank0.ebt";
+  r.blobs = {{"x", data.data(), data.size(), false, 0, 1, Codec::kNone}};
+  r.meta = "{}";
+  r.commit_dir = tmp;
+  r.commit_path = dir + "/ck";
+  r.extra_files = {{"index.json", "{}"}};
+  r.gated = gated;
+  return r;
+}
+
+uint64_t committed_bytes(const std::string& dir) {
+  ShardReader rd(dir + "/ck/rank0.ebt");
+  return rd.header().blobs[0].nbytes;
+}
+
+// Note [Gated commit]: the data is written, the commit waits for the caller.
+TEST(CkptWriter, GatedSaveCommitsOnlyWhenApproved) {
+  TempDir d;
+  auto a = test::random_bytes(1 << 20, 7), b = test::random_bytes(2 << 20, 8), c = test::random_bytes(3 << 20, 9);
+  CheckpointWriter w;
+  w.save(commit_request(d.path(), a, false)).wait();
+
+  auto h = w.save(commit_request(d.path(), b, true));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // ample time to write 2 MiB
+  EXPECT_FALSE(h.done()) << "a gated save must wait for approve()";
+  EXPECT_EQ(committed_bytes(d.path()), a.size()) << "nothing committed before approval";
+  h.approve();
+  EXPECT_EQ(h.wait().raw_bytes, b.size());
+  EXPECT_EQ(committed_bytes(d.path()), b.size());
+
+  auto h2 = w.save(commit_request(d.path(), c, true));
+  h2.reject("tensor 'x' changed while it was copied");
+  try {
+    h2.wait();
+    FAIL() << "a rejected save must fail";
+  } catch (const StateError& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 'x' changed"), std::string::npos) << e.what();
+  }
+  w.join();
+  EXPECT_EQ(committed_bytes(d.path()), b.size()) << "the previous checkpoint stays";
+  EXPECT_EQ(d.entries(), 1u) << "the rejected save's temporary directory is gone";
+  h2.approve();  // decided already: no effect
+}
+
+TEST(CkptWriter, DestroyedWriterRejectsAWaitingGatedSave) {
+  TempDir d;
+  auto a = test::random_bytes(1 << 20, 10);
+  SaveHandle h;
+  {
+    CheckpointWriter w;
+    h = w.save(commit_request(d.path(), a, true));
+  }
+  EXPECT_TRUE(h.done());
+  EXPECT_THROW(h.wait(), StateError);
+  EXPECT_EQ(d.entries(), 0u);
+}
+
+// Note [Deferred removal]: replaced checkpoints go on the writer's reaper
+// thread; join() waits for it; every generation but the last is removed.
+TEST(CkptWriter, ReplacedCheckpointsAreRemovedInTheBackground) {
+  TempDir d;
+  auto a = test::random_bytes(4 << 20, 11);
+  CheckpointWriter w;
+  for (int gen = 0; gen < 5; ++gen) w.save(commit_request(d.path(), a, false)).wait();
+  w.join();
+  EXPECT_EQ(d.entries(), 1u) << "only the committed checkpoint remains";
+  EXPECT_EQ(committed_bytes(d.path()), a.size());
+  remove_stale_temps(d.path() + "/ck");  // nothing stale, nothing committed removed
+  EXPECT_EQ(committed_bytes(d.path()), a.size());
+}
+
+// Note [Read pipeline] / [Populate ahead]: page-aligned host destinations are
+// read in place, in fresh (never touched) mappings too.
+TEST(CkptReader, InPlaceReadIntoFreshMapping) {
+  TempDir d;
+  auto a = test::random_bytes((6 << 20) + 4096, 12);
+  save_blobs(d.path(), {{"x", a.data(), a.size(), false, 0, 1, Codec::kNone}});
+  void* p = ::mmap(nullptr, a.size(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  ShardReader rd(d.path() + "/ck/rank0.ebt");
+  rd.read({{0, p}});
+  EXPECT_EQ(std::memcmp(p, a.data(), a.size()), 0);
+  ::munmap(p, a.size());
 }
 
 TEST(CkptWriter, BadRequestsThrowBeforeWriting) {

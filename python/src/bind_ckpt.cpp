@@ -39,6 +39,8 @@ EBB_BIND(ckpt, 30) {
 
   nb::class_<SaveHandle>(m, "CkptSaveHandle")
       .def("done", &SaveHandle::done)
+      .def("approve", &SaveHandle::approve)
+      .def("reject", &SaveHandle::reject, nb::arg("why"))
       .def("wait", [](const SaveHandle& h) {
         SaveResult r;
         {
@@ -66,10 +68,11 @@ EBB_BIND(ckpt, 30) {
            [](CheckpointWriter& w, const std::string& file, const std::vector<BlobTuple>& blobs, const std::string& meta,
               const std::string& commit_dir, const std::string& commit_path,
               const std::vector<std::pair<std::string, std::string>>& extra_files, bool block,
-              const std::vector<std::string>& stripe_files, bool pipelined) {
+              const std::vector<std::string>& stripe_files, bool pipelined, bool gated) {
              SaveRequest req;
              req.stripe_files = stripe_files;
              req.pipelined = pipelined;
+             req.gated = gated;
              req.file = file;
              req.meta = meta;
              req.commit_dir = commit_dir;
@@ -84,7 +87,8 @@ EBB_BIND(ckpt, 30) {
            },
            nb::arg("file"), nb::arg("blobs"), nb::arg("meta"), nb::arg("commit_dir") = "", nb::arg("commit_path") = "",
            nb::arg("extra_files") = std::vector<std::pair<std::string, std::string>>{}, nb::arg("block") = false,
-           nb::arg("stripe_files") = std::vector<std::string>{}, nb::arg("pipelined") = false)
+           nb::arg("stripe_files") = std::vector<std::string>{}, nb::arg("pipelined") = false,
+           nb::arg("gated") = false)
       .def_prop_ro("busy", &CheckpointWriter::busy)
       .def("join", [](CheckpointWriter& w) {
         ebbtide::py::gil_release g;

@@ -18,9 +18,12 @@
 #include <cerrno>
 #include <cstdlib>
 #include <filesystem>
+#include <mutex>
+#include <set>
 #include <vector>
 
 #include "ebbtide/ckpt/writer.hpp"
+#include "reaper.hpp"
 #include "ebbtide/util/error.hpp"
 #include "ebbtide/util/log.hpp"
 
@@ -133,6 +136,67 @@ std::string commit_directory_keep_old(const std::string& tmp_in, const std::stri
   return old;
 }
 
+namespace detail {
+namespace {
+std::mutex g_removing_mu;
+std::multiset<std::string> g_removing;  // directories queued or being removed by a Reaper
+}  // namespace
+
+bool being_removed(const std::string& dir) {
+  std::lock_guard lock(g_removing_mu);
+  return g_removing.count(strip_slashes(dir)) > 0;
+}
+
+Reaper::~Reaper() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void Reaper::remove(std::string dir) {
+  dir = strip_slashes(dir);
+  {
+    std::lock_guard lock(g_removing_mu);
+    g_removing.insert(dir);
+  }
+  std::lock_guard lock(mu_);
+  queue_.push_back(std::move(dir));
+  if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+  cv_.notify_all();
+}
+
+void Reaper::drain() {
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+}
+
+void Reaper::run() {
+  std::unique_lock lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stop_ with nothing left
+    std::string dir = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lock.unlock();
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    if (ec && ec != std::errc::no_such_file_or_directory)
+      log::warn("checkpoint committed but the previous one at ", dir, " could not be removed: ", ec.message());
+    {
+      std::lock_guard g(g_removing_mu);
+      g_removing.erase(g_removing.find(dir));
+    }
+    lock.lock();
+    busy_ = false;
+    cv_.notify_all();
+  }
+}
+}  // namespace detail
+
 void remove_stale_temps(const std::string& path_in) {
   std::string path = strip_slashes(path_in);
   fs::path p(path);
@@ -140,7 +204,8 @@ void remove_stale_temps(const std::string& path_in) {
   std::error_code ec;
   for (auto& e : fs::directory_iterator(parent, ec)) {
     std::string name = e.path().filename().string();
-    if (name.rfind(base + ".tmp-", 0) == 0 && name.size() == base.size() + 11) {
+    if (name.rfind(base + ".tmp-", 0) == 0 && name.size() == base.size() + 11 &&
+        !detail::being_removed(e.path().string())) {
       std::error_code ec2;
       fs::remove_all(e.path(), ec2);
     }

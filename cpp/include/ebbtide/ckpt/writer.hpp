@@ -54,6 +54,9 @@ struct SaveRequest {
   // (Note [Pipelined save]). Host blobs without compression only; other
   // requests fall back to snapshot-then-write.
   bool pipelined = false;
+  // The write waits before its commit until approve() or reject() is called
+  // on the handle (Note [Gated commit] in writer.cpp).
+  bool gated = false;
   // When commit_path is set: after the shard is durable, write `extra_files`
   // (name, content) into commit_dir (the directory holding `file`), fsync it
   // and commit it to commit_path (commit_directory()).
@@ -84,6 +87,10 @@ class SaveHandle {
   bool done() const;
   // Blocks until durable; rethrows the writer's error (IoError, ...).
   SaveResult wait() const;
+  // Gated saves (SaveRequest::gated): let the commit go ahead, or fail the
+  // save with StateError(why). No effect on other saves or once decided.
+  void approve() const;
+  void reject(const std::string& why) const;
 
  private:
   std::shared_ptr<detail::SaveState> s_;
