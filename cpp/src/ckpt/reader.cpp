@@ -192,11 +192,14 @@ void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks,
   for (size_t i = 0; i < chunks.size(); ++i)
     if (direct.empty() || direct[i] == nullptr) need = std::max<uint64_t>(need, align_up(chunks[i]->stored_bytes, kBlockBytes));
   unsigned nthreads = threads ? threads : detail::default_threads();
-  mem::PinnedPool staging(need, std::max<size_t>(4, 2 * nthreads));
+  // A staging buffer per transfer in flight plus one per worker decoding: fewer
+  // would cap the staged reads' queue depth below the loop's.
+  const unsigned depth = 8 * static_cast<unsigned>(files.size());
+  mem::PinnedPool staging(need, depth + nthreads);
   std::vector<iovec> fixed;
   for (size_t i = 0; i < staging.count(); ++i)
     fixed.push_back({static_cast<char*>(staging.base()) + i * staging.buffer_bytes(), staging.buffer_bytes()});
-  detail::TransferLoop loop(8 * static_cast<unsigned>(files.size()), fixed, io::BackendKind::kAuto);
+  detail::TransferLoop loop(depth, fixed, io::BackendKind::kAuto);
   std::mutex mu;
   std::condition_variable cv;
   std::vector<int> free_slots;
