@@ -59,6 +59,7 @@ class Flattener:
         self.blobs = []          # (name, tensor-of-storage (kept alive), nbytes, device, elem, codec)
         self._storage_ids = {}   # (device, data_ptr) -> storage index
         self._keepalive = []
+        self.versions = []       # (tensor, _version at flattening, path): Note [Background snapshot]
 
     def tree(self, obj, path="state"):
         if obj is None or isinstance(obj, (bool, str)):
@@ -109,7 +110,8 @@ class Flattener:
             t = t.resolve_neg()
         param = isinstance(t, torch.nn.Parameter)
         requires_grad = bool(t.requires_grad)
-        t = t.detach()
+        t = t.detach()  # shares the version counter of the caller's tensor
+        self.versions.append((t, t._version, path))
         st = t.untyped_storage()
         key = (str(t.device), st.data_ptr()) if st.nbytes() else None
         sid = self._storage_ids.get(key) if key else None

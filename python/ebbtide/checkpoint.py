@@ -5,17 +5,21 @@
     h = checkpoint.save(state, "ckpt/step200", async_=True)          # returns after the snapshot
     ...; info = h.wait()                                              # raises the writer's error
     state = checkpoint.load("ckpt/step200", device="cpu")
-    checkpoint.load("ckpt/step200", into=model)                       # shape-checked load_state_dict
+    checkpoint.load("ckpt/step200", into=model)                       # read straight into the parameters
 
 Files are written by the C++ core (ebbtide._core.CkptWriter): snapshot into
 reusable pinned buffers, background O_DIRECT writes with crc32c per chunk,
 header last, commit by atomic rename. Loading executes no code.
 """
+import atexit
 import json
+import logging
 import mmap
 import os
+import threading
 import time
 import uuid
+import weakref
 
 import torch
 
@@ -27,8 +31,8 @@ INDEX_NAME = "index.json"
 StateError = _core.StateError
 ChecksumError = _core.ChecksumError
 
-__all__ = ["save", "load", "inspect", "join", "Writer", "SaveHandle", "SaveInfo", "FORMAT_VERSION",
-           "StateError", "ChecksumError"]
+__all__ = ["save", "load", "inspect", "join", "wait_for_snapshots", "Writer", "SaveHandle", "SaveInfo",
+           "FORMAT_VERSION", "StateError", "ChecksumError"]
 
 
 class SaveInfo(dict):
@@ -46,7 +50,11 @@ class SaveInfo(dict):
 class SaveHandle:
     """A save in progress. wait() blocks until the checkpoint is durable and
     committed and returns SaveInfo, or raises the writer's error. Under
-    torch.distributed, wait() is collective (every rank must call it)."""
+    torch.distributed, wait() is collective (every rank must call it).
+
+    staged() / wait_staged(): whether the snapshot is taken, i.e. the saved
+    tensors may change again. True from the start unless the save was made
+    with snapshot="background" (Note [Background snapshot])."""
 
     def __init__(self, finish):
         self._finish = finish
@@ -54,9 +62,23 @@ class SaveHandle:
         self._error = None
         self._done = False
         self._native = None
+        self._staged = None  # threading.Event for background snapshots
+        self.snapshot_seconds = None  # background: from save() to the snapshot taken (and checked)
+        self.snapshot_wait_seconds = 0.0  # time optimizer steps waited for this snapshot
+
+    def staged(self):
+        return self._staged is None or self._staged.is_set()
+
+    def wait_staged(self):
+        """Blocks until the snapshot is taken (a failed snapshot counts as
+        taken: its error comes from wait())."""
+        if self._staged is not None:
+            self._staged.wait()
 
     def done(self):
-        return self._done or (self._native is not None and self._native.done())
+        if self._done:
+            return True
+        return self.staged() and self._native is not None and self._native.done()
 
     def wait(self):
         if not self._done:
@@ -68,6 +90,65 @@ class SaveHandle:
         if self._error is not None:
             raise self._error
         return self._info
+
+
+# Note [Background snapshot]
+# save(..., async_=True, snapshot="background") returns before the snapshot:
+# a thread copies the tensors into the writer's pinned buffers (the C++
+# snapshot, GIL released) while the caller goes on with the next forward and
+# backward, which read the state but do not change it. Two guards keep the
+# checkpoint exactly the state at save():
+# - every torch.optim optimizer's step() waits for pending snapshots first (a
+#   global step pre-hook, registered on the first such save);
+# - after the copy the thread compares each saved tensor's version counter with
+#   the one seen at save(): an in-place change made meanwhile (an optimizer
+#   step outside torch.optim, BatchNorm running stats in a forward, ...) may
+#   have torn the copy, so the save is rejected (StateError from wait(),
+#   naming the tensor) and nothing is committed (Note [Gated commit] in
+#   cpp/src/ckpt/writer.cpp). Changes through `.data` bypass version counters
+#   and are not seen.
+_background = weakref.WeakSet()  # handles whose snapshot is running
+_hook = None
+
+
+def _wait_for_snapshots(optimizer, args, kwargs):
+    for h in list(_background):
+        if not h.staged():
+            t = time.perf_counter()
+            h.wait_staged()
+            h.snapshot_wait_seconds += time.perf_counter() - t
+
+
+def _install_optimizer_hook():
+    global _hook
+    if _hook is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _hook = register_optimizer_step_pre_hook(_wait_for_snapshots)
+
+
+@atexit.register
+def _at_exit():
+    # A save still in flight when the interpreter exits normally is finished
+    # (its error logged); then the global hook and the default writer go, so
+    # nothing holds the native writer past the module's teardown.
+    global _hook, _default_writer
+    w = _default_writer
+    if w is not None and w._pending is not None and not w._pending._done:
+        try:
+            w._pending.wait()
+        except Exception as e:  # noqa: BLE001 - nobody is left to raise it to
+            logging.getLogger("ebbtide").error("ebbtide: checkpoint save to %s failed at exit: %s",
+                                               w._pending._path, e)
+    if _hook is not None:
+        _hook.remove()
+        _hook = None
+    _default_writer = None
+
+
+def wait_for_snapshots():
+    """Waits for every background snapshot of this process (what each
+    optimizer step does before it changes parameters)."""
+    _wait_for_snapshots(None, (), {})
 
 
 class Writer:
@@ -83,18 +164,21 @@ class Writer:
 
     @property
     def busy(self):
-        return self._native.busy
+        """A save is in flight (its snapshot or its writes)."""
+        return self._pending is not None and not self._pending.done()
 
     def join(self):
         """Waits until the writer is idle: the save in flight is durable and the
-        checkpoint it replaced has been removed (removal runs after the save
-        returns; the next save on this writer waits for it)."""
+        checkpoints it and earlier saves replaced are removed (removal runs in
+        the background after a save is done, Note [Deferred removal])."""
+        if self._pending is not None:
+            self._pending.wait_staged()
         self._native.join()
 
     def save(self, state_dict, path, *, async_=False, compress=None, base=None, block=False, lossy=None,
-             stripe_dirs=None):
+             stripe_dirs=None, snapshot="blocking"):
         return _save(self, state_dict, path, async_=async_, compress=compress, base=base, block=block,
-                     lossy=lossy, stripe_dirs=stripe_dirs)
+                     lossy=lossy, stripe_dirs=stripe_dirs, snapshot=snapshot)
 
 
 _default_writer = None
@@ -114,7 +198,7 @@ def join():
 
 
 def save(state_dict, path, *, async_=False, compress=None, base=None, block=False, lossy=None, writer=None,
-         stripe_dirs=None):
+         stripe_dirs=None, snapshot="blocking"):
     """Saves `state_dict` (nested dicts/lists/tuples of tensors and plain values)
     to the directory `path`, replacing an existing checkpoint atomically.
 
@@ -126,10 +210,14 @@ def save(state_dict, path, *, async_=False, compress=None, base=None, block=Fals
     device) to stripe the tensor data over: chunks go round-robin over `path`
     and these, written in parallel; each gets a directory
     `<dir>/<basename(path)>.stripe-<id>` holding one file per rank, recorded in
-    the index (docs/checkpoints.md, "Striping"). Returns SaveInfo (or a
+    the index (docs/checkpoints.md, "Striping"). snapshot: with async_,
+    "blocking" (default) returns once the tensors are copied; "background"
+    returns at once and copies them on a thread: the next optimizer step
+    waits for the copy, and a tensor changed in place before it finished
+    fails the save (Note [Background snapshot]). Returns SaveInfo (or a
     SaveHandle)."""
     return _save(writer or _writer(), state_dict, path, async_=async_, compress=compress, base=base,
-                 block=block, lossy=lossy, stripe_dirs=stripe_dirs)
+                 block=block, lossy=lossy, stripe_dirs=stripe_dirs, snapshot=snapshot)
 
 
 def _dist():
@@ -195,7 +283,13 @@ def _committed_index(path):
         return None
 
 
-def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_dirs=None):
+def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_dirs=None, snapshot="blocking"):
+    if snapshot not in ("blocking", "background"):
+        raise ValueError(f"checkpoint.save: snapshot={snapshot!r} is not valid (valid: 'blocking', 'background')")
+    background = snapshot == "background"
+    if background and not async_:
+        raise ValueError("checkpoint.save: snapshot='background' needs async_=True (a synchronous save "
+                         "returns when the checkpoint is durable anyway)")
     if compress not in (None, "none", "lossless", "delta"):
         raise ValueError(f"checkpoint.save: compress={compress!r} is not valid "
                          "(valid: None, 'lossless', 'delta')")
@@ -203,7 +297,7 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_d
         raise ValueError("checkpoint.save: compress='delta' needs base=PATH of the previous checkpoint")
     if compress in ("lossless", "delta") and not _core.ckpt_have_zstd():
         raise NotImplementedError("checkpoint.save: compression needs libzstd, and this build has none")
-    if w._pending is not None and not w._pending._done and not block and w._native.busy:
+    if w._pending is not None and not w._pending._done and not block and not w._pending.done():
         raise StateError(f"checkpoint.save: a save to {w._pending._path} is still in flight on this "
                          "writer; call wait() on its handle first, or pass block=True")
     if w._pending is not None and not w._pending._done:
@@ -211,7 +305,6 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_d
             w._pending.wait()
         except Exception:  # noqa: BLE001
             pass
-    w._native.join()  # the previous save's deferred removal of the checkpoint it replaced
     path = os.path.abspath(os.fspath(path))
     stripe_dirs = _check_stripe_dirs(stripe_dirs, path)
     dist, rank, world = _dist()
@@ -287,26 +380,65 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_d
         index["delta"] = delta
     single = dist is None
     pipelined = not async_  # the caller waits: the snapshot overlaps the writes
-    try:
-        native = w._native.save(os.path.join(tmp, shard), blobs, json.dumps(meta),
-                                commit_dir=tmp if single else "", commit_path=path if single else "",
-                                extra_files=[(INDEX_NAME, json.dumps(index, indent=1))] if single else [],
-                                block=block, stripe_files=[os.path.join(sd, shard) for sd in stripes],
-                                pipelined=pipelined)
-    except BaseException:
-        if single:
-            _rmtree(tmp)
-            for sd in stripes:
-                _rmtree(sd)
-        raise
-    # Async: the snapshot holds the data now. Pipelined: the writer still reads the tensors.
-    keep = (fl, blobs, state_dict) if pipelined else None
-    del fl, blobs
+    stage_error = None
+
+    def start():  # the snapshot, then the background write (Note [Save pipeline])
+        try:
+            return w._native.save(os.path.join(tmp, shard), blobs, json.dumps(meta),
+                                  commit_dir=tmp if single else "", commit_path=path if single else "",
+                                  extra_files=[(INDEX_NAME, json.dumps(index, indent=1))] if single else [],
+                                  block=block, stripe_files=[os.path.join(sd, shard) for sd in stripes],
+                                  pipelined=pipelined, gated=background)
+        except BaseException:
+            if single:
+                _rmtree(tmp)
+                for sd in stripes:
+                    _rmtree(sd)
+            raise
+
+    versions = fl.versions
+    staged = threading.Event() if background else None  # not the handle: finish() must not reference it
+    if background:
+        native = None
+
+        def stage():
+            nonlocal native, stage_error, keep
+            try:
+                n = start()
+            except BaseException as e:  # noqa: BLE001 - raised by wait()
+                stage_error = e
+            else:
+                changed = [p for t, v, p in versions if t._version != v]
+                if changed:
+                    n.reject(f"checkpoint.save to {path}: tensor {changed[0]!r}"
+                             f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''} was changed in "
+                             "place while its background snapshot was taken, so the copy may be torn; nothing "
+                             "was committed. Wait for handle.wait_staged() (every torch.optim step does) "
+                             "before changing saved tensors")
+                else:
+                    n.approve()
+                native = n
+                handle._native = n
+            finally:
+                keep = None  # the snapshot holds the data now
+                handle.snapshot_seconds = time.perf_counter() - t_start
+                staged.set()
+                _background.discard(handle)
+        keep = (fl, blobs, state_dict)
+    else:
+        native = start()
+        # Async: the snapshot holds the data now. Pipelined: the writer still reads the tensors.
+        keep = (fl, blobs, state_dict) if pipelined else None
+        del fl, blobs
 
     def finish():
         nonlocal keep
         err = None
         try:
+            if background:
+                staged.wait()
+                if stage_error is not None:
+                    raise stage_error
             r = native.wait()
         except BaseException as e:  # noqa: BLE001 - reported to every rank below
             err = e
@@ -360,6 +492,13 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_d
     handle._native = native
     handle._path = path
     w._pending = handle
+    if background:
+        handle._staged = staged
+        _install_optimizer_hook()
+        _background.add(handle)
+        # The thread holds the writer (and so its C++ half) until the snapshot is
+        # decided: a writer is never destroyed with a gated save waiting on it.
+        threading.Thread(target=lambda: (w, stage()), name="ebbtide-ckpt-snapshot", daemon=False).start()
     if async_:
         return handle
     return handle.wait()
@@ -443,15 +582,69 @@ def _stripe_files(idx, shard_name):
     return [os.path.join(sd, shard_name) for sd in idx.get("stripes", [])]
 
 
-def _load_shard(file, device, threads=0, stripes=()):
+def _in_place_storages(meta, dests, device):
+    """Note [Load in place]: storage index -> destination tensor whose storage
+    the shard's bytes may be read into directly: every checkpoint tensor on
+    that storage has a destination, all on one storage of the same size and
+    device, with the same dtype, shape, strides and offset, and no other
+    checkpoint storage maps there. Other storages load into fresh memory and
+    are copied."""
+    if not dests or "delta" in meta:
+        return {}
+    by_storage = {}
+    for t in meta["tensors"]:
+        if "storage" in t:
+            by_storage.setdefault(t["storage"], []).append(t)
+    chosen, claimed = {}, set()
+    for sid, entries in by_storage.items():
+        s = meta["storages"][sid]
+        if not s["nbytes"]:
+            continue
+        dev = _map_device(s["device"], device)
+        first = None
+        for t in entries:
+            d = dests.get(t["path"])
+            if (d is None or d.layout != torch.strided or d.is_conj() or d.is_neg() or
+                    d.dtype != tree.dtype_from_name(t["dtype"]) or list(d.shape) != t["shape"] or
+                    list(d.stride()) != t["stride"] or d.storage_offset() != t["offset"]):
+                first = None
+                break
+            st = d.untyped_storage()
+            if st.nbytes() != s["nbytes"] or d.device != dev or (first is not None and
+                                                                  st.data_ptr() != first.untyped_storage().data_ptr()):
+                first = None
+                break
+            first = first if first is not None else d
+        if first is None:
+            continue
+        key = (str(first.device), first.untyped_storage().data_ptr())
+        if key in claimed:
+            chosen = {k: v for k, v in chosen.items()
+                      if (str(v.device), v.untyped_storage().data_ptr()) != key}
+            continue
+        claimed.add(key)
+        chosen[sid] = first
+    return chosen
+
+
+def _load_shard(file, device, threads=0, stripes=(), dests=None, before_read=None):
+    """Reads one shard. `dests` (path -> existing tensor) lets storages be read
+    straight into the caller's tensors (Note [Load in place]); their entries in
+    the returned state are those tensors. `before_read(meta)` may raise before
+    any byte is read."""
     reader = _core.CkptReader(file, stripes=list(stripes))
     meta = json.loads(reader.meta)
+    if before_read is not None:
+        before_read(meta)
     blobs_info = reader.blobs
+    in_place = _in_place_storages(meta, dests, device)
     storages = []
     targets = []
-    for s in meta["storages"]:
+    for sid, s in enumerate(meta["storages"]):
         dev = _map_device(s["device"], device)
-        if dev.type == "cpu":
+        if sid in in_place:
+            buf = in_place[sid]
+        elif dev.type == "cpu":
             buf = _host_buffer(s["nbytes"])
         else:
             buf = torch.empty(s["nbytes"], dtype=torch.uint8, device=dev)
@@ -463,12 +656,15 @@ def _load_shard(file, device, threads=0, stripes=()):
                                  f"{s['nbytes']} in the metadata")
             on_dev = dev.type == "cuda"
             stream = torch.cuda.current_stream(dev).cuda_stream if on_dev else 0
-            targets.append((s["blob"], buf.data_ptr(), on_dev, stream))
+            targets.append((s["blob"], buf.untyped_storage().data_ptr(), on_dev, stream))
     reader.read(targets, threads)
     tensors = []
     for t in meta["tensors"]:
         if t.get("layout") == "sparse_coo":
             tensors.append(torch.sparse_coo_tensor(tensors[t["indices"]], tensors[t["values"]], t["shape"]))
+            continue
+        if t["storage"] in in_place:
+            tensors.append(dests[t["path"]])
             continue
         dtype = tree.dtype_from_name(t["dtype"], file)
         st = storages[t["storage"]]
@@ -481,6 +677,38 @@ def _load_shard(file, device, threads=0, stripes=()):
     return state, meta
 
 
+def _destinations(into):
+    """path -> tensor of `into` (a module's state_dict at the root, or a nested
+    container), spelled as the checkpoint spells its tensor paths."""
+    own = into.state_dict() if isinstance(into, torch.nn.Module) else into
+    return dict(tree.walk_tensors(own))
+
+
+def _check_before_reading(meta, dests, into, strict, path):
+    """Shape and key errors for a load into existing tensors, raised before any
+    byte of them is overwritten."""
+    saved = {t["path"]: t for t in meta["tensors"]}
+    if isinstance(into, torch.nn.Module):
+        if not (isinstance(meta["tree"], dict) and set(meta["tree"]) <= {"dict", "odict"}):
+            raise ValueError(f"checkpoint: cannot load {path} into a module: the checkpoint holds a "
+                             f"{next(iter(meta['tree'])) if isinstance(meta['tree'], dict) else type(meta['tree']).__name__}, "
+                             "not a state dict")
+        if strict:
+            (kind, items), = meta["tree"].items()
+            keys = {tree.build(k, []) for k, _ in items}
+            own = set(into.state_dict())
+            missing, unexpected = sorted(own - keys), sorted(k for k in keys - own if isinstance(k, str))
+            if missing or unexpected:
+                raise ValueError(f"checkpoint: cannot load {path} into the module (strict): "
+                                 f"missing keys {missing[:10]}, unexpected keys {unexpected[:10]}")
+    for p, d in dests.items():
+        t = saved.get(p)
+        if t is not None and "shape" in t and list(d.shape) != list(t["shape"]):
+            name = p[len("state."):] if isinstance(into, torch.nn.Module) else p
+            raise ValueError(f"checkpoint: tensor {name!r}: shape {tuple(t['shape'])} in the checkpoint, "
+                             f"{tuple(d.shape)} in the target")
+
+
 def load(path, *, device=None, into=None, rank=None, strict=True):
     """Loads the checkpoint directory `path`.
 
@@ -489,17 +717,25 @@ def load(path, *, device=None, into=None, rank=None, strict=True):
     single-shard checkpoints); rank='all' returns a list, one state per rank.
     into: an nn.Module (load_state_dict after shape checks) or a (nested) dict
     of tensors to copy into in place; shape mismatches raise ValueError naming
-    the tensor. Returns the loaded state (or `into`)."""
+    the tensor, before anything is overwritten. Where a destination tensor has
+    the saved layout, its bytes are read straight into it (Note [Load in
+    place]): no second copy of the state is made. Returns the loaded state (or
+    `into`)."""
     path = os.path.abspath(os.fspath(path))
     idx = _read_index(path)
     if rank == "all":
         return [load(path, device=device, rank=r) for r in range(idx["world_size"])]
     r = _resolve_rank(idx, rank, path)
+    dests = _destinations(into) if into is not None else None
+
+    def before_read(meta):
+        if meta.get("id") != idx.get("id"):
+            raise ValueError(f"{path}: shard rank{r}.ebt belongs to checkpoint {meta.get('id')}, "
+                             f"the index to {idx.get('id')}")
+        if into is not None:
+            _check_before_reading(meta, dests, into, strict, path)
     state, meta = _load_shard(os.path.join(path, idx["shards"][r]), device,
-                              stripes=_stripe_files(idx, idx["shards"][r]))
-    if meta.get("id") != idx.get("id"):
-        raise ValueError(f"{path}: shard rank{r}.ebt belongs to checkpoint {meta.get('id')}, "
-                         f"the index to {idx.get('id')}")
+                              stripes=_stripe_files(idx, idx["shards"][r]), dests=dests, before_read=before_read)
     if "delta" in meta:
         from ebbtide import _ckpt_lossy
         base_path = os.path.normpath(os.path.join(os.path.dirname(path), meta["delta"]["base"]))
@@ -542,8 +778,9 @@ def _copy_into(dst, src, path, strict):
         if tuple(dst.shape) != tuple(src.shape):
             raise ValueError(f"checkpoint: tensor {path}: shape {tuple(src.shape)} in the checkpoint, "
                              f"{tuple(dst.shape)} in the target")
-        with torch.no_grad():
-            dst.copy_(src)
+        if src is not dst:  # read in place already (Note [Load in place])
+            with torch.no_grad():
+                dst.copy_(src)
         return
     if isinstance(dst, dict):
         if not isinstance(src, dict):

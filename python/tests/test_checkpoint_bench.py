@@ -16,7 +16,8 @@ def test_ckpt_bench_small(tmp_path):
                         "--no-torch"], capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert p.returncode == 0, p.stderr
     r = json.loads(out.read_text())
-    for k in ("ebbtide_save_s", "ebbtide_load_s", "async_blocked_fraction", "lossless_bf16_weights_ratio"):
+    for k in ("ebbtide_save_s", "ebbtide_load_s", "ebbtide_load_into_s", "async_blocked_fraction",
+              "background_blocked_fraction", "background_total_s", "lossless_bf16_weights_ratio"):
         assert r[k] > 0, k
     assert "ebbtide save (durable, committed)" in p.stdout
     assert os.listdir(tmp_path / "d") == []
