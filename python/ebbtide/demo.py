@@ -106,43 +106,73 @@ def _method_context(method, model, device, workdir):
     raise ValueError(f"method {method!r} is not one of {', '.join(METHODS + EXTRA_METHODS)}")
 
 
-def run_method(method, base_model, make_batch, device, steps, warmup, batch, workdir):
-    import torch
+class _Runner:
+    """One method's model copy, optimizer and activation handling; step(i)
+    runs training step i (same batch and dropout seed for every method)."""
 
-    from ebbtide.memmeter import PeakMeter
+    def __init__(self, method, base_model, make_batch, device, batch, workdir):
+        import torch
 
-    model = copy.deepcopy(base_model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    enter, cache, cleanup = _method_context(method, model, device, workdir)
-    times, peaks, grads = [], [], []
+        self.method, self.make_batch, self.device, self.batch = method, make_batch, device, batch
+        self.model = copy.deepcopy(base_model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.enter, self.cache, self._cleanup = _method_context(method, self.model, device, workdir)
+        self.times, self.peaks, self.grads = [], [], []
+
+    def step(self, i, measured):
+        import torch
+
+        from ebbtide.memmeter import PeakMeter
+
+        gen = torch.Generator().manual_seed(1000 + i)
+        inputs = self.make_batch(self.batch, gen)
+        torch.manual_seed(i)  # dropout masks identical across methods
+        self.opt.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        with PeakMeter(self.device) as meter:
+            with self.enter():
+                loss = self.model(**inputs).loss
+                meter.sample()
+                loss.backward()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        self.grads.append([p.grad.detach().clone() if p.grad is not None else None
+                           for p in self.model.parameters()])
+        self.opt.step()
+        if measured:
+            self.times.append(dt)
+            self.peaks.append(meter.peak_bytes)
+
+    def close(self):
+        stats = self.cache.stats() if self.cache is not None else {}
+        self._cleanup()
+        self.model = self.opt = None
+        return dict(method=self.method, step_seconds=statistics.median(self.times),
+                    peak_bytes=max(self.peaks), stats=stats), self.grads
+
+
+def run_methods(methods, base_model, make_batch, device, steps, warmup, batch, workdir, log=print):
+    """Runs the methods' steps interleaved: round i runs step i of every method,
+    the order rotating each round, so drifting machine load and warm-up costs
+    hit every method alike. Returns {method: (row, grads)}."""
+    runners = {}
     try:
+        for m in methods:
+            runners[m] = _Runner(m, base_model, make_batch, device, batch, workdir)
+        order = list(methods)
         for i in range(warmup + steps):
-            gen = torch.Generator().manual_seed(1000 + i)
-            inputs = make_batch(batch, gen)
-            torch.manual_seed(i)  # dropout masks identical across methods
-            opt.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            with PeakMeter(device) as meter:
-                with enter():
-                    loss = model(**inputs).loss
-                    meter.sample()
-                    loss.backward()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t0
-            grads.append([p.grad.detach().clone() if p.grad is not None else None
-                          for p in model.parameters()])
-            opt.step()
-            if i >= warmup:
-                times.append(dt)
-                peaks.append(meter.peak_bytes)
-        stats = cache.stats() if cache is not None else {}
+            log(f"[demo] step {i + 1}/{warmup + steps}{' (warm-up)' if i < warmup else ''}: {', '.join(order)}")
+            for m in order:
+                runners[m].step(i, measured=i >= warmup)
+            order = order[1:] + order[:1]
+        return {m: runners[m].close() for m in methods}
     finally:
-        cleanup()
-    return dict(method=method, step_seconds=statistics.median(times),
-                peak_bytes=max(peaks), stats=stats), grads
+        for r in runners.values():
+            if r.model is not None:
+                r._cleanup()
 
 
 def max_grad_diff(grads, ref):
@@ -156,7 +186,7 @@ def max_grad_diff(grads, ref):
     return worst
 
 
-def run_demo(model="gpt2", methods=METHODS, steps=3, warmup=1, seq=None, batch=None,
+def run_demo(model="gpt2", methods=METHODS, steps=5, warmup=1, seq=None, batch=None,
              layers=None, hidden=None, heads=None, device=None, dtype="fp32", path=None,
              log=print):
     """Runs every method; returns a dict with the config and one row per method."""
@@ -179,16 +209,13 @@ def run_demo(model="gpt2", methods=METHODS, steps=3, warmup=1, seq=None, batch=N
     torch.manual_seed(0)
     base, make_batch = build_model(model, size["layers"], size["hidden"], size["heads"],
                                    size["seq"], torch_dtype, dev)
-    if "none" not in methods:
-        methods = ("none",) + tuple(methods)  # the reference for gradient differences
-    rows, ref = [], None
+    methods = ("none",) + tuple(m for m in methods if m != "none")  # the reference comes first
+    rows = []
     with tempfile.TemporaryDirectory(prefix="ebbtide-demo-", dir=path) as workdir:
+        results = run_methods(methods, base, make_batch, dev, steps, warmup, size["batch"], workdir, log)
+        ref = results["none"][1]
         for method in methods:
-            log(f"[demo] {method} ...")
-            row, grads = run_method(method, base, make_batch, dev, steps, warmup,
-                                    size["batch"], workdir)
-            if method == "none":
-                ref = grads
+            row, grads = results[method]
             row["max_grad_diff"] = max_grad_diff(grads, ref)
             row["bytes_written"] = row["stats"].get("bytes_offloaded", 0) \
                 if method == "ebbtide-ssd" else 0

@@ -9,7 +9,7 @@ def register(subparsers):
     p = subparsers.add_parser(
         "demo", help="train a small HF model with and without offloading and compare")
     p.add_argument("--model", default="gpt2", choices=MODELS)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per method (default 3)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per method (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     p.add_argument("--seq", type=int, help="sequence length (default: 512 CPU, 1024 GPU)")
     p.add_argument("--batch", type=int, help="micro-batch size (default: 4 CPU, 8 GPU)")
