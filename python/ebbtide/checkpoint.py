@@ -586,9 +586,9 @@ def _in_place_storages(meta, dests, device):
     """Note [Load in place]: storage index -> destination tensor whose storage
     the shard's bytes may be read into directly: every checkpoint tensor on
     that storage has a destination, all on one storage of the same size and
-    device, with the same dtype, shape, strides and offset, and no other
-    checkpoint storage maps there. Other storages load into fresh memory and
-    are copied."""
+    device, with the same dtype, shape, strides and offset, one of them
+    spanning the whole storage, and no other checkpoint storage maps there.
+    Other storages load into fresh memory and are copied."""
     if not dests or "delta" in meta:
         return {}
     by_storage = {}
@@ -615,7 +615,11 @@ def _in_place_storages(meta, dests, device):
                 first = None
                 break
             first = first if first is not None else d
-        if first is None:
+        # The storage is overwritten whole: a destination must span all of it,
+        # or bytes the caller did not ask to load (a view's neighbours) would change.
+        if first is None or not any(dests[t["path"]].is_contiguous() and dests[t["path"]].storage_offset() == 0 and
+                                    dests[t["path"]].numel() * dests[t["path"]].element_size() == s["nbytes"]
+                                    for t in entries):
             continue
         key = (str(first.device), first.untyped_storage().data_ptr())
         if key in claimed:

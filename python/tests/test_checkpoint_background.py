@@ -193,6 +193,15 @@ def test_load_into_other_layouts_falls_back_to_copies(tmp_path, monkeypatch):
     assert torch.equal(dest["w"], base) and torch.equal(shared[0], saved["a"]) and torch.equal(shared[1], saved["b"])
 
 
+def test_load_into_a_view_leaves_its_neighbours(tmp_path):
+    x = torch.arange(20.0)
+    ckpt.save({"a": x[:10]}, tmp_path / "c")  # the whole 20-element storage is saved
+    buf = torch.full((20,), -1.0)
+    ckpt.load(tmp_path / "c", into={"a": buf[:10]})
+    assert torch.equal(buf[:10], x[:10])
+    assert torch.equal(buf[10:], torch.full((10,), -1.0)), "only the requested view is written"
+
+
 def test_load_into_errors_before_overwriting(tmp_path):
     m = torch.nn.Linear(4, 3)
     ckpt.save(m.state_dict(), tmp_path / "c")
