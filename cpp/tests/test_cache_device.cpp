@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -18,29 +19,50 @@
 namespace ebbtide::cache {
 namespace {
 
+// Contexts are modelled too: a thread has a current device (none at first);
+// events belong to the device current at creation, and creating, recording or
+// waiting on one needs that device current, as with the real driver.
 class FakeDriver final : public mem::cuda::Driver {
  public:
-  void bind_context_of(mem::cuda::DevicePtr) override {}
-  void bind_device(int) override {}
+  void bind_context_of(mem::cuda::DevicePtr) override { current_ = 0; }
+  void bind_device(int d) override {
+    EBB_CHECK(d >= 0 && d < device_count(), "fake: no device ", d);
+    current_ = d;
+  }
+  mem::cuda::Context current_context() override { return static_cast<mem::cuda::Context>(current_ + 1); }
+  void set_current_context(mem::cuda::Context c) override { current_ = static_cast<int>(c) - 1; }
+  static int current() { return current_; }
   bool is_device_pointer(const void*) override { return true; }
   void memcpy_dtoh_async(void* dst, mem::cuda::DevicePtr src, size_t n, mem::cuda::Stream s) override {
+    need_context("cuMemcpyDtoHAsync");
     log("dtoh", s);
     std::memcpy(dst, reinterpret_cast<const void*>(src), n);
   }
   void memcpy_htod_async(mem::cuda::DevicePtr dst, const void* src, size_t n, mem::cuda::Stream s) override {
+    need_context("cuMemcpyHtoDAsync");
     log("htod", s);
     std::memcpy(reinterpret_cast<void*>(dst), src, n);
   }
   mem::cuda::Event event_create() override {
+    need_context("cuEventCreate");
     std::lock_guard<std::mutex> lock(mu_);
-    return ++next_event_;
+    ++next_event_;
+    event_device_[next_event_] = current_;
+    return next_event_;
   }
   void event_destroy(mem::cuda::Event) override {}
-  void event_record(mem::cuda::Event e, mem::cuda::Stream s) override { log("record", s, e); }
+  void event_record(mem::cuda::Event e, mem::cuda::Stream s) override {
+    need_device_of(e, "cuEventRecord");
+    log("record", s, e);
+  }
   void event_synchronize(mem::cuda::Event e) override { log("event_sync", 0, e); }
   bool event_query(mem::cuda::Event) override { return true; }
-  void stream_wait_event(mem::cuda::Stream s, mem::cuda::Event e) override { log("wait", s, e); }
+  void stream_wait_event(mem::cuda::Stream s, mem::cuda::Event e) override {
+    need_device_of(e, "cuStreamWaitEvent");
+    log("wait", s, e);
+  }
   mem::cuda::Stream stream_create() override {
+    need_context("cuStreamCreate");
     std::lock_guard<std::mutex> lock(mu_);
     return 1000 + ++next_stream_;
   }
@@ -48,7 +70,7 @@ class FakeDriver final : public mem::cuda::Driver {
   void stream_synchronize(mem::cuda::Stream s) override { log("stream_sync", s); }
   bool host_register(void*, size_t) override { return false; }
   void host_unregister(void*) override {}
-  int device_count() override { return 1; }
+  int device_count() override { return 2; }
   std::string device_name(int) override { return "fake"; }
 
   struct Call {
@@ -70,11 +92,24 @@ class FakeDriver final : public mem::cuda::Driver {
     std::lock_guard<std::mutex> lock(mu_);
     calls_.push_back({what, s, e});
   }
+  static void need_context(const char* call) {
+    EBB_CHECK(current_ >= 0, "fake ", call, ": CUDA_ERROR_INVALID_CONTEXT (no context current on this thread)");
+  }
+  void need_device_of(mem::cuda::Event e, const char* call) {
+    need_context(call);
+    std::lock_guard<std::mutex> lock(mu_);
+    EBB_CHECK(event_device_[e] == current_, "fake ", call, ": event of device ", event_device_[e],
+              " used while device ", current_, " is current");
+  }
+  static thread_local int current_;
+  std::map<mem::cuda::Event, int> event_device_;
   std::mutex mu_;
   std::vector<Call> calls_;
   mem::cuda::Event next_event_ = 0;
   mem::cuda::Stream next_stream_ = 0;
 };
+
+thread_local int FakeDriver::current_ = -1;
 
 size_t index_of(const std::vector<FakeDriver::Call>& calls, const std::string& what, size_t from = 0) {
   for (size_t i = from; i < calls.size(); ++i)
@@ -149,6 +184,45 @@ TEST(CacheDevice, CopiesRunOnASideStreamOrderedByEvents) {
   for (auto& x : calls) EXPECT_FALSE(x.what == "stream_sync" && x.stream == compute);
   EXPECT_TRUE(c.consume(id));
   EXPECT_TRUE(c.release(id));
+}
+
+// Note [Caller's context]: the training thread may have no context current,
+// or another device's; save/start_load/wait bind the entry's device for the
+// call and leave the thread's context as they found it.
+TEST(CacheDevice, CallsOnTheTrainingThreadBindTheEntrysDeviceAndRestoreTheContext) {
+  FakeDriver drv;
+  HostStoreOptions ho;
+  ho.driver = &drv;
+  CacheOptions co;
+  co.driver = &drv;
+  co.workers = 2;
+  TensorCache c(make_host_store(ho), co);
+  c.begin_step();
+  auto data = test::random_bytes(5000, 6);
+  for (int before : {-1, 0}) {  // no context, then device 0's, on this thread
+    drv.set_current_context(static_cast<mem::cuda::Context>(before + 1));
+    SaveRequest r;
+    r.key = static_cast<uint64_t>(10 + before);
+    r.ptr = data.data();
+    r.nbytes = data.size();
+    r.device = 1;
+    r.stream = 55;
+    EntryId id = c.save(r).id;
+    EXPECT_EQ(FakeDriver::current(), before);
+    c.drain();
+    c.poll();
+    std::vector<unsigned char> out(data.size());
+    ASSERT_EQ(c.request(id), Reload::kNeedBuffer);
+    c.start_load(id, out.data(), 55);
+    EXPECT_EQ(FakeDriver::current(), before);
+    c.wait(id, 55);
+    EXPECT_EQ(FakeDriver::current(), before);
+    EXPECT_EQ(out, data);
+    EXPECT_TRUE(c.consume(id));
+    EXPECT_TRUE(c.release(id));
+  }
+  c.close();
+  EXPECT_EQ(FakeDriver::current(), 0);
 }
 
 TEST(CacheDevice, DeviceSaveWithoutDriverIsRejected) {

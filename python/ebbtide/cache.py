@@ -54,6 +54,18 @@ def _env_bytes(name: str) -> Optional[int]:
     return _core.parse_bytes(v, f"environment variable {name}")
 
 
+_warned_no_cuda_shim = False
+
+
+def _warn_no_cuda_shim():
+    global _warned_no_cuda_shim
+    if not _warned_no_cuda_shim:
+        _warned_no_cuda_shim = True
+        warnings.warn("ebbtide: CUDA tensors stay on the GPU (nothing is offloaded): the CUDA driver shim is "
+                      f"unavailable ({_core.cuda_unavailable_reason() or 'disabled for this cache'})",
+                      RuntimeWarning, stacklevel=4)
+
+
 def _in_backward() -> bool:
     # Note [Saves during backward]: activation-checkpoint recompute (and
     # create_graph backward) saves tensors while a graph task runs; they die
@@ -511,6 +523,8 @@ class TensorCache:
         if t.device != self._device:
             return False
         if t.device.type != "cpu" and not (t.is_cuda and self._cuda_ok):
+            if t.is_cuda:
+                _warn_no_cuda_shim()
             return False
         if _in_backward():
             return False

@@ -401,9 +401,15 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_d
     if background:
         native = None
 
+        # The thread makes CUDA calls (pinned buffers, device copies): give it
+        # the caller's device, not the driver's default of device 0.
+        cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
         def stage():
             nonlocal native, stage_error, keep
             try:
+                if cuda_device is not None:
+                    torch.cuda.set_device(cuda_device)
                 n = start()
             except BaseException as e:  # noqa: BLE001 - raised by wait()
                 stage_error = e
@@ -558,7 +564,10 @@ def _resolve_rank(idx, rank, path):
 
 def _map_device(saved, device):
     if device is not None:
-        return torch.device(device)
+        d = torch.device(device)
+        if d.type == "cuda" and d.index is None:  # "cuda" means the current device
+            d = torch.device("cuda", torch.cuda.current_device())
+        return d
     d = torch.device(saved)
     if d.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"checkpoint: a tensor was saved on {saved}, which is not available here; "

@@ -92,3 +92,36 @@ def test_cuda_busy_compute_stream_orders_copies(tmp_path):
     torch.cuda.synchronize()
     assert torch.equal(ref, a.grad)
     cache.close()
+
+
+def test_cuda_autograd_thread_without_context_and_current_device_kept(tmp_path):
+    # Note [Caller's context]: unpacks run on autograd's device thread, and the
+    # cache must not change which context the training thread has current.
+    torch.manual_seed(0)
+    model = Net(layers=3, d=256).cuda()
+    x = torch.randn(4, 512, 256, device="cuda")
+    ref = run(model, x)
+    before = torch.cuda.current_device()
+    with ebbtide.TensorCache(target="ssd", path=str(tmp_path)) as cache:
+        cache.attach(model)
+        got = run(model, x, cache.step())
+        assert cache.stats()["tensors_offloaded"] > 0
+    assert torch.cuda.current_device() == before
+    assert torch.equal(ref[0], got[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+
+
+def test_cuda_checkpoint_round_trip_and_load_in_place(tmp_path):
+    from ebbtide import checkpoint as ckpt
+    torch.manual_seed(0)
+    model = Net(layers=2, d=256).cuda()
+    ckpt.save(model.state_dict(), tmp_path / "c")
+    other = Net(layers=2, d=256).cuda()
+    ptrs = [p.data_ptr() for p in other.parameters()]
+    ckpt.load(tmp_path / "c", into=other, device="cuda")  # "cuda" = the current device: read in place
+    assert [p.data_ptr() for p in other.parameters()] == ptrs
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+    h = ckpt.save(model.state_dict(), tmp_path / "c", async_=True, snapshot="background")
+    h.wait()
+    out = ckpt.load(tmp_path / "c")
+    assert all(v.is_cuda for v in out.values())
+    assert all(torch.equal(out[k], v) for k, v in model.state_dict().items())

@@ -167,18 +167,27 @@ void TensorCache::mutate(Entry& e, EntryState s, bool acked) {
   step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_);
 }
 
-mem::cuda::Event TensorCache::take_event_locked() {
-  if (!free_events_.empty()) {
-    auto ev = free_events_.back();
-    free_events_.pop_back();
+// Note [Caller's context]
+// save(), start_load() and wait() run on the training thread, whose current
+// CUDA context is whatever torch last used there: another GPU's, or none at
+// all on an autograd thread that has not launched a kernel yet. They record
+// and wait on events, which act in the current context, so each binds the
+// entry's device for the call (mem::cuda::DeviceScope) and restores the
+// caller's context after. Events live in per-device pools and are all created
+// there, never on a worker (a worker binds its device only when it copies).
+mem::cuda::Event TensorCache::take_event_locked(int device) {
+  auto& pool = free_events_[device];
+  if (!pool.empty()) {
+    auto ev = pool.back();
+    pool.pop_back();
     return ev;
   }
   EBB_CHECK_STATE(opts_.driver != nullptr, "tensor cache: device tensor but no CUDA driver");
   return opts_.driver->event_create();
 }
 
-void TensorCache::give_event_locked(mem::cuda::Event& ev) {
-  if (ev != 0) free_events_.push_back(ev);
+void TensorCache::give_event_locked(int device, mem::cuda::Event& ev) {
+  if (ev != 0) free_events_[device].push_back(ev);
   ev = 0;
 }
 
@@ -233,8 +242,16 @@ SaveResult TensorCache::save(const SaveRequest& r) {
   EntryId id = e->id;
   if (offload) {
     if (r.device >= 0) {
-      e->ready_ev = take_event_locked();
-      opts_.driver->event_record(e->ready_ev, r.stream);
+      mem::cuda::DeviceScope scope(opts_.driver, r.device);  // Note [Caller's context]
+      e->ready_ev = take_event_locked(r.device);
+      try {
+        opts_.driver->event_record(e->ready_ev, r.stream);
+      } catch (...) {
+        give_event_locked(r.device, e->ready_ev);
+        resident_ -= e->nbytes;
+        step_c_.saved_bytes_total -= r.nbytes;
+        throw;
+      }
     }
     e->state = EntryState::kQueued;
     inflight_ += e->nbytes;
@@ -271,9 +288,9 @@ void TensorCache::erase_locked(Lock& lock, EntryId id) {
       log::error("tensor cache: freeing entry ", id, ": ", ex.what());
     }
   }
-  give_event_locked(e.ready_ev);
-  give_event_locked(e.dst_ready_ev);
-  give_event_locked(e.load_done_ev);
+  give_event_locked(e.device, e.ready_ev);
+  give_event_locked(e.device, e.dst_ready_ev);
+  give_event_locked(e.device, e.load_done_ev);
   if (auto k = by_key_.find({e.key, e.version}); k != by_key_.end() && k->second == id) by_key_.erase(k);
   if (auto m = microbatches_.find(e.microbatch); m != microbatches_.end()) {
     auto& order = m->second.order;
@@ -353,7 +370,9 @@ void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream) {
   e.load_started = false;
   e.load_error = nullptr;
   if (e.device >= 0) {
-    if (e.dst_ready_ev == 0) e.dst_ready_ev = take_event_locked();
+    mem::cuda::DeviceScope scope(opts_.driver, e.device);  // Note [Caller's context]
+    if (e.dst_ready_ev == 0) e.dst_ready_ev = take_event_locked(e.device);
+    if (e.load_done_ev == 0) e.load_done_ev = take_event_locked(e.device);
     opts_.driver->event_record(e.dst_ready_ev, stream);
   }
   mutate(e, EntryState::kLoading, true);
@@ -381,7 +400,10 @@ void TensorCache::wait(EntryId id, mem::cuda::Stream stream) {
   }
   EBB_CHECK_STATE(f.state == EntryState::kLoaded, "tensor cache: wait on entry ", id, " in state ",
                   to_string(f.state), " (no load started)");
-  if (f.device >= 0 && f.load_done_ev != 0) opts_.driver->stream_wait_event(stream, f.load_done_ev);
+  if (f.device >= 0 && f.load_done_ev != 0) {
+    mem::cuda::DeviceScope scope(opts_.driver, f.device);  // Note [Caller's context]
+    opts_.driver->stream_wait_event(stream, f.load_done_ev);
+  }
 }
 
 // Note [Consumed entries]
@@ -562,9 +584,10 @@ void TensorCache::close() {
   for (EntryId id : ids) erase_locked(lock, id);
   microbatches_.clear();
   if (opts_.driver != nullptr) {
-    for (auto ev : free_events_) {
+    for (auto& [device, pool] : free_events_) {
       try {
-        opts_.driver->event_destroy(ev);
+        mem::cuda::DeviceScope scope(opts_.driver, device);
+        for (auto ev : pool) opts_.driver->event_destroy(ev);
       } catch (const std::exception&) {
       }
     }
@@ -677,7 +700,7 @@ void TensorCache::run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Str
   }
   lock.lock();
   e.busy = false;  // entries are erased only when not busy: `e` is still valid
-  give_event_locked(e.ready_ev);
+  give_event_locked(e.device, e.ready_ev);
   if (err) {
     step_c_.store_failures += 1;
     std::string why;
@@ -723,8 +746,7 @@ void TensorCache::run_load(Lock& lock, EntryId id, std::map<int, mem::cuda::Stre
   Span dst{e.dst, e.nbytes, e.device, 0};
   Location loc = e.loc;
   mem::cuda::Event ready = e.dst_ready_ev;
-  if (e.device >= 0 && e.load_done_ev == 0) e.load_done_ev = take_event_locked();
-  mem::cuda::Event done = e.load_done_ev;
+  mem::cuda::Event done = e.load_done_ev;  // made by start_load (Note [Caller's context])
   lock.unlock();
   std::exception_ptr err;
   try {

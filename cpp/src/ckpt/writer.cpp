@@ -44,13 +44,13 @@
 // until the index directory is committed by rename.
 #include "ebbtide/ckpt/writer.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <mutex>
 #include <thread>
-#include <unordered_set>
 #include <utility>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -255,8 +255,32 @@ struct CheckpointWriter::Impl {
     if (!copy) return plan;
     auto* base = static_cast<char*>(arena->base());
     mem::cuda::Driver* drv = nullptr;
-    std::unordered_set<uintptr_t> streams;
     // Device copies are queued first so they run while the host copies do.
+    // Streams are per context (handle 0 is each device's own legacy stream),
+    // so each is synchronised with its own context current; the caller's
+    // context is restored after (Note [Caller's context] in tensor_cache.cpp),
+    // and on any error every queued copy is waited for before the arena can
+    // be reused or unmapped.
+    struct DeviceCopies {
+      mem::cuda::Driver* drv = nullptr;
+      mem::cuda::Context caller = 0;
+      std::vector<std::pair<mem::cuda::Context, mem::cuda::Stream>> streams;  // (context, stream)
+      void sync() {
+        for (auto [ctx, s] : streams) {
+          drv->set_current_context(ctx);
+          drv->stream_synchronize(s);
+        }
+        streams.clear();
+      }
+      ~DeviceCopies() {
+        if (drv == nullptr) return;
+        try {
+          sync();
+          drv->set_current_context(caller);
+        } catch (...) {  // the error already in flight is the one to report
+        }
+      }
+    } copies;
     for (size_t i = 0; i < req.blobs.size(); ++i) {
       const auto& b = req.blobs[i];
       if (!b.device || b.nbytes == 0) continue;
@@ -264,11 +288,15 @@ struct CheckpointWriter::Impl {
         drv = mem::cuda::driver();
         EBB_CHECK(drv != nullptr, "blob '", b.name, "' is in CUDA device memory but no CUDA driver is usable: ",
                   mem::cuda::unavailable_reason());
+        copies.caller = drv->current_context();
+        copies.drv = drv;
       }
       drv->bind_context_of(reinterpret_cast<mem::cuda::DevicePtr>(b.ptr));
+      const std::pair<mem::cuda::Context, mem::cuda::Stream> key{drv->current_context(), b.stream};
       drv->memcpy_dtoh_async(base + plan[i].arena_offset, reinterpret_cast<mem::cuda::DevicePtr>(b.ptr), b.nbytes,
                              b.stream);
-      streams.insert(b.stream);
+      if (std::find(copies.streams.begin(), copies.streams.end(), key) == copies.streams.end())
+        copies.streams.push_back(key);
     }
     // Host copies in pieces of <= 8 MiB over the workers.
     struct Piece {
@@ -288,7 +316,11 @@ struct CheckpointWriter::Impl {
         pieces.push_back({static_cast<const char*>(b.ptr) + o, dst + o, std::min(kPiece, b.nbytes - o)});
     }
     workers.parallel_for(pieces.size(), [&](size_t k) { copy_snapshot(pieces[k].dst, pieces[k].src, pieces[k].n); });
-    for (auto s : streams) drv->stream_synchronize(s);
+    if (copies.drv != nullptr) {
+      copies.sync();  // errors thrown here: the destructor still restores the caller's context
+      copies.drv->set_current_context(copies.caller);
+      copies.drv = nullptr;
+    }
     return plan;
   }
 

@@ -455,21 +455,21 @@ bool Engine::Impl::try_cufile(Chunk* c) {
     auto* drv = mem::cuda::driver();
     const auto dptr = static_cast<mem::cuda::DevicePtr>(reinterpret_cast<uintptr_t>(c->user));
     drv->bind_context_of(dptr);
-    size_t n = 0;
-    if (c->req->write) {
-      auto ev = drv->event_create();  // the data must be produced before cuFile reads it
-      try {
-        drv->event_record(ev, static_cast<mem::cuda::Stream>(c->req->buf.stream));
-        drv->event_synchronize(ev);
-      } catch (...) {
-        drv->event_destroy(ev);
-        throw;
-      }
+    // cuFile is not stream-ordered: wait until the work queued on the caller's
+    // stream is done, both before a write (the data must be produced) and
+    // before a read (the buffer may still be in use by kernels queued there,
+    // e.g. memory the caching allocator just handed out again).
+    auto ev = drv->event_create();
+    try {
+      drv->event_record(ev, static_cast<mem::cuda::Stream>(c->req->buf.stream));
+      drv->event_synchronize(ev);
+    } catch (...) {
       drv->event_destroy(ev);
-      n = cf->write(h, c->user, c->len, static_cast<int64_t>(c->file_off));
-    } else {
-      n = cf->read(h, c->user, c->len, static_cast<int64_t>(c->file_off));
+      throw;
     }
+    drv->event_destroy(ev);
+    size_t n = c->req->write ? cf->write(h, c->user, c->len, static_cast<int64_t>(c->file_off))
+                             : cf->read(h, c->user, c->len, static_cast<int64_t>(c->file_off));
     if (n != c->len)
       throw IoError(EIO, c->slab->label(), static_cast<int64_t>(c->file_off),
                     ebbtide::detail::concat("cuFile moved ", n, " of ", c->len, " bytes"));

@@ -169,6 +169,15 @@ class DriverImpl final : public Driver {
     check(api_.ctx_set_current(primary_context(ordinal)), "cuCtxSetCurrent");
   }
 
+  Context current_context() override {
+    CUcontext cur = nullptr;
+    check(api_.ctx_get_current(&cur), "cuCtxGetCurrent");
+    return reinterpret_cast<Context>(cur);
+  }
+  void set_current_context(Context c) override {
+    check(api_.ctx_set_current(reinterpret_cast<CUcontext>(c)), "cuCtxSetCurrent");
+  }
+
   bool is_device_pointer(const void* ptr) override {
     if (ptr == nullptr) return false;
     unsigned int type = 0;

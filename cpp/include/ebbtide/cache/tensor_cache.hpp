@@ -207,8 +207,9 @@ class TensorCache {
   void worker_main(unsigned index);
   void run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Stream>& side);
   void run_load(Lock& lock, EntryId id, std::map<int, mem::cuda::Stream>& side);
-  mem::cuda::Event take_event_locked();
-  void give_event_locked(mem::cuda::Event& ev);
+  // Events of device `device`'s primary context, which must be current.
+  mem::cuda::Event take_event_locked(int device);
+  void give_event_locked(int device, mem::cuda::Event& ev);
   void add_stall(double seconds);
 
   std::unique_ptr<Store> store_;
@@ -222,7 +223,7 @@ class TensorCache {
   std::deque<EntryId> store_q_;
   std::deque<EntryId> load_q_;
   std::vector<Completion> completions_;
-  std::vector<mem::cuda::Event> free_events_;
+  std::map<int, std::vector<mem::cuda::Event>> free_events_;  // per device
   std::vector<std::thread> workers_;
   unsigned busy_ = 0;
   EntryId next_id_ = 1;

@@ -17,6 +17,7 @@ namespace ebbtide::mem::cuda {
 using Stream = uintptr_t;   // CUstream (0 = legacy default stream)
 using Event = uintptr_t;    // CUevent
 using DevicePtr = uint64_t; // CUdeviceptr
+using Context = uintptr_t;  // CUcontext (0 = none)
 
 class Driver {
  public:
@@ -28,6 +29,9 @@ class Driver {
   virtual void bind_context_of(DevicePtr ptr) = 0;
   // Makes the primary context of device `ordinal` current on the calling thread.
   virtual void bind_device(int ordinal) = 0;
+  // The calling thread's current context (0 when none), and setting it back.
+  virtual Context current_context() = 0;
+  virtual void set_current_context(Context c) = 0;
   // True when `ptr` is device memory (or managed) known to the driver.
   virtual bool is_device_pointer(const void* ptr) = 0;
   virtual void memcpy_dtoh_async(void* dst, DevicePtr src, size_t n, Stream s) = 0;
@@ -51,6 +55,29 @@ class Driver {
   // memory comes from the framework's allocator). Default: Unsupported.
   virtual DevicePtr mem_alloc(size_t n);
   virtual void mem_free(DevicePtr p);
+};
+
+// Makes device `ordinal`'s primary context current for a scope and restores
+// the caller's context after (Note [Caller's context]): calls made on the
+// training thread (a pack hook, an unpack) must neither depend on which device
+// the thread happens to have current nor change it.
+class DeviceScope {
+ public:
+  DeviceScope(Driver* driver, int ordinal) : driver_(driver), previous_(driver->current_context()) {
+    driver_->bind_device(ordinal);
+  }
+  ~DeviceScope() {
+    try {
+      driver_->set_current_context(previous_);
+    } catch (...) {  // a destructor must not throw; the next call reports a broken driver
+    }
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  Driver* driver_;
+  Context previous_;
 };
 
 // The process-wide driver, or nullptr when libcuda.so.1 cannot be loaded, has
