@@ -68,8 +68,12 @@ class FakeDriver final : public mem::cuda::Driver {
   }
   void stream_destroy(mem::cuda::Stream) override {}
   void stream_synchronize(mem::cuda::Stream s) override { log("stream_sync", s); }
-  bool host_register(void*, size_t) override { return false; }
-  void host_unregister(void*) override {}
+  bool host_register(void*, size_t) override {
+    log("register", 0);
+    return allow_register;
+  }
+  void host_unregister(void*) override { log("unregister", 0); }
+  bool allow_register = false;  // as a container with a small RLIMIT_MEMLOCK
   int device_count() override { return 2; }
   std::string device_name(int) override { return "fake"; }
 
@@ -223,6 +227,43 @@ TEST(CacheDevice, CallsOnTheTrainingThreadBindTheEntrysDeviceAndRestoreTheContex
   }
   c.close();
   EXPECT_EQ(FakeDriver::current(), 0);
+}
+
+size_t count(const std::vector<FakeDriver::Call>& calls, const std::string& what) {
+  return static_cast<size_t>(std::count_if(calls.begin(), calls.end(), [&](auto& x) { return x.what == what; }));
+}
+
+// Note [Host staging]: device puts land in registered blobs with one copy
+// each way; blobs are reused registered; a refused registration falls back to
+// chunked copies through the staging pool.
+TEST(CacheDevice, HostStoreCopiesDeviceTensorsIntoRegisteredBlobs) {
+  for (bool allow : {true, false}) {
+    FakeDriver drv;
+    drv.allow_register = allow;
+    drv.bind_device(0);
+    HostStoreOptions ho;
+    ho.driver = &drv;
+    ho.staging_bytes = 4096;
+    auto data = test::random_bytes(3 * 4096 + 100, 9);
+    {
+      auto store = make_host_store(ho);
+      for (int step = 0; step < 3; ++step) {
+        Location loc = store->put(Span{data.data(), data.size(), 0, 7});
+        std::vector<unsigned char> out(data.size());
+        store->get(loc, Span{out.data(), out.size(), 0, 7});
+        EXPECT_EQ(out, data);
+        store->free(loc);
+      }
+      auto calls = drv.calls();
+      EXPECT_EQ(count(calls, "register"), 1u) << "a blob, registered or refused, is reused for the next put";
+      EXPECT_EQ(count(calls, "dtoh"), allow ? 3u : 12u);  // one per put, or 4 staged chunks
+      EXPECT_EQ(count(calls, "htod"), allow ? 3u : 12u);
+      for (auto& c : calls)
+        if (c.what == "dtoh" || c.what == "htod") EXPECT_EQ(c.stream, 7u);
+    }
+    EXPECT_EQ(count(drv.calls(), "unregister"), allow ? 1u : 0u) << "registered blobs are unregistered at the end";
+    drv.set_current_context(0);
+  }
 }
 
 TEST(CacheDevice, DeviceSaveWithoutDriverIsRejected) {

@@ -107,8 +107,26 @@ class SaveHandle:
 #   naming the tensor) and nothing is committed (Note [Gated commit] in
 #   cpp/src/ckpt/writer.cpp). Changes through `.data` bypass version counters
 #   and are not seen.
+# CUDA tensors are copied on a side stream that waits for the work queued
+# before save() only, so the copies overlap the next forward on the copy
+# engine instead of queueing behind it.
 _background = weakref.WeakSet()  # handles whose snapshot is running
 _hook = None
+
+
+_snapshot_streams = {}  # device -> torch.cuda.Stream
+
+
+def _snapshot_stream(device):
+    """A side stream for a background snapshot's device copies, ordered after
+    the work queued on `device`'s current stream so far and not after what the
+    caller queues next: the copies run beside the next forward instead of
+    behind it (the version check covers kernels that change a saved tensor)."""
+    s = _snapshot_streams.get(device)
+    if s is None:
+        s = _snapshot_streams[device] = torch.cuda.Stream(device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    return s
 
 
 def _wait_for_snapshots(optimizer, args, kwargs):
@@ -335,7 +353,9 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_d
     blobs = []
     for name, st, nbytes, device, elem, codec in fl.blobs:
         on_dev = device.type == "cuda"
-        stream = torch.cuda.current_stream(device).cuda_stream if on_dev else 0
+        stream = 0
+        if on_dev:
+            stream = (_snapshot_stream(device) if background else torch.cuda.current_stream(device)).cuda_stream
         blobs.append((name, st.data_ptr() if nbytes else 0, nbytes, on_dev, stream, elem, codec))
 
     # One temporary directory (and one stripe directory per stripe_dirs entry)

@@ -2,6 +2,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -18,12 +19,19 @@ namespace {
 
 constexpr size_t kBlobAlign = 64;
 
-// Note [Host staging]: device copies go through the page-locked staging pool
-// (mem::PinnedPool) so cuMemcpy*Async is truly asynchronous on the caller's
-// stream; the blobs themselves stay ordinary memory (registering every blob
-// costs more than the extra memcpy for the tensor sizes we see). The pool is
-// made on the first device copy: CPU-only runs never pin memory.
+// Note [Host staging]
+// Device tensors go straight into page-locked blobs: each blob of a device
+// put is page-aligned and registered with cuMemHostRegister, so one
+// cuMemcpyDtoHAsync (and one HtoD on reload) moves it at full PCIe speed,
+// with no extra memcpy. Registration costs about as much as pinning the pages
+// once; Note [Blob reuse] keeps freed blobs by size, so from the second step
+// on every blob is reused already registered. When registration is refused
+// (RLIMIT_MEMLOCK in a container), that blob is ordinary memory and its
+// copies go chunk by chunk through the staging pool (mem::PinnedPool),
+// which is made on the first such copy. Host tensors use plain blobs and
+// memcpy: CPU-only runs never pin memory.
 constexpr size_t kStagingBuffers = 4;
+constexpr size_t kPageBytes = 4096;
 
 class HostStore final : public Store {
  public:
@@ -31,9 +39,9 @@ class HostStore final : public Store {
     EBB_CHECK(o.staging_bytes >= 4096, "host store: staging_bytes ", o.staging_bytes, " is below 4096");
   }
   ~HostStore() override {
-    for (auto& [loc, b] : blobs_) std::free(b.data);
-    for (auto& [n, v] : spare_)
-      for (void* p : v) std::free(p);
+    for (auto& [loc, b] : blobs_) release(b.data, b.pinned);
+    for (auto& [key, v] : spare_)
+      for (void* p : v) release(p, key.second);
   }
 
   Location put(const Span& src) override {
@@ -48,22 +56,34 @@ class HostStore final : public Store {
       }
       held_ += src.nbytes;  // reserve before copying so concurrent puts respect the cap
     }
-    size_t alloc = (src.nbytes + kBlobAlign - 1) / kBlobAlign * kBlobAlign;
-    void* data = take_spare(alloc);
-    if (data == nullptr && ::posix_memalign(&data, kBlobAlign, alloc) != 0) {
+    const bool want_pinned = src.device >= 0 && opts_.driver != nullptr;
+    size_t alloc = alloc_size(src.nbytes, want_pinned);
+    bool pinned = want_pinned;
+    void* data = take_spare(alloc, pinned);
+    if (data == nullptr && want_pinned) {
+      data = take_spare(alloc, false);  // an earlier refusal left plain blobs of this size
+      pinned = data == nullptr;
+      if (data == nullptr) {
+        if (::posix_memalign(&data, kPageBytes, alloc) != 0) data = nullptr;
+        else if (!opts_.driver->host_register(data, alloc)) pinned = false;  // warned once by the shim
+      }
+    } else if (data == nullptr && ::posix_memalign(&data, kBlobAlign, alloc) != 0) {
+      data = nullptr;
+    }
+    if (data == nullptr) {
       unreserve(src.nbytes);
       throw IoError(ENOMEM, "host memory", 0, detail::concat("host store: cannot allocate ", src.nbytes, " bytes"));
     }
     try {
-      copy(data, src, /*to_device=*/false);
+      copy(data, pinned, src, /*to_device=*/false);
     } catch (...) {
-      give_spare(data, alloc);
+      give_spare(data, alloc, pinned);
       unreserve(src.nbytes);
       throw;
     }
     std::lock_guard<std::mutex> lock(mu_);
     Location loc = next_++;
-    blobs_.emplace(loc, Blob{data, src.nbytes});
+    blobs_.emplace(loc, Blob{data, src.nbytes, alloc, pinned});
     return loc;
   }
 
@@ -77,22 +97,20 @@ class HostStore final : public Store {
     }
     EBB_CHECK(dst.nbytes == b.nbytes, "host store: location ", loc, " holds ", b.nbytes,
               " bytes, destination has ", dst.nbytes);
-    copy(b.data, dst, /*to_device=*/true);
+    copy(b.data, b.pinned, dst, /*to_device=*/true);
   }
 
   void free(Location loc) override {
-    void* data = nullptr;
-    size_t alloc = 0;
+    Blob b;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = blobs_.find(loc);
       EBB_CHECK_STATE(it != blobs_.end(), "host store: location ", loc, " freed twice or never stored");
-      data = it->second.data;
-      alloc = (it->second.nbytes + kBlobAlign - 1) / kBlobAlign * kBlobAlign;
-      held_ -= it->second.nbytes;
+      b = it->second;
+      held_ -= b.nbytes;
       blobs_.erase(it);
     }
-    give_spare(data, alloc);
+    give_spare(b.data, b.alloc, b.pinned);
   }
 
   StoreStats stats() const override {
@@ -110,28 +128,44 @@ class HostStore final : public Store {
   struct Blob {
     void* data = nullptr;
     uint64_t nbytes = 0;
+    size_t alloc = 0;     // bytes allocated (the spare list it returns to)
+    bool pinned = false;  // registered with the CUDA driver (Note [Host staging])
   };
+  static size_t alloc_size(uint64_t nbytes, bool page) {
+    const size_t a = page ? kPageBytes : kBlobAlign;
+    return (nbytes + a - 1) / a * a;
+  }
 
   // Note [Blob reuse]: training saves the same shapes every step; keeping
   // freed blobs by exact size (up to the most bytes ever held) spares the
   // allocator's mmap/munmap and the page faults of fresh memory each step.
-  void* take_spare(size_t alloc) {
+  void* take_spare(size_t alloc, bool pinned) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = spare_.find(alloc);
+    auto it = spare_.find({alloc, pinned});
     if (it == spare_.end() || it->second.empty()) return nullptr;
     void* p = it->second.back();
     it->second.pop_back();
     spare_bytes_ -= alloc;
     return p;
   }
-  void give_spare(void* p, size_t alloc) {
+  void give_spare(void* p, size_t alloc, bool pinned) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       high_water_ = std::max<uint64_t>(high_water_, held_ + alloc);
       if (spare_bytes_ + alloc <= high_water_) {
-        spare_[alloc].push_back(p);
+        spare_[{alloc, pinned}].push_back(p);
         spare_bytes_ += alloc;
         return;
+      }
+    }
+    release(p, pinned);
+  }
+  void release(void* p, bool pinned) {
+    if (pinned) {
+      try {
+        opts_.driver->host_unregister(p);
+      } catch (const std::exception& e) {
+        log::error("host store: cuMemHostUnregister failed: ", e.what());
       }
     }
     std::free(p);
@@ -143,7 +177,7 @@ class HostStore final : public Store {
   }
 
   // Copies between the host blob and `s` in the direction given.
-  void copy(void* blob, const Span& s, bool to_device) {
+  void copy(void* blob, bool pinned, const Span& s, bool to_device) {
     if (s.device < 0) {
       if (to_device) std::memcpy(s.ptr, blob, s.nbytes);
       else std::memcpy(blob, s.ptr, s.nbytes);
@@ -151,6 +185,13 @@ class HostStore final : public Store {
     }
     if (opts_.driver == nullptr) throw Unsupported("host store: device span without a CUDA driver");
     auto* drv = opts_.driver;
+    if (pinned) {  // one copy at full speed, on the worker's side stream
+      auto dev = reinterpret_cast<mem::cuda::DevicePtr>(s.ptr);
+      if (to_device) drv->memcpy_htod_async(dev, blob, s.nbytes, s.stream);
+      else drv->memcpy_dtoh_async(blob, dev, s.nbytes, s.stream);
+      drv->stream_synchronize(s.stream);
+      return;
+    }
     mem::PinnedPool& pool = staging();
     mem::PinnedPool::Lease stage = pool.acquire();
     auto* host = static_cast<unsigned char*>(blob);
@@ -183,7 +224,7 @@ class HostStore final : public Store {
   std::unordered_map<Location, Blob> blobs_;
   Location next_ = 1;
   uint64_t held_ = 0;
-  std::unordered_map<size_t, std::vector<void*>> spare_;
+  std::map<std::pair<size_t, bool>, std::vector<void*>> spare_;  // (bytes, pinned) -> free blobs
   uint64_t spare_bytes_ = 0;
   uint64_t high_water_ = 0;
 };
