@@ -207,6 +207,19 @@ TEST(PinnedPool, RegisteredExactlyWhenADriverAccepts) {
   }
 }
 
+TEST(PinnedPool, RegistersOnFirstNeedWhenMadeHostOnly) {
+  PinnedPoolOptions o;
+  o.cuda_register = false;
+  PinnedPool pool(4096, 2, o);
+  EXPECT_FALSE(pool.registered());
+  const bool expect = cuda::driver() != nullptr;
+  EXPECT_EQ(pool.ensure_registered(), expect);
+  EXPECT_EQ(pool.registered(), expect);
+  EXPECT_EQ(pool.ensure_registered(), expect) << "idempotent";
+  auto lease = pool.acquire();
+  std::memset(lease.data(), 1, lease.size());
+}
+
 TEST(PinnedPoolDeathTest, DestroyingWithLeasesOutAborts) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_DEATH(

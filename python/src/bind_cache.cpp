@@ -60,6 +60,7 @@ std::unique_ptr<Store> make_store(const std::string& target, const std::vector<s
     SsdStoreOptions o;
     o.dirs = paths;
     o.capacity_bytes = capacity_bytes;
+    o.cuda = drv != nullptr;  // a CPU-training cache never initialises CUDA
     t.ssd = make_ssd_store(o);
     t.ssd_max_write_bps = max_write_bps;
   }

@@ -75,6 +75,7 @@ std::unique_ptr<Store> make_ssd_store(SsdStoreOptions options) {
   eo.dirs = options.dirs;
   eo.capacity_bytes = options.capacity_bytes;
   if (options.apply_env) eo = eo.with_env();
+  eo.cuda_register = options.cuda;
   return std::make_unique<SsdStore>(std::move(eo));
 }
 

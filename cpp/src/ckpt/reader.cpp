@@ -195,7 +195,9 @@ void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks,
   // A staging buffer per transfer in flight plus one per worker decoding: fewer
   // would cap the staged reads' queue depth below the loop's.
   const unsigned depth = 8 * static_cast<unsigned>(files.size());
-  mem::PinnedPool staging(need, depth + nthreads);
+  mem::PinnedPoolOptions host_only;  // device targets are copied from worker memory, not from staging
+  host_only.cuda_register = false;
+  mem::PinnedPool staging(need, depth + nthreads, host_only);
   std::vector<iovec> fixed;
   for (size_t i = 0; i < staging.count(); ++i)
     fixed.push_back({static_cast<char*>(staging.base()) + i * staging.buffer_bytes(), staging.buffer_bytes()});

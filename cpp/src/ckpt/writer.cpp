@@ -221,8 +221,13 @@ struct CheckpointWriter::Impl {
     if (arena && arena->count() >= segs) return;
     loop.reset();  // its registered buffers are the old arena's
     arena.reset();
-    arena = std::make_unique<mem::PinnedPool>(kSegmentBytes, segs);
-    if (!staging) staging = std::make_unique<mem::PinnedPool>(staging_buffer_bytes(), staging_count());
+    // Registered with CUDA only when a save has device blobs (snapshot()):
+    // CPU-only checkpoints never initialise CUDA. The compressed-chunk ring is
+    // filled from the arena, never by device copies.
+    mem::PinnedPoolOptions host_only;
+    host_only.cuda_register = false;
+    arena = std::make_unique<mem::PinnedPool>(kSegmentBytes, segs, host_only);
+    if (!staging) staging = std::make_unique<mem::PinnedPool>(staging_buffer_bytes(), staging_count(), host_only);
   }
 
   void join_bg() {
@@ -292,6 +297,7 @@ struct CheckpointWriter::Impl {
         copies.drv = drv;
       }
       drv->bind_context_of(reinterpret_cast<mem::cuda::DevicePtr>(b.ptr));
+      arena->ensure_registered();  // async device copies need page-locked memory
       const std::pair<mem::cuda::Context, mem::cuda::Stream> key{drv->current_context(), b.stream};
       drv->memcpy_dtoh_async(base + plan[i].arena_offset, reinterpret_cast<mem::cuda::DevicePtr>(b.ptr), b.nbytes,
                              b.stream);

@@ -343,7 +343,9 @@ Engine::Impl::Impl(EngineOptions o) : opt(std::move(o)) {
   alloc = detail::SlotAllocator(align);
 
   size_t nstaging = std::max<uint64_t>(1, opt.staging_bytes / opt.chunk_bytes);
-  staging = std::make_unique<mem::PinnedPool>(opt.chunk_bytes, nstaging);
+  mem::PinnedPoolOptions po;
+  po.cuda_register = opt.cuda_register;
+  staging = std::make_unique<mem::PinnedPool>(opt.chunk_bytes, nstaging, po);
   cufile_handles.assign(slabs.size(), 0);
 
   std::map<dev_t, Device*> by_dev;

@@ -57,6 +57,7 @@ PinnedPool::PinnedPool(size_t buffer_bytes, size_t count, const PinnedPoolOption
   base_ = p;
 
   if (options.cuda_register) {
+    register_tried_ = true;
     try {
       if (cuda::Driver* drv = cuda::driver()) registered_ = drv->host_register(base_, total);
     } catch (...) {
@@ -88,6 +89,15 @@ PinnedPool::~PinnedPool() {
   if (base_ != nullptr && ::munmap(base_, total_bytes()) != 0) {
     log::warn("pinned pool: munmap failed (errno ", errno, ")");
   }
+}
+
+bool PinnedPool::ensure_registered() {
+  std::lock_guard lock(mu_);
+  if (!registered_ && !register_tried_) {
+    register_tried_ = true;
+    if (cuda::Driver* drv = cuda::driver()) registered_ = drv->host_register(base_, total_bytes());
+  }
+  return registered_;
 }
 
 void* PinnedPool::buffer(size_t index) const {

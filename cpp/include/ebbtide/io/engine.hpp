@@ -35,6 +35,7 @@ struct EngineOptions {
   bool checksum = false;                // crc32c per chunk, verified on read
   bool direct = true;                   // O_DIRECT where the filesystem allows it
   bool try_cufile = true;               // AUTO: try cuFile for device buffers
+  bool cuda_register = true;            // register staging with CUDA (false: host buffers only)
 
   // Returns a copy with EBBTIDE_* environment overrides applied
   // (docs/configuration.md); bad values throw InvalidArgument naming the variable.

@@ -62,6 +62,11 @@ class PinnedPool {
   size_t count() const { return count_; }
   size_t in_use() const;
   bool registered() const { return registered_; }  // pinned with the CUDA driver
+  // Registers a pool made with cuda_register = false, once, when a CUDA driver
+  // is present (pools that may never see a device copy register on first
+  // need, so CPU-only work never initialises CUDA). Returns registered().
+  // Call before leasing buffers for device copies; not concurrent with them.
+  bool ensure_registered();
   void* base() const { return base_; }            // for io_uring buffer registration
   size_t total_bytes() const { return buffer_bytes_ * count_; }
   // Start of buffer `index` (< count()); the same address every time it is leased.
@@ -76,6 +81,7 @@ class PinnedPool {
   size_t count_;
   void* base_ = nullptr;
   bool registered_ = false;
+  bool register_tried_ = false;  // ensure_registered() ran (guarded by mu_)
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<size_t> free_;
