@@ -12,6 +12,7 @@
 #include "ebbtide/util/config.hpp"
 #include "ebbtide/util/error.hpp"
 #include "ebbtide/util/log.hpp"
+#include "detail/loaded_once.hpp"
 
 #ifdef EBBTIDE_HAVE_CUDA_H
 #include <cuda.h>
@@ -306,15 +307,8 @@ class DriverImpl final : public Driver {
 
 #endif  // EBBTIDE_HAVE_CUDA_H
 
-struct Global {
-  std::once_flag once;
-  Driver* driver = nullptr;
-  std::string reason;
-  std::exception_ptr config_error;
-};
-
-Global& global() {
-  static Global* g = new Global();  // leaked on purpose: Note [Shim lifetime]
+ebbtide::detail::LoadedOnce<Driver>& global() {
+  static auto* g = new ebbtide::detail::LoadedOnce<Driver>();  // leaked on purpose: Note [Shim lifetime]
   return *g;
 }
 
@@ -364,31 +358,11 @@ ProbeResult probe() {
 #endif
 }
 
-Driver* driver() {
-  Global& g = global();
-  std::call_once(g.once, [&g] {
-    // No exception may leave call_once's callable here: a bad EBBTIDE_CUDA is
-    // kept and rethrown on every call instead, so it is never silently ignored.
-    try {
-      ProbeResult r = probe();
-      g.driver = r.driver.release();
-      g.reason = std::move(r.reason);
-      if (g.driver == nullptr) {
-        log::info("CUDA unavailable, host-only mode: ", g.reason);
-      } else {
-        log::info("CUDA driver loaded: ", g.driver->device_count(), " device(s)");
-      }
-    } catch (...) {
-      g.config_error = std::current_exception();
-    }
-  });
-  if (g.config_error) std::rethrow_exception(g.config_error);
-  return g.driver;
-}
+Driver* driver() { return global().get(probe, "CUDA driver (without it: host-only mode)"); }
 
 std::string unavailable_reason() {
   if (driver() != nullptr) return {};
-  return global().reason;
+  return global().reason();
 }
 
 std::string error_name(int result) {

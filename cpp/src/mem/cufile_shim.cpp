@@ -12,6 +12,7 @@
 #include "ebbtide/util/config.hpp"
 #include "ebbtide/util/error.hpp"
 #include "ebbtide/util/log.hpp"
+#include "detail/loaded_once.hpp"
 
 namespace ebbtide::mem::cufile {
 
@@ -149,15 +150,8 @@ class DriverImpl final : public Driver {
   Api api_;
 };
 
-struct Global {
-  std::once_flag once;
-  Driver* driver = nullptr;
-  std::string reason;
-  std::exception_ptr config_error;
-};
-
-Global& global() {
-  static Global* g = new Global();  // leaked on purpose, as the CUDA shim's
+ebbtide::detail::LoadedOnce<Driver>& global() {
+  static auto* g = new ebbtide::detail::LoadedOnce<Driver>();  // leaked on purpose, as the CUDA shim's
   return *g;
 }
 
@@ -220,26 +214,11 @@ ProbeResult probe() {
   return out;
 }
 
-Driver* cufile() {
-  Global& g = global();
-  std::call_once(g.once, [&g] {
-    try {  // as in cuda::driver(): a bad setting is rethrown on every call
-      ProbeResult r = probe();
-      g.driver = r.driver.release();
-      g.reason = std::move(r.reason);
-      if (g.driver == nullptr) log::info("cuFile unavailable: ", g.reason);
-      else log::info("cuFile driver opened");
-    } catch (...) {
-      g.config_error = std::current_exception();
-    }
-  });
-  if (g.config_error) std::rethrow_exception(g.config_error);
-  return g.driver;
-}
+Driver* cufile() { return global().get(probe, "cuFile driver"); }
 
 std::string unavailable_reason() {
   if (cufile() != nullptr) return {};
-  return global().reason;
+  return global().reason();
 }
 
 }  // namespace ebbtide::mem::cufile
