@@ -721,16 +721,17 @@ void Engine::Impl::finalize(const ReqPtr& req) {
     }
     req->on_done = nullptr;  // drop what the callback holds (Python buffers) now
   }
+  // Stats first: whoever wait() releases may read them at once (pending 0).
+  {
+    std::lock_guard lock(mu);
+    --st.pending;
+    drain_cv.notify_all();
+  }
   {
     std::lock_guard lock(req->mu);
     req->finished = true;
   }
   req->cv.notify_all();
-  {
-    std::lock_guard lock(mu);
-    --st.pending;
-  }
-  drain_cv.notify_all();
 }
 
 void Engine::Impl::run_device(Device& d) {
