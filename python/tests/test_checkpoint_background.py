@@ -96,6 +96,21 @@ def test_change_during_snapshot_rejects_the_save(tmp_path):
     assert torch.equal(ckpt.load(tmp_path / "c")["x"], x)
 
 
+def test_second_save_while_a_background_snapshot_runs(tmp_path):
+    w, held = held_writer()
+    x = torch.randn(1 << 16)
+    h = w.save({"x": x}, tmp_path / "a", async_=True, snapshot="background")
+    assert held.started.wait(10)
+    with pytest.raises(ckpt.StateError, match="still in flight"):
+        w.save({"x": x}, tmp_path / "b", async_=True)
+    assert not os.path.exists(tmp_path / "b")
+    threading.Timer(0.2, held.release).start()
+    h2 = w.save({"x": x * 2}, tmp_path / "b", async_=True, block=True)  # waits for the first
+    assert h.done()
+    h2.wait()
+    assert torch.equal(ckpt.load(tmp_path / "a")["x"], x) and torch.equal(ckpt.load(tmp_path / "b")["x"], x * 2)
+
+
 def test_background_save_without_held_snapshot_round_trips(tmp_path):
     state = {"a": torch.randn(3 << 20), "b": torch.arange(10), "n": 3, "s": "text"}
     h = ckpt.save(state, tmp_path / "c", async_=True, snapshot="background")
