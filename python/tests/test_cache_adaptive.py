@@ -168,7 +168,9 @@ def test_write_cap_limits_store_rate(tmp_path):
 
 def test_replan_when_bandwidth_drops(tmp_path, caplog):
     model = make_model(layers=4, d=2048)
-    x = torch.randn(32, 2048)  # 256 KiB activations, ~10 ms of compute per block
+    # 1 MiB activations (~40 ms of compute per block): any offloaded block writes
+    # the 1 MiB a step needs before its bandwidth counts (_MIN_MEASURED_BYTES).
+    x = torch.randn(128, 2048)
     with ebbtide.TensorCache(target="ssd", path=str(tmp_path), adaptive=True) as c:
         c.attach(model)
         grads_of(model, x, c, steps=2)
