@@ -12,6 +12,7 @@ reusable pinned buffers, background O_DIRECT writes with crc32c per chunk,
 header last, commit by atomic rename. Loading executes no code.
 """
 import atexit
+import hashlib
 import json
 import logging
 import mmap
@@ -227,7 +228,7 @@ def save(state_dict, path, *, async_=False, compress=None, base=None, block=Fals
     instead of raising StateError. stripe_dirs: extra directories (one per
     device) to stripe the tensor data over: chunks go round-robin over `path`
     and these, written in parallel; each gets a directory
-    `<dir>/<basename(path)>.stripe-<id>` holding one file per rank, recorded in
+    `<dir>/<basename(path)>.stripe-<tag>-<id>` holding one file per rank, recorded in
     the index (docs/checkpoints.md, "Striping"). snapshot: with async_,
     "blocking" (default) returns once the tensors are copied; "background"
     returns at once and copies them on a thread: the next optimizer step
@@ -265,17 +266,32 @@ def _check_stripe_dirs(stripe_dirs, path):
     return out
 
 
+def _path_tag(path):
+    """8 hex digits naming the checkpoint path in its stripe directories'
+    names (Note [Stripe ownership])."""
+    return hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:8]
+
+
 def _stripe_dir(d, path, ckpt_id):
-    return os.path.join(d, f"{os.path.basename(path)}.stripe-{ckpt_id}")
+    return os.path.join(d, f"{os.path.basename(path)}.stripe-{_path_tag(path)}-{ckpt_id}")
 
 
 STRIPE_OWNER = "owner.json"
 
 
+# Note [Stripe ownership]
+# A stripe directory is named <basename>.stripe-<tag>-<id>, the tag a hash of
+# the checkpoint's absolute path, and holds owner.json naming that path. The
+# next save of the path removes every such directory its committed index does
+# not name. The name alone marks it as this path's, so a save killed between
+# creating the directory and making owner.json durable leaves nothing behind
+# either; owner.json guards against a tag collision (a different owner is
+# left alone) and identifies directories of older, untagged names.
 def _remove_stale_stripes(path, dirs, keep):
     """Removes stripe directories of `path` in `dirs` that no committed
     checkpoint refers to (left by a killed or failed save); keeps `keep`."""
     prefix = os.path.basename(path) + ".stripe-"
+    tagged = f"{prefix}{_path_tag(path)}-"
     for d in dirs:
         try:
             names = os.listdir(d)
@@ -287,10 +303,10 @@ def _remove_stale_stripes(path, dirs, keep):
                 continue
             try:
                 with open(os.path.join(full, STRIPE_OWNER)) as f:
-                    owner = json.load(f)
-            except (OSError, ValueError):
-                continue
-            if owner.get("checkpoint") == path:
+                    owner = json.load(f).get("checkpoint")
+            except (OSError, ValueError, AttributeError):
+                owner = None  # absent or half-written: a save killed while creating it
+            if owner == path or (owner is None and n.startswith(tagged)):
                 _rmtree(full)
 
 

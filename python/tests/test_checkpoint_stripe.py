@@ -189,3 +189,28 @@ def test_kill_during_striped_save_leaves_a_complete_checkpoint(tmp_path):
     for d, sd in zip(dirs, idx["stripes"]):
         assert os.listdir(d) == [os.path.basename(sd)]
     assert sorted(os.listdir(tmp_path)) == ["c", "ssd0", "ssd1"]
+
+
+def test_next_save_removes_a_stripe_directory_killed_before_its_owner_file(tmp_path):
+    # Note [Stripe ownership]: a save killed between creating its stripe
+    # directory and writing owner.json leaves a directory named for the path.
+    path = tmp_path / "c"
+    dirs = [str(d) for d in _dirs(tmp_path, 2)]
+    ckpt.save({"x": torch.ones(8)}, path, stripe_dirs=dirs)
+    tag = ckpt._path_tag(str(path))
+    orphan = os.path.join(dirs[0], f"c.stripe-{tag}-deadbeef")
+    os.mkdir(orphan)  # no owner.json
+    half = os.path.join(dirs[1], f"c.stripe-{tag}-feedface")
+    os.mkdir(half)
+    with open(os.path.join(half, "owner.json"), "w") as f:
+        f.write('{"checkpoint": ')  # cut short
+    foreign = os.path.join(dirs[0], "c.stripe-0123abcd-cafe")  # another path's tag, no owner: not ours
+    os.mkdir(foreign)
+    other = os.path.join(dirs[1], f"c.stripe-{tag}-0ther")  # a tag collision: owner.json names another path
+    os.mkdir(other)
+    with open(os.path.join(other, "owner.json"), "w") as f:
+        json.dump({"checkpoint": str(tmp_path / "elsewhere" / "c"), "id": "0ther"}, f)
+    ckpt.save({"x": torch.zeros(8)}, path, stripe_dirs=dirs)
+    assert not os.path.exists(orphan) and not os.path.exists(half)
+    assert os.path.exists(foreign) and os.path.exists(other)
+    assert torch.equal(ckpt.load(path)["x"], torch.zeros(8))
