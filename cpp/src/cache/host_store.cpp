@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 #include <algorithm>
 
@@ -57,19 +58,8 @@ class HostStore final : public Store {
       held_ += src.nbytes;  // reserve before copying so concurrent puts respect the cap
     }
     const bool want_pinned = src.device >= 0 && opts_.driver != nullptr;
-    size_t alloc = alloc_size(src.nbytes, want_pinned);
-    bool pinned = want_pinned;
-    void* data = take_spare(alloc, pinned);
-    if (data == nullptr && want_pinned) {
-      data = take_spare(alloc, false);  // an earlier refusal left plain blobs of this size
-      pinned = data == nullptr;
-      if (data == nullptr) {
-        if (::posix_memalign(&data, kPageBytes, alloc) != 0) data = nullptr;
-        else if (!opts_.driver->host_register(data, alloc)) pinned = false;  // warned once by the shim
-      }
-    } else if (data == nullptr && ::posix_memalign(&data, kBlobAlign, alloc) != 0) {
-      data = nullptr;
-    }
+    const size_t alloc = alloc_size(src.nbytes, want_pinned);
+    auto [data, pinned] = new_blob(alloc, want_pinned);
     if (data == nullptr) {
       unreserve(src.nbytes);
       throw IoError(ENOMEM, "host memory", 0, detail::concat("host store: cannot allocate ", src.nbytes, " bytes"));
@@ -134,6 +124,17 @@ class HostStore final : public Store {
   static size_t alloc_size(uint64_t nbytes, bool page) {
     const size_t a = page ? kPageBytes : kBlobAlign;
     return (nbytes + a - 1) / a * a;
+  }
+  // A spare blob of `alloc` bytes or a new one: (nullptr, false) when out of
+  // memory. With `want_pinned`, a plain blob left by an earlier refused
+  // registration is reused before a new one is allocated and registered.
+  std::pair<void*, bool> new_blob(size_t alloc, bool want_pinned) {
+    if (void* p = take_spare(alloc, want_pinned)) return {p, want_pinned};
+    if (want_pinned)
+      if (void* p = take_spare(alloc, false)) return {p, false};
+    void* p = nullptr;
+    if (::posix_memalign(&p, want_pinned ? kPageBytes : kBlobAlign, alloc) != 0) return {nullptr, false};
+    return {p, want_pinned && opts_.driver->host_register(p, alloc)};  // a refusal is warned once by the shim
   }
 
   // Note [Blob reuse]: training saves the same shapes every step; keeping

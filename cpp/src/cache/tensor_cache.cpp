@@ -236,23 +236,21 @@ SaveResult TensorCache::save(const SaveRequest& r) {
     EBB_CHECK_STATE(!closed_, "tensor cache: closed while a save waited");
     offload = !stop_offload_;
   }
+  if (offload && r.device >= 0) {  // the only step that can fail: before any accounting
+    mem::cuda::DeviceScope scope(opts_.driver, r.device);  // Note [Caller's context]
+    e->ready_ev = take_event_locked(r.device);
+    try {
+      opts_.driver->event_record(e->ready_ev, r.stream);
+    } catch (...) {
+      give_event_locked(r.device, e->ready_ev);
+      throw;
+    }
+  }
   resident_ += e->nbytes;  // kKept, or kQueued below: resident either way
   step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_);
   step_c_.saved_bytes_total += r.nbytes;
   EntryId id = e->id;
   if (offload) {
-    if (r.device >= 0) {
-      mem::cuda::DeviceScope scope(opts_.driver, r.device);  // Note [Caller's context]
-      e->ready_ev = take_event_locked(r.device);
-      try {
-        opts_.driver->event_record(e->ready_ev, r.stream);
-      } catch (...) {
-        give_event_locked(r.device, e->ready_ev);
-        resident_ -= e->nbytes;
-        step_c_.saved_bytes_total -= r.nbytes;
-        throw;
-      }
-    }
     e->state = EntryState::kQueued;
     inflight_ += e->nbytes;
     auto& mb = microbatches_[r.microbatch];
