@@ -642,38 +642,35 @@ def _in_place_storages(meta, dests, device):
             by_storage.setdefault(t["storage"], []).append(t)
     chosen, claimed = {}, set()
     for sid, entries in by_storage.items():
-        s = meta["storages"][sid]
-        if not s["nbytes"]:
+        nbytes = meta["storages"][sid]["nbytes"]
+        if not nbytes:
             continue
-        dev = _map_device(s["device"], device)
-        first = None
-        for t in entries:
-            d = dests.get(t["path"])
-            if (d is None or d.layout != torch.strided or d.is_conj() or d.is_neg() or
-                    d.dtype != tree.dtype_from_name(t["dtype"]) or list(d.shape) != t["shape"] or
-                    list(d.stride()) != t["stride"] or d.storage_offset() != t["offset"]):
-                first = None
-                break
-            st = d.untyped_storage()
-            if st.nbytes() != s["nbytes"] or d.device != dev or (first is not None and
-                                                                  st.data_ptr() != first.untyped_storage().data_ptr()):
-                first = None
-                break
-            first = first if first is not None else d
-        # The storage is overwritten whole: a destination must span all of it,
+        dev = _map_device(meta["storages"][sid]["device"], device)
+        ds = [dests.get(t["path"]) for t in entries]
+        if not all(d is not None and _same_layout(d, t, nbytes, dev) for d, t in zip(ds, entries)):
+            continue
+        # One destination storage, overwritten whole: a destination must span it,
         # or bytes the caller did not ask to load (a view's neighbours) would change.
-        if first is None or not any(dests[t["path"]].is_contiguous() and dests[t["path"]].storage_offset() == 0 and
-                                    dests[t["path"]].numel() * dests[t["path"]].element_size() == s["nbytes"]
-                                    for t in entries):
+        ptrs = {d.untyped_storage().data_ptr() for d in ds}
+        if len(ptrs) != 1 or not any(d.is_contiguous() and d.storage_offset() == 0 and
+                                     d.numel() * d.element_size() == nbytes for d in ds):
             continue
-        key = (str(first.device), first.untyped_storage().data_ptr())
-        if key in claimed:
-            chosen = {k: v for k, v in chosen.items()
-                      if (str(v.device), v.untyped_storage().data_ptr()) != key}
+        key = (str(dev), ptrs.pop())
+        if key in claimed:  # two saved storages onto one destination: neither in place
+            chosen = {k: v for k, v in chosen.items() if (str(v.device), v.untyped_storage().data_ptr()) != key}
             continue
         claimed.add(key)
-        chosen[sid] = first
+        chosen[sid] = ds[0]
     return chosen
+
+
+def _same_layout(d, t, nbytes, device):
+    """Destination tensor `d` matches checkpoint tensor entry `t` (on a storage
+    of `nbytes`, loaded to `device`) byte for byte."""
+    return (d.layout == torch.strided and not d.is_conj() and not d.is_neg() and d.device == device and
+            d.dtype == tree.dtype_from_name(t["dtype"]) and list(d.shape) == t["shape"] and
+            list(d.stride()) == t["stride"] and d.storage_offset() == t["offset"] and
+            d.untyped_storage().nbytes() == nbytes)
 
 
 def _load_shard(file, device, threads=0, stripes=(), dests=None, before_read=None):
@@ -726,16 +723,10 @@ def _load_shard(file, device, threads=0, stripes=(), dests=None, before_read=Non
     return state, meta
 
 
-def _destinations(into):
-    """path -> tensor of `into` (a module's state_dict at the root, or a nested
-    container), spelled as the checkpoint spells its tensor paths."""
-    own = into.state_dict() if isinstance(into, torch.nn.Module) else into
-    return dict(tree.walk_tensors(own))
-
-
-def _check_before_reading(meta, dests, into, strict, path):
+def _check_before_reading(meta, own, dests, into, strict, path):
     """Shape and key errors for a load into existing tensors, raised before any
-    byte of them is overwritten."""
+    byte of them is overwritten. `own`: the module's state_dict (or `into`),
+    `dests`: its tensors by checkpoint path."""
     saved = {t["path"]: t for t in meta["tensors"]}
     if isinstance(into, torch.nn.Module):
         if not (isinstance(meta["tree"], dict) and set(meta["tree"]) <= {"dict", "odict"}):
@@ -745,8 +736,7 @@ def _check_before_reading(meta, dests, into, strict, path):
         if strict:
             (kind, items), = meta["tree"].items()
             keys = {tree.build(k, []) for k, _ in items}
-            own = set(into.state_dict())
-            missing, unexpected = sorted(own - keys), sorted(k for k in keys - own if isinstance(k, str))
+            missing, unexpected = sorted(set(own) - keys), sorted(k for k in keys - set(own) if isinstance(k, str))
             if missing or unexpected:
                 raise ValueError(f"checkpoint: cannot load {path} into the module (strict): "
                                  f"missing keys {missing[:10]}, unexpected keys {unexpected[:10]}")
@@ -775,14 +765,16 @@ def load(path, *, device=None, into=None, rank=None, strict=True):
     if rank == "all":
         return [load(path, device=device, rank=r) for r in range(idx["world_size"])]
     r = _resolve_rank(idx, rank, path)
-    dests = _destinations(into) if into is not None else None
+    # The destinations by checkpoint path (a module's state_dict sits at the root).
+    own = into.state_dict() if isinstance(into, torch.nn.Module) else into
+    dests = dict(tree.walk_tensors(own)) if into is not None else None
 
     def before_read(meta):
         if meta.get("id") != idx.get("id"):
             raise ValueError(f"{path}: shard rank{r}.ebt belongs to checkpoint {meta.get('id')}, "
                              f"the index to {idx.get('id')}")
         if into is not None:
-            _check_before_reading(meta, dests, into, strict, path)
+            _check_before_reading(meta, own, dests, into, strict, path)
     state, meta = _load_shard(os.path.join(path, idx["shards"][r]), device,
                               stripes=_stripe_files(idx, idx["shards"][r]), dests=dests, before_read=before_read)
     if "delta" in meta:
@@ -800,24 +792,12 @@ def load(path, *, device=None, into=None, rank=None, strict=True):
 
 
 def _load_into(into, state, strict):
+    # Shapes, keys and the state's kind were checked before reading (_check_before_reading).
     if isinstance(into, torch.nn.Module):
-        own = into.state_dict()
-        _check_shapes(own, state, "model")
         into.load_state_dict(state, strict=strict)
         return into
     _copy_into(into, state, "state", strict)
     return into
-
-
-def _check_shapes(own, state, where):
-    if not isinstance(state, dict):
-        raise ValueError(f"checkpoint: cannot load into {where}: the checkpoint holds a {type(state).__name__}, "
-                         "not a state dict")
-    for k, v in own.items():
-        if k in state and isinstance(v, torch.Tensor) and isinstance(state[k], torch.Tensor):
-            if tuple(v.shape) != tuple(state[k].shape):
-                raise ValueError(f"checkpoint: tensor {k!r}: shape {tuple(state[k].shape)} in the checkpoint, "
-                                 f"{tuple(v.shape)} in {where}")
 
 
 def _copy_into(dst, src, path, strict):
