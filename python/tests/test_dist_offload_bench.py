@@ -1,0 +1,45 @@
+"""A small run of bench/dist_offload.py under torchrun (2 ranks, gloo) is a test:
+offloading under DDP, FSDP (flat parameters and DTensor shards) and a 1F1B
+pipeline gives bitwise the gradients of the same wrapper without it, and never
+offloads a parameter."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "dist_offload.py")
+
+
+def test_dist_offload_small(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "r.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        BENCH, "--device", "cpu", "--layers", "4", "--hidden", "128", "--heads", "4", "--seq", "64",
+                        "--batch", "4", "--microbatches", "2", "--steps", "2", "--warmup", "0",
+                        "--path", str(tmp_path), "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads(out.read_text())
+    assert r["world_size"] == 2
+    rows = {(row["wrap"], row["method"]): row for row in r["rows"]}
+    wraps = ("plain", "ddp", "fsdp2", "fsdp1", "pipeline")
+    assert set(rows) == {(w, m) for w in wraps for m in ("none", "ebbtide-cpu", "ebbtide-ssd")}
+    for key, row in rows.items():
+        assert row["max_grad_diff"] == 0.0, key  # bitwise
+        assert len(row["ranks"]) == 2
+    # A rank's activations are the same with or without a data-parallel wrapper:
+    # the same tensors offloaded means no parameter (FSDP's unsharded weights,
+    # flat parameters or their views) was offloaded.
+    for method in ("ebbtide-cpu", "ebbtide-ssd"):
+        ref = [(x["tensors_offloaded"], x["bytes_offloaded"]) for x in rows[("plain", method)]["ranks"]]
+        assert all(t > 0 for t, _ in ref)
+        for wrap in ("ddp", "fsdp2", "fsdp1"):
+            got = [(x["tensors_offloaded"], x["bytes_offloaded"]) for x in rows[(wrap, method)]["ranks"]]
+            assert got == ref, (wrap, method)
+        # Every pipeline stage offloads something (its blocks but the last).
+        assert all(x["tensors_offloaded"] > 0 for x in rows[("pipeline", method)]["ranks"])
+        assert rows[("plain", method)]["peak_ratio"] < 1.0
+    assert "max|dgrad|" in p.stdout
