@@ -195,6 +195,10 @@ def run(args):
 
     from ebbtide.demo import build_model
 
+    if args.device not in (None, "cpu", "cuda"):
+        raise SystemExit(f"--device {args.device!r}: use cpu or cuda (each rank takes cuda:LOCAL_RANK)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available to torch")
     cuda = torch.cuda.is_available() and args.device != "cpu"
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")

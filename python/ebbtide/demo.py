@@ -15,8 +15,10 @@ import tempfile
 import time
 
 METHODS = ("none", "ebbtide-ssd", "ebbtide-cpu", "recompute", "save_on_cpu")
-# Accepted by --methods but not run by default: needs torchtune installed.
-EXTRA_METHODS = ("torchtune",)
+# Accepted by --methods but not run by default: ebbtide-auto (the default
+# target: the planner offloads per block what it measured to hide, host memory
+# first), torchtune (needs torchtune installed).
+EXTRA_METHODS = ("ebbtide-auto", "torchtune")
 MODELS = ("gpt2", "bert", "t5")
 
 # (layers, hidden, heads, seq, batch) per device kind: about a minute for all
@@ -71,11 +73,11 @@ def _method_context(method, model, device, workdir):
 
     if method == "none":
         return contextlib.nullcontext, None, lambda: None
-    if method in ("ebbtide-ssd", "ebbtide-cpu"):
+    if method in ("ebbtide-ssd", "ebbtide-cpu", "ebbtide-auto"):
         from ebbtide.cache import TensorCache
 
-        target = "ssd" if method == "ebbtide-ssd" else "cpu"
-        cache = TensorCache(target=target, path=workdir if target == "ssd" else None)
+        target = method.split("-", 1)[1]
+        cache = TensorCache(target=target, path=workdir if target != "cpu" else None)
         cache.attach(model)
 
         def cleanup():
@@ -118,6 +120,12 @@ class _Runner:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.enter, self.cache, self._cleanup = _method_context(method, self.model, device, workdir)
         self.times, self.peaks, self.grads = [], [], []
+        self.ssd_written = 0  # bytes the last step wrote to SSD files
+
+    def _ssd_bytes_written(self):
+        if self.cache is None:
+            return 0
+        return sum(t["bytes_written"] for t in self.cache.stats()["tiers"] if t["tier"] == "ssd")
 
     def step(self, i, measured):
         import torch
@@ -128,6 +136,7 @@ class _Runner:
         inputs = self.make_batch(self.batch, gen)
         torch.manual_seed(i)  # dropout masks identical across methods
         self.opt.zero_grad(set_to_none=True)
+        written0 = self._ssd_bytes_written()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
@@ -139,6 +148,7 @@ class _Runner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
+        self.ssd_written = self._ssd_bytes_written() - written0
         # Kept for the comparison with no offload: on the host, or five methods'
         # gradients for every step would fill the GPU.
         self.grads.append([p.grad.detach().to("cpu", copy=True) if p.grad is not None else None
@@ -153,7 +163,7 @@ class _Runner:
         self._cleanup()
         self.model = self.opt = None
         return dict(method=self.method, step_seconds=statistics.median(self.times),
-                    peak_bytes=max(self.peaks), stats=stats), self.grads
+                    peak_bytes=max(self.peaks), stats=stats, ssd_bytes_written=self.ssd_written), self.grads
 
 
 def run_methods(methods, base_model, make_batch, device, steps, warmup, batch, workdir, log=print):
@@ -219,8 +229,7 @@ def run_demo(model="gpt2", methods=METHODS, steps=5, warmup=1, seq=None, batch=N
         for method in methods:
             row, grads = results[method]
             row["max_grad_diff"] = max_grad_diff(grads, ref)
-            row["bytes_written"] = row["stats"].get("bytes_offloaded", 0) \
-                if method == "ebbtide-ssd" else 0
+            row["bytes_written"] = row.pop("ssd_bytes_written")
             row["tokens_per_second"] = size["batch"] * size["seq"] / row["step_seconds"]
             rows.append(row)
     base_row = rows[0]

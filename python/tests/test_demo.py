@@ -27,6 +27,20 @@ def test_demo_json_all_methods(cli, tmp_path, model):
     assert [p.name for p in tmp_path.iterdir()] == ["demo.png"]  # no files left behind
 
 
+def test_demo_auto_method(cli, tmp_path):
+    """ebbtide-auto (the default target, adaptive) is accepted; its first step profiles."""
+    proc = cli("demo", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64", "--batch", "2",
+               "--steps", "1", "--warmup", "1", "--device", "cpu", "--methods", "none,ebbtide-auto,ebbtide-cpu",
+               "--png", "", "--path", str(tmp_path), "--json")
+    rows = {row["method"]: row for row in json.loads(proc.stdout)["rows"]}
+    auto = rows["ebbtide-auto"]
+    assert auto["max_grad_diff"] == 0.0
+    assert auto["stats"]["adaptive"] and auto["stats"]["planner"] is not None
+    # On CPU auto has no host tier: what it offloads goes to SSD files.
+    assert auto["bytes_written"] == auto["stats"]["bytes_offloaded"]
+    assert rows["ebbtide-cpu"]["bytes_written"] == 0 and rows["ebbtide-cpu"]["stats"]["bytes_offloaded"] > 0
+
+
 def test_demo_table(cli, tmp_path):
     proc = cli("demo", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "32",
                "--batch", "1", "--steps", "1", "--warmup", "0", "--methods", "none,recompute",

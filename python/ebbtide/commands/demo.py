@@ -4,7 +4,7 @@ import sys
 
 
 def register(subparsers):
-    from ebbtide.demo import METHODS, MODELS
+    from ebbtide.demo import EXTRA_METHODS, METHODS, MODELS
 
     p = subparsers.add_parser(
         "demo", help="train a small HF model with and without offloading and compare")
@@ -19,7 +19,7 @@ def register(subparsers):
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--methods", default=",".join(METHODS),
-                   help=f"comma-separated subset of {','.join(METHODS)}")
+                   help=f"comma-separated, of {','.join(METHODS + EXTRA_METHODS)} (default: {','.join(METHODS)})")
     p.add_argument("--path", help="directory for ebbtide's SSD files (default: a temporary one)")
     p.add_argument("--png", default="ebbtide-demo.png",
                    help="plot of throughput against peak memory (default ebbtide-demo.png; "

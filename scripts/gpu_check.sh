@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Everything a lent GPU machine should check, in one call of the device tool:
+#   (here, once)  bash scripts/device_deps.sh
+#   (device)      run(command="bash scripts/gpu_check.sh", carry=[".deps"])
+# Stages (default: all, in this order; name some to run only those). One
+# device call runs at most 10 minutes: `build test` in one, `build bench` in
+# the next (a fresh machine rebuilds in about a minute on 16 cores).
+#   build  CMake build of the C++ core, its tests and the Python module against
+#          the machine's python3 (liburing, GoogleTest, zstd from .deps)
+#   test   ctest (all C++ tests; the GPU ones run now) and pytest (all, the
+#          CUDA tests included)
+#   bench  bench/offload_bench.py --device cuda, ebbtide demo on CUDA,
+#          ebbtide bench io (device <-> file), bench/dist_offload.py (nccl)
+# Logs and JSON go to $OUT (the device tool's folder; out/gpu elsewhere), and
+# a summary table is printed last. A stage that fails does not stop the next.
+# Runs on a machine without a GPU too (the CUDA tests then skip): that is how
+# the script itself is checked.
+set -uo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+out=${OUT:-$repo/out/gpu}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+jobs=$(nproc)
+build=$repo/build/gpu
+stages=("$@")
+((${#stages[@]})) || stages=(build test bench)
+summary=()
+
+say() { printf '\033[1m[gpu_check]\033[0m %s\n' "$*"; }
+# step NAME LOG LIMIT CMD...: runs CMD (killed after LIMIT seconds) with its
+# output in $out/LOG, records the exit code.
+step() {
+  local name=$1 log=$2 limit=$3 t0=$SECONDS rc
+  shift 3
+  say "$name -> $log"
+  timeout -k 10 "$limit" "$@" >"$out/$log" 2>&1
+  rc=$?
+  summary+=("$(printf '%-22s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$log")")
+  ((rc == 0)) || tail -n 25 "$out/$log"
+  return $rc
+}
+
+{
+  date -u +%FT%TZ
+  nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current \
+    --format=csv 2>&1
+  "$py" -c "import sys, torch; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
+            'available', torch.cuda.is_available())" 2>&1
+  nproc; free -g | head -2; df -hT "$repo" /tmp 2>&1; uname -r
+} >"$out/env.txt" 2>&1
+cat "$out/env.txt"
+
+export EBBTIDE_LIBURING_ROOT=$repo/.deps/root
+export PYTHONPATH=$repo/python:$build/python${PYTHONPATH:+:$PYTHONPATH}
+export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$repo/.deps/root/usr/lib/x86_64-linux-gnu
+export PYTHONUNBUFFERED=1
+
+# The module the tests and benchmarks import must be the one just built.
+module_is_fresh() {
+  step import import.log 60 "$py" -c "import ebbtide._core as c, sys; f = c.__file__; print(f)
+print('cuda driver', c.cuda_driver_available(), c.cuda_unavailable_reason())
+sys.exit(0 if f.startswith('$build/') else 'ebbtide._core is not the module built in $build')"
+}
+
+for stage in "${stages[@]}"; do
+  case $stage in
+    build | test | bench) ;;
+    *)
+      say "unknown stage '$stage' (valid: build test bench)"
+      summary+=("$(printf '%-22s rc=%-3s' "$stage" "?")")
+      continue
+      ;;
+  esac
+  if [ "$stage" != build ] && ! module_is_fresh; then
+    say "skipping stage $stage: no freshly built ebbtide._core"
+    continue
+  fi
+  case $stage in
+    build)
+      [ -d "$repo/.deps/root/usr/include" ] || say "WARNING: no .deps (run scripts/device_deps.sh here and carry .deps)"
+      step configure configure.log 120 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+        -DEBBTIDE_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v "$py")" \
+        -DCMAKE_PREFIX_PATH="$repo/.deps/root/usr" &&
+        step build build.log 400 cmake --build "$build" -j"$jobs"
+      grep -E "liburing found|cuda.h|CUDA shim|GTest" "$out/configure.log"
+      ;;
+    test)
+      step ctest ctest.log 300 ctest --test-dir "$build" --no-tests=error --output-on-failure -j8
+      grep -E "tests passed|tests failed|Skipped|Failed|\*\*\*" "$out/ctest.log" | tail -n 20
+      step pytest-cuda pytest-cuda.log 300 "$py" -m pytest -q -p no:cacheprovider -rs python/tests/test_cache_cuda.py
+      step pytest-all pytest.log 480 "$py" -m pytest -q -p no:cacheprovider -rs python/tests
+      tail -n 3 "$out/pytest-cuda.log" "$out/pytest.log"
+      ;;
+    bench)
+      step offload_bench offload_bench.txt 300 "$py" bench/offload_bench.py --device cuda --json "$out/offload_bench.json"
+      step demo demo.json 300 "$py" -m ebbtide demo --device cuda \
+        --methods none,ebbtide-ssd,ebbtide-cpu,ebbtide-auto,recompute,save_on_cpu --png "$out/demo.png" --json
+      mkdir -p /tmp/ebbtide-io
+      step bench_io bench_io.json 300 "$py" -m ebbtide bench io --dir /tmp/ebbtide-io --size 4GiB --chunk 1MiB \
+        --qd 16 --repeat 3 --json
+      step dist_offload dist_offload.txt 300 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 \
+        bench/dist_offload.py --device cuda --dtype bf16 --hidden 2048 --heads 16 --seq 1024 --batch 4 \
+        --json "$out/dist_offload.json"
+      tail -n 25 "$out/offload_bench.txt"
+      tail -n 20 "$out/dist_offload.txt"
+      ;;
+  esac
+done
+
+say "summary (logs in $out)"
+printf '  %s\n' "${summary[@]}"
+! printf '%s\n' "${summary[@]}" | grep -qv "rc=0 "
