@@ -30,16 +30,14 @@ offloads under plain. Backend gloo on CPU, nccl on CUDA (one GPU per rank).
 import argparse
 import contextlib
 import copy
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+from bench_common import write_result  # noqa: E402
 
 WRAPS = ("plain", "ddp", "fsdp2", "fsdp1", "pipeline")
 METHODS = ("none", "ebbtide-cpu", "ebbtide-ssd")
@@ -322,15 +320,8 @@ def main():
     result = run(args)
     if result is None:
         return 0
-    import torch
-
     print(format_table(result))
-    result.update(date=datetime.date.today().isoformat(), host=platform.node(), torch=torch.__version__)
-    if result["device"] == "cuda":
-        result["gpu"] = torch.cuda.get_device_name()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
+    write_result(result, args.json)
     return 0
 
 

@@ -16,13 +16,11 @@ OffloadActivations where importable.
 Prints a table; --json FILE writes every number. Ratios come from one run.
 """
 import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+from bench_common import write_result  # noqa: E402
 
 
 def main():
@@ -95,14 +93,7 @@ def main():
     for name, value, limit, op in checks:
         print(f"  {name:<52} {value:7.3f}  {'PASS' if ops[op](value, limit) else 'MISS'}")
     result["targets"] = [dict(name=n, value=v, limit=lim, op=op, met=ops[op](v, lim)) for n, v, lim, op in checks]
-    result["date"] = datetime.date.today().isoformat()
-    result["host"] = platform.node()
-    result["torch"] = torch.__version__
-    if gpu:
-        result["gpu"] = torch.cuda.get_device_name()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
+    write_result(result, args.json)
     return 0
 
 
