@@ -24,8 +24,9 @@ Wrappers:
             over --microbatches
 
 Parameters (unsharded FSDP weights, flat parameters and their views) must
-never be offloaded: under ddp, fsdp1 and fsdp2 a rank offloads exactly what it
-offloads under plain. Backend gloo on CPU, nccl on CUDA (one GPU per rank).
+never be offloaded: under ddp, fsdp1 and fsdp2 the tensors a rank's cache
+takes (tensors_saved, saved_bytes_total: after the never-offload filter, before
+timing decides what is forwarded) are exactly those it takes under plain. Backend gloo on CPU, nccl on CUDA (one GPU per rank).
 """
 import argparse
 import contextlib
@@ -253,6 +254,7 @@ def _gather_rows(wrap, jobs, world):
                          max_grad_diff=job.max_diff,
                          tensors_offloaded=last.get("tensors_offloaded", 0),
                          bytes_offloaded=last.get("bytes_offloaded", 0),
+                         tensors_saved=last.get("tensors_saved", 0),
                          tensors_forwarded=last.get("tensors_forwarded", 0),
                          peak_resident_bytes=last.get("peak_resident_bytes", 0),
                          saved_bytes_total=last.get("saved_bytes_total", 0)))

@@ -31,15 +31,19 @@ def test_dist_offload_small(tmp_path):
         assert row["max_grad_diff"] == 0.0, key  # bitwise
         assert len(row["ranks"]) == 2
     # A rank's activations are the same with or without a data-parallel wrapper:
-    # the same tensors offloaded means no parameter (FSDP's unsharded weights,
-    # flat parameters or their views) was offloaded.
+    # the same tensors taken by the cache (after its never-offload filter)
+    # means no parameter (FSDP's unsharded weights, flat parameters or their
+    # views) got through. How many of them finish storing before backward asks
+    # for them depends on the machine's load, so tensors_offloaded is not compared.
     for method in ("ebbtide-cpu", "ebbtide-ssd"):
-        ref = [(x["tensors_offloaded"], x["bytes_offloaded"]) for x in rows[("plain", method)]["ranks"]]
+        ref = [(x["tensors_saved"], x["saved_bytes_total"]) for x in rows[("plain", method)]["ranks"]]
         assert all(t > 0 for t, _ in ref)
         for wrap in ("ddp", "fsdp2", "fsdp1"):
-            got = [(x["tensors_offloaded"], x["bytes_offloaded"]) for x in rows[(wrap, method)]["ranks"]]
+            got = [(x["tensors_saved"], x["saved_bytes_total"]) for x in rows[(wrap, method)]["ranks"]]
             assert got == ref, (wrap, method)
-        # Every pipeline stage offloads something (its blocks but the last).
-        assert all(x["tensors_offloaded"] > 0 for x in rows[("pipeline", method)]["ranks"])
+        for wrap in wraps:  # every wrapper offloads (each pipeline stage takes tensors)
+            ranks = rows[(wrap, method)]["ranks"]
+            assert all(x["tensors_saved"] > 0 for x in ranks) and sum(x["tensors_offloaded"] for x in ranks) > 0, \
+                (wrap, method)
         assert rows[("plain", method)]["peak_ratio"] < 1.0
     assert "max|dgrad|" in p.stdout
