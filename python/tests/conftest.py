@@ -1,8 +1,11 @@
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+BENCH_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
 
 
 def run_cli(*args, check=True, timeout=600):
@@ -19,3 +22,19 @@ def run_cli(*args, check=True, timeout=600):
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture
+def run_bench(tmp_path):
+    """run_bench(SCRIPT, *ARGS, launcher=(), env=None, timeout=300) runs
+    bench/SCRIPT ARGS --json FILE with this Python (after LAUNCHER, e.g. the
+    torchrun module), fails the test with its output unless it exits 0, and
+    returns (CompletedProcess, the JSON it wrote)."""
+    def run(script, *args, launcher=(), env=None, timeout=300):
+        out = tmp_path / f"{script}.json"
+        p = subprocess.run([sys.executable, *launcher, os.path.join(BENCH_DIR, script), *args, "--json", str(out)],
+                           capture_output=True, text=True, timeout=timeout, env=dict(os.environ, **(env or {})))
+        assert p.returncode == 0, f"bench/{script} exited {p.returncode}:\n{p.stdout}\n{p.stderr}"
+        return p, json.loads(out.read_text())
+
+    return run

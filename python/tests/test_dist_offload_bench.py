@@ -2,27 +2,16 @@
 offloading under DDP, FSDP (flat parameters and DTensor shards) and a 1F1B
 pipeline gives bitwise the gradients of the same wrapper without it, and never
 offloads a parameter."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "dist_offload.py")
 
-
-def test_dist_offload_small(tmp_path):
+def test_dist_offload_small(tmp_path, run_bench):
     pytest.importorskip("transformers")
-    out = tmp_path / "r.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        BENCH, "--device", "cpu", "--layers", "4", "--hidden", "128", "--heads", "4", "--seq", "64",
-                        "--batch", "4", "--microbatches", "2", "--steps", "2", "--warmup", "0",
-                        "--path", str(tmp_path), "--json", str(out)],
-                       capture_output=True, text=True, timeout=600, env=env)
-    assert p.returncode == 0, p.stdout + p.stderr
-    r = json.loads(out.read_text())
+    p, r = run_bench("dist_offload.py", "--device", "cpu", "--layers", "4", "--hidden", "128", "--heads", "4",
+                     "--seq", "64", "--batch", "4", "--microbatches", "2", "--steps", "2", "--warmup", "0",
+                     "--path", str(tmp_path), launcher=("-m", "torch.distributed.run", "--standalone",
+                                                        "--nproc_per_node", "2"),
+                     env=dict(OMP_NUM_THREADS="1"), timeout=600)
     assert r["world_size"] == 2
     rows = {(row["wrap"], row["method"]): row for row in r["rows"]}
     wraps = ("plain", "ddp", "fsdp2", "fsdp1", "pipeline")

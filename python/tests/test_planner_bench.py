@@ -1,23 +1,12 @@
 """A small run of bench/planner_bench.py is a test: it runs end to end and its JSON is complete."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "planner_bench.py")
 
-
-def test_planner_bench_small(tmp_path):
+def test_planner_bench_small(tmp_path, run_bench):
     pytest.importorskip("transformers")
-    out = tmp_path / "r.json"
-    p = subprocess.run([sys.executable, BENCH, "--layers", "2", "--hidden", "64", "--heads", "2", "--seq", "64",
-                        "--batch", "2", "--steps", "1", "--warmup", "1", "--max-write-mbps", "50",
-                        "--path", str(tmp_path), "--json", str(out)],
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ))
-    assert p.returncode == 0, p.stderr
-    r = json.loads(out.read_text())
+    p, r = run_bench("planner_bench.py", "--layers", "2", "--hidden", "64", "--heads", "2", "--seq", "64",
+                     "--batch", "2", "--steps", "1", "--warmup", "1", "--max-write-mbps", "50",
+                     "--path", str(tmp_path))
     rows = {row["method"]: row for row in r["rows"]}
     assert set(rows) == {"none", "all", "planned"}
     assert rows["none"]["step_time_ratio"] == 1.0
