@@ -35,6 +35,19 @@ TEST(CufileShim, ProbeHonoursEbbtideCufileZero) {
   EXPECT_EQ(r.reason, "disabled by EBBTIDE_CUFILE=0");
 }
 
+// Note [cuFile needs nvidia-fs]: unset EBBTIDE_CUFILE uses cuFile only with
+// the kernel module (checked after the CUDA driver, so this needs a GPU).
+TEST(CufileShim, ProbeWantsNvidiaFsUnlessForced) {
+  if (::access("/proc/driver/nvidia-fs", F_OK) == 0) GTEST_SKIP() << "nvidia-fs is loaded here";
+  if (cuda::driver() == nullptr) GTEST_SKIP() << "no CUDA driver: " << cuda::unavailable_reason();
+  test::ScopedEnv env("EBBTIDE_CUFILE", std::nullopt);
+  cufile::ProbeResult r = cufile::probe();
+  EXPECT_EQ(r.driver, nullptr);
+  EXPECT_TRUE(contains(r.reason, "nvidia-fs") && contains(r.reason, "EBBTIDE_CUFILE=1")) << r.reason;
+  test::ScopedEnv force("EBBTIDE_CUFILE", "1");
+  EXPECT_FALSE(contains(cufile::probe().reason, "nvidia-fs"));
+}
+
 TEST(CufileShim, ProbeRejectsABadSettingNamingIt) {
   test::ScopedEnv env("EBBTIDE_CUFILE", "perhaps");
   try {

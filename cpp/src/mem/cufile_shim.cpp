@@ -1,11 +1,13 @@
 #include "ebbtide/mem/cufile_shim.hpp"
 
 #include <dlfcn.h>
+#include <unistd.h>
 #include <sys/types.h>
 
 #include <cerrno>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <type_traits>
 
 #include "ebbtide/mem/cuda_shim.hpp"
@@ -157,15 +159,31 @@ ebbtide::detail::LoadedOnce<Driver>& global() {
 
 }  // namespace
 
+// Note [cuFile needs nvidia-fs]
+// Without the GPUDirect Storage kernel module (nvidia-fs) cuFile can only run
+// in its compatibility mode, a POSIX path through cuFile's own bounce buffers:
+// no faster than the engine's pinned staging, and on the lent H100 (a VM with
+// libcufile but no nvidia-fs, 2026-11-23) cuFileHandleRegister failed (error
+// 5027) on every file. So cuFile is used only when the module is loaded,
+// unless EBBTIDE_CUFILE=1. (The crash that followed that failure there came
+// from the module's build, not from cuFile: scripts/gpu_check.sh.)
+constexpr const char* kNvidiaFs = "/proc/driver/nvidia-fs";
+
 ProbeResult probe() {
   ProbeResult out;
-  if (!config::env_bool("EBBTIDE_CUFILE").value_or(true)) {
+  const std::optional<bool> setting = config::env_bool("EBBTIDE_CUFILE");
+  if (setting == false) {
     out.reason = "disabled by EBBTIDE_CUFILE=" + config::env_string("EBBTIDE_CUFILE").value_or("0");
     return out;
   }
   // cuFile runs on top of the CUDA driver; without one it cannot work.
   if (cuda::driver() == nullptr) {
     out.reason = "no CUDA driver: " + cuda::unavailable_reason();
+    return out;
+  }
+  if (!setting && ::access(kNvidiaFs, F_OK) != 0) {
+    out.reason = detail::concat("GPUDirect Storage kernel module not loaded (no ", kNvidiaFs,
+                                "); EBBTIDE_CUFILE=1 forces cuFile's compatibility mode");
     return out;
   }
   ::dlerror();

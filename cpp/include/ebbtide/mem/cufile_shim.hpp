@@ -3,7 +3,9 @@
 //
 // Optional everywhere: cufile() returns nullptr (reason in
 // unavailable_reason()) when there is no CUDA driver, no libcufile, the
-// cuFile driver does not open, or EBBTIDE_CUFILE=0; callers then stage through
+// cuFile driver does not open, EBBTIDE_CUFILE=0, or the nvidia-fs kernel module
+// is not loaded and EBBTIDE_CUFILE is unset (Note [cuFile needs nvidia-fs] in
+// cufile_shim.cpp; EBBTIDE_CUFILE=1 forces it); callers then stage through
 // pinned host memory. Calls are synchronous and thread safe; the calling
 // thread must have the buffer's CUDA context current (cuda::Driver::
 // bind_context_of). Failures throw IoError naming the call and the offset.
