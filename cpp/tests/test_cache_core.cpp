@@ -213,6 +213,7 @@ TEST(CacheCore, RequestBeforeStoreStartsForwardsAndCancels) {
   auto s = f.cache->stats();
   EXPECT_EQ(s.store.blobs, 1u);  // b was never stored
   EXPECT_EQ(s.step.tensors_forwarded, 1u);
+  EXPECT_EQ(s.step.bytes_discarded, 0u);  // a cancelled store writes nothing
   EXPECT_EQ(s.resident_bytes, x.size() + y.size());  // a not yet polled
   auto done = f.cache->poll();
   ASSERT_EQ(done.size(), 1u);
@@ -234,6 +235,7 @@ TEST(CacheCore, RequestWhileStoringForwardsAndFreesTheFinishedCopy) {
   EXPECT_TRUE(f.cache->poll().empty());
   EXPECT_EQ(f.cache->stats().store.blobs, 0u);
   EXPECT_EQ(f.cache->stats().step.bytes_offloaded, 0u);
+  EXPECT_EQ(f.cache->stats().step.bytes_discarded, x.size());  // written, never read
 }
 
 TEST(CacheCore, ReleaseWaitsForARunningStore) {
@@ -290,6 +292,34 @@ TEST(CacheCore, PrefetchGoesInReverseForwardOrderWithinTheWindow) {
   EXPECT_EQ(ids_of(f.cache->prefetch_before(ids[2])), (std::vector<EntryId>{ids[1]}));
   f.cache->wait(ids[3], 0);
   EXPECT_EQ(outs[3], bufs[3]);
+}
+
+// Note [Prefetch distance]: resident entries between the point backward has
+// reached and a stored one count towards the window, so a stored early block
+// is not reloaded at the start of backward while later ones (forwarded: their
+// stores lagged compute) are still resident.
+TEST(CacheCore, ResidentEntriesCountTowardsThePrefetchDistance) {
+  Fixture f(/*window=*/250);
+  std::vector<std::vector<unsigned char>> bufs;
+  for (int i = 0; i < 5; ++i) bufs.push_back(test::random_bytes(100, i));
+  std::vector<EntryId> ids;
+  auto save = [&](int i) {
+    ids.push_back(f.save(bufs[i], 100 + i));
+    f.cache->scope_end(0, i);
+  };
+  save(0);
+  save(1);
+  f.cache->drain();
+  f.cache->poll();  // 0 and 1 stored
+  f.store->close_gate();
+  for (int i = 2; i < 5; ++i) save(i);
+  for (int i = 2; i < 5; ++i) EXPECT_EQ(f.cache->request(ids[i]), Reload::kForward);  // 2..4 resident
+  EXPECT_TRUE(f.cache->prefetch_scope(0, 4).empty());  // 4, 3, 2: 300 bytes ahead > 250
+  // From 3: 2 and 1 are 200 bytes ahead; 0 would be 300.
+  EXPECT_EQ(ids_of(f.cache->prefetch_before(ids[3])), (std::vector<EntryId>{ids[1]}));
+  EXPECT_EQ(ids_of(f.cache->prefetch_before(ids[2])), (std::vector<EntryId>{ids[1], ids[0]}));
+  f.store->open_gate();
+  f.cache->drain();
 }
 
 TEST(CacheCore, MicroBatchRecordsAreSeparate) {

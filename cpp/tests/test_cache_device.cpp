@@ -5,8 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <future>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -36,6 +40,12 @@ class FakeDriver final : public mem::cuda::Driver {
   void memcpy_dtoh_async(void* dst, mem::cuda::DevicePtr src, size_t n, mem::cuda::Stream s) override {
     need_context("cuMemcpyDtoHAsync");
     log("dtoh", s);
+    {  // hold_dtoh: the copy "runs" until released (a long store on a real GPU)
+      std::unique_lock<std::mutex> lock(gate_mu_);
+      dtoh_started_ += 1;
+      gate_cv_.notify_all();
+      gate_cv_.wait(lock, [&] { return !hold_dtoh_; });
+    }
     std::memcpy(dst, reinterpret_cast<const void*>(src), n);
   }
   void memcpy_htod_async(mem::cuda::DevicePtr dst, const void* src, size_t n, mem::cuda::Stream s) override {
@@ -74,6 +84,15 @@ class FakeDriver final : public mem::cuda::Driver {
   }
   void host_unregister(void*) override { log("unregister", 0); }
   bool allow_register = false;  // as a container with a small RLIMIT_MEMLOCK
+  void hold_dtoh(bool on) {
+    std::lock_guard<std::mutex> lock(gate_mu_);
+    hold_dtoh_ = on;
+    gate_cv_.notify_all();
+  }
+  void wait_dtoh_started(int n) {
+    std::unique_lock<std::mutex> lock(gate_mu_);
+    gate_cv_.wait(lock, [&] { return dtoh_started_ >= n; });
+  }
   int device_count() override { return 2; }
   std::string device_name(int) override { return "fake"; }
 
@@ -106,6 +125,10 @@ class FakeDriver final : public mem::cuda::Driver {
               " used while device ", current_, " is current");
   }
   static thread_local int current_;
+  std::mutex gate_mu_;
+  std::condition_variable gate_cv_;
+  bool hold_dtoh_ = false;
+  int dtoh_started_ = 0;
   std::map<mem::cuda::Event, int> event_device_;
   std::mutex mu_;
   std::vector<Call> calls_;
@@ -121,6 +144,30 @@ size_t index_of(const std::vector<FakeDriver::Call>& calls, const std::string& w
   return calls.size();
 }
 
+// A cache over a host store, both on the fake driver.
+std::unique_ptr<TensorCache> host_cache(FakeDriver& drv, unsigned workers) {
+  HostStoreOptions ho;
+  ho.driver = &drv;
+  CacheOptions co;
+  co.driver = &drv;
+  co.workers = workers;
+  auto c = std::make_unique<TensorCache>(make_host_store(ho), co);
+  c->begin_step();
+  return c;
+}
+
+// A save of `data` as device memory of `device`, produced on `stream`.
+SaveRequest device_save(const std::vector<unsigned char>& data, uint64_t key, int device,
+                        mem::cuda::Stream stream) {
+  SaveRequest r;
+  r.key = key;
+  r.ptr = data.data();
+  r.nbytes = data.size();
+  r.device = device;
+  r.stream = stream;
+  return r;
+}
+
 TEST(CacheDevice, CopiesRunOnASideStreamOrderedByEvents) {
   FakeDriver drv;
   HostStoreOptions ho;
@@ -133,13 +180,7 @@ TEST(CacheDevice, CopiesRunOnASideStreamOrderedByEvents) {
   c.begin_step();
   const mem::cuda::Stream compute = 77;
   auto data = test::random_bytes(10000, 5);
-  SaveRequest r;
-  r.key = 1;
-  r.ptr = data.data();
-  r.nbytes = data.size();
-  r.device = 0;
-  r.stream = compute;
-  EntryId id = c.save(r).id;
+  EntryId id = c.save(device_save(data, 1, 0, compute)).id;
   c.drain();
   auto calls = drv.calls();
   // The pack records an event on the compute stream; the worker's side stream
@@ -195,23 +236,12 @@ TEST(CacheDevice, CopiesRunOnASideStreamOrderedByEvents) {
 // call and leave the thread's context as they found it.
 TEST(CacheDevice, CallsOnTheTrainingThreadBindTheEntrysDeviceAndRestoreTheContext) {
   FakeDriver drv;
-  HostStoreOptions ho;
-  ho.driver = &drv;
-  CacheOptions co;
-  co.driver = &drv;
-  co.workers = 2;
-  TensorCache c(make_host_store(ho), co);
-  c.begin_step();
+  auto cache = host_cache(drv, 2);
+  TensorCache& c = *cache;
   auto data = test::random_bytes(5000, 6);
   for (int before : {-1, 0}) {  // no context, then device 0's, on this thread
     drv.set_current_context(static_cast<mem::cuda::Context>(before + 1));
-    SaveRequest r;
-    r.key = static_cast<uint64_t>(10 + before);
-    r.ptr = data.data();
-    r.nbytes = data.size();
-    r.device = 1;
-    r.stream = 55;
-    EntryId id = c.save(r).id;
+    EntryId id = c.save(device_save(data, static_cast<uint64_t>(10 + before), 1, 55)).id;
     EXPECT_EQ(FakeDriver::current(), before);
     c.drain();
     c.poll();
@@ -266,16 +296,39 @@ TEST(CacheDevice, HostStoreCopiesDeviceTensorsIntoRegisteredBlobs) {
   }
 }
 
+// Note [Abandoned stores]: releasing a device entry that was forwarded while
+// its store runs does not wait for the copy; the worker frees the space after.
+TEST(CacheDevice, ReleasingAForwardedDeviceEntryDoesNotWaitForItsStore) {
+  FakeDriver drv;
+  drv.allow_register = true;
+  auto cache = host_cache(drv, 1);
+  TensorCache& c = *cache;
+  auto data = test::random_bytes(10000, 3);
+  drv.hold_dtoh(true);
+  EntryId id = c.save(device_save(data, 1, 0, 77)).id;
+  drv.wait_dtoh_started(1);  // the store is copying
+  ASSERT_EQ(c.request(id), Reload::kForward);
+  auto released = std::async(std::launch::async, [&] { return c.release(id); });
+  const bool prompt = released.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  drv.hold_dtoh(false);
+  EXPECT_TRUE(prompt) << "release waited for the abandoned store";
+  EXPECT_TRUE(released.get());
+  EXPECT_FALSE(c.contains(id));
+  EXPECT_EQ(c.stats().resident_bytes, 0u);
+  c.drain();
+  auto s = c.stats();
+  EXPECT_EQ(s.store.bytes_held, 0u) << "the worker frees the abandoned store's space";
+  EXPECT_EQ(s.step.bytes_offloaded, 0u);
+  EXPECT_EQ(s.step.bytes_discarded, data.size()) << "written, never read";
+  EXPECT_EQ(s.step.tensors_forwarded, 1u);
+  c.close();
+}
+
 TEST(CacheDevice, DeviceSaveWithoutDriverIsRejected) {
   TensorCache c(make_host_store(HostStoreOptions{}), CacheOptions{});
   c.begin_step();
   auto data = test::random_bytes(100, 5);
-  SaveRequest r;
-  r.key = 1;
-  r.ptr = data.data();
-  r.nbytes = data.size();
-  r.device = 0;
-  EXPECT_THROW(c.save(r), InvalidArgument);
+  EXPECT_THROW(c.save(device_save(data, 1, 0, 0)), InvalidArgument);
 }
 
 }  // namespace

@@ -260,7 +260,9 @@ def format_table(result):
         if s:
             lines.append(f"  {r['method']}: offloaded {s.get('tensors_offloaded', 0)} tensors "
                          f"({fb(s.get('bytes_offloaded', 0))}), kept {s.get('tensors_kept', 0)}, "
-                         f"forwarded {s.get('tensors_forwarded', 0)}, peak resident "
+                         f"forwarded {s.get('tensors_forwarded', 0)}"
+                         + (f" ({fb(s['bytes_discarded'])} written in vain)" if s.get('bytes_discarded') else "")
+                         + ", peak resident "
                          f"{fb(s.get('peak_resident_bytes', 0))} of "
                          f"{fb(s.get('saved_bytes_total', 0))} saved, "
                          f"stall {s.get('stall_seconds', 0):.3f} s")

@@ -31,6 +31,7 @@ nb::dict counters_dict(const Counters& c) {
   d["tensors_reloaded"] = c.tensors_reloaded;
   d["tensors_reused"] = c.tensors_reused;
   d["bytes_reused"] = c.bytes_reused;
+  d["bytes_discarded"] = c.bytes_discarded;
   d["store_failures"] = c.store_failures;
   d["load_failures"] = c.load_failures;
   d["saved_bytes_total"] = c.saved_bytes_total;

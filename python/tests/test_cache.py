@@ -446,6 +446,29 @@ def test_original_still_alive_is_neither_prefetched_nor_reloaded(make_cache, win
     assert s["bytes_reloaded"] + s["bytes_reused"] == s["bytes_offloaded"]
 
 
+@pytest.mark.skipif(not ssd_available(), reason="storage engine not in this build")
+def test_stores_forwarded_while_writing_are_counted_as_discarded(tmp_path):
+    # A slow disk (a 20 MB/s cap): backward reaches tensors whose store is
+    # still writing. They are forwarded, the finished copy is freed, and the
+    # bytes it wrote show in bytes_discarded, so that what the step's stores
+    # wrote is accounted for exactly: bytes_offloaded + bytes_discarded.
+    torch.manual_seed(0)
+    model = Net(layers=4, d=256)
+    x = torch.randn(512, 256, requires_grad=True)  # 512 KiB activations
+    ref = step(model, x)
+    with ebbtide.TensorCache(target="ssd", path=str(tmp_path), min_bytes=4096, keep_last_modules=0) as cache:
+        cache.max_write_mbps = 20
+        cache.attach(model)
+        got = step(model, x, cache.step())
+        assert same(ref[1], got[1])
+        s = cache.stats()
+        written = sum(t["bytes_written"] for t in s["tiers"] if t["tier"] == "ssd")
+        assert s["tensors_forwarded"] > 0 and s["bytes_discarded"] > 0, s
+        assert s["bytes_offloaded"] + s["bytes_discarded"] == written, s
+        assert s["total"]["bytes_discarded"] == s["bytes_discarded"]
+        assert s["store_bytes_held"] == 0 and s["entries"] == 0
+
+
 def test_ssd_moves_cpu_activations_in_place(tmp_path):
     # Note [Slot phase]: slots follow each storage's address, reload buffers
     # the slot, so O_DIRECT moves all but a head and tail block of each tensor

@@ -22,7 +22,8 @@ def test_demo_json_all_methods(cli, tmp_path, model):
         assert row["max_grad_diff"] == 0.0, row
     ssd = r["rows"][1]
     assert ssd["bytes_written"] > 0
-    assert ssd["stats"]["bytes_offloaded"] == ssd["bytes_written"]
+    # every byte written is a completed store or one whose tensor was forwarded while it ran
+    assert ssd["stats"]["bytes_offloaded"] + ssd["stats"]["bytes_discarded"] == ssd["bytes_written"]
     assert png.stat().st_size > 1000
     assert [p.name for p in tmp_path.iterdir()] == ["demo.png"]  # no files left behind
 
@@ -37,7 +38,7 @@ def test_demo_auto_method(cli, tmp_path):
     assert auto["max_grad_diff"] == 0.0
     assert auto["stats"]["adaptive"] and auto["stats"]["planner"] is not None
     # On CPU auto has no host tier: what it offloads goes to SSD files.
-    assert auto["bytes_written"] == auto["stats"]["bytes_offloaded"]
+    assert auto["bytes_written"] == auto["stats"]["bytes_offloaded"] + auto["stats"]["bytes_discarded"]
     assert rows["ebbtide-cpu"]["bytes_written"] == 0 and rows["ebbtide-cpu"]["stats"]["bytes_offloaded"] > 0
 
 

@@ -49,6 +49,7 @@ struct TensorCache::Entry {
   bool acked = true;
   bool busy = false;
   bool load_started = false;
+  bool abandoned = false;  // released while its store ran (Note [Abandoned stores])
   int handles = 0;
   int unpacks_left = 0;
   int64_t consumed_task = -1;  // graph task that consumed the last load
@@ -88,6 +89,7 @@ void fold(Counters& total, const Counters& step) {
   total.tensors_reloaded += step.tensors_reloaded;
   total.tensors_reused += step.tensors_reused;
   total.bytes_reused += step.bytes_reused;
+  total.bytes_discarded += step.bytes_discarded;
   total.store_failures += step.store_failures;
   total.load_failures += step.load_failures;
   total.saved_bytes_total += step.saved_bytes_total;
@@ -273,11 +275,22 @@ void TensorCache::wait_idle_locked(Lock& lock, Entry& e) {
   add_stall(seconds_since(t0));
 }
 
+// Note [Abandoned stores]
+// Releasing an entry whose copy runs on a worker waits for the copy: the glue
+// frees the memory the worker reads or writes right after. One exception: a
+// device entry forwarded while its store runs. Its stored bytes are never
+// read, and the device memory stays valid for the copy after the glue drops
+// the tensor (the caching allocator keeps it; a cudaFree synchronizes the
+// device first), so the worker may read bytes that are being reused: harmless.
+// Waiting there stalled backward for whole stores (hundreds of MiB at PCIe
+// speed) on a GPU whose compute outruns the stores. The entry moves to
+// abandoned_ and the worker frees its space and drops it when the copy ends.
 void TensorCache::erase_locked(Lock& lock, EntryId id) {
   auto it = entries_.find(id);
   if (it == entries_.end()) return;
   Entry& e = *it->second;
-  wait_idle_locked(lock, e);
+  const bool abandon = e.busy && e.device >= 0 && e.state == EntryState::kForwarded;
+  if (!abandon) wait_idle_locked(lock, e);
   mutate(e, EntryState::kStored, true);  // leaves resident and window sums
   if (e.has_loc) {
     try {
@@ -295,6 +308,10 @@ void TensorCache::erase_locked(Lock& lock, EntryId id) {
     if (std::find(order.begin(), order.end(), id) != order.end() && --m->second.live == 0) {
       microbatches_.erase(m);
     }
+  }
+  if (abandon) {
+    e.abandoned = true;
+    abandoned_.emplace(id, std::move(it->second));
   }
   entries_.erase(it);
 }
@@ -445,15 +462,25 @@ void TensorCache::scope_end(int microbatch, int64_t scope) {
 
 std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_locked(MicroBatch& mb, size_t end,
                                                                       int64_t task) {
+  // Note [Prefetch distance]: the window bounds two things. The bytes loading
+  // or loaded ahead of use (window_), and how far ahead of the point backward
+  // has reached a load may start: every live entry walked counts, resident
+  // ones (kept, forwarded) included. Without the second bound, when stores lag
+  // compute (a fast GPU: most entries forwarded) the walk skipped the resident
+  // entries and reloaded the few stored early blocks at the start of backward,
+  // on top of everything still resident: a peak above no offload.
   std::vector<std::pair<EntryId, uint64_t>> out;
   uint64_t window = window_;
+  uint64_t distance = 0;
   const uint64_t limit = opts_.prefetch_window_bytes;
   for (size_t i = std::min(end, mb.order.size()); i-- > 0;) {
     auto it = entries_.find(mb.order[i]);
     if (it == entries_.end()) continue;
     const Entry& e = *it->second;
-    if (e.state != EntryState::kStored || !e.has_loc) continue;
     if (task != -1 && e.consumed_task == task) continue;
+    if (distance + e.nbytes > limit && distance > 0) break;
+    distance += e.nbytes;
+    if (e.state != EntryState::kStored || !e.has_loc) continue;
     if (window + e.nbytes > limit) break;
     window += e.nbytes;
     out.emplace_back(e.id, e.nbytes);
@@ -697,8 +724,20 @@ void TensorCache::run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Str
     err = std::current_exception();
   }
   lock.lock();
-  e.busy = false;  // entries are erased only when not busy: `e` is still valid
+  e.busy = false;  // erased only when not busy, or kept in abandoned_: `e` is still valid
   give_event_locked(e.device, e.ready_ev);
+  if (e.abandoned) {  // Note [Abandoned stores]
+    if (!err) {
+      step_c_.bytes_discarded += e.nbytes;
+      try {
+        store_->free(loc);
+      } catch (const std::exception& ex) {
+        log::error("tensor cache: freeing abandoned store of entry ", id, ": ", ex.what());
+      }
+    }
+    abandoned_.erase(id);
+    return;
+  }
   if (err) {
     step_c_.store_failures += 1;
     std::string why;
@@ -727,6 +766,7 @@ void TensorCache::run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Str
     completions_.push_back({id, true});
   } else {
     // Forwarded while the copy ran: the bytes are not needed.
+    step_c_.bytes_discarded += e.nbytes;
     try {
       store_->free(loc);
     } catch (const std::exception& ex) {

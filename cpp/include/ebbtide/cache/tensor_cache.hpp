@@ -95,6 +95,8 @@ struct Counters {
   uint64_t tensors_reloaded = 0;   // completed loads
   uint64_t tensors_reused = 0;     // stored entries answered from their original, still alive
   uint64_t bytes_reused = 0;       // (Note [Originals still alive]): no reload needed
+  uint64_t bytes_discarded = 0;    // stores that finished after their entry was forwarded or
+                                   // released: written, never read (Note [Abandoned stores])
   uint64_t store_failures = 0;
   uint64_t load_failures = 0;
   uint64_t saved_bytes_total = 0;  // bytes of new entries (after dedup)
@@ -218,6 +220,9 @@ class TensorCache {
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
   std::unordered_map<EntryId, std::unique_ptr<Entry>> entries_;
+  // Released device entries whose (forwarded) store still runs on a worker:
+  // the worker frees their space and drops them (Note [Abandoned stores]).
+  std::unordered_map<EntryId, std::unique_ptr<Entry>> abandoned_;
   std::map<std::pair<uint64_t, uint64_t>, EntryId> by_key_;  // (key, version)
   std::map<int, MicroBatch> microbatches_;
   std::deque<EntryId> store_q_;
