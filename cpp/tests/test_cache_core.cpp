@@ -312,14 +312,65 @@ TEST(CacheCore, ResidentEntriesCountTowardsThePrefetchDistance) {
   f.cache->drain();
   f.cache->poll();  // 0 and 1 stored
   f.store->close_gate();
-  for (int i = 2; i < 5; ++i) save(i);
-  for (int i = 2; i < 5; ++i) EXPECT_EQ(f.cache->request(ids[i]), Reload::kForward);  // 2..4 resident
+  save(2);
+  f.store->wait_puts_started(3);  // 2 is storing
+  save(3);
+  save(4);
+  // Backward order: 4 forwards and cancels the queued 3 (Note [Late stores]);
+  // 2 is storing and forwards on its own. 2..4 resident.
+  EXPECT_EQ(f.cache->request(ids[4]), Reload::kForward);
+  EXPECT_EQ(f.cache->request(ids[3]), Reload::kResident);
+  EXPECT_EQ(f.cache->request(ids[2]), Reload::kForward);
   EXPECT_TRUE(f.cache->prefetch_scope(0, 4).empty());  // 4, 3, 2: 300 bytes ahead > 250
   // From 3: 2 and 1 are 200 bytes ahead; 0 would be 300.
   EXPECT_EQ(ids_of(f.cache->prefetch_before(ids[3])), (std::vector<EntryId>{ids[1]}));
   EXPECT_EQ(ids_of(f.cache->prefetch_before(ids[2])), (std::vector<EntryId>{ids[1], ids[0]}));
   f.store->open_gate();
   f.cache->drain();
+}
+
+// Note [Late stores]: when backward of a micro-batch begins, its stores that
+// have not started are cancelled; a running one finishes; other micro-batches
+// keep theirs; a new forward of the micro-batch stores again.
+TEST(CacheCore, BackwardCancelsTheMicroBatchsStoresNotYetStarted) {
+  Fixture f;
+  std::vector<std::vector<unsigned char>> bufs;
+  for (int i = 0; i < 5; ++i) bufs.push_back(test::random_bytes(100, i));
+  f.store->close_gate();
+  EntryId a = f.save(bufs[0], 1, 0);
+  f.store->wait_puts_started(1);  // a is storing
+  EntryId b = f.save(bufs[1], 2, 0), c = f.save(bufs[2], 3, 0);
+  f.cache->scope_end(0, 0);
+  EntryId d = f.save(bufs[3], 4, 1);  // another micro-batch's forward
+  EXPECT_TRUE(f.cache->prefetch_scope(0, 0).empty());  // backward of micro-batch 0 begins
+  EXPECT_EQ(f.cache->state(a), EntryState::kStoring);
+  EXPECT_EQ(f.cache->state(b), EntryState::kForwarded);
+  EXPECT_EQ(f.cache->state(c), EntryState::kForwarded);
+  EXPECT_EQ(f.cache->state(d), EntryState::kQueued);
+  EXPECT_EQ(f.cache->stats().step.tensors_forwarded, 2u);
+  EXPECT_EQ(f.cache->request(c), Reload::kResident);
+  f.store->open_gate();
+  f.cache->drain();
+  EXPECT_EQ(f.cache->state(a), EntryState::kStored);
+  EXPECT_EQ(f.cache->state(d), EntryState::kStored);
+  auto s = f.cache->stats();
+  EXPECT_EQ(s.step.tensors_offloaded, 2u);
+  EXPECT_EQ(s.store.blobs, 2u);
+  EXPECT_EQ(s.resident_bytes, 4 * 100u);  // a and d not polled yet; b, c resident
+  f.cache->poll();
+  // A new forward of micro-batch 0 (say a retained graph's second forward)
+  // stores again, and its backward cancels again.
+  f.store->close_gate();
+  EntryId e = f.save(bufs[4], 5, 0);
+  f.store->wait_puts_started(3);
+  EXPECT_EQ(f.cache->state(e), EntryState::kStoring);
+  auto g = f.save(bufs[0], 6, 0);
+  EXPECT_EQ(f.cache->state(g), EntryState::kQueued);
+  EXPECT_EQ(f.cache->request(e), Reload::kForward);  // an unpack meets an unfinished store
+  EXPECT_EQ(f.cache->state(g), EntryState::kForwarded);
+  f.store->open_gate();
+  f.cache->drain();
+  EXPECT_EQ(f.cache->stats().step.bytes_discarded, 100u);  // e's copy, written in vain
 }
 
 TEST(CacheCore, MicroBatchRecordsAreSeparate) {

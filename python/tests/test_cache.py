@@ -469,6 +469,66 @@ def test_stores_forwarded_while_writing_are_counted_as_discarded(tmp_path):
         assert s["store_bytes_held"] == 0 and s["entries"] == 0
 
 
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        import time
+        time.sleep(0.3)
+        return g
+
+
+@pytest.mark.skipif(not ssd_available(), reason="storage engine not in this build")
+def test_backward_cancels_stores_not_yet_started(tmp_path):
+    # Note [Late stores]: stores lag (a 20 MB/s disk) and backward is slow
+    # (0.3 s in the middle). Once backward has begun, the stores of the blocks
+    # it has not reached yet are cancelled, not written and read back: only
+    # the copies already running finish.
+    class SlowNet(Net):
+        def forward(self, x):
+            for i, b in enumerate(self.blocks):
+                x = b(x)
+                if i == len(self.blocks) - 2:
+                    x = _SlowBackward.apply(x)
+            return self.head(x).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = SlowNet(layers=4, d=256)
+    x = torch.randn(512, 256, requires_grad=True)  # 512 KiB activations
+    ref = step(model, x)
+    workers = 2
+    with ebbtide.TensorCache(target="ssd", path=str(tmp_path), min_bytes=4096, keep_last_modules=0,
+                             workers=workers, max_write_mbps=20) as cache:
+        cache.attach(model)
+
+        def ssd_written():
+            return sum(t["bytes_written"] for t in cache.stats()["tiers"] if t["tier"] == "ssd")
+
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        with cache.step():
+            loss = model(x)
+            before = ssd_written()
+            s0 = cache.stats()
+            loss.backward()
+        written_in_backward = ssd_written() - before
+        got = grads_of(model, x)
+        assert same(ref[1], got)
+        s = cache.stats()
+        tensor = 512 * 256 * 4
+        queued = s0["saved_bytes_total"] - s0["bytes_offloaded"] - 2 * workers * tensor
+        assert queued >= 4 * tensor, s0  # enough stores lag for the check to mean something
+        # At most the copies running when backward began, and one more per
+        # worker started before the first block's backward hook.
+        assert written_in_backward <= 2 * workers * tensor, (written_in_backward, s)
+        assert s["tensors_forwarded"] >= 4
+        assert s["bytes_reloaded"] + s["bytes_reused"] == s["bytes_offloaded"]
+        assert s["store_bytes_held"] == 0 and s["entries"] == 0
+
+
 def test_ssd_moves_cpu_activations_in_place(tmp_path):
     # Note [Slot phase]: slots follow each storage's address, reload buffers
     # the slot, so O_DIRECT moves all but a head and tail block of each tensor

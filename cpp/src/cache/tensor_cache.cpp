@@ -17,7 +17,8 @@ namespace ebbtide::cache {
 //   save(offload=false) -> kKept -------------------------------------+
 //   save(offload=true)  -> kQueued -> kStoring -> kStored <-> kLoading -> kLoaded
 //                            |           |   \-> kFailed (resident)     (consume: -> kStored)
-//                            +-----------+--> kForwarded (request() before the store finished)
+//                            +-----------+--> kForwarded (request() before the store finished,
+//                                                          or backward began: Note [Late stores])
 //
 // Every state ends with release() of the last handle (or release_step()).
 // Resident bytes (held in the training device's memory on the cache's behalf)
@@ -258,6 +259,7 @@ SaveResult TensorCache::save(const SaveRequest& r) {
     auto& mb = microbatches_[r.microbatch];
     mb.order.push_back(id);
     mb.live += 1;
+    mb.backward_began = false;  // a new forward of this micro-batch
     store_q_.push_back(id);
     work_cv_.notify_one();
   } else {
@@ -354,12 +356,16 @@ Reload TensorCache::request(EntryId id) {
     case EntryState::kFailed:
       return Reload::kResident;
     case EntryState::kQueued:
-    case EntryState::kStoring:
+    case EntryState::kStoring: {
       // The queued store is skipped by its worker; a running one frees its
       // space on completion (Note [Entry states]).
       mutate(e, EntryState::kForwarded, true);
       step_c_.tensors_forwarded += 1;
+      if (auto m = microbatches_.find(e.microbatch); m != microbatches_.end()) {
+        cancel_late_stores_locked(m->second);
+      }
       return Reload::kForward;
+    }
     case EntryState::kStored:
       if (!e.acked) {
         // Completed after the glue's last poll: the glue drops its live
@@ -454,6 +460,28 @@ bool TensorCache::reuse(EntryId id) {
   return true;
 }
 
+// Note [Late stores]
+// Once backward of a micro-batch has begun (a block's backward hook, the
+// "backward" phase hint, or an unpack that meets an unfinished store), its
+// stores that have not started are cancelled: the entries stay resident and
+// are answered from the live tensor (counted as forwarded). The forward's
+// peak, which held them, has passed; storing them now would only spend the
+// link on bytes that this same backward reads back, while its loads wait for
+// the link. Stores already running finish (Note [Abandoned stores] for what
+// they wrote). Seen on an H100: stores lagged the forward so far that the
+// workers went on storing the first blocks through backward and then reloaded
+// them. A later forward of the micro-batch re-arms the mark.
+void TensorCache::cancel_late_stores_locked(MicroBatch& mb) {
+  if (mb.backward_began) return;
+  mb.backward_began = true;
+  for (EntryId id : mb.order) {
+    auto it = entries_.find(id);
+    if (it == entries_.end() || it->second->state != EntryState::kQueued) continue;
+    mutate(*it->second, EntryState::kForwarded, true);
+    step_c_.tensors_forwarded += 1;
+  }
+}
+
 void TensorCache::scope_end(int microbatch, int64_t scope) {
   Lock lock(mu_);
   auto& mb = microbatches_[microbatch];
@@ -493,6 +521,7 @@ std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_scope(int microb
   Lock lock(mu_);
   auto m = microbatches_.find(microbatch);
   if (m == microbatches_.end()) return {};
+  cancel_late_stores_locked(m->second);
   auto s = m->second.scope_end.find(scope);
   size_t end = s == m->second.scope_end.end() ? m->second.order.size() : s->second;
   return prefetch_locked(m->second, end, task);

@@ -157,6 +157,8 @@ class TensorCache {
   void scope_end(int microbatch, int64_t scope);
   // Stored entries to load next, in reverse forward order from the end of
   // `scope` (or from just before entry `id`), within the prefetch window.
+  // prefetch_scope also marks the start of the micro-batch's backward: its
+  // stores not yet started are cancelled (Note [Late stores]).
   // Returns (id, nbytes); the glue allocates and calls start_load for each.
   // `task`: the current backward's graph task (-1: none).
   std::vector<std::pair<EntryId, uint64_t>> prefetch_scope(int microbatch, int64_t scope, int64_t task = -1);
@@ -198,12 +200,14 @@ class TensorCache {
     std::vector<EntryId> order;              // offloaded entries, forward order
     std::map<int64_t, size_t> scope_end;     // scope -> order size at its end
     size_t live = 0;
+    bool backward_began = false;  // its queued stores were cancelled (Note [Late stores])
   };
   using Lock = std::unique_lock<std::mutex>;
 
   Entry& find(EntryId id, const char* what);
   void mutate(Entry& e, EntryState s, bool acked);  // keeps resident/window sums
   void erase_locked(Lock& lock, EntryId id);
+  void cancel_late_stores_locked(MicroBatch& mb);
   void wait_idle_locked(Lock& lock, Entry& e);
   std::vector<std::pair<EntryId, uint64_t>> prefetch_locked(MicroBatch& mb, size_t end, int64_t task);
   void worker_main(unsigned index);
