@@ -21,12 +21,7 @@ class GatedStore final : public Store {
  public:
   explicit GatedStore(uint64_t capacity = 0) : inner_(make_host_store(HostStoreOptions{capacity})) {}
   Location put(const Span& src) override {
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      ++puts_started_;
-      cv_.notify_all();
-      cv_.wait(lock, [&] { return open_; });
-    }
+    gate_.pass();
     return inner_->put(src);
   }
   void get(Location loc, const Span& dst) override {
@@ -37,27 +32,14 @@ class GatedStore final : public Store {
   StoreStats stats() const override { return inner_->stats(); }
   std::string describe() const override { return "gated"; }
 
-  void close_gate() {
-    std::lock_guard<std::mutex> lock(mu_);
-    open_ = false;
-  }
-  void open_gate() {
-    std::lock_guard<std::mutex> lock(mu_);
-    open_ = true;
-    cv_.notify_all();
-  }
-  void wait_puts_started(int n) {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return puts_started_ >= n; });
-  }
+  void close_gate() { gate_.set_open(false); }
+  void open_gate() { gate_.set_open(true); }
+  void wait_puts_started(int n) { gate_.wait_started(n); }
   std::atomic<bool> fail_gets_{false};
 
  private:
   std::unique_ptr<Store> inner_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool open_ = true;
-  int puts_started_ = 0;
+  test::Gate gate_;
 };
 
 struct Fixture {

@@ -40,12 +40,7 @@ class FakeDriver final : public mem::cuda::Driver {
   void memcpy_dtoh_async(void* dst, mem::cuda::DevicePtr src, size_t n, mem::cuda::Stream s) override {
     need_context("cuMemcpyDtoHAsync");
     log("dtoh", s);
-    {  // hold_dtoh: the copy "runs" until released (a long store on a real GPU)
-      std::unique_lock<std::mutex> lock(gate_mu_);
-      dtoh_started_ += 1;
-      gate_cv_.notify_all();
-      gate_cv_.wait(lock, [&] { return !hold_dtoh_; });
-    }
+    dtoh_gate_.pass();  // hold_dtoh: the copy "runs" until released (a long store on a real GPU)
     std::memcpy(dst, reinterpret_cast<const void*>(src), n);
   }
   void memcpy_htod_async(mem::cuda::DevicePtr dst, const void* src, size_t n, mem::cuda::Stream s) override {
@@ -84,15 +79,8 @@ class FakeDriver final : public mem::cuda::Driver {
   }
   void host_unregister(void*) override { log("unregister", 0); }
   bool allow_register = false;  // as a container with a small RLIMIT_MEMLOCK
-  void hold_dtoh(bool on) {
-    std::lock_guard<std::mutex> lock(gate_mu_);
-    hold_dtoh_ = on;
-    gate_cv_.notify_all();
-  }
-  void wait_dtoh_started(int n) {
-    std::unique_lock<std::mutex> lock(gate_mu_);
-    gate_cv_.wait(lock, [&] { return dtoh_started_ >= n; });
-  }
+  void hold_dtoh(bool on) { dtoh_gate_.set_open(!on); }
+  void wait_dtoh_started(int n) { dtoh_gate_.wait_started(n); }
   int device_count() override { return 2; }
   std::string device_name(int) override { return "fake"; }
 
@@ -125,10 +113,7 @@ class FakeDriver final : public mem::cuda::Driver {
               " used while device ", current_, " is current");
   }
   static thread_local int current_;
-  std::mutex gate_mu_;
-  std::condition_variable gate_cv_;
-  bool hold_dtoh_ = false;
-  int dtoh_started_ = 0;
+  test::Gate dtoh_gate_;
   std::map<mem::cuda::Event, int> event_device_;
   std::mutex mu_;
   std::vector<Call> calls_;

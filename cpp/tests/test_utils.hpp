@@ -2,11 +2,13 @@
 // variables, small filesystems.
 #pragma once
 
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <filesystem>
 #include <optional>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
@@ -14,6 +16,33 @@
 #include <unistd.h>
 
 namespace ebbtide::test {
+
+// Holds the threads that pass() while closed, to stage races: a test closes
+// it, waits until a worker is inside (wait_started), checks, and opens it.
+class Gate {
+ public:
+  void pass() {
+    std::unique_lock<std::mutex> lock(mu_);
+    ++started_;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return open_; });
+  }
+  void set_open(bool open) {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = open;
+    cv_.notify_all();
+  }
+  void wait_started(int n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return started_ >= n; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = true;
+  int started_ = 0;
+};
 
 // A fresh directory under $TMPDIR (or /tmp, or `parent`), removed with its contents.
 class TempDir {
