@@ -755,15 +755,16 @@ void TensorCache::run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Str
   lock.lock();
   e.busy = false;  // erased only when not busy, or kept in abandoned_: `e` is still valid
   give_event_locked(e.device, e.ready_ev);
-  if (e.abandoned) {  // Note [Abandoned stores]
-    if (!err) {
-      step_c_.bytes_discarded += e.nbytes;
-      try {
-        store_->free(loc);
-      } catch (const std::exception& ex) {
-        log::error("tensor cache: freeing abandoned store of entry ", id, ": ", ex.what());
-      }
+  if (!err && (e.abandoned || e.state != EntryState::kStoring)) {
+    // Forwarded or released while the copy ran: the bytes are not needed.
+    step_c_.bytes_discarded += e.nbytes;
+    try {
+      store_->free(loc);
+    } catch (const std::exception& ex) {
+      log::error("tensor cache: freeing abandoned store of entry ", id, ": ", ex.what());
     }
+  }
+  if (e.abandoned) {  // Note [Abandoned stores]
     abandoned_.erase(id);
     return;
   }
@@ -793,14 +794,6 @@ void TensorCache::run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Str
     step_c_.bytes_offloaded += e.nbytes;
     step_c_.tensors_offloaded += 1;
     completions_.push_back({id, true});
-  } else {
-    // Forwarded while the copy ran: the bytes are not needed.
-    step_c_.bytes_discarded += e.nbytes;
-    try {
-      store_->free(loc);
-    } catch (const std::exception& ex) {
-      log::error("tensor cache: freeing abandoned store of entry ", id, ": ", ex.what());
-    }
   }
 }
 
