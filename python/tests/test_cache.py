@@ -446,6 +446,10 @@ def test_original_still_alive_is_neither_prefetched_nor_reloaded(make_cache, win
     assert s["bytes_reloaded"] + s["bytes_reused"] == s["bytes_offloaded"]
 
 
+def ssd_bytes_written(stats):
+    return sum(t["bytes_written"] for t in stats["tiers"] if t["tier"] == "ssd")
+
+
 @pytest.mark.skipif(not ssd_available(), reason="storage engine not in this build")
 def test_stores_forwarded_while_writing_are_counted_as_discarded(tmp_path):
     # A slow disk (a 20 MB/s cap): backward reaches tensors whose store is
@@ -462,9 +466,8 @@ def test_stores_forwarded_while_writing_are_counted_as_discarded(tmp_path):
         got = step(model, x, cache.step())
         assert same(ref[1], got[1])
         s = cache.stats()
-        written = sum(t["bytes_written"] for t in s["tiers"] if t["tier"] == "ssd")
         assert s["tensors_forwarded"] > 0 and s["bytes_discarded"] > 0, s
-        assert s["bytes_offloaded"] + s["bytes_discarded"] == written, s
+        assert s["bytes_offloaded"] + s["bytes_discarded"] == ssd_bytes_written(s), s
         assert s["total"]["bytes_discarded"] == s["bytes_discarded"]
         assert s["store_bytes_held"] == 0 and s["entries"] == 0
 
@@ -503,21 +506,16 @@ def test_backward_cancels_stores_not_yet_started(tmp_path):
     with ebbtide.TensorCache(target="ssd", path=str(tmp_path), min_bytes=4096, keep_last_modules=0,
                              workers=workers, max_write_mbps=20) as cache:
         cache.attach(model)
-
-        def ssd_written():
-            return sum(t["bytes_written"] for t in cache.stats()["tiers"] if t["tier"] == "ssd")
-
         model.zero_grad(set_to_none=True)
         x.grad = None
         with cache.step():
             loss = model(x)
-            before = ssd_written()
             s0 = cache.stats()
             loss.backward()
-        written_in_backward = ssd_written() - before
         got = grads_of(model, x)
         assert same(ref[1], got)
         s = cache.stats()
+        written_in_backward = ssd_bytes_written(s) - ssd_bytes_written(s0)
         tensor = 512 * 256 * 4
         queued = s0["saved_bytes_total"] - s0["bytes_offloaded"] - 2 * workers * tensor
         assert queued >= 4 * tensor, s0  # enough stores lag for the check to mean something
