@@ -143,28 +143,45 @@ def _join(path, key):
 
 
 def build(node, tensors):
-    """JSON tree -> Python objects; `tensors` is the list of rebuilt tensors."""
-    if node is None or isinstance(node, (bool, int, float, str)):
+    """JSON tree -> Python objects; `tensors` is the list of rebuilt tensors.
+    The tree is untrusted: a node of the wrong shape, a tensor index that is
+    not one of `tensors` (negative, a bool, out of range) or an unhashable
+    key raises ValueError."""
+    if node is None or isinstance(node, (bool, str)) or type(node) in (int, float):
         return node
     if isinstance(node, dict) and len(node) == 1:
         (kind, v), = node.items()
         if kind == "tensor":
-            return tensors[v]
-        if kind == "dict":
-            return {_hashable(build(k, tensors)): build(x, tensors) for k, x in v}
-        if kind == "odict":
-            return collections.OrderedDict((_hashable(build(k, tensors)), build(x, tensors)) for k, x in v)
-        if kind == "list":
+            if type(v) is int and 0 <= v < len(tensors):
+                return tensors[v]
+            raise ValueError(f"checkpoint: object tree refers to tensor {str(v)[:40]}; "
+                             f"the checkpoint has {len(tensors)}")
+        if kind in ("dict", "odict") and isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 for p in v):
+            items = [(_key(build(k, tensors)), build(x, tensors)) for k, x in v]
+            return dict(items) if kind == "dict" else collections.OrderedDict(items)
+        if kind == "list" and isinstance(v, list):
             return [build(x, tensors) for x in v]
-        if kind == "tuple":
+        if kind == "tuple" and isinstance(v, list):
             return tuple(build(x, tensors) for x in v)
-        if kind == "float":
+        if kind == "float" and v in ("nan", "inf", "-inf"):
             return float(v)
-        if kind == "dtype":
+        if kind == "dtype" and isinstance(v, str):
             return dtype_from_name(v, "checkpoint")
-        if kind == "device":
-            return torch.device(v)
+        if kind == "device" and isinstance(v, str):
+            try:
+                return torch.device(v)
+            except (RuntimeError, ValueError):
+                pass
     raise ValueError(f"checkpoint: corrupt object tree node {str(node)[:80]!r}")
+
+
+def _key(k):
+    k = _hashable(k)
+    try:
+        hash(k)
+    except TypeError:
+        raise ValueError(f"checkpoint: corrupt object tree: a key of type {type(k).__name__}") from None
+    return k
 
 
 def _hashable(k):

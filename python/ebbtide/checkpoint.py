@@ -24,6 +24,7 @@ import weakref
 
 import torch
 
+from ebbtide import _ckpt_check as check
 from ebbtide import _ckpt_tree as tree
 from ebbtide import _core
 
@@ -287,6 +288,41 @@ STRIPE_OWNER = "owner.json"
 # creating the directory and making owner.json durable leaves nothing behind
 # either; owner.json guards against a tag collision (a different owner is
 # left alone) and identifies directories of older, untagged names.
+# The committed index is not trusted to say what is ours: anyone may have
+# edited it. A directory it lists is removed (or its parent searched for
+# stale ones) only when _owned_stripe_dir proves it belongs to this path and
+# that checkpoint: an absolute, normalised path, a real directory (not a
+# symlink) named <basename>.stripe-[<tag>-]<id> with the index's id, whose
+# owner.json (a regular file) names this path and that id.
+def _owner_of(d):
+    """(checkpoint, id) from the owner.json of stripe directory `d`, or
+    (None, None) when it is absent, not a regular file or not ours in form."""
+    try:
+        owner = json.loads(check.read_regular_file(os.path.join(d, STRIPE_OWNER), "stripe owner file"))
+    except (OSError, ValueError):
+        return None, None
+    if not isinstance(owner, dict):
+        return None, None
+    return owner.get("checkpoint"), owner.get("id")
+
+
+def _owned_stripe_dir(sd, path, ckpt_id):
+    """Stripe directory `sd`, listed by the committed index of `path` (id
+    `ckpt_id`), provably belongs to that checkpoint (Note [Stripe ownership])."""
+    if not check.stripe_dir_matches(sd, ckpt_id):
+        return False
+    base = os.path.basename(sd)
+    prefix = f"{os.path.basename(path)}.stripe-"
+    if base not in (f"{prefix}{_path_tag(path)}-{ckpt_id}", f"{prefix}{ckpt_id}"):
+        return False
+    try:
+        if not os.path.isdir(sd) or os.path.islink(sd):
+            return False
+    except (OSError, ValueError):
+        return False
+    return _owner_of(sd) == (path, ckpt_id)
+
+
 def _remove_stale_stripes(path, dirs, keep):
     """Removes stripe directories of `path` in `dirs` that no committed
     checkpoint refers to (left by a killed or failed save); keeps `keep`."""
@@ -301,11 +337,9 @@ def _remove_stale_stripes(path, dirs, keep):
             full = os.path.join(d, n)
             if not n.startswith(prefix) or full in keep:
                 continue
-            try:
-                with open(os.path.join(full, STRIPE_OWNER)) as f:
-                    owner = json.load(f).get("checkpoint")
-            except (OSError, ValueError, AttributeError):
-                owner = None  # absent or half-written: a save killed while creating it
+            if os.path.islink(full):
+                continue
+            owner = _owner_of(full)[0]  # None: absent or half-written, a save killed while creating it
             if owner == path or (owner is None and n.startswith(tagged)):
                 _rmtree(full)
 
@@ -382,10 +416,11 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_d
         os.makedirs(os.path.dirname(path), exist_ok=True)
         _core.ckpt_remove_stale_temps(path)
         old = _committed_index(path)
-        old_stripes = list(old.get("stripes", [])) if old else []
+        listed = list(old.get("stripes", [])) if old else []
+        old_stripes = [sd for sd in listed if _owned_stripe_dir(sd, path, old["id"])]
         if stripe_dirs or old_stripes:
             _remove_stale_stripes(path, set(stripe_dirs) | {os.path.dirname(s) for s in old_stripes},
-                                  set(old_stripes))
+                                  set(listed))
         tmp = _core.ckpt_make_temp_dir(path)
         try:
             for d in stripe_dirs:
@@ -566,21 +601,14 @@ def _read_index(path):
     if not os.path.isdir(path):
         raise FileNotFoundError(2, "checkpoint directory does not exist", path)
     try:
-        with open(ip, "rb") as f:
-            raw = f.read()
+        raw = check.read_regular_file(ip, "checkpoint index")
     except FileNotFoundError:
         raise FileNotFoundError(2, f"not an ebbtide checkpoint (no {INDEX_NAME})", path) from None
     try:
         idx = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise ValueError(f"{ip}: corrupt checkpoint index ({e})") from None
-    if idx.get("format") != "ebbtide-checkpoint":
-        raise ValueError(f"{ip}: not an ebbtide checkpoint index")
-    v = idx.get("format_version")
-    if not isinstance(v, int) or v > FORMAT_VERSION or v < 1:
-        raise NotImplementedError(f"{ip}: checkpoint format version {v} is not supported by this ebbtide "
-                                  f"(it reads versions 1 to {FORMAT_VERSION}); upgrade ebbtide to load it")
-    return idx
+    return check.check_index(idx, ip, FORMAT_VERSION)
 
 
 def _resolve_rank(idx, rank, path):
@@ -623,8 +651,24 @@ def _host_buffer(nbytes):
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-def _stripe_files(idx, shard_name):
-    return [os.path.join(sd, shard_name) for sd in idx.get("stripes", [])]
+def _open_shard(path, idx, r):
+    """Opens shard `r` of checkpoint `path` (index `idx`, checked) and checks
+    it: the file and its stripe files confined as the threat model says
+    (docs/checkpoints.md), its tables (by the C++ reader) and its metadata
+    against them and the index. Returns (file, stripe files, reader, meta);
+    ValueError naming the file and the problem."""
+    name = idx["shards"][r]
+    file = os.path.join(path, name)
+    stripes = check.stripe_files(idx, name, os.path.join(path, INDEX_NAME))
+    reader = _core.CkptReader(file, stripes=stripes)
+    try:
+        meta = json.loads(reader.meta)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{file}: corrupt checkpoint metadata ({e})") from None
+    check.check_meta(meta, reader.blobs, file)
+    if meta["id"] != idx["id"]:
+        raise ValueError(f"{path}: shard {name} belongs to checkpoint {meta['id'][:64]}, the index to {idx['id']}")
+    return file, stripes, reader, meta
 
 
 def _in_place_storages(meta, dests, device):
@@ -673,16 +717,13 @@ def _same_layout(d, t, nbytes, device):
             d.untyped_storage().nbytes() == nbytes)
 
 
-def _load_shard(file, device, threads=0, stripes=(), dests=None, before_read=None):
-    """Reads one shard. `dests` (path -> existing tensor) lets storages be read
-    straight into the caller's tensors (Note [Load in place]); their entries in
-    the returned state are those tensors. `before_read(meta)` may raise before
-    any byte is read."""
-    reader = _core.CkptReader(file, stripes=list(stripes))
-    meta = json.loads(reader.meta)
+def _load_shard(file, reader, meta, device, threads=0, dests=None, before_read=None):
+    """Reads one shard, opened and checked by _open_shard. `dests` (path ->
+    existing tensor) lets storages be read straight into the caller's tensors
+    (Note [Load in place]); their entries in the returned state are those
+    tensors. `before_read(meta)` may raise before any byte is read."""
     if before_read is not None:
         before_read(meta)
-    blobs_info = reader.blobs
     in_place = _in_place_storages(meta, dests, device)
     storages = []
     targets = []
@@ -695,11 +736,7 @@ def _load_shard(file, device, threads=0, stripes=(), dests=None, before_read=Non
         else:
             buf = torch.empty(s["nbytes"], dtype=torch.uint8, device=dev)
         storages.append(buf)
-        if s["nbytes"]:
-            b = blobs_info[s["blob"]]
-            if b["nbytes"] != s["nbytes"]:
-                raise ValueError(f"{file}: storage of {b['name']} has {b['nbytes']} bytes in the shard, "
-                                 f"{s['nbytes']} in the metadata")
+        if s["nbytes"]:  # its blob has the same size (check.check_meta)
             on_dev = dev.type == "cuda"
             stream = torch.cuda.current_stream(dev).cuda_stream if on_dev else 0
             targets.append((s["blob"], buf.untyped_storage().data_ptr(), on_dev, stream))
@@ -707,7 +744,11 @@ def _load_shard(file, device, threads=0, stripes=(), dests=None, before_read=Non
     tensors = []
     for t in meta["tensors"]:
         if t.get("layout") == "sparse_coo":
-            tensors.append(torch.sparse_coo_tensor(tensors[t["indices"]], tensors[t["values"]], t["shape"]))
+            try:  # indices out of the shape would make later kernels write out of bounds
+                tensors.append(torch.sparse_coo_tensor(tensors[t["indices"]], tensors[t["values"]], t["shape"],
+                                                       check_invariants=True))
+            except (RuntimeError, TypeError, ValueError, IndexError) as e:
+                raise ValueError(f"{file}: sparse tensor {t['path'][:80]!r} is corrupt ({e})") from None
             continue
         if t["storage"] in in_place:
             tensors.append(dests[t["path"]])
@@ -717,9 +758,17 @@ def _load_shard(file, device, threads=0, stripes=(), dests=None, before_read=Non
         x = torch.empty(0, dtype=dtype, device=st.device)
         x.set_(st.untyped_storage(), t["offset"], t["shape"], t["stride"])
         if t.get("parameter"):
-            x = torch.nn.Parameter(x, requires_grad=t.get("requires_grad", True))
+            try:
+                x = torch.nn.Parameter(x, requires_grad=t.get("requires_grad", True))
+            except RuntimeError as e:  # requires_grad on an integer tensor
+                raise ValueError(f"{file}: tensor {t['path'][:80]!r}: {e}") from None
         tensors.append(x)
-    state = tree.build(meta["tree"], tensors)
+    try:
+        state = tree.build(meta["tree"], tensors)
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{file}: corrupt checkpoint metadata (object tree nested too deeply)") from None
     return state, meta
 
 
@@ -759,7 +808,11 @@ def load(path, *, device=None, into=None, rank=None, strict=True):
     the tensor, before anything is overwritten. Where a destination tensor has
     the saved layout, its bytes are read straight into it (Note [Load in
     place]): no second copy of the state is made. Returns the loaded state (or
-    `into`)."""
+    `into`). The checkpoint is treated as hostile input (docs/checkpoints.md,
+    "Threat model"): a malformed or crafted file raises ValueError naming the
+    file and the problem (ChecksumError, an OSError, for a bad checksum;
+    NotImplementedError for a newer format), before any tensor memory is
+    allocated where the problem is in the tables or metadata."""
     path = os.path.abspath(os.fspath(path))
     idx = _read_index(path)
     if rank == "all":
@@ -770,25 +823,35 @@ def load(path, *, device=None, into=None, rank=None, strict=True):
     dests = dict(tree.walk_tensors(own)) if into is not None else None
 
     def before_read(meta):
-        if meta.get("id") != idx.get("id"):
-            raise ValueError(f"{path}: shard rank{r}.ebt belongs to checkpoint {meta.get('id')}, "
-                             f"the index to {idx.get('id')}")
         if into is not None:
-            _check_before_reading(meta, own, dests, into, strict, path)
-    state, meta = _load_shard(os.path.join(path, idx["shards"][r]), device,
-                              stripes=_stripe_files(idx, idx["shards"][r]), dests=dests, before_read=before_read)
+            try:
+                _check_before_reading(meta, own, dests, into, strict, path)
+            except (TypeError, RecursionError):  # a tree of the wrong shape
+                raise ValueError(f"{path}: corrupt checkpoint metadata (object tree)") from None
+    file, _, reader, meta = _open_shard(path, idx, r)
+    state, meta = _load_shard(file, reader, meta, device, dests=dests, before_read=before_read)
     if "delta" in meta:
         from ebbtide import _ckpt_lossy
-        base_path = os.path.normpath(os.path.join(os.path.dirname(path), meta["delta"]["base"]))
-        base_idx = _read_index(base_path)
-        if base_idx["id"] != meta["delta"]["base_id"]:
-            raise ValueError(f"{path}: delta checkpoint needs base {base_path} with id {meta['delta']['base_id']}, "
-                             f"but that directory now holds checkpoint {base_idx['id']}")
+        base_path = _delta_base(path, meta)
         base_state = load(base_path, device=device, rank=r)
-        state = _ckpt_lossy.decode(state, base_state)
+        try:
+            state = _ckpt_lossy.decode(state, base_state)
+        except (KeyError, IndexError, TypeError, AttributeError, RuntimeError) as e:
+            raise ValueError(f"{file}: corrupt lossy delta tensor ({type(e).__name__}: {e})") from None
     if into is None:
         return state
     return _load_into(into, state, strict)
+
+
+def _delta_base(path, meta):
+    """The base checkpoint of delta checkpoint `path` (shard metadata `meta`),
+    checked to carry the id recorded at save."""
+    base_path = os.path.normpath(os.path.join(os.path.dirname(path), meta["delta"]["base"]))
+    base_idx = _read_index(base_path)
+    if base_idx["id"] != meta["delta"]["base_id"]:
+        raise ValueError(f"{path}: delta checkpoint needs base {base_path} with id {meta['delta']['base_id'][:64]}, "
+                         f"but that directory now holds checkpoint {base_idx['id']}")
+    return base_path
 
 
 def _load_into(into, state, strict):
@@ -835,34 +898,58 @@ def _copy_into(dst, src, path, strict):
 
 
 def inspect(path, *, verify=True):
-    """Describes a checkpoint: index, and per shard its tensors (path, dtype,
-    shape, storage bytes, stored bytes, codec, offset) and, with `verify`, the
-    problems found by reading every chunk (list of (tensor, offset, message))."""
+    """Describes a checkpoint and checks it the way load() does.
+
+    Args:
+        path: the checkpoint directory.
+        verify: also read every chunk and check its checksum and decoding.
+
+    Returns:
+        {"path", "index", "shards": [...]}; per shard its file, format
+        version, sizes, tensors (path, dtype, shape, storage bytes, stored
+        bytes, codec, offset), and either "error" (why load() would refuse
+        the shard: its tables, metadata, stripe files or delta base) or, with
+        `verify`, "problems": a list of (tensor, file offset, message), one
+        per bad chunk.
+
+    Raises:
+        FileNotFoundError: no checkpoint directory or index there.
+        ValueError: a corrupt or hostile index.json.
+        NotImplementedError: a newer format version.
+    """
     path = os.path.abspath(os.fspath(path))
     idx = _read_index(path)
     out = {"path": path, "index": idx, "shards": []}
-    for name in idx["shards"]:
-        f = os.path.join(path, name)
-        reader = _core.CkptReader(f, stripes=_stripe_files(idx, name))
-        meta = json.loads(reader.meta)
-        blobs = reader.blobs
-        rows = []
-        for t in meta["tensors"]:
-            if "storage" not in t:
-                rows.append({"path": t["path"], "dtype": t.get("layout"), "shape": t["shape"], "nbytes": 0,
-                             "stored_bytes": 0, "codec": "-", "offset": 0, "shared": False})
-                continue
-            s = meta["storages"][t["storage"]]
-            b = blobs[s["blob"]] if s["nbytes"] else None
-            rows.append({"path": t["path"], "dtype": t["dtype"], "shape": t["shape"], "nbytes": s["nbytes"],
-                         "stored_bytes": b["stored_bytes"] if b else 0, "codec": b["codec"] if b else "none",
-                         "offset": b["offset"] if b else 0, "shared": b is not None and b["name"] != t["path"]})
-        shard = {"file": f, "format_version": reader.format_version, "file_bytes": reader.file_bytes,
-                 "stripe_files": _stripe_files(idx, name),
-                 "tensors": rows, "raw_bytes": sum(b["nbytes"] for b in blobs),
-                 "stored_bytes": sum(b["stored_bytes"] for b in blobs),
-                 "lossy_error": meta.get("lossy_error")}
-        if verify:
-            shard["problems"] = reader.verify()
-        out["shards"].append(shard)
+    for r, name in enumerate(idx["shards"]):
+        try:
+            out["shards"].append(_inspect_shard(path, idx, r, verify))
+        except (OSError, ValueError, NotImplementedError) as e:
+            out["shards"].append({"file": os.path.join(path, name), "error": str(e), "tensors": [],
+                                  "problems": []})
     return out
+
+
+def _inspect_shard(path, idx, r, verify):
+    f, stripes, reader, meta = _open_shard(path, idx, r)
+    if "delta" in meta:
+        _delta_base(path, meta)
+    blobs = reader.blobs
+    rows = []
+    for t in meta["tensors"]:
+        if "storage" not in t:
+            rows.append({"path": t["path"], "dtype": t.get("layout"), "shape": t["shape"], "nbytes": 0,
+                         "stored_bytes": 0, "codec": "-", "offset": 0, "shared": False})
+            continue
+        s = meta["storages"][t["storage"]]
+        b = blobs[s["blob"]] if s["nbytes"] else None
+        rows.append({"path": t["path"], "dtype": t["dtype"], "shape": t["shape"], "nbytes": s["nbytes"],
+                     "stored_bytes": b["stored_bytes"] if b else 0, "codec": b["codec"] if b else "none",
+                     "offset": b["offset"] if b else 0, "shared": b is not None and b["name"] != t["path"]})
+    shard = {"file": f, "format_version": reader.format_version, "file_bytes": reader.file_bytes,
+             "stripe_files": stripes,
+             "tensors": rows, "raw_bytes": sum(b["nbytes"] for b in blobs),
+             "stored_bytes": sum(b["stored_bytes"] for b in blobs),
+             "lossy_error": meta.get("lossy_error")}
+    if verify:
+        shard["problems"] = reader.verify()
+    return shard

@@ -133,7 +133,7 @@ ShardReader::ShardReader(const std::string& path, bool direct, std::vector<std::
   I.sb = decode_superblock(reinterpret_cast<const unsigned char*>(blk.get()), path);
   EBB_CHECK(!(I.sb.flags & kFlagStripeFile) && I.sb.stripe_index == 0, path,
             ": this is a stripe data file of a striped shard, not the shard file (rankR.ebt in the checkpoint directory)");
-  if (I.sb.file_bytes > I.size || I.sb.header_offset + I.sb.header_bytes > I.size) {
+  if (I.sb.file_bytes > I.size || !fits_within(I.sb.header_offset, I.sb.header_bytes, I.size)) {
     throw InvalidArgument(ebbtide::detail::concat(path, ": truncated checkpoint shard (", I.size, " bytes on disk, the superblock says ",
                                          I.sb.file_bytes, "; the header at offset ", I.sb.header_offset, " is missing)"));
   }
@@ -145,9 +145,15 @@ ShardReader::ShardReader(const std::string& path, bool direct, std::vector<std::
   uint32_t crc = crc32c(hb.get(), I.sb.header_bytes);
   if (crc != I.sb.header_crc) throw ChecksumError(path + " (header)", static_cast<int64_t>(I.sb.header_offset), I.sb.header_crc, crc);
   I.h = decode_header(std::string_view(hb.get(), I.sb.header_bytes), path);
-  for (const auto& c : I.h.chunks)
+  for (const auto& c : I.h.chunks) {
     EBB_CHECK(c.stripe < I.sb.stripe_count, path, ": corrupt checkpoint header (chunk of tensor '",
               I.h.blobs[c.blob].name, "' in stripe ", c.stripe, ", the shard has ", I.sb.stripe_count, " files)");
+    // Data lies between the superblock block and the header (stripe files: checked against their size on reading).
+    EBB_CHECK(c.stripe != 0 || fits_within(c.file_offset, align_up(c.stored_bytes, kBlockBytes), I.sb.header_offset),
+              path, ": corrupt checkpoint header (chunk of tensor '", I.h.blobs[c.blob].name, "' at offset ",
+              c.file_offset, " with ", c.stored_bytes, " bytes runs past the data area, which ends at the header at ",
+              I.sb.header_offset, ")");
+  }
   EBB_CHECK(stripe_paths.size() + 1 == I.sb.stripe_count, path, ": the shard is striped over ", I.sb.stripe_count,
             " files; ", I.sb.stripe_count - 1, " stripe file paths are needed, ", stripe_paths.size(), " were given");
   I.stripe_paths = std::move(stripe_paths);
@@ -264,7 +270,7 @@ void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks,
         check_stripe(c);
         const detail::ShardFile& f = *files[c.stripe];
         uint64_t len = align_up(c.stored_bytes, kBlockBytes);
-        if (c.file_offset + len > sizes[c.stripe]) {
+        if (!fits_within(c.file_offset, len, sizes[c.stripe])) {
           throw IoError(ENODATA, tensor_at(f.path(), h.blobs[c.blob].name), static_cast<int64_t>(c.file_offset),
                         ebbtide::detail::concat("truncated checkpoint file: chunk needs bytes up to ", c.file_offset + len,
                                                 " but the file has ", sizes[c.stripe]));
@@ -334,8 +340,7 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads)
       owner.push_back(&t);
       char* dst = t.device ? nullptr : static_cast<char*>(t.ptr) + c.raw_offset;
       bool in_place = dst != nullptr && c.codec == Codec::kNone && c.stored_bytes == c.raw_bytes &&
-                      c.raw_bytes % kBlockBytes == 0 && reinterpret_cast<uintptr_t>(dst) % kBlockBytes == 0 &&
-                      c.raw_offset + c.raw_bytes <= b.nbytes;
+                      c.raw_bytes % kBlockBytes == 0 && reinterpret_cast<uintptr_t>(dst) % kBlockBytes == 0;
       direct.push_back(in_place ? dst : nullptr);
     }
   }
@@ -375,7 +380,7 @@ std::vector<VerifyProblem> ShardReader::verify(unsigned threads) {
   for (const auto* c : chunks) {
     if (!I.stripe_error[c->stripe].empty()) {
       note(*c, I.stripe_error[c->stripe]);
-    } else if (c->file_offset + align_up(c->stored_bytes, kBlockBytes) > I.sizes[c->stripe]) {
+    } else if (!fits_within(c->file_offset, align_up(c->stored_bytes, kBlockBytes), I.sizes[c->stripe])) {
       note(*c, "chunk lies beyond the end of the file (truncated shard)");
     } else {
       readable.push_back(c);

@@ -32,17 +32,52 @@ void inject_write_fault(uint64_t after_bytes, int err) {
 
 namespace detail {
 
+// Note [Regular files only]
+// A checkpoint handed to load() may be hostile: a FIFO in place of a shard
+// would block open() and read() forever, a device could be endless, a
+// symlink could lead anywhere. Files are read only when the name itself is a
+// regular file: O_NOFOLLOW refuses a symlink as the last component (ELOOP),
+// O_NONBLOCK makes opening a FIFO return at once, fstat must say S_ISREG, and
+// only then is O_NONBLOCK cleared (io_uring would otherwise answer EAGAIN
+// instead of waiting for the page cache).
 ShardFile::ShardFile(const std::string& path, bool write, bool want_direct) : path_(path) {
-  int flags = O_CLOEXEC | (write ? (O_WRONLY | O_CREAT | O_EXCL) : O_RDONLY);
+  int flags = O_CLOEXEC | (write ? (O_WRONLY | O_CREAT | O_EXCL) : (O_RDONLY | O_NOFOLLOW | O_NONBLOCK));
   fd_ = ::open(path.c_str(), flags, 0644);
   if (fd_ < 0) {
     int e = errno;
+    if (!write && e == ELOOP)
+      throw InvalidArgument(path + ": checkpoint file is a symbolic link; only regular files are read");
     throw IoError(e, path, -1,
                   e == EROFS    ? "cannot create the checkpoint shard: read-only filesystem"
                   : e == EACCES ? "cannot open the checkpoint shard: permission denied"
                   : e == ENOENT ? (write ? "cannot create the checkpoint shard: no such directory"
                                          : "checkpoint shard does not exist")
                                 : (write ? "cannot create the checkpoint shard" : "cannot open the checkpoint shard"));
+  }
+  if (!write) {
+    struct stat st {};
+    int fl = ::fcntl(fd_, F_GETFL);
+    if (::fstat(fd_, &st) != 0 || fl < 0) {
+      int e = errno;
+      ::close(fd_);
+      fd_ = -1;
+      throw_io_error(e, path, -1, "fstat");
+    }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd_);
+      fd_ = -1;
+      throw InvalidArgument(ebbtide::detail::concat(
+          path, ": checkpoint file is not a regular file (it is a ",
+          S_ISDIR(st.st_mode) ? "directory" : S_ISFIFO(st.st_mode) ? "FIFO" : S_ISSOCK(st.st_mode) ? "socket"
+          : S_ISCHR(st.st_mode) ? "character device" : S_ISBLK(st.st_mode) ? "block device" : "special file",
+          "); only regular files are read"));
+    }
+    if (::fcntl(fd_, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+      int e = errno;
+      ::close(fd_);
+      fd_ = -1;
+      throw_io_error(e, path, -1, "fcntl(F_SETFL)");
+    }
   }
   if (want_direct) {
     int fl = ::fcntl(fd_, F_GETFL);

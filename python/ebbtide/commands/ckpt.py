@@ -1,6 +1,9 @@
 """`ebbtide ckpt inspect PATH`: lists a checkpoint's tensors, sizes and
-compression and verifies every chunk's checksum (exit 1 on a bad chunk,
-naming the tensor and the file offset)."""
+compression, checks it as load() does and verifies every chunk's checksum.
+Exit 1 when a shard would be refused by load() (one `BAD SHARD: FILE: why`
+line each) or a chunk is bad (one `BAD CHUNK: ...` line each, naming the
+tensor and the file offset); exit 2, with one line, when the index itself is
+unusable."""
 import json
 import sys
 
@@ -21,17 +24,29 @@ def _fmt(n):
     return _core.format_bytes(float(n))
 
 
+def _one_line(text):
+    return " ".join(str(text).split())
+
+
 def _inspect(args):
     from ebbtide import checkpoint
-    info = checkpoint.inspect(args.path, verify=not args.no_verify)
+    try:
+        info = checkpoint.inspect(args.path, verify=not args.no_verify)
+    except (OSError, ValueError, NotImplementedError) as e:
+        print(f"ebbtide ckpt inspect: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    refused = sum(1 for s in info["shards"] if "error" in s)
     bad = sum(len(s.get("problems", [])) for s in info["shards"])
     if args.json:
         print(json.dumps(info, indent=1, default=str))
-        return 1 if bad else 0
+        return 1 if bad or refused else 0
     idx = info["index"]
     print(f"{info['path']}: format version {idx['format_version']}, world size {idx['world_size']}, "
           f"compression {idx.get('compress', 'none')}" + (f", delta against {idx['delta']['base']}" if idx.get("delta") else ""))
     for s in info["shards"]:
+        if "error" in s:
+            print(f"BAD SHARD: {_one_line(s['error'])}", file=sys.stderr)
+            continue
         ratio = s["raw_bytes"] / s["stored_bytes"] if s["stored_bytes"] else 1.0
         print(f"\n{s['file']}: {_fmt(s['file_bytes'])} on disk, {_fmt(s['raw_bytes'])} of storages, "
               f"{_fmt(s['stored_bytes'])} stored (ratio {ratio:.2f})")
@@ -39,18 +54,23 @@ def _inspect(args):
         for t in s["tensors"]:
             shape = "x".join(map(str, t["shape"])) or "()"
             note = " (shares storage)" if t["shared"] else ""
-            print(f"  {t['path'][:56]:<56} {t['dtype']:<14} {shape:<18} {_fmt(t['nbytes']):>10} "
+            print(f"  {t['path'][:56]:<56} {t['dtype']!s:<14} {shape:<18} {_fmt(t['nbytes']):>10} "
                   f"{_fmt(t['stored_bytes']):>10} {t['codec']:<12} {t['offset']}{note}")
         le = s.get("lossy_error")
-        if le:
+        try:
             o = le["overall"]
-            print(f"  lossy error: max abs {o['max_abs']:.3g}, relative L2 {o['rel_l2']:.3g} over {o['tensors']} tensors")
+            print(f"  lossy error: max abs {float(o['max_abs']):.3g}, relative L2 {float(o['rel_l2']):.3g} "
+                  f"over {int(o['tensors'])} tensors")
+        except (TypeError, KeyError, ValueError):
+            pass  # none recorded (lossless), or not in the form the writer records it
         for name, off, msg in s.get("problems", []):
-            print(f"BAD CHUNK: tensor '{name}' at file offset {off}: {msg}", file=sys.stderr)
+            print(f"BAD CHUNK: tensor '{name}' at file offset {off}: {_one_line(msg)}", file=sys.stderr)
+    if refused:
+        print(f"\n{refused} shard(s) would be refused by load()", file=sys.stderr)
     if args.no_verify:
         print("\nchecksums not verified (--no-verify)")
     elif bad:
         print(f"\n{bad} bad chunk(s)", file=sys.stderr)
-    else:
+    elif not refused:
         print("\nall chunk checksums OK")
-    return 1 if bad else 0
+    return 1 if bad or refused else 0

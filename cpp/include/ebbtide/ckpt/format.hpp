@@ -21,6 +21,7 @@ inline constexpr uint32_t kFormatVersionUnstriped = 1;
 inline constexpr uint32_t kFlagStripeFile = 1;  // superblock flag: a stripe data file (no header)
 inline constexpr uint64_t kBlockBytes = 4096;  // file offset alignment of every chunk
 inline constexpr uint64_t kDataStart = kBlockBytes;
+inline constexpr uint64_t kMaxChunkBytes = 1ull << 30;  // largest raw chunk a writer makes (chunk_bytes <= 1 GiB)
 inline constexpr char kSuperMagic[16] = {'E', 'B', 'B', 'T', 'I', 'D', 'E', '-',
                                          'C', 'K', 'P', 'T', '\0', '\0', '\0', '\0'};
 
@@ -83,9 +84,16 @@ struct Header {
   std::string meta;          // caller's JSON metadata, opaque here
 };
 std::string encode_header(const Header& h);
-// Throws InvalidArgument naming `path` when the bytes are inconsistent.
+// Decodes untrusted bytes (Note [Hostile headers] in format.cpp): returns only
+// tables under which reading writes each byte of each blob exactly once,
+// inside it. Throws InvalidArgument naming `path` and the entry otherwise.
+// Chunk extents against the real file sizes are checked by ShardReader.
 Header decode_header(std::string_view bytes, const std::string& path);
 
 inline constexpr uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+// [offset, offset + len) lies inside [0, limit), computed without overflow.
+inline constexpr bool fits_within(uint64_t offset, uint64_t len, uint64_t limit) {
+  return len <= limit && offset <= limit - len;
+}
 
 }  // namespace ebbtide::ckpt
