@@ -12,9 +12,10 @@ torch_req=${EBBTIDE_TORCH:-torch==2.13.0}
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 
 # 1. System packages: liburing (io_uring), GoogleTest, fio (benchmark
-#    reference), zstd (checkpoint compression), pkg-config.
+#    reference), zstd (checkpoint compression), pkg-config, clang (libFuzzer
+#    for the fuzzing stage of scripts/test.sh).
 need=()
-for pkg in liburing-dev libgtest-dev fio libzstd-dev pkg-config g++; do
+for pkg in liburing-dev libgtest-dev fio libzstd-dev pkg-config g++ clang; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
 done
 if ((${#need[@]})); then

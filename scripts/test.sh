@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Sets everything up and runs all tests: C++ units (GoogleTest via ctest), the
-# same units under ASan+UBSan, then the Python integration tests (pytest).
-# Set EBBTIDE_SKIP_SANITIZERS=1 to skip the sanitizer build during development.
+# same units under ASan+UBSan, a bounded libFuzzer run of the checkpoint shard
+# reader, then the Python integration tests (pytest).
+# Set EBBTIDE_SKIP_SANITIZERS=1 to skip the sanitizer build and the fuzzing
+# during development; EBBTIDE_FUZZ_SECONDS sets the fuzzing time (default 60).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -24,6 +26,29 @@ if [ "${EBBTIDE_SKIP_SANITIZERS:-0}" != 1 ]; then
   cmake --build build/asan -j"$jobs"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build/asan --no-tests=error --output-on-failure -j"$jobs"
+
+  # Checkpoint loading must be safe against any file (docs/checkpoints.md,
+  # "Threat model"): cpp/fuzz/fuzz_ckpt_shard.cpp feeds mutated shards (with
+  # their checksums repaired) to the decoders and the reader under
+  # ASan+UBSan. A crash, sanitizer report or untyped exception fails the stage
+  # and leaves the input in build/fuzz/crash-*.
+  fuzz_seconds=${EBBTIDE_FUZZ_SECONDS:-60}
+  say "Fuzzing the checkpoint shard reader (libFuzzer, ASan+UBSan, ${fuzz_seconds} s)"
+  probe=$(mktemp -d)
+  echo 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }' >"$probe/p.cpp"
+  if command -v clang++ >/dev/null && clang++ -fsanitize=fuzzer,address,undefined "$probe/p.cpp" -o "$probe/p" 2>/dev/null; then
+    CC=clang CXX=clang++ cmake -S . -B build/fuzz -G Ninja -DEBBTIDE_BUILD_FUZZ=ON -DEBBTIDE_BUILD_TESTS=OFF \
+      -DEBBTIDE_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+    cmake --build build/fuzz -j"$jobs" --target fuzz_ckpt_shard
+    # New inputs go to a scratch directory; the checked-in seeds stay as they are.
+    cp cpp/fuzz/corpus/ckpt_shard/* "$probe/"
+    rm -f "$probe/p.cpp" "$probe/p"
+    EBBTIDE_LOG_LEVEL=error build/fuzz/cpp/fuzz/fuzz_ckpt_shard -max_total_time="$fuzz_seconds" -max_len=32768 \
+      -timeout=20 -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix=build/fuzz/ "$probe"
+  else
+    say "SKIPPED fuzzing: clang++ cannot link -fsanitize=fuzzer here (scripts/setup.sh installs the Debian package clang)"
+  fi
+  rm -rf "$probe"
 fi
 
 say "Python tests"
