@@ -2,7 +2,9 @@
 # Run here, on the Debian development machine: fetches the build dependencies
 # the lent GPU machine lacks (liburing, GoogleTest, zstd headers; it has no
 # package registry) as Debian packages and unpacks them into .deps/root, which
-# git ignores. The device tool carries the folder with the tree:
+# git ignores, and the wheels its Python lacks into .deps/wheels (torchtune, for
+# bench/offload_bench.py's OffloadActivations row; scripts/gpu_check.sh installs
+# them with --no-deps). The device tool carries the folder with the tree:
 #   run(command="bash scripts/gpu_check.sh", carry=[".deps"])
 # liburing and GoogleTest are linked statically; zstd's static library is not
 # position-independent, so the module links libzstd.so.1 (the machine's own at
@@ -24,7 +26,18 @@ rmdir "$tmp"
 for f in "$deps"/debs/*.deb; do
   dpkg -x "$f" "$deps/root"
 done
+# torchtune is pure Python. Its package __init__ imports torchao, HF datasets,
+# torchdata and more, none of which OffloadActivations uses: ebbtide.demo loads
+# that class from its own file when the package import fails, so it needs only
+# psutil (the GPU image has it) and no other wheel. The Python version and
+# platform are the lent machine's (Python 3.12, x86-64).
+wheels=(torchtune==0.6.1)
+rm -rf "$deps/wheels"
+mkdir -p "$deps/wheels"
+"${PYTHON:-python3}" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$deps/wheels" "${wheels[@]}"
 for need in usr/include/liburing.h usr/include/gtest/gtest.h usr/include/zstd.h; do
   [ -e "$deps/root/$need" ] || { echo "device_deps.sh: $need missing after unpacking ${pkgs[*]}" >&2; exit 1; }
 done
+compgen -G "$deps/wheels/torchtune-*.whl" >/dev/null || { echo "device_deps.sh: no torchtune wheel in $deps/wheels" >&2; exit 1; }
 echo "device_deps.sh: $(du -sh "$deps" | cut -f1) in $deps (carry \".deps\")"

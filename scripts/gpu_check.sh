@@ -2,9 +2,10 @@
 # Everything a lent GPU machine should check, in one call of the device tool:
 #   (here, once)  bash scripts/device_deps.sh
 #   (device)      run(command="bash scripts/gpu_check.sh", carry=[".deps"])
-# Stages (default: all, in this order; name some to run only those). One
-# device call runs at most 10 minutes, so split them over calls, each starting
-# with `build` (a fresh machine rebuilds; a warm one reuses build/gpu):
+# Stages (default: all but the shape_* ones, in this order; name some to run
+# only those). One device call runs at most 10 minutes, so split them over
+# calls, each starting with `build` (a fresh machine rebuilds; a warm one
+# reuses build/gpu):
 #   build    CMake build of the C++ core, its tests and the Python module
 #            against the machine's python3 (liburing, GoogleTest, zstd from .deps)
 #   test     ctest (all C++ tests; the GPU ones run now) and the CUDA pytest file
@@ -12,6 +13,16 @@
 #            OFFLOAD_METHODS=a,b,... runs only those methods)
 #   offload2 the same at a shape whose full offload fits PCIe bandwidth (2
 #            layers, hidden 8192, seq 512: about 43 GB/s needed, by the model)
+#   shape_a  bench/offload_bench.py --shape a (GPT-2 style, SDPA, 8 layers,
+#            hidden 4096, seq 2048), every method, eager blocks
+#   shape_a_compiled  the same with each block compiled (--compile block),
+#            adding torch's compiler offloading (compiler-offload)
+#   shape_b  --shape b (hidden 8192, as many layers as fit: --layers auto)
+#   shape_c  --shape c (4 layers, hidden 4096, eager attention: the issue's
+#            "today's default"), every method
+#            Each shape stage fits one device call after a warm `build`
+#            (at most 9 minutes; shape_a_compiled is the longest). JSON:
+#            offload_<stage>.json. OFFLOAD_METHODS=a,b,... narrows the methods.
 #   pytest   the whole pytest suite (CPU tests included)
 #   demo     ebbtide demo on CUDA, every method
 #   io       ebbtide bench io (device <-> file)
@@ -67,6 +78,15 @@ export EBBTIDE_LIBURING_ROOT=$repo/.deps/root
 export PYTHONPATH=$repo/python:$build/python${PYTHONPATH:+:$PYTHONPATH}
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$repo/.deps/root/usr/lib/x86_64-linux-gnu
 export PYTHONUNBUFFERED=1
+# Wheels from scripts/device_deps.sh (torchtune), installed without their
+# dependencies into a scratch folder placed after everything else on the path.
+if compgen -G "$repo/.deps/wheels/*.whl" >/dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ebbtide-wheels \
+    "$repo"/.deps/wheels/*.whl >"$out/wheels.log" 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/ebbtide-wheels ||
+    say "WARNING: installing .deps/wheels failed (see wheels.log)"
+else
+  say "no .deps/wheels: the torchtune row will say it was skipped (run scripts/device_deps.sh here)"
+fi
 
 # The module the tests and benchmarks import must be the one just built.
 module_is_fresh() {
@@ -77,9 +97,9 @@ sys.exit(0 if f.startswith('$build/') else 'ebbtide._core is not the module buil
 
 for stage in "${stages[@]}"; do
   case $stage in
-    build | test | offload | offload2 | pytest | demo | io | dist) ;;
+    build | test | offload | offload2 | shape_a | shape_a_compiled | shape_b | shape_c | pytest | demo | io | dist) ;;
     *)
-      say "unknown stage '$stage' (valid: build test offload offload2 pytest demo io dist)"
+      say "unknown stage '$stage' (valid: build test offload offload2 shape_a shape_a_compiled shape_b shape_c pytest demo io dist)"
       summary+=("$(printf '%-22s rc=%-3s' "$stage" "?")")
       continue
       ;;
@@ -125,6 +145,20 @@ for stage in "${stages[@]}"; do
         --hidden 8192 --heads 64 --seq 512 --batch 4 --methods "${OFFLOAD_METHODS:-none,ebbtide-cpu,ebbtide-auto,recompute}" \
         --json "$out/offload_bench2.json"
       tail -n 25 "$out/offload_bench2.txt"
+      ;;
+    shape_a | shape_a_compiled | shape_b | shape_c)
+      # (stage: shape, extra flags, steps, time limit in seconds)
+      case $stage in
+        shape_a) args=(--shape a) steps=6 limit=420 ;;
+        shape_a_compiled) args=(--shape a --compile block) steps=4 limit=540 ;;
+        shape_b) args=(--shape b) steps=4 limit=480 ;;
+        shape_c) args=(--shape c) steps=6 limit=360 ;;
+      esac
+      mkdir -p /tmp/ebbtide-bench
+      step "offload_$stage" "offload_$stage.txt" "$limit" "$py" bench/offload_bench.py --device cuda "${args[@]}" \
+        --steps "$steps" --warmup 2 ${OFFLOAD_METHODS:+--methods "$OFFLOAD_METHODS"} \
+        --path /tmp/ebbtide-bench --json "$out/offload_$stage.json"
+      tail -n 30 "$out/offload_$stage.txt"
       ;;
     demo)
       step demo demo.json 300 "$py" -m ebbtide demo --device cuda \
