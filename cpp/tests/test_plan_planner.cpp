@@ -209,3 +209,23 @@ TEST(PlanPlanner, UnevenModulesKeepThePrefixRule) {
   EXPECT_GT(simulate_plan(m, o, forced).predicted_stall_seconds, 0);
   EXPECT_LT(p.peak_resident_bytes, p.all_resident_bytes);
 }
+
+TEST(PlanPlanner, WritesWithinForwardKeepsWhatTheLinkCannotCopyInTime) {
+  // 16 modules of 1 GB in 0.1 s each (10 GB/s made) over a 4 GB/s link:
+  // about 6.4 GB can be copied during the 1.6 s forward. Device copies start
+  // with their module, and every offloaded module's copy ends before the
+  // forward does; reads are fast, so the forward is the limit.
+  PlannerOptions o;
+  o.host_budget_bytes = 1ull << 50;
+  o.host_write_bps = 4e9;
+  o.host_read_bps = 1e12;
+  o.prefetch_modules = 4;
+  const Plan loose = plan_offload(uniform(16, 0.1, kGB), o);
+  o.writes_within_forward = true;
+  const Plan p = plan_offload(uniform(16, 0.1, kGB), o);
+  EXPECT_GT(loose.bytes_cpu, p.bytes_cpu) << "without the deadline the writes run into backward";
+  EXPECT_GE(p.bytes_cpu, 5 * kGB);
+  EXPECT_LE(p.bytes_cpu, 7 * kGB);
+  for (const auto& m : p.modules)
+    if (m.placement != Placement::kKeep) EXPECT_LE(m.write_done_seconds, p.forward_seconds + 1e-9) << m.name;
+}

@@ -19,7 +19,7 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
                  host_write_bps: float = 0.0, host_read_bps: float = 0.0,
                  keep_last_modules: int = 1, backward_factor: float = 2.0,
                  prefetch_modules: int = 2, stall_tolerance_seconds: float = 0.0,
-                 replan_fraction: float = 0.7) -> dict:
+                 replan_fraction: float = 0.7, writes_within_forward: bool = False) -> dict:
     """Plans where each module's saved activations go.
 
     modules: forward order, each ``{"name": str, "forward_seconds": float, "bytes": int}``.
@@ -28,6 +28,8 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
     host_write_bps / host_read_bps enable host memory as a second tier.
     target: "auto" (SSD, and host memory when a budget is given), "ssd" (host
     memory ignored) or "cpu" (host memory only; needs host_budget_bytes).
+    writes_within_forward: GPU offload: a module is offloaded only if its copy
+    ends before the forward does (Note [Release points] in tensor_cache.cpp).
 
     Returns ``{"modules": [{"name", "placement", "bytes", "forward_end_seconds",
     "write_done_seconds", "read_start_seconds", "backward_start_seconds"}, ...],
@@ -58,6 +60,7 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
         "prefetch_modules": int(prefetch_modules),
         "stall_tolerance_seconds": float(stall_tolerance_seconds),
         "replan_fraction": float(replan_fraction),
+        "writes_within_forward": int(bool(writes_within_forward)),
     }
     if int(host_budget_bytes) < 0:
         raise ValueError(f"planner setting 'host_budget_bytes' must be >= 0, got {host_budget_bytes}")

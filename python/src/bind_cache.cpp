@@ -12,6 +12,7 @@
 #include "ebbtide/cache/store.hpp"
 #include "ebbtide/cache/tensor_cache.hpp"
 #include "ebbtide/io/engine.hpp"
+#include "ebbtide/util/config.hpp"
 #include "ebbtide/util/error.hpp"
 
 namespace nb = nanobind;
@@ -34,6 +35,7 @@ nb::dict counters_dict(const Counters& c) {
   d["bytes_discarded"] = c.bytes_discarded;
   d["store_failures"] = c.store_failures;
   d["load_failures"] = c.load_failures;
+  d["copy_waits"] = c.copy_waits;
   d["saved_bytes_total"] = c.saved_bytes_total;
   d["peak_resident_bytes"] = c.peak_resident_bytes;
   d["stall_seconds"] = c.stall_seconds;
@@ -137,7 +139,10 @@ EBB_BIND(cache, 30) {
              co.workers = workers;
              co.max_inflight_bytes = max_inflight_bytes;
              co.driver = drv;
-             // EBBTIDE_* settings are resolved by the glue (arguments first).
+             // EBBTIDE_* settings are resolved by the glue (arguments first);
+             // the two GPU-path settings have no argument.
+             if (auto v = ebbtide::config::env_bytes("EBBTIDE_DEVICE_INFLIGHT")) co.device_inflight_bytes = *v;
+             if (auto v = ebbtide::config::env_bytes("EBBTIDE_STAGING_BYTES")) co.staging_bytes = *v;
              new (self) TensorCache(std::move(store), co);
            },
            nb::arg("target"), nb::arg("paths"), nb::arg("capacity_bytes") = 0,
@@ -181,6 +186,14 @@ EBB_BIND(cache, 30) {
       .def("prefetch_scope", &TensorCache::prefetch_scope, nb::arg("microbatch"), nb::arg("scope"),
            nb::arg("task") = -1)
       .def("prefetch_before", &TensorCache::prefetch_before, nb::arg("id"), nb::arg("task") = -1)
+      .def("release_copies", &TensorCache::release_copies, nb::arg("microbatch"), nb::arg("scope"),
+           nb::arg("stream"))
+      .def("measure_link",
+           [](TensorCache& c, int device, uintptr_t dev_ptr, uint64_t nbytes, int repeats) {
+             return c.measure_link(device, reinterpret_cast<void*>(dev_ptr), nbytes, repeats);
+           },
+           nb::arg("device"), nb::arg("dev_ptr"), nb::arg("nbytes"), nb::arg("repeats") = 3,
+           nb::call_guard<nb::gil_scoped_release>())
       .def("begin_step", &TensorCache::begin_step)
       .def("end_step", &TensorCache::end_step)
       .def("release_step", &TensorCache::release_step, nb::arg("step"), nb::call_guard<nb::gil_scoped_release>())

@@ -178,12 +178,13 @@ PlannerOptions planner_options_from(const nb::dict& d) {
     else if (key == "prefetch_modules") o.prefetch_modules = to_int(v, key);
     else if (key == "stall_tolerance_seconds") o.stall_tolerance_seconds = to_double(v, key);
     else if (key == "replan_fraction") o.replan_fraction = to_double(v, key);
+    else if (key == "writes_within_forward") o.writes_within_forward = to_int(v, key) != 0;
     else
       throw ebbtide::InvalidArgument(
           "unknown planner setting '" + key +
           "' (valid: write_bps, read_bps, max_write_bps, host_budget_bytes, host_write_bps, "
           "host_read_bps, keep_last_modules, backward_factor, prefetch_modules, "
-          "stall_tolerance_seconds, replan_fraction)");
+          "stall_tolerance_seconds, replan_fraction, writes_within_forward)");
   }
   return o;
 }

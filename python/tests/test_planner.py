@@ -96,3 +96,15 @@ def test_planner_and_model_do_not_import_torch():
     env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in sys.path if p)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def test_writes_within_forward_offloads_only_what_the_link_copies_in_time():
+    mods = uniform(16, 0.1, GB)  # 10 GB/s made; the link copies 4 GB/s
+    kw = dict(target="cpu", host_budget_bytes=1 << 50, host_write_bps=4e9, host_read_bps=1e12,
+              prefetch_modules=4)
+    loose = planner.plan_offload(mods, 0, 0, **kw)
+    p = planner.plan_offload(mods, 0, 0, writes_within_forward=True, **kw)
+    assert loose["bytes_cpu"] > p["bytes_cpu"] >= 5 * GB
+    for m in p["modules"]:
+        if m["placement"] != "keep":
+            assert m["write_done_seconds"] <= p["forward_seconds"] + 1e-9

@@ -47,16 +47,7 @@ class HostStore final : public Store {
 
   Location put(const Span& src) override {
     EBB_CHECK(src.nbytes > 0, "host store: empty put");
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (opts_.capacity_bytes != 0 && held_ + src.nbytes > opts_.capacity_bytes) {
-        throw IoError(ENOSPC, "host memory", static_cast<int64_t>(held_),
-                      detail::concat("host store full: ", config::format_bytes(double(held_)), " of ",
-                                     config::format_bytes(double(opts_.capacity_bytes)),
-                                     " held, cannot add ", src.nbytes, " bytes"));
-      }
-      held_ += src.nbytes;  // reserve before copying so concurrent puts respect the cap
-    }
+    reserve(src.nbytes);  // before copying, so concurrent puts respect the cap
     const bool want_pinned = src.device >= 0 && opts_.driver != nullptr;
     const size_t alloc = alloc_size(src.nbytes, want_pinned);
     auto [data, pinned] = new_blob(alloc, want_pinned);
@@ -75,6 +66,24 @@ class HostStore final : public Store {
     Location loc = next_++;
     blobs_.emplace(loc, Blob{data, src.nbytes, alloc, pinned});
     return loc;
+  }
+
+  bool has_tier(int tier) const override { return tier == kTierCpu; }
+
+  HostSpace reserve_host(uint64_t nbytes) override {
+    EBB_CHECK(nbytes > 0, "host store: empty reservation");
+    reserve(nbytes);
+    const bool want_pinned = opts_.driver != nullptr;
+    const size_t alloc = alloc_size(nbytes, want_pinned);
+    auto [data, pinned] = new_blob(alloc, want_pinned);
+    if (data == nullptr) {
+      unreserve(nbytes);
+      throw IoError(ENOMEM, "host memory", 0, detail::concat("host store: cannot allocate ", nbytes, " bytes"));
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    Location loc = next_++;
+    blobs_.emplace(loc, Blob{data, nbytes, alloc, pinned});
+    return HostSpace{loc, data, pinned};
   }
 
   void get(Location loc, const Span& dst) override {
@@ -170,6 +179,18 @@ class HostStore final : public Store {
       }
     }
     std::free(p);
+  }
+
+  // Counts `n` bytes against the capacity; IoError(ENOSPC) past it.
+  void reserve(uint64_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (opts_.capacity_bytes != 0 && held_ + n > opts_.capacity_bytes) {
+      throw IoError(ENOSPC, "host memory", static_cast<int64_t>(held_),
+                    detail::concat("host store full: ", config::format_bytes(double(held_)), " of ",
+                                   config::format_bytes(double(opts_.capacity_bytes)), " held, cannot add ", n,
+                                   " bytes"));
+    }
+    held_ += n;
   }
 
   void unreserve(uint64_t n) {

@@ -53,6 +53,7 @@ class SsdStore final : public Store {
   std::string describe() const override { return "ssd: " + engine_.describe(); }
 
   uint64_t io_alignment() const override { return engine_.io_alignment(); }
+  bool has_tier(int tier) const override { return tier == kTierSsd; }
 
  private:
   static io::Buffer buffer(const Span& s) {

@@ -27,6 +27,69 @@ namespace ebbtide::cache {
 // reference then). `busy` marks a copy running on a worker without the lock:
 // release waits for it so the glue never frees memory a worker still reads.
 //
+// Device entries on the stream-ordered path (Note [Stream-ordered offload])
+// skip kQueued and kStoring: save() enqueues their copy and they are kStored
+// at once, never resident from the cache's view; a device entry that cannot
+// take that path (its host blob could not be page-locked) goes through the
+// workers like a host entry.
+//
+// Note [Stream-ordered offload]
+// On a GPU the CPU runs far ahead of the kernels, so nothing about a device
+// entry is decided on the CPU's view of time. save() runs on the training
+// thread and, without any host synchronisation:
+//   1. records an event on the compute stream after the producing kernels;
+//   2. makes the device's copy stream wait for it and enqueues the
+//      device-to-host copy into a page-locked host blob (the host tier's, or
+//      a bounce blob on its way to the SSD), then records `copy_ev`.
+// The entry is kStored at once but the glue still holds the tensor (unacked)
+// until a release point (Note [Release points]) makes the compute stream
+// wait for the copy and reports the entry through poll(): the glue's drop is
+// then an ordinary free on the compute stream, which torch's caching
+// allocator hands to the next allocation of that stream at once. (With
+// record_stream instead, the allocator would reuse the block only once a
+// host-side event query saw the copy done: never while the CPU runs ahead,
+// so the peak would not move.) Copies run in production order on one stream
+// per device, so each copy event also covers every earlier copy. An unpack
+// before the release is answered from the live tensor. A reload makes the
+// device's load stream wait for the reload buffer's allocation and for
+// `copy_ev` (a reload can never read a blob its store is still writing),
+// copies host to device and records `load_done_ev`, which the compute stream
+// waits on at unpack. A freed blob may still be read or written by a copy in
+// flight: it returns to its store only once the last copy touching it
+// completed (FencedFree, swept without blocking at saves and steps, waited
+// for at close).
+//
+// Note [Release points]
+// Where the compute stream waits for a copy decides both the step time (a
+// wait for a copy that has not run stalls compute) and the peak (memory comes
+// back only after the wait). The glue places them from the plan: after each
+// block's forward, release the blocks whose copies the planner predicts done
+// by then (write_done <= that block's forward end); without a plan, the
+// blocks before the previous one. When backward of a micro-batch begins, all
+// its copies are released. Two more rules, in save(): a copy a host-side
+// query already saw complete is released without a wait (it can only be
+// earlier than needed), and Note [Copy bound].
+//
+// Note [Copy bound]
+// When the link is slower than the forward produces activations, copies fall
+// behind and the tensors they read are held: the peak would grow with the
+// backlog. So after each enqueue, when more than device_inflight_bytes of
+// copies are still held ahead of the compute stream, the compute stream waits
+// (on the device) for the oldest copy whose completion brings the backlog
+// under the bound, and releases up to it. The activation peak is then bounded
+// by construction: the activations kept plus device_inflight_bytes. The
+// planner chooses what to offload so that this wait rarely happens.
+//
+// Note [SSD below the link]
+// A device entry bound for the SSD goes device -> page-locked bounce blob on
+// the copy stream (as above, so the device memory is given up as soon as the
+// copy ran), then a worker waits for that copy on its own thread and writes
+// the blob to the SSD, and frees it. At most staging_bytes of bounce blobs are
+// held; past that a device entry stays resident rather than making the
+// training thread wait. A reload reads the SSD into a bounce blob on a worker,
+// which then enqueues the host-to-device copy on the load stream; an entry
+// still in its bounce blob reloads from it directly.
+//
 // Note [Store workers]
 // `workers` threads share two FIFO queues and always take a load before a
 // store: a load blocks backward, a store only delays a memory release. Store
@@ -62,6 +125,16 @@ struct TensorCache::Entry {
   mem::cuda::Event dst_ready_ev = 0;   // reload buffer allocated (load)
   mem::cuda::Event load_done_ev = 0;   // reload copied (load)
   std::exception_ptr load_error;
+  // Stream-ordered device entries (Note [Stream-ordered offload]).
+  bool stream_ordered = false;
+  void* blob = nullptr;                // page-locked host copy, while it holds the bytes
+  Store* blob_store = nullptr;         // the store `blob_loc` belongs to
+  Location blob_loc = 0;
+  mem::cuda::Event copy_ev = 0;        // the device-to-host copy into `blob` is done
+  bool spill_queued = false;           // a worker is to write `blob` to the SSD
+  bool loaded_once = false;            // a host-to-device copy read `blob` (load_done_ev)
+  bool spilling = false;               // a worker is writing `blob` to the SSD
+  uint64_t copy_through = 0;           // the lane's `enqueued` once its copy was
 };
 
 namespace {
@@ -74,6 +147,16 @@ bool is_resident(EntryState s, bool acked) {
 }
 bool in_window(EntryState s) { return s == EntryState::kLoading || s == EntryState::kLoaded; }
 bool in_flight(EntryState s) { return s == EntryState::kQueued || s == EntryState::kStoring; }
+
+std::string what_of(std::exception_ptr err) {
+  try {
+    std::rethrow_exception(err);
+  } catch (const std::exception& ex) {
+    return ex.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -93,6 +176,7 @@ void fold(Counters& total, const Counters& step) {
   total.bytes_discarded += step.bytes_discarded;
   total.store_failures += step.store_failures;
   total.load_failures += step.load_failures;
+  total.copy_waits += step.copy_waits;
   total.saved_bytes_total += step.saved_bytes_total;
   total.peak_resident_bytes = std::max(total.peak_resident_bytes, step.peak_resident_bytes);
   total.stall_seconds += step.stall_seconds;
@@ -129,6 +213,8 @@ CacheOptions CacheOptions::with_env() const {
   if (auto v = config::env_bytes("EBBTIDE_PREFETCH_WINDOW")) o.prefetch_window_bytes = *v;
   if (auto v = config::env_int("EBBTIDE_CACHE_WORKERS", 1, 64)) o.workers = static_cast<unsigned>(*v);
   if (auto v = config::env_bytes("EBBTIDE_MAX_INFLIGHT")) o.max_inflight_bytes = *v;
+  if (auto v = config::env_bytes("EBBTIDE_DEVICE_INFLIGHT")) o.device_inflight_bytes = *v;
+  if (auto v = config::env_bytes("EBBTIDE_STAGING_BYTES")) o.staging_bytes = *v;
   return o;
 }
 
@@ -178,19 +264,32 @@ void TensorCache::mutate(Entry& e, EntryState s, bool acked) {
 // entry's device for the call (mem::cuda::DeviceScope) and restores the
 // caller's context after. Events live in per-device pools and are all created
 // there, never on a worker (a worker binds its device only when it copies).
+// An event may have several holders (a copy event: its entry, the lane's
+// pending list, a fenced free); it returns to the pool when the last gives it.
 mem::cuda::Event TensorCache::take_event_locked(int device) {
   auto& pool = free_events_[device];
+  mem::cuda::Event ev = 0;
   if (!pool.empty()) {
-    auto ev = pool.back();
+    ev = pool.back();
     pool.pop_back();
-    return ev;
+  } else {
+    EBB_CHECK_STATE(opts_.driver != nullptr, "tensor cache: device tensor but no CUDA driver");
+    ev = opts_.driver->event_create();
   }
-  EBB_CHECK_STATE(opts_.driver != nullptr, "tensor cache: device tensor but no CUDA driver");
-  return opts_.driver->event_create();
+  event_refs_[ev] = 1;
+  return ev;
 }
 
+void TensorCache::ref_event_locked(mem::cuda::Event ev) { event_refs_[ev] += 1; }
+
 void TensorCache::give_event_locked(int device, mem::cuda::Event& ev) {
-  if (ev != 0) free_events_[device].push_back(ev);
+  if (ev != 0) {
+    auto it = event_refs_.find(ev);
+    if (it == event_refs_.end() || --it->second <= 0) {
+      if (it != event_refs_.end()) event_refs_.erase(it);
+      free_events_[device].push_back(ev);
+    }
+  }
   ev = 0;
 }
 
@@ -239,6 +338,28 @@ SaveResult TensorCache::save(const SaveRequest& r) {
     EBB_CHECK_STATE(!closed_, "tensor cache: closed while a save waited");
     offload = !stop_offload_;
   }
+  if (offload && r.device >= 0) {
+    SaveResult out{e->id, true, true};
+    switch (offload_device_locked(*e, r, out)) {
+      case DevicePath::kOffloaded: {
+        step_c_.saved_bytes_total += r.nbytes;
+        auto& mb = microbatches_[r.microbatch];
+        mb.order.push_back(e->id);
+        mb.live += 1;
+        mb.backward_began = false;
+        by_key_[{r.key, r.version}] = e->id;
+        entries_.emplace(e->id, std::move(e));
+        mem::cuda::DeviceScope scope(opts_.driver, r.device);
+        bound_copies_locked(lanes_.at(r.device), r.stream);
+        return out;
+      }
+      case DevicePath::kKeep:
+        offload = false;
+        break;
+      case DevicePath::kWorker:
+        break;
+    }
+  }
   if (offload && r.device >= 0) {  // the only step that can fail: before any accounting
     mem::cuda::DeviceScope scope(opts_.driver, r.device);  // Note [Caller's context]
     e->ready_ev = take_event_locked(r.device);
@@ -264,10 +385,240 @@ SaveResult TensorCache::save(const SaveRequest& r) {
     work_cv_.notify_one();
   } else {
     step_c_.tensors_kept += 1;
+    if (r.device >= 0) {
+      // Kept device entries hold their place in the forward order, so the
+      // prefetch distance counts them (Note [Prefetch distance]): a plan
+      // keeps the tail resident, and the reloads of the early blocks must
+      // wait until backward has freed it.
+      auto& mb = microbatches_[r.microbatch];
+      mb.order.push_back(id);
+      mb.live += 1;
+    }
   }
   by_key_[{r.key, r.version}] = id;
   entries_.emplace(id, std::move(e));
   return SaveResult{id, true, offload};
+}
+
+TensorCache::Lane& TensorCache::lane_locked(int device) {
+  auto it = lanes_.find(device);
+  if (it != lanes_.end()) return it->second;
+  Lane lane;  // streams of the current context: the caller bound `device`
+  lane.device = device;
+  lane.copy = opts_.driver->stream_create();
+  try {
+    lane.load = opts_.driver->stream_create();
+  } catch (...) {
+    opts_.driver->stream_destroy(lane.copy);
+    throw;
+  }
+  return lanes_.emplace(device, lane).first->second;
+}
+
+Store& TensorCache::staging_locked() {
+  if (!staging_) {
+    HostStoreOptions o;
+    o.driver = opts_.driver;
+    staging_ = make_host_store(o);
+  }
+  return *staging_;
+}
+
+// Note [Stream-ordered offload]. kKeep: no host space (budget full, no SSD
+// tier, staging_bytes reached); kWorker: the blob could not be page-locked,
+// so the copy would not overlap: the entry takes the worker path.
+TensorCache::DevicePath TensorCache::offload_device_locked(Entry& e, const SaveRequest& r, SaveResult& out) {
+  auto* drv = opts_.driver;
+  mem::cuda::DeviceScope scope(drv, r.device);  // Note [Caller's context]
+  if (!fenced_.empty()) sweep_fenced_locked(false);
+  const auto full = [](const IoError& ex) { return ex.err() == ENOSPC || ex.err() == ENOMEM; };
+  HostSpace space;
+  Store* owner = nullptr;
+  bool spill = false;
+  if (r.tier != kTierSsd && store_->has_tier(kTierCpu)) {
+    try {
+      space = store_->reserve_host(r.nbytes);
+      owner = store_.get();
+    } catch (const IoError& ex) {
+      if (!full(ex)) throw;
+    }
+  }
+  if (owner == nullptr && store_->has_tier(kTierSsd)) {
+    Store& st = staging_locked();
+    if (st.stats().bytes_held + r.nbytes <= opts_.staging_bytes) {
+      try {
+        space = st.reserve_host(r.nbytes);
+        owner = &st;
+        spill = true;
+      } catch (const IoError& ex) {
+        if (!full(ex)) throw;
+      }
+    }
+  }
+  if (owner == nullptr) return DevicePath::kKeep;
+  if (!space.pinned) {
+    owner->free(space.loc);
+    return DevicePath::kWorker;
+  }
+  Lane* lane = nullptr;
+  mem::cuda::Event ready = 0;
+  mem::cuda::Event copy = 0;
+  try {
+    lane = &lane_locked(r.device);
+    ready = take_event_locked(r.device);
+    drv->event_record(ready, r.stream);
+    drv->stream_wait_event(lane->copy, ready);
+    give_event_locked(r.device, ready);  // the wait captured the record: the event may be reused
+    drv->memcpy_dtoh_async(space.ptr, reinterpret_cast<mem::cuda::DevicePtr>(r.ptr), r.nbytes, lane->copy);
+    copy = take_event_locked(r.device);
+    drv->event_record(copy, lane->copy);
+  } catch (...) {
+    give_event_locked(r.device, ready);
+    give_event_locked(r.device, copy);
+    owner->free(space.loc);
+    throw;
+  }
+  lane->enqueued += r.nbytes;
+  ref_event_locked(copy);
+  lane->pending.push_back(Lane::Copy{lane->enqueued, copy, e.id});
+  e.stream_ordered = true;
+  e.blob = space.ptr;
+  e.blob_store = owner;
+  e.blob_loc = space.loc;
+  e.copy_ev = copy;
+  e.copy_through = lane->enqueued;
+  e.state = EntryState::kStored;
+  e.acked = false;  // the glue holds the tensor until a release point
+  resident_ += r.nbytes;
+  step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_);
+  step_c_.bytes_offloaded += r.nbytes;
+  step_c_.tensors_offloaded += 1;
+  if (spill) {  // Note [SSD below the link]
+    e.spill_queued = true;
+    store_q_.push_back(e.id);
+    work_cv_.notify_one();
+  }
+  (void)out;
+  return DevicePath::kOffloaded;
+}
+
+// Note [Release points]: reports the entries whose copies are done up to
+// `through` in the lane, after making `compute` wait for the copy that ends
+// there (skipped when a host query already saw it complete).
+void TensorCache::release_through_locked(Lane& lane, uint64_t through, mem::cuda::Stream compute) {
+  auto* drv = opts_.driver;
+  mem::cuda::Event last = 0;
+  bool waited = false;
+  while (!lane.pending.empty() && lane.pending.front().through <= through) {
+    Lane::Copy c = lane.pending.front();
+    lane.pending.pop_front();
+    if (c.through == through) {
+      if (!drv->event_query(c.ev)) {
+        drv->stream_wait_event(compute, c.ev);
+        step_c_.copy_waits += 1;
+      }
+      waited = true;
+      last = c.ev;
+    } else {
+      give_event_locked(lane.device, c.ev);
+    }
+    auto it = entries_.find(c.id);
+    if (it != entries_.end() && it->second->state == EntryState::kStored && !it->second->acked)
+      completions_.push_back({c.id, true});
+  }
+  if (waited) give_event_locked(lane.device, last);
+  lane.waited = std::max(lane.waited, through);
+}
+
+// Note [Copy bound]. Copies a host query saw complete are released for free;
+// then, while more than device_inflight_bytes are held, the oldest copy whose
+// completion brings the backlog under the bound is waited for.
+void TensorCache::bound_copies_locked(Lane& lane, mem::cuda::Stream compute) {
+  auto* drv = opts_.driver;
+  uint64_t seen_done = 0;
+  for (const auto& c : lane.pending) {
+    if (!drv->event_query(c.ev)) break;
+    seen_done = c.through;
+  }
+  if (seen_done != 0) release_through_locked(lane, seen_done, compute);
+  const uint64_t limit = opts_.device_inflight_bytes;
+  if (limit == 0 || lane.enqueued - lane.waited <= limit) return;
+  for (const auto& c : lane.pending) {
+    if (lane.enqueued - c.through <= limit) {
+      release_through_locked(lane, c.through, compute);
+      return;
+    }
+  }
+}
+
+void TensorCache::release_copies(int microbatch, int64_t scope, mem::cuda::Stream compute) {
+  Lock lock(mu_);
+  auto m = microbatches_.find(microbatch);
+  if (m == microbatches_.end() || lanes_.empty()) return;
+  const MicroBatch& mb = m->second;
+  size_t end = mb.order.size();
+  if (scope != INT64_MAX) {
+    auto s = mb.scope_end.find(scope);
+    if (s == mb.scope_end.end()) return;
+    end = std::min(end, s->second);
+  }
+  std::map<int, uint64_t> through;  // per device: the newest held copy to release
+  for (size_t i = 0; i < end; ++i) {
+    auto it = entries_.find(mb.order[i]);
+    if (it == entries_.end()) continue;
+    const Entry& e = *it->second;
+    if (!e.stream_ordered || e.acked || e.copy_through == 0) continue;
+    through[e.device] = std::max(through[e.device], e.copy_through);
+  }
+  for (auto [device, t] : through) {
+    mem::cuda::DeviceScope ds(opts_.driver, device);  // Note [Caller's context]
+    release_through_locked(lanes_.at(device), t, compute);
+  }
+}
+
+// The blob returns to its store once the last device copy touching it ran:
+// the reload's when there was one (it waited for the store's copy), else the
+// store's (Note [Stream-ordered offload]).
+void TensorCache::free_blob_locked(Entry& e) {
+  if (e.blob == nullptr) return;
+  const mem::cuda::Event fence = e.loaded_once ? e.load_done_ev : e.copy_ev;
+  if (fence != 0) {
+    ref_event_locked(fence);
+    fenced_.push_back(FencedFree{e.device, fence, e.blob_store, e.blob_loc});
+  } else {
+    try {
+      e.blob_store->free(e.blob_loc);
+    } catch (const std::exception& ex) {
+      log::error("tensor cache: freeing the host copy of entry ", e.id, ": ", ex.what());
+    }
+  }
+  e.blob = nullptr;
+}
+
+void TensorCache::sweep_fenced_locked(bool wait) {
+  auto* drv = opts_.driver;
+  for (auto it = fenced_.begin(); it != fenced_.end();) {
+    bool done = false;
+    try {
+      mem::cuda::DeviceScope scope(drv, it->device);
+      if (wait) drv->event_synchronize(it->fence);
+      done = wait || drv->event_query(it->fence);
+    } catch (const std::exception& ex) {
+      log::error("tensor cache: waiting for a device copy before freeing its host blob: ", ex.what());
+      done = wait;
+    }
+    if (!done) {
+      ++it;
+      continue;
+    }
+    try {
+      it->store->free(it->loc);
+    } catch (const std::exception& ex) {
+      log::error("tensor cache: freeing a host blob: ", ex.what());
+    }
+    give_event_locked(it->device, it->fence);
+    it = fenced_.erase(it);
+  }
 }
 
 void TensorCache::wait_idle_locked(Lock& lock, Entry& e) {
@@ -301,6 +652,8 @@ void TensorCache::erase_locked(Lock& lock, EntryId id) {
       log::error("tensor cache: freeing entry ", id, ": ", ex.what());
     }
   }
+  free_blob_locked(e);
+  give_event_locked(e.device, e.copy_ev);
   give_event_locked(e.device, e.ready_ev);
   give_event_locked(e.device, e.dst_ready_ev);
   give_event_locked(e.device, e.load_done_ev);
@@ -367,6 +720,7 @@ Reload TensorCache::request(EntryId id) {
       return Reload::kForward;
     }
     case EntryState::kStored:
+      if (!e.acked && e.stream_ordered) return Reload::kResident;  // before its release point
       if (!e.acked) {
         // Completed after the glue's last poll: the glue drops its live
         // reference now; the completion in completions_ is then a no-op.
@@ -384,12 +738,34 @@ void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream) {
   Lock lock(mu_);
   EBB_CHECK_STATE(!closed_, "tensor cache: load on a closed cache");
   Entry& e = find(id, "start_load");
-  EBB_CHECK_STATE(e.state == EntryState::kStored && e.has_loc, "tensor cache: start_load of entry ", id,
-                  " in state ", to_string(e.state), " (expected stored)");
+  EBB_CHECK_STATE(e.state == EntryState::kStored && (e.has_loc || e.blob != nullptr),
+                  "tensor cache: start_load of entry ", id, " in state ", to_string(e.state), " (expected stored)");
   EBB_CHECK(dst != nullptr, "tensor cache: start_load of entry ", id, " into a null buffer");
   e.dst = dst;
   e.load_started = false;
   e.load_error = nullptr;
+  if (e.stream_ordered && e.blob != nullptr) {
+    // Note [Stream-ordered offload]: enqueued here, after the buffer's
+    // allocation and the store's copy, with no host wait.
+    auto* drv = opts_.driver;
+    mem::cuda::DeviceScope scope(drv, e.device);  // Note [Caller's context]
+    Lane& lane = lane_locked(e.device);
+    if (e.dst_ready_ev == 0) e.dst_ready_ev = take_event_locked(e.device);
+    if (e.load_done_ev == 0) e.load_done_ev = take_event_locked(e.device);
+    drv->event_record(e.dst_ready_ev, stream);
+    drv->stream_wait_event(lane.load, e.dst_ready_ev);
+    drv->stream_wait_event(lane.load, e.copy_ev);
+    drv->memcpy_htod_async(reinterpret_cast<mem::cuda::DevicePtr>(dst), e.blob, e.nbytes, lane.load);
+    drv->event_record(e.load_done_ev, lane.load);
+    e.loaded_once = true;
+    e.spill_queued = false;  // the bytes stay in host memory: backward reads them now
+    e.load_started = true;
+    mutate(e, EntryState::kLoaded, true);
+    e.unpacks_left = e.handles;
+    step_c_.bytes_reloaded += e.nbytes;
+    step_c_.tensors_reloaded += 1;
+    return;
+  }
   if (e.device >= 0) {
     mem::cuda::DeviceScope scope(opts_.driver, e.device);  // Note [Caller's context]
     if (e.dst_ready_ev == 0) e.dst_ready_ev = take_event_locked(e.device);
@@ -442,6 +818,7 @@ bool TensorCache::consume(EntryId id, int64_t task) {
   e.consumed_task = task;
   mutate(e, EntryState::kStored, true);
   e.dst = nullptr;
+  if (e.stream_ordered && e.has_loc) free_blob_locked(e);  // a bounce blob: the SSD still has the bytes
   return true;
 }
 
@@ -508,7 +885,8 @@ std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_locked(MicroBatc
     if (task != -1 && e.consumed_task == task) continue;
     if (distance + e.nbytes > limit && distance > 0) break;
     distance += e.nbytes;
-    if (e.state != EntryState::kStored || !e.has_loc) continue;
+    if (e.state != EntryState::kStored || !e.acked || (!e.has_loc && e.blob == nullptr)) continue;
+    if (e.reused_step == step_) continue;  // answered from its original (Note [Originals still alive])
     if (window + e.nbytes > limit) break;
     window += e.nbytes;
     out.emplace_back(e.id, e.nbytes);
@@ -546,6 +924,7 @@ void TensorCache::begin_step() {
   std::erase_if(microbatches_, [](const auto& kv) { return kv.second.live == 0; });
   step_c_.peak_resident_bytes = resident_;
   stop_offload_ = false;
+  if (!fenced_.empty()) sweep_fenced_locked(false);
 }
 
 void TensorCache::end_step() {
@@ -577,6 +956,16 @@ void TensorCache::drain() {
   done_cv_.wait(lock, [&] {
     return closed_ || ((store_q_.empty() || stores_paused_) && load_q_.empty() && busy_ == 0);
   });
+  if (!closed_) {
+    for (auto& [device, lane] : lanes_) {  // the stream-ordered copies too
+      mem::cuda::DeviceScope scope(opts_.driver, device);
+      opts_.driver->stream_synchronize(lane.copy);
+      opts_.driver->stream_synchronize(lane.load);
+      // Every copy is done: release them all, no wait is enqueued.
+      if (!lane.pending.empty()) release_through_locked(lane, lane.pending.back().through, 0);
+    }
+    if (!fenced_.empty()) sweep_fenced_locked(false);
+  }
   add_stall(seconds_since(t0));
 }
 
@@ -638,6 +1027,28 @@ void TensorCache::close() {
   for (EntryId id : ids) erase_locked(lock, id);
   microbatches_.clear();
   if (opts_.driver != nullptr) {
+    for (auto& [device, lane] : lanes_) {
+      try {
+        mem::cuda::DeviceScope scope(opts_.driver, device);
+        opts_.driver->stream_synchronize(lane.copy);
+        opts_.driver->stream_synchronize(lane.load);
+      } catch (const std::exception& ex) {
+        log::error("tensor cache: synchronizing the copy streams of device ", device, ": ", ex.what());
+      }
+      for (auto& c : lane.pending) give_event_locked(device, c.ev);
+      lane.pending.clear();
+    }
+    sweep_fenced_locked(true);
+    for (auto& [device, lane] : lanes_) {
+      try {
+        mem::cuda::DeviceScope scope(opts_.driver, device);
+        opts_.driver->stream_destroy(lane.copy);
+        opts_.driver->stream_destroy(lane.load);
+      } catch (const std::exception&) {
+      }
+    }
+    lanes_.clear();
+    staging_.reset();
     for (auto& [device, pool] : free_events_) {
       try {
         mem::cuda::DeviceScope scope(opts_.driver, device);
@@ -734,6 +1145,10 @@ mem::cuda::Stream side_stream(mem::cuda::Driver* drv, std::map<int, mem::cuda::S
 
 void TensorCache::run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Stream>& side) {
   auto it = entries_.find(id);
+  if (it != entries_.end() && it->second->stream_ordered) {
+    if (it->second->spill_queued) run_spill(lock, *it->second);
+    return;
+  }
   if (it == entries_.end() || it->second->state != EntryState::kQueued) return;  // cancelled
   Entry& e = *it->second;
   mutate(e, EntryState::kStoring, true);
@@ -770,14 +1185,8 @@ void TensorCache::run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Str
   }
   if (err) {
     step_c_.store_failures += 1;
-    std::string why;
-    try {
-      std::rethrow_exception(err);
-    } catch (const std::exception& ex) {
-      why = ex.what();
-    }
     log::warn_once("cache.store_failed." + std::to_string(reinterpret_cast<uintptr_t>(this)),
-                   detail::concat("ebbtide: storing an activation failed (", why,
+                   detail::concat("ebbtide: storing an activation failed (", what_of(err),
                                   "); keeping this step's remaining activations in memory"));
     stop_offload_ = true;
     if (e.state == EntryState::kStoring) {
@@ -801,6 +1210,10 @@ void TensorCache::run_load(Lock& lock, EntryId id, std::map<int, mem::cuda::Stre
   auto it = entries_.find(id);
   if (it == entries_.end() || it->second->state != EntryState::kLoading || it->second->load_started) return;
   Entry& e = *it->second;
+  if (e.stream_ordered) {
+    run_device_load(lock, e);
+    return;
+  }
   e.busy = true;
   e.load_started = true;
   Span dst{e.dst, e.nbytes, e.device, 0};
@@ -831,6 +1244,138 @@ void TensorCache::run_load(Lock& lock, EntryId id, std::map<int, mem::cuda::Stre
   mutate(e, EntryState::kLoaded, true);
   step_c_.bytes_reloaded += e.nbytes;
   step_c_.tensors_reloaded += 1;
+}
+
+// Note [SSD below the link]: the worker waits for the store's copy on its own
+// thread, then writes the bounce blob to the SSD. Releasing the entry waits
+// for this (the glue frees nothing the worker reads, but the blob is freed
+// after). A failed write leaves the bytes in host memory.
+void TensorCache::run_spill(Lock& lock, Entry& e) {
+  e.spill_queued = false;
+  e.spilling = true;
+  e.busy = true;
+  void* blob = e.blob;
+  const uint64_t n = e.nbytes;
+  const int dev = e.device;
+  const mem::cuda::Event copy = e.copy_ev;
+  lock.unlock();
+  Location loc = 0;
+  std::exception_ptr err;
+  try {
+    opts_.driver->bind_device(dev);
+    opts_.driver->event_synchronize(copy);
+    loc = store_->put(Span{blob, n, -1, 0, kTierSsd});
+  } catch (...) {
+    err = std::current_exception();
+  }
+  lock.lock();
+  e.busy = false;
+  e.spilling = false;
+  if (err) {
+    step_c_.store_failures += 1;
+    log::warn_once("cache.spill_failed." + std::to_string(reinterpret_cast<uintptr_t>(this)),
+                   detail::concat("ebbtide: writing an offloaded activation to the SSD failed (", what_of(err),
+                                  "); it stays in host memory"));
+    return;
+  }
+  e.loc = loc;
+  e.has_loc = true;
+  if (e.state == EntryState::kStored) free_blob_locked(e);
+}
+
+// Note [SSD below the link]: SSD -> bounce blob on this worker, then the
+// host-to-device copy on the load stream after the buffer's allocation.
+void TensorCache::run_device_load(Lock& lock, Entry& e) {
+  e.busy = true;
+  e.load_started = true;
+  const Location loc = e.loc;
+  const uint64_t n = e.nbytes;
+  const int dev = e.device;
+  void* dst = e.dst;
+  const mem::cuda::Event ready = e.dst_ready_ev;
+  const mem::cuda::Event done = e.load_done_ev;
+  const mem::cuda::Stream load = lanes_.at(dev).load;
+  Store& st = staging_locked();
+  lock.unlock();
+  HostSpace space;
+  bool have = false;
+  std::exception_ptr err;
+  try {
+    space = st.reserve_host(n);
+    have = true;
+    store_->get(loc, Span{space.ptr, n, -1, 0});
+    opts_.driver->bind_device(dev);
+    opts_.driver->stream_wait_event(load, ready);
+    opts_.driver->memcpy_htod_async(reinterpret_cast<mem::cuda::DevicePtr>(dst), space.ptr, n, load);
+    opts_.driver->event_record(done, load);
+  } catch (...) {
+    err = std::current_exception();
+  }
+  lock.lock();
+  e.busy = false;
+  if (err) {
+    if (have) {
+      try {
+        st.free(space.loc);
+      } catch (const std::exception& ex) {
+        log::error("tensor cache: freeing a bounce blob: ", ex.what());
+      }
+    }
+    step_c_.load_failures += 1;
+    e.load_error = err;
+    e.dst = nullptr;
+    mutate(e, EntryState::kStored, true);
+    return;
+  }
+  e.blob = space.ptr;
+  e.blob_store = &st;
+  e.blob_loc = space.loc;
+  e.loaded_once = true;
+  mutate(e, EntryState::kLoaded, true);
+  step_c_.bytes_reloaded += n;
+  step_c_.tensors_reloaded += 1;
+}
+
+std::pair<double, double> TensorCache::measure_link(int device, void* dev_ptr, uint64_t nbytes, int repeats) {
+  EBB_CHECK(opts_.driver != nullptr, "tensor cache: measuring the link needs the CUDA driver");
+  EBB_CHECK(dev_ptr != nullptr && nbytes > 0 && repeats > 0, "tensor cache: measure_link of ", nbytes,
+            " bytes at ", dev_ptr, ", ", repeats, " repeats");
+  Lock lock(mu_);
+  EBB_CHECK_STATE(!closed_, "tensor cache: measure_link on a closed cache");
+  auto* drv = opts_.driver;
+  mem::cuda::DeviceScope scope(drv, device);
+  Lane& lane = lane_locked(device);
+  Store& st = staging_locked();
+  HostSpace h = st.reserve_host(nbytes);
+  mem::cuda::Event ev[3] = {0, 0, 0};
+  auto cleanup = [&] {
+    for (auto& x : ev)
+      if (x != 0) drv->event_destroy(x);
+    st.free(h.loc);
+  };
+  double d2h = 0, h2d = 0;
+  try {
+    EBB_CHECK_STATE(h.pinned, "tensor cache: host memory could not be page-locked; the link was not measured");
+    for (auto& x : ev) x = drv->event_create_timed();
+    const auto dev = reinterpret_cast<mem::cuda::DevicePtr>(dev_ptr);
+    for (int i = 0; i < repeats; ++i) {
+      drv->event_record(ev[0], lane.copy);
+      drv->memcpy_dtoh_async(h.ptr, dev, nbytes, lane.copy);
+      drv->event_record(ev[1], lane.copy);
+      drv->memcpy_htod_async(dev, h.ptr, nbytes, lane.copy);
+      drv->event_record(ev[2], lane.copy);
+      drv->event_synchronize(ev[2]);
+      const double a = drv->event_elapsed_ms(ev[0], ev[1]) / 1e3;
+      const double b = drv->event_elapsed_ms(ev[1], ev[2]) / 1e3;
+      if (a > 0) d2h = std::max(d2h, double(nbytes) / a);
+      if (b > 0) h2d = std::max(h2d, double(nbytes) / b);
+    }
+  } catch (...) {
+    cleanup();
+    throw;
+  }
+  cleanup();
+  return {d2h, h2d};
 }
 
 }  // namespace ebbtide::cache

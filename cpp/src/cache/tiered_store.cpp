@@ -9,6 +9,10 @@
 
 namespace ebbtide::cache {
 
+HostSpace Store::reserve_host(uint64_t) {
+  throw Unsupported(detail::concat("store '", describe(), "' keeps no host memory"));
+}
+
 void Store::set_write_limit(int tier, double bytes_per_second) {
   throw Unsupported(detail::concat("store '", describe(), "' has no write cap (only tiered stores do)"));
 }
@@ -72,6 +76,17 @@ class TieredStore final : public Store {
       tier = kTierSsd;  // host budget full: spill to the SSD
     }
     return put_to(kTierSsd, src) | kSsdBit;
+  }
+
+  bool has_tier(int tier) const override { return tier >= 0 && tier < kTiers && tiers_[tier] != nullptr; }
+
+  HostSpace reserve_host(uint64_t nbytes) override {
+    if (!tiers_[kTierCpu]) return Store::reserve_host(nbytes);
+    HostSpace h = tiers_[kTierCpu]->reserve_host(nbytes);
+    EBB_CHECK_STATE((h.loc & kSsdBit) == 0, "tiered store: location ", h.loc, " of the host tier too large");
+    meters_[kTierCpu][0].begin();  // filled by the caller's copy: bytes, no time here
+    meters_[kTierCpu][0].end(nbytes);
+    return h;
   }
 
   void get(Location loc, const Span& dst) override {

@@ -31,6 +31,8 @@ namespace ebbtide::mem::cuda {
 
 DevicePtr Driver::mem_alloc(size_t) { throw Unsupported("cuda::Driver: mem_alloc not implemented"); }
 void Driver::mem_free(DevicePtr) { throw Unsupported("cuda::Driver: mem_free not implemented"); }
+Event Driver::event_create_timed() { throw Unsupported("cuda::Driver: timed events not implemented"); }
+float Driver::event_elapsed_ms(Event, Event) { throw Unsupported("cuda::Driver: timed events not implemented"); }
 
 namespace {
 
@@ -70,6 +72,7 @@ struct Api {
   decltype(&cuMemHostUnregister) mem_host_unregister{};
   decltype(&cuMemAlloc) mem_alloc{};
   decltype(&cuMemFree) mem_free{};
+  decltype(&cuEventElapsedTime) event_elapsed_time{};
 };
 
 // Fills `api` from `lib`; returns the first missing symbol, or "" when all are there.
@@ -107,6 +110,13 @@ std::string load_api(void* lib, Api& api) {
   get(api.mem_host_unregister, "cuMemHostUnregister");
   get(api.mem_alloc, "cuMemAlloc_v2");
   get(api.mem_free, "cuMemFree_v2");
+  // Optional (timed events only): _v2 in CUDA 12.8+ headers, the same signature before.
+  for (const char* name : {"cuEventElapsedTime_v2", "cuEventElapsedTime"}) {
+    if (void* sym = ::dlsym(lib, name)) {
+      api.event_elapsed_time = reinterpret_cast<decltype(api.event_elapsed_time)>(sym);
+      break;
+    }
+  }
   return missing;
 }
 
@@ -207,6 +217,17 @@ class DriverImpl final : public Driver {
     CUevent e = nullptr;
     check(api_.event_create(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
     return reinterpret_cast<Event>(e);
+  }
+  Event event_create_timed() override {
+    CUevent e = nullptr;
+    check(api_.event_create(&e, CU_EVENT_DEFAULT), "cuEventCreate");
+    return reinterpret_cast<Event>(e);
+  }
+  float event_elapsed_ms(Event start, Event end) override {
+    if (api_.event_elapsed_time == nullptr) throw Unsupported("libcuda.so.1 lacks cuEventElapsedTime");
+    float ms = 0;
+    check(api_.event_elapsed_time(&ms, event(start), event(end)), "cuEventElapsedTime");
+    return ms;
   }
   void event_destroy(Event e) override { check(api_.event_destroy(event(e)), "cuEventDestroy"); }
   void event_record(Event e, Stream s) override {

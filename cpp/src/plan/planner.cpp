@@ -112,7 +112,11 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
     const int tier = tier_of(d.placement);
     const double rate = write_rate[tier];
     const double duration = d.bytes == 0 ? 0.0 : (rate > 0 ? static_cast<double>(d.bytes) / rate : INFINITY);
-    d.write_done_seconds = std::max(t, w_tier[tier]) + duration;
+    // Device copies are enqueued as the module's tensors are produced, so
+    // they may start with the module rather than after it (never ending
+    // before it does).
+    const double start = o.writes_within_forward ? t - modules[i].forward_seconds : t;
+    d.write_done_seconds = std::max(t, std::max(start, w_tier[tier]) + duration);
     w_tier[tier] = d.write_done_seconds;
     (tier == 0 ? plan.bytes_cpu : plan.bytes_ssd) += d.bytes;
   }
@@ -210,8 +214,11 @@ Plan plan_greedy(const std::vector<ModuleProfile>& modules, const PlannerOptions
       if (tier == Placement::kOffloadSsd && !ssd_usable) continue;
       if (tier == Placement::kOffloadCpu && (!cpu_usable || host_left < modules[i].bytes)) continue;
       placements[i] = tier;
-      const double stall = simulate(modules, o, placements, false).predicted_stall_seconds;
-      if (stall <= base_stall + tolerance) {
+      const Plan trial = simulate(modules, o, placements, false);
+      const double stall = trial.predicted_stall_seconds;
+      const bool in_time = !o.writes_within_forward ||
+                           trial.modules[i].write_done_seconds <= trial.forward_seconds + tolerance;
+      if (in_time && stall <= base_stall + tolerance) {
         base_stall = stall;
         if (tier == Placement::kOffloadCpu) host_left -= modules[i].bytes;
         placed = true;

@@ -55,6 +55,14 @@ struct StoreStats {
   TierMeter tiers[kTiers];   // filled by tiered stores only
 };
 
+// Host memory that a caller fills itself, e.g. with a device-to-host copy it
+// enqueues and orders on its own stream (Note [Stream-ordered offload]).
+struct HostSpace {
+  Location loc = 0;
+  void* ptr = nullptr;
+  bool pinned = false;  // registered with the CUDA driver: async copies overlap compute
+};
+
 class Store {
  public:
   virtual ~Store() = default;
@@ -67,6 +75,12 @@ class Store {
   virtual void free(Location loc) = 0;
   virtual StoreStats stats() const = 0;
   virtual std::string describe() const = 0;
+  // Space for `nbytes` in host memory at `loc`; the caller writes the bytes
+  // before any get() of it and frees it like a put's. Unsupported without a
+  // host tier; IoError(ENOSPC) when that tier is full.
+  virtual HostSpace reserve_host(uint64_t nbytes);
+  // Whether puts with Span::tier == `tier` land in that kind of space.
+  virtual bool has_tier(int tier) const { return false; }
   // Host buffers whose address matches the source's at put() modulo this
   // move without a staging copy at get() (1: any buffer does).
   virtual uint64_t io_alignment() const { return 1; }

@@ -2,12 +2,16 @@
 //
 // Knows nothing of torch. The glue (python/ebbtide/cache.py) calls save() from
 // the pack hook with a storage's identity, pointer and size; the cache dedups by
-// key, queues a store on its worker threads, and reports completions through
-// poll() so the glue can drop its reference. At unpack, request() says whether
-// the glue answers from its live tensor (forwarding) or from a reload buffer it
-// allocates and hands over with start_load(); prefetch_*() choose what to load
-// next in reverse forward order within a byte window. Thread safe; workers
-// never call back into the caller. States: Note [Entry states] in the .cpp.
+// key and offloads. Device (CUDA) entries are copied stream-ordered from the
+// calling thread (Note [Stream-ordered offload] in the .cpp): save() enqueues
+// the copy on the device's copy stream and says the glue may drop the tensor
+// at once (record_stream). Host entries are stored by worker threads, whose
+// completions poll() reports so the glue can drop its reference. At unpack,
+// request() says whether the glue answers from its live tensor or from a
+// reload buffer it allocates and hands over with start_load(); prefetch_*()
+// choose what to load next in reverse forward order within a byte window.
+// Thread safe; workers never call back into the caller. States: Note [Entry
+// states] in the .cpp.
 #pragma once
 
 #include <condition_variable>
@@ -21,6 +25,7 @@
 #include <string_view>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "ebbtide/cache/store.hpp"
@@ -57,7 +62,12 @@ struct CacheOptions {
   uint64_t max_inflight_bytes = 0;               // save() waits while more store bytes are
                                                  // queued or running (0 = never waits)
   mem::cuda::Driver* driver = nullptr;           // needed for device entries
-  // Copy with EBBTIDE_PREFETCH_WINDOW, EBBTIDE_CACHE_WORKERS, EBBTIDE_MAX_INFLIGHT applied.
+  uint64_t device_inflight_bytes = 1ull << 30;   // device copies the compute stream may run
+                                                 // ahead of (Note [Copy bound]; 0 = no bound)
+  uint64_t staging_bytes = 1ull << 30;           // pinned bytes held for device entries on
+                                                 // their way to the SSD (Note [SSD below the link])
+  // Copy with EBBTIDE_PREFETCH_WINDOW, EBBTIDE_CACHE_WORKERS, EBBTIDE_MAX_INFLIGHT,
+  // EBBTIDE_DEVICE_INFLIGHT and EBBTIDE_STAGING_BYTES applied.
   CacheOptions with_env() const;
 };
 
@@ -99,6 +109,8 @@ struct Counters {
                                    // released: written, never read (Note [Abandoned stores])
   uint64_t store_failures = 0;
   uint64_t load_failures = 0;
+  uint64_t copy_waits = 0;         // times the compute stream was made to wait for an older
+                                   // device copy (Note [Copy bound])
   uint64_t saved_bytes_total = 0;  // bytes of new entries (after dedup)
   uint64_t peak_resident_bytes = 0;
   double stall_seconds = 0;        // caller time blocked on loads and stores
@@ -174,6 +186,15 @@ class TensorCache {
   void drain();
   // Holds queued stores (loads still run) until unpaused: tests stage forwarding.
   void pause_stores(bool paused);
+  // A release point (Note [Release points]): the compute stream `compute` waits
+  // for the copies of micro-batch `microbatch`'s device entries saved up to the
+  // end of `scope` (every scope: INT64_MAX), and their completions are queued
+  // for poll(), so the glue drops the tensors in the device's order.
+  void release_copies(int microbatch, int64_t scope, mem::cuda::Stream compute);
+  // Device-to-host and host-to-device bytes/s of device `device`'s link,
+  // timed with events over `nbytes` of device memory at `dev_ptr` (the glue's
+  // allocation) and a pinned buffer, best of `repeats`. Synchronizes the device.
+  std::pair<double, double> measure_link(int device, void* dev_ptr, uint64_t nbytes, int repeats = 3);
   // Changes the prefetch window (the glue sizes it from the blocks it saw).
   void set_prefetch_window(uint64_t bytes);
   // Caps the store's SSD writes (Store::set_write_limit).
@@ -196,6 +217,27 @@ class TensorCache {
 
  private:
   struct Entry;
+  // Per device: Note [Stream-ordered offload], Note [Copy bound].
+  struct Lane {
+    int device = 0;
+    mem::cuda::Stream copy = 0;  // device -> host copies, in production order
+    mem::cuda::Stream load = 0;  // host -> device reloads
+    uint64_t enqueued = 0;       // bytes ever enqueued on `copy`
+    uint64_t waited = 0;         // copies up to here are done before the compute stream goes on
+    struct Copy {
+      uint64_t through = 0;  // `enqueued` once this copy was
+      mem::cuda::Event ev = 0;
+      EntryId id = 0;
+    };
+    std::deque<Copy> pending;  // copies whose entries the glue still holds, in copy order
+  };
+  // A host blob freed once `fence` (a device copy touching it) completed.
+  struct FencedFree {
+    int device = 0;
+    mem::cuda::Event fence = 0;
+    Store* store = nullptr;
+    Location loc = 0;
+  };
   struct MicroBatch {
     std::vector<EntryId> order;              // offloaded entries, forward order
     std::map<int64_t, size_t> scope_end;     // scope -> order size at its end
@@ -208,6 +250,17 @@ class TensorCache {
   void mutate(Entry& e, EntryState s, bool acked);  // keeps resident/window sums
   void erase_locked(Lock& lock, EntryId id);
   void cancel_late_stores_locked(MicroBatch& mb);
+  enum class DevicePath { kOffloaded, kWorker, kKeep };
+  DevicePath offload_device_locked(Entry& e, const SaveRequest& r, SaveResult& out);
+  Lane& lane_locked(int device);
+  Store& staging_locked();
+  void bound_copies_locked(Lane& lane, mem::cuda::Stream compute);
+  void release_through_locked(Lane& lane, uint64_t through, mem::cuda::Stream compute);
+  void free_blob_locked(Entry& e);
+  void sweep_fenced_locked(bool wait);
+  void run_spill(Lock& lock, Entry& e);
+  void run_device_load(Lock& lock, Entry& e);
+  void ref_event_locked(mem::cuda::Event ev);
   void wait_idle_locked(Lock& lock, Entry& e);
   std::vector<std::pair<EntryId, uint64_t>> prefetch_locked(MicroBatch& mb, size_t end, int64_t task);
   void worker_main(unsigned index);
@@ -233,6 +286,10 @@ class TensorCache {
   std::deque<EntryId> load_q_;
   std::vector<Completion> completions_;
   std::map<int, std::vector<mem::cuda::Event>> free_events_;  // per device
+  std::unordered_map<mem::cuda::Event, int> event_refs_;       // holders of taken events
+  std::map<int, Lane> lanes_;
+  std::deque<FencedFree> fenced_;
+  std::unique_ptr<Store> staging_;  // pinned bounce blobs for the SSD (made on first use)
   std::vector<std::thread> workers_;
   unsigned busy_ = 0;
   EntryId next_id_ = 1;

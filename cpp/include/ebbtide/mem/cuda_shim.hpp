@@ -55,6 +55,11 @@ class Driver {
   // memory comes from the framework's allocator). Default: Unsupported.
   virtual DevicePtr mem_alloc(size_t n);
   virtual void mem_free(DevicePtr p);
+  // An event that records timestamps (for measuring the link), and the
+  // milliseconds between two such recorded events once both completed.
+  // Default: Unsupported.
+  virtual Event event_create_timed();
+  virtual float event_elapsed_ms(Event start, Event end);
 };
 
 // Makes device `ordinal`'s primary context current for a scope and restores

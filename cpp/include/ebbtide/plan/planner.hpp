@@ -31,6 +31,10 @@ struct PlannerOptions {
   int64_t prefetch_modules = 2;     // a reload may start when backward is this many modules away
   double stall_tolerance_seconds = 0;  // stall a single offload may add and still be accepted
   double replan_fraction = 0.7;     // needs_replan() below this fraction of the planned bandwidth
+  // GPU offload (Note [Release points]): a module is offloaded only if its
+  // write ends before the forward does, since memory comes back only then and
+  // a later write would stall the compute stream at the start of backward.
+  bool writes_within_forward = false;
 };
 
 enum class Placement { kKeep, kOffloadCpu, kOffloadSsd };

@@ -1,0 +1,368 @@
+// The stream-ordered device path of the tensor cache (Note [Stream-ordered
+// offload], Note [Release points], Note [Copy bound]) on the simulated GPU
+// (Note [Simulated GPU]): a training step's forward and backward are played
+// as kernels on a compute stream, the test acts as the glue and as torch's
+// caching allocator, and the activation peak is read off the device's clock.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "ebbtide/cache/store.hpp"
+#include "ebbtide/cache/tensor_cache.hpp"
+#include "ebbtide/plan/planner.hpp"
+#include "sim_driver.hpp"
+#include "test_utils.hpp"
+
+namespace ebbtide::cache {
+namespace {
+
+using test::SimDriver;
+
+// Device memory in use over the device's time: what the caching allocator
+// holds for activations and reload buffers. An allocation counts from the
+// device time at which the compute stream reaches it; a free (an ordinary
+// free on the compute stream) from the time the compute stream reaches the
+// free, i.e. after every wait enqueued before it.
+class DeviceMemory {
+ public:
+  size_t alloc(double at, uint64_t bytes) {
+    spans_.push_back({at, -1, bytes});
+    return spans_.size() - 1;
+  }
+  void free(size_t id, double at) { spans_.at(id).to = at; }
+  uint64_t peak() const {
+    std::vector<std::pair<double, int64_t>> ev;
+    for (const auto& s : spans_) {
+      ev.emplace_back(s.from, static_cast<int64_t>(s.bytes));
+      if (s.to >= 0) ev.emplace_back(s.to, -static_cast<int64_t>(s.bytes));
+    }
+    // At equal times frees go first: the allocator reuses a block freed
+    // before the allocation in the stream's order.
+    std::sort(ev.begin(), ev.end(), [](auto& a, auto& b) { return a.first < b.first || (a.first == b.first && a.second < b.second); });
+    int64_t cur = 0, best = 0;
+    for (auto& [t, d] : ev) {
+      cur += d;
+      best = std::max(best, cur);
+    }
+    return static_cast<uint64_t>(best);
+  }
+
+ private:
+  struct Span {
+    double from;
+    double to;
+    uint64_t bytes;
+  };
+  std::vector<Span> spans_;
+};
+
+struct Workload {
+  int blocks = 64;
+  int tensors_per_block = 2;
+  uint64_t tensor_bytes = 128 << 10;
+  double block_seconds = 0.25e-3;  // forward; backward takes backward_factor times as long
+  double backward_factor = 2.0;
+  uint64_t block_bytes() const { return tensor_bytes * static_cast<uint64_t>(tensors_per_block); }
+  uint64_t total_bytes() const { return block_bytes() * static_cast<uint64_t>(blocks); }
+  double forward_seconds() const { return block_seconds * blocks; }
+};
+
+struct StepResult {
+  uint64_t peak = 0;
+  double forward_end = 0;
+  double step_end = 0;
+  uint64_t offloaded = 0;
+  uint64_t copy_waits = 0;
+  bool bitwise = true;
+};
+
+// One step: offload[b] says whether block b's tensors are offloaded;
+// release_after[b] is the scope released after block b's forward (-1: none).
+// The test is the glue: it holds each saved tensor until poll() reports its
+// release, and frees it then on the compute stream.
+StepResult run_step(SimDriver& drv, TensorCache& cache, const Workload& w, const std::vector<bool>& offload,
+                    const std::vector<int64_t>& release_after) {
+  const mem::cuda::Stream compute = 7;
+  DeviceMemory mem;
+  struct Held {
+    std::vector<unsigned char> bytes;
+    size_t span = 0;
+    bool live = true;
+  };
+  std::map<EntryId, Held> held;
+  std::map<EntryId, std::vector<EntryId>> unused;
+  std::vector<std::vector<EntryId>> ids(static_cast<size_t>(w.blocks));
+  auto poll = [&] {
+    for (const auto& c : cache.poll()) {
+      auto it = held.find(c.id);
+      if (it == held.end() || !it->second.live) continue;
+      it->second.live = false;
+      mem.free(it->second.span, drv.tail(compute));
+    }
+  };
+  cache.begin_step();
+  const double kernel = w.block_seconds / w.tensors_per_block;
+  uint64_t key = 1;
+  for (int b = 0; b < w.blocks; ++b) {
+    cache.scope_end(0, b - 1);
+    for (int i = 0; i < w.tensors_per_block; ++i) {
+      Held h;
+      h.bytes = test::random_bytes(w.tensor_bytes, key);
+      h.span = mem.alloc(drv.launch(compute, kernel), w.tensor_bytes);
+      SaveRequest r;
+      r.key = key++;
+      r.ptr = h.bytes.data();
+      r.nbytes = w.tensor_bytes;
+      r.device = 0;
+      r.stream = compute;
+      r.offload = offload[static_cast<size_t>(b)];
+      EntryId id = cache.save(r).id;
+      ids[static_cast<size_t>(b)].push_back(id);
+      held.emplace(id, std::move(h));
+      poll();
+    }
+    cache.scope_end(0, b);
+    if (release_after[static_cast<size_t>(b)] >= 0) {
+      cache.release_copies(0, release_after[static_cast<size_t>(b)], compute);
+      poll();
+    }
+  }
+  StepResult out;
+  out.forward_end = drv.tail(compute);
+  // Backward: all copies of the micro-batch are released when it begins.
+  cache.release_copies(0, INT64_MAX, compute);
+  poll();
+  std::map<EntryId, std::pair<std::vector<unsigned char>, size_t>> bufs;
+  auto load = [&](EntryId id, uint64_t n) {
+    auto& buf = bufs[id];
+    buf.first.assign(n, 0);
+    buf.second = mem.alloc(drv.tail(compute), n);
+    cache.start_load(id, buf.first.data(), compute);
+  };
+  for (int b = w.blocks - 1; b >= 0; --b) {
+    for (auto [id, n] : cache.prefetch_scope(0, b)) load(id, n);
+    const auto& block = ids[static_cast<size_t>(b)];
+    for (auto it = block.rbegin(); it != block.rend(); ++it) {
+      const EntryId id = *it;
+      Held& h = held.at(id);
+      const Reload r = cache.request(id);
+      if (r == Reload::kNeedBuffer) load(id, w.tensor_bytes);
+      for (auto [pid, n] : cache.prefetch_before(id)) load(pid, n);
+      if (r == Reload::kNeedBuffer || r == Reload::kPending) {
+        EXPECT_FALSE(h.live) << "entry " << id << " reloaded while the glue still holds it";
+        cache.wait(id, compute);
+        out.bitwise = out.bitwise && bufs.at(id).first == h.bytes;
+        cache.consume(id);
+      } else {
+        EXPECT_TRUE(h.live) << "entry " << id << " answered as resident after its tensor was dropped";
+      }
+      drv.launch(compute, kernel * w.backward_factor);
+      const double done = drv.tail(compute);
+      if (h.live) {
+        h.live = false;
+        mem.free(h.span, done);
+      }
+      if (auto bit = bufs.find(id); bit != bufs.end()) mem.free(bit->second.second, done);
+      cache.release(id);
+      poll();
+    }
+  }
+  out.step_end = drv.tail(compute);
+  auto s = cache.stats();
+  cache.end_step();
+  out.peak = mem.peak();
+  out.offloaded = s.step.bytes_offloaded;
+  out.copy_waits = s.step.copy_waits;
+  return out;
+}
+
+std::unique_ptr<TensorCache> sim_cache(SimDriver& drv, uint64_t inflight = 0, uint64_t window = 4ull << 20) {
+  HostStoreOptions ho;
+  ho.driver = &drv;
+  CacheOptions co;
+  co.driver = &drv;
+  co.workers = 1;
+  co.device_inflight_bytes = inflight;
+  co.prefetch_window_bytes = window;
+  return std::make_unique<TensorCache>(make_host_store(ho), co);
+}
+
+// The planner's choice (Note [Offload rule]) and the release points the glue
+// derives from it (Note [Release points]): after block b, the blocks whose
+// copies the plan has done by b's forward end.
+void plan_step(const Workload& w, double d2h, double h2d, uint64_t window, std::vector<bool>& offload,
+               std::vector<int64_t>& release) {
+  std::vector<plan::ModuleProfile> mods;
+  for (int b = 0; b < w.blocks; ++b) mods.push_back({"block" + std::to_string(b), w.block_seconds, w.block_bytes()});
+  plan::PlannerOptions po;
+  po.host_budget_bytes = 1ull << 40;
+  po.host_write_bps = d2h;
+  po.host_read_bps = h2d;
+  po.keep_last_modules = 1;
+  po.backward_factor = w.backward_factor;
+  po.prefetch_modules = static_cast<int64_t>(std::max<uint64_t>(1, window / w.block_bytes()));
+  po.writes_within_forward = true;
+  plan::Plan p = plan::plan_offload(mods, po);
+  offload.assign(static_cast<size_t>(w.blocks), false);
+  release.assign(static_cast<size_t>(w.blocks), -1);
+  for (int b = 0; b < w.blocks; ++b) offload[static_cast<size_t>(b)] = p.modules[static_cast<size_t>(b)].placement != plan::Placement::kKeep;
+  for (int b = 0; b < w.blocks; ++b) {
+    for (int s = 0; s <= b; ++s) {
+      const auto& m = p.modules[static_cast<size_t>(s)];
+      if (m.placement != plan::Placement::kKeep && m.write_done_seconds <= p.modules[static_cast<size_t>(b)].forward_end_seconds)
+        release[static_cast<size_t>(b)] = s;
+    }
+  }
+}
+
+StepResult baseline(const Workload& w, double d2h, double h2d) {
+  SimDriver drv(d2h, h2d);
+  auto cache = sim_cache(drv);
+  return run_step(drv, *cache, w, std::vector<bool>(static_cast<size_t>(w.blocks), false),
+                  std::vector<int64_t>(static_cast<size_t>(w.blocks), -1));
+}
+
+// The criterion: activations produced at R bytes/s, a link of B
+// bytes/s: the planned step's activation peak is within 10% of what the link
+// allows (everything saved, less what the link can carry during the forward,
+// the last block kept), at the same step time.
+TEST(CacheStreamOrdered, PlannedPeakIsWithinTenPercentOfTheLinkLimit) {
+  Workload w;
+  const double R = static_cast<double>(w.block_bytes()) / w.block_seconds;
+  for (double ratio : {0.25, 0.5, 0.75}) {
+    const double d2h = R * ratio, h2d = R * ratio;
+    SCOPED_TRACE("link/production " + std::to_string(ratio));
+    StepResult none = baseline(w, d2h, h2d);
+    EXPECT_EQ(none.peak, w.total_bytes());
+    std::vector<bool> offload;
+    std::vector<int64_t> release;
+    const uint64_t window = w.total_bytes() / 4;  // reloads may start a quarter of the way ahead
+    plan_step(w, d2h, h2d, window, offload, release);
+    SimDriver drv(d2h, h2d);
+    auto cache = sim_cache(drv, 0, window);
+    StepResult r = run_step(drv, *cache, w, offload, release);
+    const double eligible = static_cast<double>(w.total_bytes() - w.block_bytes());
+    const double link_limit_peak = static_cast<double>(w.total_bytes()) - std::min(eligible, d2h * none.forward_end);
+    EXPECT_TRUE(r.bitwise);
+    EXPECT_GT(r.offloaded, 0u);
+    RecordProperty("peak_over_link_limit_" + std::to_string(int(ratio * 100)),
+                   std::to_string(static_cast<double>(r.peak) / link_limit_peak));
+    EXPECT_LE(static_cast<double>(r.peak), 1.10 * link_limit_peak)
+        << "peak " << r.peak << " link allows " << link_limit_peak << " (no offload " << none.peak << "), copy waits "
+        << r.copy_waits << ", offloaded " << r.offloaded;
+    EXPECT_LE(r.step_end, 1.03 * none.step_end) << "step " << r.step_end << " vs " << none.step_end;
+    cache->close();
+  }
+}
+
+// Note [Copy bound]: everything offloaded over a link four times slower than
+// the forward: the compute stream waits for old copies, so the peak stays
+// near the bound (plus one block's worth of released-late tensors and the
+// reload window) whatever the backlog; without the bound the backlog holds
+// nearly every activation.
+TEST(CacheStreamOrdered, CopyBoundCapsThePeakWhenTheLinkIsSlow) {
+  Workload w;
+  const double R = static_cast<double>(w.block_bytes()) / w.block_seconds;
+  const double d2h = R / 4, h2d = R / 4;
+  std::vector<bool> all(static_cast<size_t>(w.blocks), true);
+  std::vector<int64_t> none_released(static_cast<size_t>(w.blocks), -1);
+  const uint64_t bound = 2 * w.block_bytes();
+  {
+    SimDriver drv(d2h, h2d);
+    auto cache = sim_cache(drv, bound, w.block_bytes());
+    StepResult r = run_step(drv, *cache, w, all, none_released);
+    EXPECT_TRUE(r.bitwise);
+    EXPECT_GT(r.copy_waits, 0u);
+    EXPECT_LE(r.peak, bound + 2 * w.block_bytes()) << "peak " << r.peak;
+    cache->close();
+  }
+  {
+    SimDriver drv(d2h, h2d);
+    auto cache = sim_cache(drv, 0, w.block_bytes());
+    StepResult r = run_step(drv, *cache, w, all, none_released);
+    EXPECT_TRUE(r.bitwise);
+    EXPECT_GE(r.peak, w.total_bytes() - w.block_bytes()) << "without a bound nothing comes back during forward";
+    cache->close();
+  }
+}
+
+SaveRequest device_save(const std::vector<unsigned char>& data, mem::cuda::Stream stream) {
+  SaveRequest r;
+  r.key = 1;
+  r.ptr = data.data();
+  r.nbytes = data.size();
+  r.device = 0;
+  r.stream = stream;
+  return r;
+}
+
+// A reload never reads a host blob before the store's copy into it ended,
+// even when backward asks for an entry right after its copy was enqueued
+// (the reload-races-store bug of Megatron-LM#7398), and the compute stream
+// is never synchronised from the host.
+TEST(CacheStreamOrdered, ReloadWaitsForTheStoreCopyOnTheDevice) {
+  SimDriver drv(1e9, 1e9);
+  auto cache = sim_cache(drv);
+  const mem::cuda::Stream compute = 7;
+  cache->begin_step();
+  drv.launch(compute, 1e-3);
+  auto data = test::random_bytes(1 << 20, 3);
+  EntryId id = cache->save(device_save(data, compute)).id;
+  EXPECT_EQ(cache->request(id), Reload::kResident) << "before its release point the live tensor answers";
+  cache->release_copies(0, INT64_MAX, compute);
+  auto done = cache->poll();
+  ASSERT_EQ(done.size(), 1u);
+  std::vector<unsigned char> out(data.size());
+  ASSERT_EQ(cache->request(id), Reload::kNeedBuffer);
+  cache->start_load(id, out.data(), compute);
+  cache->wait(id, compute);
+  EXPECT_EQ(out, data);
+  auto copies = drv.copies();
+  ASSERT_EQ(copies.size(), 2u);
+  EXPECT_TRUE(copies[0].d2h);
+  EXPECT_FALSE(copies[1].d2h);
+  EXPECT_EQ(copies[0].host, copies[1].host) << "the reload reads the blob the store wrote";
+  EXPECT_GE(copies[0].start, 1e-3) << "the store copy waits for the producing kernel";
+  EXPECT_GE(copies[1].start, copies[0].end) << "the reload starts after the store copy ended";
+  EXPECT_GE(drv.tail(compute), copies[1].end) << "compute waits for the reload";
+  EXPECT_EQ(drv.host_time(), 0.0) << "nothing synchronised the host";
+  cache->consume(id);
+  cache->release(id);
+  cache->close();
+}
+
+// A blob freed while its copy may still run returns to the store only after
+// the copy: a fenced free, swept once the device passed it.
+TEST(CacheStreamOrdered, FreedBlobsWaitForTheirCopies) {
+  SimDriver drv(1e9, 1e9);
+  auto cache = sim_cache(drv);
+  const mem::cuda::Stream compute = 7;
+  cache->begin_step();
+  auto data = test::random_bytes(1 << 20, 4);
+  EntryId id = cache->save(device_save(data, compute)).id;
+  EXPECT_EQ(cache->stats().store.bytes_held, data.size());
+  cache->release(id);  // the graph died before backward; the copy has not run on the device's clock
+  EXPECT_EQ(cache->stats().store.bytes_held, data.size()) << "freed before its copy ran";
+  cache->drain();  // synchronizes the copy streams, then sweeps
+  EXPECT_EQ(cache->stats().store.bytes_held, 0u);
+  cache->close();
+}
+
+// The link probe times copies with events on the device's clock.
+TEST(CacheStreamOrdered, MeasureLinkReadsTheLinkBandwidth) {
+  SimDriver drv(40e9, 25e9);
+  auto cache = sim_cache(drv);
+  std::vector<unsigned char> dev(8 << 20);
+  auto [d2h, h2d] = cache->measure_link(0, dev.data(), dev.size(), 2);
+  EXPECT_NEAR(d2h, 40e9, 40e9 * 1e-3);
+  EXPECT_NEAR(h2d, 25e9, 25e9 * 1e-3);
+  cache->close();
+}
+
+}  // namespace
+}  // namespace ebbtide::cache
