@@ -41,6 +41,9 @@ logger = logging.getLogger("ebbtide")
 _TIER_NAMES = {_core.TIER_CPU: "cpu", _core.TIER_SSD: "ssd"}
 _PLACEMENT_TIER = {"offload_cpu": _core.TIER_CPU, "offload_ssd": _core.TIER_SSD}
 _MIN_MEASURED_BYTES = 1 << 20
+# On a GPU the prefetch window spans this many of the largest blocks, and the
+# plan assumes the same lead for reloads (Note [Release points]).
+_CUDA_PREFETCH_MODULES = 4
 _PROBE_BYTES = 8 << 20
 _DEFAULT_HOST_FRACTION = 0.25  # of MemAvailable: auto's host tier when training on CUDA
 
@@ -105,7 +108,9 @@ def resolve_settings(target, cuda, adaptive, host_budget_bytes, max_write_mbps):
                 raise ValueError(f"environment variable EBBTIDE_ADAPTIVE: {env!r} is not a boolean")
             adaptive = env.lower() in ("1", "true", "yes", "on")
         else:
-            adaptive = target == "auto"
+            # On a GPU every target is planned (Note [Release points]): what
+            # the link cannot copy during the forward stays resident.
+            adaptive = target == "auto" or bool(cuda)
     return max_write_bps, host_budget, bool(adaptive)
 
 
@@ -139,6 +144,7 @@ class Adaptive:
         self.measured: dict = {}     # tier name -> {"write_bps", "read_bps", "source"}
         self.replans = 0
         self.plans = 0
+        self.release_after: dict = {}  # scope -> last scope released after its forward
         self._marks: list = []       # (scope or None, float seconds | torch.cuda.Event)
         self._meter0: dict = {}
         self._cuda = False
@@ -193,9 +199,24 @@ class Adaptive:
 
     def placement(self, scope: int):
         """(offload, tier) for a tensor saved in `scope` (tier -1: the store's order)."""
-        if self.profiling or self.plan is None or self.cache._model_ref is None:
+        if self.cache._model_ref is None:
             return True, -1  # unscoped (no attach): nothing to plan by
+        if self.profiling:
+            # Note [Profiling on a GPU]: the compute is timed undisturbed and
+            # the link is probed apart, so a profile that offloads everything
+            # (copies throttled by Note [Copy bound]) cannot inflate the
+            # forward times the plan is made from.
+            return not self.cache._on_cuda(), -1
+        if self.plan is None:
+            return True, -1
         return self.decisions.get(scope, (False, -1))
+
+    def release_through(self, scope: int) -> int:
+        """After block `scope`'s forward: the last scope whose copies the plan
+        has done by then (-1: none; Note [Release points])."""
+        if self.plan is None or self.profiling:
+            return scope - 1
+        return self.release_after.get(scope, -1)
 
     # ------------------------------------------------------------ measurement
     def _scope_times(self) -> dict:
@@ -229,6 +250,16 @@ class Adaptive:
         measured = {}
         for t in core_stats.get("tiers", []):
             name = t["tier"]
+            if name == "cpu" and self.cache._on_cuda():
+                # The device path copies over the link straight into host memory.
+                try:
+                    w, rd = self.cache._link_bandwidth()
+                    measured[name] = dict(write_bps=w, read_bps=rd, source="link")
+                except (OSError, RuntimeError) as exc:
+                    logger.warning("ebbtide: measuring the GPU link failed (%s); the planner will not use "
+                                   "host memory", exc)
+                    measured[name] = dict(write_bps=0.0, read_bps=0.0, source="failed")
+                continue
             r = rates[name]
             entry = dict(write_bps=r["write_bps"], read_bps=r["read_bps"], source="step")
             if r["bytes_written"] < _MIN_MEASURED_BYTES or r["bytes_read"] < _MIN_MEASURED_BYTES:
@@ -307,20 +338,34 @@ class Adaptive:
         has_cpu = "cpu" in self.measured
         cache = self.cache
         keep_last = cache.keep_last_modules if cache._model_ref is not None else 0
+        budget = self.host_budget_bytes
+        if cache.target == "cpu":  # host memory is the only tier: bounded by capacity_bytes alone
+            budget = cache.capacity_bytes or (1 << 50)
+        cuda = cache._on_cuda()
         plan = planner.plan_offload(
             [dict(name=m["name"], forward_seconds=m["forward_seconds"], bytes=m["bytes"]) for m in self.profile_modules],
             write_bps=ssd.get("write_bps", 0.0), read_bps=ssd.get("read_bps", 0.0),
             target="auto", max_write_mbps=self.max_write_bps / 1e6 if self.max_write_bps else None,
-            host_budget_bytes=self.host_budget_bytes if has_cpu else 0,
+            host_budget_bytes=budget if has_cpu else 0,
             host_write_bps=cpu.get("write_bps", 0.0), host_read_bps=cpu.get("read_bps", 0.0),
             keep_last_modules=keep_last, backward_factor=self.backward_factor,
-            prefetch_modules=self.prefetch_modules, replan_fraction=self.replan_fraction)
+            prefetch_modules=max(self.prefetch_modules, _CUDA_PREFETCH_MODULES) if cuda else self.prefetch_modules,
+            replan_fraction=self.replan_fraction, writes_within_forward=cuda)
         decisions = {}
         for m, d in zip(self.profile_modules, plan["modules"]):
             tier = _PLACEMENT_TIER.get(d["placement"])
             decisions[m["scope"]] = (tier is not None, -1 if tier is None else tier)
             d["scope"] = m["scope"]
             d["forward_seconds"] = m["forward_seconds"]
+        # Note [Release points]: after block b, the blocks whose copies end by
+        # b's forward end.
+        release_after = {}
+        mods = plan["modules"]
+        for b, mb in enumerate(mods):
+            done = [s for s, ms in enumerate(mods[:b + 1])
+                    if ms["placement"] != "keep" and ms["write_done_seconds"] <= mb["forward_end_seconds"]]
+            release_after[mb["scope"]] = mods[max(done)]["scope"] if done else -1
+        self.release_after = release_after
         plan["reason"] = reason
         plan["backward_factor"] = self.backward_factor
         plan["measured"] = {k: dict(v) for k, v in self.measured.items()}

@@ -33,7 +33,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ebbtide import _core
-from ebbtide._adaptive import Adaptive, resolve_settings, tier_name
+from ebbtide._adaptive import _CUDA_PREFETCH_MODULES, Adaptive, resolve_settings, tier_name
 
 __all__ = ["TensorCache", "offload"]
 
@@ -43,6 +43,9 @@ _R_NEED = _core.RELOAD_NEED_BUFFER
 _R_PENDING = _core.RELOAD_PENDING
 
 _DEFAULT_MIN_BYTES = 64 * 1024
+_ALL_SCOPES = (1 << 63) - 1
+_LINK_PROBE_BYTES = 256 << 20
+_LINK_BANDWIDTH: dict = {}  # CUDA device index -> (d2h, h2d) bytes/s
 _DEFAULT_WINDOW = 512 * 1024 * 1024
 _TARGETS = ("auto", "ssd", "cpu")
 
@@ -197,6 +200,7 @@ class TensorCache:
         if self.min_bytes < 0:
             raise ValueError(f"ebbtide.TensorCache: min_bytes={min_bytes} must be >= 0")
         self.target = target
+        self.capacity_bytes = int(capacity_bytes)
         self.keep_last_modules = int(keep_last_modules)
         self._device = self._normalize_device(device) if device is not None else None
         self._tmpdir = None
@@ -260,6 +264,7 @@ class TensorCache:
         self._lock = threading.RLock()
         self._entries: dict[int, _Entry] = {}
         self._closed = False
+        self._close_pending = False  # close once the last entry goes (Note [Lifetime after the block])
         self._in_step = False
         self._last_stats = None
         self._warned_store = False
@@ -557,6 +562,8 @@ class TensorCache:
                 phase = st.data_ptr() % self._io_align if not cuda else 0
                 self._entries[eid] = _Entry(t, StorageWeakRef(st), version, nbytes, self._scope, phase)
                 self._note_plan(nbytes, off, decision, tier)
+            if cuda:
+                self._poll_locked()  # Note [Release points]: drop what the save released, before the next allocation
             return _Handle(self, eid, t, version)
 
     def _scope_placement(self):
@@ -718,7 +725,12 @@ class TensorCache:
     def _prefetch(self, candidates, stream):
         for eid, _ in candidates:
             e = self._entries.get(eid)
-            if e is None or (e.live is None and self._original(e) is not None):
+            if e is None:
+                continue
+            if e.live is None and self._original(e) is not None:
+                # Its unpack will use the original: counted now, and the core
+                # offers it to no later prefetch of this step.
+                self._core.reuse(eid)
                 continue
             try:
                 self._start_load_locked(eid, e, stream)
@@ -731,6 +743,9 @@ class TensorCache:
         with self._lock:
             if self._closed:
                 return
+            if self._on_cuda():
+                # Note [Release points]: backward of the micro-batch begins.
+                self._core.release_copies(mb, _ALL_SCOPES, self._stream())
             self._poll_locked()
             self._prefetch(self._core.prefetch_scope(mb, scope, torch._C._current_graph_task_id()), self._stream())
 
@@ -743,6 +758,31 @@ class TensorCache:
                 return
             if self._core.release(eid):
                 del self._entries[eid]
+                if self._close_pending and not self._entries:
+                    self._finish_deferred_close()
+
+    def _close_when_released(self):
+        # Note [Lifetime after the block]: ebbtide.offload() leaves its block
+        # with the step's saved-tensor hooks gone but the graph (and the
+        # handles in it) possibly alive: `loss.backward()` may come after the
+        # block, as with save_on_cpu. The module hooks go now; the core, its
+        # files and threads stay until the last handle dies, then close.
+        with self._lock:
+            if self._closed:
+                return
+            self.detach()
+            if not self._entries:
+                self.close()
+                return
+            self._close_pending = True
+
+    def _finish_deferred_close(self):
+        try:
+            self._poll_locked()
+            self._last_stats = self._make_stats()  # the backward's reloads included
+        except Exception:
+            pass
+        self.close()
 
     def _abort(self, step_no):
         # Note [Exceptions in a step]: the graph of a failed step may live on in
@@ -801,8 +841,42 @@ class TensorCache:
             if self._auto_window:
                 biggest = max((p["bytes_offloaded"] for p in self._plan.values()), default=0)
                 if biggest:
-                    self._core.set_prefetch_window(max(biggest, 64 << 10))
+                    blocks = _CUDA_PREFETCH_MODULES if self._on_cuda() else 1
+                    self._core.set_prefetch_window(max(biggest * blocks, 64 << 10))
             self._poll_locked()
+
+    def _release_after_block(self):
+        # Note [Release points] (tensor_cache.cpp): after this block's forward,
+        # the compute stream waits for the copies the plan has done by now and
+        # the glue drops those tensors, an ordinary stream-ordered free.
+        with self._lock:
+            if self._closed:
+                return
+            scope = self._scope
+            self._core.scope_end(self._fwd_mb, scope)
+            through = self._adapt.release_through(scope) if self._adapt is not None else scope - 1
+            if through >= 0:
+                self._core.release_copies(self._fwd_mb, through, self._stream())
+                self._poll_locked()
+
+    def _on_cuda(self) -> bool:
+        d = self._device
+        return self._cuda_ok and d is not None and d.type == "cuda"
+
+    def _link_bandwidth(self):
+        """(device-to-host, host-to-device) bytes/s of the training GPU's link,
+        measured once per device and process (Note [Profiling on a GPU])."""
+        d = self._device
+        if d.index not in _LINK_BANDWIDTH:
+            free, _ = torch.cuda.mem_get_info(d)
+            n = int(min(_LINK_PROBE_BYTES, max(free // 8, 1 << 20)))
+            buf = torch.empty(n, dtype=torch.uint8, device=d)
+            # The probe's streams are not ordered after the compute stream,
+            # which may still use the memory the allocator just handed out.
+            torch.cuda.current_stream(d).synchronize()
+            _LINK_BANDWIDTH[d.index] = tuple(self._core.measure_link(d.index, buf.data_ptr(), n, 3))
+            del buf
+        return _LINK_BANDWIDTH[d.index]
 
     def _on_block_pre(self, module, args):
         if not self._in_step or _in_backward() or not torch.is_grad_enabled():
@@ -822,6 +896,8 @@ class TensorCache:
         def hook(module, args, output):
             if not self._in_step or _in_backward():
                 return
+            if self._on_cuda() and self._scope >= 0:
+                self._release_after_block()
             t = _first_grad_tensor(output)
             if t is None:
                 return
@@ -843,13 +919,22 @@ def offload(model: Optional[torch.nn.Module] = None, target: str = "auto",
             path: Union[None, str, os.PathLike, Sequence] = None, **kwargs):
     """One training step with activation offloading (like torch.autograd.graph.save_on_cpu).
 
-    Yields the TensorCache; its stats() stay readable after the block.
+    Yields the TensorCache; its stats() stay readable after the block. As
+    with save_on_cpu, backward may run after the block: the cache closes (and
+    releases its files, memory and threads) once the autograd graph that
+    holds its entries is gone, or at once when nothing holds any
+    (Note [Lifetime after the block]).
     """
     cache = TensorCache(target=target, path=path, **kwargs)
+    ok = False
     try:
         if model is not None:
             cache.attach(model)
         with cache.step():
             yield cache
+        ok = True
     finally:
-        cache.close()
+        if ok:
+            cache._close_when_released()
+        else:
+            cache.close()

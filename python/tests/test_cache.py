@@ -757,3 +757,72 @@ def test_unpack_after_an_aborted_step_fails_clearly(make_cache):
             raise KeyError("stop")
     with pytest.raises(RuntimeError, match="aborted"):
         kept["y"].sum().backward()
+
+
+# Note [Lifetime after the block]: like torch's save_on_cpu (whose own tests
+# run backward after the context exits) and torchtune's OffloadActivations,
+# backward may come after `with ebbtide.offload(...)`; the cache closes when
+# the graph holding its entries is gone.
+@pytest.mark.parametrize("target", TARGETS)
+def test_backward_after_the_offload_block(target, tmp_path):
+    torch.manual_seed(0)
+    model = Net(layers=4, d=64)
+    x = torch.randn(16, 64, requires_grad=True)
+    model(x).backward()
+    ref = grads_of(model, x)
+    model.zero_grad()
+    x.grad = None
+    path = str(tmp_path / "eb") if target == "ssd" else None
+    if path:
+        os.makedirs(path)
+    with ebbtide.offload(model, target=target, path=path, min_bytes=0, keep_last_modules=0) as c:
+        loss = model(x)
+    assert not c.closed, "closed while the graph still holds its entries"
+    assert c.stats()["tensors_saved"] > 0
+    c.drain()  # every store done: backward must reload (no timing in the test)
+    loss.backward()
+    assert same(grads_of(model, x), ref)
+    del loss
+    gc.collect()
+    assert c.closed, "the cache outlived its graph"
+    s = c.stats()
+    assert s["bytes_reloaded"] + s["bytes_reused"] >= s["bytes_offloaded"] > 0
+    assert s["bytes_reloaded"] > 0
+    if path:
+        assert os.listdir(path) == [], "the slab file is gone"
+    # The model has no hooks left: a plain step runs as without ebbtide.
+    model.zero_grad()
+    x.grad = None
+    model(x).backward()
+    assert same(grads_of(model, x), ref)
+
+
+def test_offload_block_with_nothing_saved_closes_at_once():
+    with ebbtide.offload(target="cpu") as c:
+        pass
+    assert c.closed
+    # save_on_cpu's pattern without a model: plain tensors, backward later.
+    a = torch.randn(256, 256, requires_grad=True)
+    b = torch.randn(256, 256, requires_grad=True)
+    with ebbtide.offload(target="cpu", min_bytes=0) as c:
+        y = (a * b).sin()
+    assert not c.closed
+    y.sum().backward()
+    ga, gb = a.grad.clone(), b.grad.clone()
+    a.grad = b.grad = None
+    (a * b).sin().sum().backward()
+    assert torch.equal(ga, a.grad) and torch.equal(gb, b.grad)
+    del y
+    gc.collect()
+    assert c.closed
+
+
+def test_graph_dropped_without_backward_after_the_block_closes_the_cache():
+    model = Net(layers=3, d=32)
+    x = torch.randn(8, 32)
+    with ebbtide.offload(model, target="cpu", min_bytes=0) as c:
+        loss = model(x)
+    assert not c.closed
+    del loss
+    gc.collect()
+    assert c.closed

@@ -136,3 +136,52 @@ def test_cuda_checkpoint_round_trip_and_load_in_place(tmp_path):
     out = ckpt.load(tmp_path / "c")
     assert all(v.is_cuda for v in out.values())
     assert all(torch.equal(out[k], v) for k, v in model.state_dict().items())
+
+
+# Note [Release points], Note [Copy bound]: a long-lived cache plans after its
+# profiling step; planned steps give bitwise gradients, release memory in the
+# device's order (copy_waits > 0 once something is offloaded) and never raise
+# the activation peak above no offload.
+@pytest.mark.parametrize("target", ["cpu", "auto"])
+def test_cuda_planned_stream_ordered_steps(target, tmp_path):
+    torch.manual_seed(0)
+    model = Net(layers=8, d=1024).cuda().to(torch.bfloat16)
+    x = torch.randn(4, 2048, 1024, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ref = run(model, x)
+    peak_ref = torch.cuda.max_memory_allocated() - base
+    cache = ebbtide.TensorCache(target=target, path=str(tmp_path)).attach(model)
+    assert cache.adaptive, "every target is planned on a GPU"
+    try:
+        for i in range(3):  # profile, then planned steps
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            out = run(model, x, cache.step())
+            peak = torch.cuda.max_memory_allocated() - base
+            assert torch.equal(out[0], ref[0]) and all(torch.equal(a, b) for a, b in zip(out[1], ref[1]))
+            s = cache.stats()
+            assert peak <= peak_ref * 1.02, f"step {i}: peak {peak} above no offload {peak_ref}"
+        assert s["measured_bandwidth"]["cpu"]["source"] == "link"
+        if s["bytes_offloaded"]:
+            assert s["copy_waits"] > 0
+    finally:
+        cache.close()
+
+
+def test_cuda_backward_after_the_offload_block():
+    torch.manual_seed(0)
+    model = Net(layers=4, d=512).cuda()
+    x = torch.randn(4, 512, 512, device="cuda")
+    ref = run(model, x)
+    model.zero_grad(set_to_none=True)
+    with ebbtide.offload(model, target="cpu", min_bytes=0, keep_last_modules=0) as c:
+        loss = model(x)
+    loss.backward()
+    torch.cuda.synchronize()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), ref[1]))
+    del loss
+    import gc
+    gc.collect()
+    assert c.closed
