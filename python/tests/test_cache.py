@@ -835,3 +835,23 @@ def test_graph_dropped_without_backward_after_the_block_closes_the_cache():
     del loss
     gc.collect()
     assert c.closed
+
+
+def _threads_and_fds():
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_close_releases_files_and_threads_at_once(target, tmp_path):
+    # Note [Close releases]: nothing waits for garbage collection, even while
+    # a reference to the cache lives on.
+    before = _threads_and_fds()
+    c = ebbtide.TensorCache(target=target, path=str(tmp_path) if target == "ssd" else None, min_bytes=0)
+    during = _threads_and_fds()
+    assert during[0] > before[0], "the cache runs worker threads"
+    keep = c  # noqa: F841  a live reference, as a traceback would hold
+    c.close()
+    assert _threads_and_fds() == before
+    assert c.stats is not None and c.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        c.describe()

@@ -975,6 +975,7 @@ void TensorCache::set_prefetch_window(uint64_t bytes) {
 }
 
 void TensorCache::set_write_limit(int tier, double bytes_per_second) {
+  EBB_CHECK_STATE(!closed(), "tensor cache: set_write_limit on a closed cache");
   store_->set_write_limit(tier, bytes_per_second);
 }
 
@@ -1058,6 +1059,18 @@ void TensorCache::close() {
     }
   }
   free_events_.clear();
+  // Note [Close releases]
+  // The store's files, disk space and threads go now, not when the last
+  // reference to the cache does (a Python handle kept by a traceback, a
+  // garbage collection not yet run): a second cache on the same filesystem
+  // must find the space free. stats() and describe() keep their last values.
+  if (store_) {
+    closed_store_stats_ = store_->stats();
+    closed_describe_ = store_->describe();
+    auto store = std::move(store_);
+    lock.unlock();
+    store.reset();
+  }
 }
 
 bool TensorCache::closed() const {
@@ -1090,12 +1103,13 @@ CacheStats TensorCache::stats() const {
   s.entries = entries_.size();
   s.queued_stores = store_q_.size();
   s.queued_loads = load_q_.size();
-  s.store = store_->stats();
+  s.store = store_ ? store_->stats() : closed_store_stats_;
   return s;
 }
 
 std::string TensorCache::describe() const {
-  return detail::concat("tensor cache on ", store_->describe(), ", ", opts_.workers, " workers, prefetch window ",
+  return detail::concat("tensor cache on ", store_ ? store_->describe() : closed_describe_ + " (closed)", ", ",
+                        opts_.workers, " workers, prefetch window ",
                         config::format_bytes(double(opts_.prefetch_window_bytes)));
 }
 

@@ -213,7 +213,7 @@ class TensorCache {
   const CacheOptions& options() const { return opts_; }
   // Reload buffers at the saved storage's address modulo this skip a staging
   // copy (Store::io_alignment).
-  uint64_t io_alignment() const { return store_->io_alignment(); }
+  uint64_t io_alignment() const { return store_ ? store_->io_alignment() : 1; }
 
  private:
   struct Entry;
@@ -290,6 +290,8 @@ class TensorCache {
   std::map<int, Lane> lanes_;
   std::deque<FencedFree> fenced_;
   std::unique_ptr<Store> staging_;  // pinned bounce blobs for the SSD (made on first use)
+  StoreStats closed_store_stats_;   // the store's last stats, once close() released it
+  std::string closed_describe_;
   std::vector<std::thread> workers_;
   unsigned busy_ = 0;
   EntryId next_id_ = 1;
