@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import os
 import shutil
 import tempfile
@@ -55,6 +56,20 @@ def _env_bytes(name: str) -> Optional[int]:
     if not v:
         return None
     return _core.parse_bytes(v, f"environment variable {name}")
+
+
+def _check_int(what: str, value, low: int, high: Optional[int]) -> int:
+    """`value` as an int in low..high (high None: no bound), else ValueError naming `what` and the value."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        v = operator.index(value)
+    except TypeError:
+        v = None
+    if v is None or v < low or (high is not None and v > high):
+        bound = f">= {low}" if high is None else f"in {low}..{high}"
+        raise ValueError(f"{what}={value!r} must be an integer {bound}")
+    return v
 
 
 _warned_no_cuda_shim = False
@@ -194,6 +209,13 @@ class TensorCache:
             raise ValueError(f"ebbtide.TensorCache: target {target!r} is not valid (valid: 'auto', 'ssd', 'cpu')")
         if keep_last_modules < 0:
             raise ValueError(f"ebbtide.TensorCache: keep_last_modules={keep_last_modules} must be >= 0")
+        for name, value, low, high in (("capacity_bytes", capacity_bytes, 0, None),
+                                       ("prefetch_window_bytes", prefetch_window_bytes, 0, None),
+                                       ("max_inflight_bytes", max_inflight_bytes, 0, None),
+                                       ("host_budget_bytes", host_budget_bytes, 0, None),
+                                       ("workers", workers, 1, 64)):
+            if value is not None:
+                _check_int(f"ebbtide.TensorCache: {name}", value, low, high)
         if min_bytes is None:
             min_bytes = _env_bytes("EBBTIDE_MIN_BYTES")
         self.min_bytes = _DEFAULT_MIN_BYTES if min_bytes is None else int(min_bytes)
@@ -207,8 +229,10 @@ class TensorCache:
         paths: list = []
         if target in ("ssd", "auto"):
             if path is None:
-                self._tmpdir = tempfile.mkdtemp(prefix="ebbtide-")
-                paths = [self._tmpdir]
+                # The slab file is unlinked as soon as it is open, so the
+                # temporary directory itself serves: no directory of ours for
+                # a killed process to leave behind.
+                paths = [tempfile.gettempdir()]
             elif isinstance(path, (str, os.PathLike)):
                 paths = [os.fspath(path)]
             else:
@@ -236,6 +260,8 @@ class TensorCache:
                     workers = int(w) if w else 2
                 except ValueError:
                     raise ValueError(f"environment variable EBBTIDE_CACHE_WORKERS: {w!r} is not an integer")
+                if not 1 <= workers <= 64:
+                    raise ValueError(f"environment variable EBBTIDE_CACHE_WORKERS: {w!r} is not in 1..64")
             if max_inflight_bytes is None:
                 max_inflight_bytes = _env_bytes("EBBTIDE_MAX_INFLIGHT") or 0
             args = (paths, int(capacity_bytes), int(window), int(workers), bool(cuda), int(max_inflight_bytes))

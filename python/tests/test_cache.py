@@ -855,3 +855,40 @@ def test_close_releases_files_and_threads_at_once(target, tmp_path):
     assert c.stats is not None and c.closed
     with pytest.raises(RuntimeError, match="closed"):
         c.describe()
+
+
+@pytest.mark.parametrize("kw,name", [(dict(workers=-1), "workers"), (dict(workers=0), "workers"),
+                                     (dict(capacity_bytes=-5), "capacity_bytes"),
+                                     (dict(prefetch_window_bytes=-1), "prefetch_window_bytes"),
+                                     (dict(max_inflight_bytes=-1), "max_inflight_bytes"),
+                                     (dict(host_budget_bytes=-1), "host_budget_bytes"),
+                                     (dict(capacity_bytes=1.5), "capacity_bytes")])
+def test_bad_arguments_name_the_argument_and_value(kw, name):
+    with pytest.raises(ValueError, match=name):
+        ebbtide.TensorCache(target="cpu", **kw)
+
+
+def test_bad_worker_count_in_the_environment_names_the_variable(monkeypatch):
+    monkeypatch.setenv("EBBTIDE_CACHE_WORKERS", "-3")
+    with pytest.raises(ValueError, match="EBBTIDE_CACHE_WORKERS"):
+        ebbtide.TensorCache(target="cpu")
+
+
+@pytest.mark.skipif(not ssd_available(), reason="storage engine not in this build")
+def test_default_path_leaves_no_directory_even_when_killed(tmp_path):
+    # path=None: the slab lives, unlinked, in the temporary directory itself.
+    code = textwrap.dedent('''
+        import os, signal, torch, ebbtide
+        c = ebbtide.TensorCache(target="ssd", min_bytes=0)
+        x = torch.randn(256, 256, requires_grad=True)
+        with c.step():
+            y = (x * x).sin().sum()
+            c.drain()
+            print("ready", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    ''')
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    assert "ready" in p.stdout
+    assert os.listdir(tmp_path) == []
