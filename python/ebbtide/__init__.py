@@ -15,6 +15,7 @@ _LAZY = {
     # name -> module that defines it
     "offload": "ebbtide.cache",
     "TensorCache": "ebbtide.cache",
+    "release_pooled_stores": "ebbtide.cache",
     "model": "ebbtide.model",
     "checkpoint": "ebbtide.checkpoint",
     "Engine": "ebbtide.io",

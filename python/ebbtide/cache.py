@@ -36,7 +36,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ebbtide import _core
 from ebbtide._adaptive import _CUDA_PREFETCH_MODULES, Adaptive, resolve_settings, tier_name
 
-__all__ = ["TensorCache", "offload"]
+__all__ = ["TensorCache", "offload", "release_pooled_stores"]
 
 _R_RESIDENT = _core.RELOAD_RESIDENT
 _R_FORWARD = _core.RELOAD_FORWARD
@@ -204,7 +204,8 @@ class TensorCache:
                  prefetch_window_bytes: Optional[int] = None, capacity_bytes: int = 0,
                  workers: Optional[int] = None, max_inflight_bytes: Optional[int] = None,
                  device: Union[None, str, torch.device] = None, adaptive: Optional[bool] = None,
-                 host_budget_bytes: Optional[int] = None, max_write_mbps: Optional[float] = None):
+                 host_budget_bytes: Optional[int] = None, max_write_mbps: Optional[float] = None,
+                 _pooled: bool = False):
         if target not in _TARGETS:
             raise ValueError(f"ebbtide.TensorCache: target {target!r} is not valid (valid: 'auto', 'ssd', 'cpu')")
         if keep_last_modules < 0:
@@ -267,7 +268,7 @@ class TensorCache:
             args = (paths, int(capacity_bytes), int(window), int(workers), bool(cuda), int(max_inflight_bytes))
             try:
                 self._core = _core.CacheCore(target, *args, host_budget_bytes=host_budget,
-                                             max_write_bps=max_write_bps)
+                                             max_write_bps=max_write_bps, pooled=bool(_pooled))
             except OSError as exc:
                 if target != "auto":
                     raise
@@ -945,13 +946,20 @@ def offload(model: Optional[torch.nn.Module] = None, target: str = "auto",
             path: Union[None, str, os.PathLike, Sequence] = None, **kwargs):
     """One training step with activation offloading (like torch.autograd.graph.save_on_cpu).
 
-    Yields the TensorCache; its stats() stay readable after the block. As
+    Yields the TensorCache; its stats() stay readable after the block. The
+    cache's store (slab files, I/O threads, page-locked host memory) comes
+    from a process-wide pool and goes back to it at close, so entering and
+    leaving costs its setup only once per process;
+    ``ebbtide.release_pooled_stores()`` drops the idle ones. As
     with save_on_cpu, backward may run after the block: the cache closes (and
     releases its files, memory and threads) once the autograd graph that
     holds its entries is gone, or at once when nothing holds any
     (Note [Lifetime after the block]).
     """
-    cache = TensorCache(target=target, path=path, **kwargs)
+    # Note [Store pool] (bind_cache.cpp): the store is borrowed from a pool
+    # of idle ones with the same settings and given back at close, so a
+    # cache per step costs its slab file and threads once per process.
+    cache = TensorCache(target=target, path=path, _pooled=True, **kwargs)
     ok = False
     try:
         if model is not None:
@@ -964,3 +972,9 @@ def offload(model: Optional[torch.nn.Module] = None, target: str = "auto",
             cache._close_when_released()
         else:
             cache.close()
+
+
+def release_pooled_stores() -> int:
+    """Drops the idle stores ``offload()`` keeps for its next use (their slab
+    files, disk space, threads and host memory); returns how many."""
+    return int(_core.release_pooled_stores())

@@ -2,6 +2,8 @@
 // lives in python/ebbtide/cache.py; this only converts arguments and releases
 // the GIL where the core may block (release, wait, drain, close).
 #include <nanobind/ndarray.h>
+#include <deque>
+#include <mutex>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -91,6 +93,64 @@ nb::list tiers_list(const StoreStats& s) {
 
 using Prefetch = std::vector<std::pair<EntryId, uint64_t>>;
 
+// Note [Store pool]
+// ebbtide.offload() makes a cache per step, as save_on_cpu is used; building
+// its store each time costs a slab file, its fallocate and the engine's
+// threads (tens of ms). Such caches borrow an idle store of the same settings
+// from this pool and give it back at close(), every entry's space freed, so
+// that after the first step entering and leaving costs well under a
+// millisecond. At most kPoolIdle idle stores are kept in all, the most
+// recently returned (their files and threads live on while idle:
+// ebbtide.release_pooled_stores() drops them). Never destroyed (leaked like
+// the CUDA shim): static destructors at exit would run after the
+// interpreter, in an unspecified order.
+constexpr size_t kPoolIdle = 2;
+struct StorePool {
+  std::mutex mu;
+  std::deque<std::pair<std::string, std::unique_ptr<Store>>> idle;  // oldest first
+};
+StorePool& store_pool() {
+  static auto* pool = new StorePool();
+  return *pool;
+}
+
+std::unique_ptr<Store> take_pooled(const std::string& key) {
+  auto& pool = store_pool();
+  std::lock_guard<std::mutex> lock(pool.mu);
+  for (auto it = pool.idle.rbegin(); it != pool.idle.rend(); ++it) {
+    if (it->first != key) continue;
+    auto store = std::move(it->second);
+    pool.idle.erase(std::next(it).base());
+    return store;
+  }
+  return nullptr;
+}
+
+void give_pooled(const std::string& key, double max_write_bps, std::unique_ptr<Store> store) {
+  if (store->stats().blobs != 0) return;  // not clean: destroyed here
+  if (store->has_tier(kTierSsd)) store->set_write_limit(kTierSsd, max_write_bps);
+  auto& pool = store_pool();
+  std::unique_ptr<Store> evicted;  // destroyed outside the lock (joins its threads)
+  {
+    std::lock_guard<std::mutex> lock(pool.mu);
+    pool.idle.emplace_back(key, std::move(store));
+    if (pool.idle.size() > kPoolIdle) {
+      evicted = std::move(pool.idle.front().second);
+      pool.idle.pop_front();
+    }
+  }
+}
+
+size_t release_pooled() {
+  auto& pool = store_pool();
+  std::deque<std::pair<std::string, std::unique_ptr<Store>>> drop;
+  {
+    std::lock_guard<std::mutex> lock(pool.mu);
+    drop.swap(pool.idle);
+  }
+  return drop.size();
+}
+
 }  // namespace
 
 EBB_BIND(cache, 30) {
@@ -120,6 +180,8 @@ EBB_BIND(cache, 30) {
     return std::make_tuple(pool.out_bytes(), pool.spare_bytes(), pool.reused());
   });
   m.def("cuda_driver_available", [] { return cuda_driver(true) != nullptr; });
+  m.def("release_pooled_stores", &release_pooled, nb::call_guard<nb::gil_scoped_release>(),
+        "Drops the idle stores kept for ebbtide.offload() (Note [Store pool]); returns how many.");
   m.attr("RELOAD_RESIDENT") = static_cast<int>(Reload::kResident);
   m.attr("RELOAD_FORWARD") = static_cast<int>(Reload::kForward);
   m.attr("RELOAD_NEED_BUFFER") = static_cast<int>(Reload::kNeedBuffer);
@@ -131,14 +193,26 @@ EBB_BIND(cache, 30) {
       .def("__init__",
            [](TensorCache* self, const std::string& target, const std::vector<std::string>& paths,
               uint64_t capacity_bytes, uint64_t prefetch_window_bytes, unsigned workers, bool cuda,
-              uint64_t max_inflight_bytes, uint64_t host_budget_bytes, double max_write_bps) {
+              uint64_t max_inflight_bytes, uint64_t host_budget_bytes, double max_write_bps, bool pooled) {
              auto* drv = cuda_driver(cuda);
-             auto store = make_store(target, paths, capacity_bytes, host_budget_bytes, max_write_bps, drv);
+             std::string key;
+             std::unique_ptr<Store> store;
+             if (pooled) {  // Note [Store pool]
+               key = ebbtide::detail::concat(target, '|', capacity_bytes, '|', host_budget_bytes, '|',
+                                             max_write_bps, '|', drv != nullptr);
+               for (const auto& p : paths) key += "|" + p;
+               store = take_pooled(key);
+             }
+             if (!store) store = make_store(target, paths, capacity_bytes, host_budget_bytes, max_write_bps, drv);
              CacheOptions co;
              co.prefetch_window_bytes = prefetch_window_bytes;
              co.workers = workers;
              co.max_inflight_bytes = max_inflight_bytes;
              co.driver = drv;
+             if (pooled)
+               co.return_store = [key, max_write_bps](std::unique_ptr<Store> st) {
+                 give_pooled(key, max_write_bps, std::move(st));
+               };
              // EBBTIDE_* settings are resolved by the glue (arguments first);
              // the two GPU-path settings have no argument.
              if (auto v = ebbtide::config::env_bytes("EBBTIDE_DEVICE_INFLIGHT")) co.device_inflight_bytes = *v;
@@ -147,7 +221,8 @@ EBB_BIND(cache, 30) {
            },
            nb::arg("target"), nb::arg("paths"), nb::arg("capacity_bytes") = 0,
            nb::arg("prefetch_window_bytes") = 512ull << 20, nb::arg("workers") = 2, nb::arg("cuda") = false,
-           nb::arg("max_inflight_bytes") = 0, nb::arg("host_budget_bytes") = 0, nb::arg("max_write_bps") = 0.0)
+           nb::arg("max_inflight_bytes") = 0, nb::arg("host_budget_bytes") = 0, nb::arg("max_write_bps") = 0.0,
+           nb::arg("pooled") = false)
       .def("save",
            [](TensorCache& c, uint64_t key, uint64_t version, uintptr_t ptr, uint64_t nbytes, int device,
               uintptr_t stream, int microbatch, bool offload, int tier) {

@@ -892,3 +892,28 @@ def test_default_path_leaves_no_directory_even_when_killed(tmp_path):
     assert p.returncode == -signal.SIGKILL, p.stderr
     assert "ready" in p.stdout
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(not ssd_available(), reason="storage engine not in this build")
+def test_offload_per_step_reuses_a_pooled_store(tmp_path):
+    # Note [Store pool]: the second offload() with the same settings borrows
+    # the first one's store (its engine threads), and a direct TensorCache
+    # still releases its own at close.
+    ebbtide.release_pooled_stores()
+    model = Net(layers=3, d=64)
+    x = torch.randn(32, 64)
+    model(x).backward()
+    ref = grads_of(model)
+    model.zero_grad()
+    with ebbtide.offload(model, target="ssd", path=str(tmp_path), min_bytes=0) as c:
+        model(x).backward()
+    assert c.closed
+    after_first = _threads_and_fds()
+    for _ in range(3):
+        model.zero_grad()
+        with ebbtide.offload(model, target="ssd", path=str(tmp_path), min_bytes=0):
+            model(x).backward()
+        assert same(grads_of(model), ref)
+        assert _threads_and_fds() == after_first, "a pooled store was rebuilt, or a cache's threads leaked"
+    assert ebbtide.release_pooled_stores() == 1
+    assert _threads_and_fds()[0] < after_first[0], "dropping the pool joins the store's threads"

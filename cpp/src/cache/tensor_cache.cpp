@@ -1069,6 +1069,13 @@ void TensorCache::close() {
     closed_describe_ = store_->describe();
     auto store = std::move(store_);
     lock.unlock();
+    if (opts_.return_store) {
+      try {
+        opts_.return_store(std::move(store));
+      } catch (const std::exception& ex) {
+        log::error("tensor cache: returning the store to its pool: ", ex.what());
+      }
+    }
     store.reset();
   }
 }

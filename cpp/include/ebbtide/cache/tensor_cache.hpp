@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -66,6 +67,9 @@ struct CacheOptions {
                                                  // ahead of (Note [Copy bound]; 0 = no bound)
   uint64_t staging_bytes = 1ull << 30;           // pinned bytes held for device entries on
                                                  // their way to the SSD (Note [SSD below the link])
+  // When set, close() hands the store (every entry's space freed) to this
+  // instead of destroying it: a pool of stores for short-lived caches.
+  std::function<void(std::unique_ptr<Store>)> return_store;
   // Copy with EBBTIDE_PREFETCH_WINDOW, EBBTIDE_CACHE_WORKERS, EBBTIDE_MAX_INFLIGHT,
   // EBBTIDE_DEVICE_INFLIGHT and EBBTIDE_STAGING_BYTES applied.
   CacheOptions with_env() const;
