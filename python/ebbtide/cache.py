@@ -120,11 +120,12 @@ class _Handle:
     Its death (autograd freeing the graph) releases the entry and its space.
     """
 
-    __slots__ = ("cache", "eid", "dtype", "shape", "stride", "offset", "version", "tref", "__weakref__")
+    __slots__ = ("cache", "eid", "hid", "dtype", "shape", "stride", "offset", "version", "tref", "__weakref__")
 
-    def __init__(self, cache, eid, t, version):
+    def __init__(self, cache, eid, hid, t, version):
         self.cache = cache
         self.eid = eid
+        self.hid = hid
         self.dtype = t.dtype
         self.shape = t.shape
         self.stride = t.stride()
@@ -137,10 +138,16 @@ class _Handle:
 
     def __del__(self):
         c = self.cache
-        if c is not None:
+        if c is None:
+            return
+        # Note [Interrupted release] (tensor_cache.cpp): a KeyboardInterrupt
+        # landing here must not leak the entry; releasing a handle twice is
+        # harmless, so try once more.
+        for _ in range(2):
             try:
-                c._release(self.eid)
-            except Exception:  # interpreter shutdown, closed core
+                c._release(self.eid, self.hid)
+                return
+            except BaseException:  # interrupt; interpreter shutdown, closed core
                 pass
 
 
@@ -583,15 +590,15 @@ class TensorCache:
         version = t._version
         with self._lock:
             self._poll_locked()
-            eid, is_new, off = self._core.save(st._cdata, version, st.data_ptr(), nbytes, dev, stream,
-                                               self._fwd_mb, offload, tier)
+            eid, is_new, off, hid = self._core.save(st._cdata, version, st.data_ptr(), nbytes, dev, stream,
+                                                    self._fwd_mb, offload, tier)
             if is_new:
                 phase = st.data_ptr() % self._io_align if not cuda else 0
                 self._entries[eid] = _Entry(t, StorageWeakRef(st), version, nbytes, self._scope, phase)
                 self._note_plan(nbytes, off, decision, tier)
             if cuda:
                 self._poll_locked()  # Note [Release points]: drop what the save released, before the next allocation
-            return _Handle(self, eid, t, version)
+            return _Handle(self, eid, hid, t, version)
 
     def _scope_placement(self):
         """("keep" | "offload", store tier hint) for the current scope: keep_last_modules, then the plan."""
@@ -776,15 +783,12 @@ class TensorCache:
             self._poll_locked()
             self._prefetch(self._core.prefetch_scope(mb, scope, torch._C._current_graph_task_id()), self._stream())
 
-    def _release(self, eid):
+    def _release(self, eid, hid):
         with self._lock:
             if self._closed:
                 return
-            e = self._entries.get(eid)
-            if e is None:
-                return
-            if self._core.release(eid):
-                del self._entries[eid]
+            if self._core.release_handle(hid, eid):
+                self._entries.pop(eid, None)
                 if self._close_pending and not self._entries:
                     self._finish_deferred_close()
 

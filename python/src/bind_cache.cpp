@@ -237,11 +237,13 @@ EBB_BIND(cache, 30) {
              r.offload = offload;
              r.tier = tier;
              auto res = c.save(r);
-             return std::make_tuple(res.id, res.is_new, res.offloaded);
+             return std::make_tuple(res.id, res.is_new, res.offloaded, res.handle);
            },
            nb::arg("key"), nb::arg("version"), nb::arg("ptr"), nb::arg("nbytes"), nb::arg("device"),
            nb::arg("stream"), nb::arg("microbatch"), nb::arg("offload"), nb::arg("tier") = -1, nb::call_guard<nb::gil_scoped_release>())
       .def("release", &TensorCache::release, nb::arg("id"), nb::call_guard<nb::gil_scoped_release>())
+      .def("release_handle", &TensorCache::release_handle, nb::arg("handle"), nb::arg("id"),
+           nb::call_guard<nb::gil_scoped_release>())
       .def("poll",
            [](TensorCache& c) {
              std::vector<std::pair<EntryId, bool>> out;

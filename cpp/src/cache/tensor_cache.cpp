@@ -311,7 +311,9 @@ SaveResult TensorCache::save(const SaveRequest& r) {
       if (e.state == EntryState::kLoaded) e.unpacks_left += 1;
       step_c_.tensors_deduped += 1;
       bool off = e.state != EntryState::kKept && e.state != EntryState::kFailed;
-      return SaveResult{e.id, false, off};
+      const HandleId h = next_handle_++;
+      handles_.emplace(h, e.id);
+      return SaveResult{e.id, h, false, off};
     }
   }
   auto e = std::make_unique<Entry>();
@@ -339,7 +341,7 @@ SaveResult TensorCache::save(const SaveRequest& r) {
     offload = !stop_offload_;
   }
   if (offload && r.device >= 0) {
-    SaveResult out{e->id, true, true};
+    SaveResult out{e->id, 0, true, true};
     switch (offload_device_locked(*e, r, out)) {
       case DevicePath::kOffloaded: {
         step_c_.saved_bytes_total += r.nbytes;
@@ -348,6 +350,8 @@ SaveResult TensorCache::save(const SaveRequest& r) {
         mb.live += 1;
         mb.backward_began = false;
         by_key_[{r.key, r.version}] = e->id;
+        out.handle = next_handle_++;
+        handles_.emplace(out.handle, e->id);
         entries_.emplace(e->id, std::move(e));
         mem::cuda::DeviceScope scope(opts_.driver, r.device);
         bound_copies_locked(lanes_.at(r.device), r.stream);
@@ -397,7 +401,9 @@ SaveResult TensorCache::save(const SaveRequest& r) {
   }
   by_key_[{r.key, r.version}] = id;
   entries_.emplace(id, std::move(e));
-  return SaveResult{id, true, offload};
+  const HandleId h = next_handle_++;
+  handles_.emplace(h, id);
+  return SaveResult{id, h, true, offload};
 }
 
 TensorCache::Lane& TensorCache::lane_locked(int device) {
@@ -669,6 +675,22 @@ void TensorCache::erase_locked(Lock& lock, EntryId id) {
     abandoned_.emplace(id, std::move(it->second));
   }
   entries_.erase(it);
+}
+
+// Note [Interrupted release]
+// The glue releases a handle from its __del__, where a KeyboardInterrupt can
+// land between any two Python bytecodes; it then releases the handle once
+// more. Counting per handle, not per entry, makes the second call harmless: a
+// dedup'd entry is never freed while another handle still needs it.
+bool TensorCache::release_handle(HandleId handle, EntryId id) {
+  {
+    Lock lock(mu_);
+    auto it = handles_.find(handle);
+    if (it == handles_.end()) return entries_.count(id) == 0;
+    id = it->second;
+    handles_.erase(it);
+  }
+  return release(id);
 }
 
 bool TensorCache::release(EntryId id) {
@@ -1027,6 +1049,7 @@ void TensorCache::close() {
   for (const auto& [id, e] : entries_) ids.push_back(id);
   for (EntryId id : ids) erase_locked(lock, id);
   microbatches_.clear();
+  handles_.clear();
   if (opts_.driver != nullptr) {
     for (auto& [device, lane] : lanes_) {
       try {

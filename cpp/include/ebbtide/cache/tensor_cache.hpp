@@ -35,6 +35,7 @@
 namespace ebbtide::cache {
 
 using EntryId = uint64_t;
+using HandleId = uint64_t;  // one per save(): what autograd holds
 
 enum class EntryState : uint8_t {
   kKept,       // resident by policy; never offloaded
@@ -89,6 +90,7 @@ struct SaveRequest {
 
 struct SaveResult {
   EntryId id = 0;
+  HandleId handle = 0;     // release_handle() it when autograd drops it
   bool is_new = false;     // false: dedup hit, the handle joined an existing entry
   bool offloaded = false;  // a store was queued (new entry) / the entry is offloaded
 };
@@ -149,6 +151,10 @@ class TensorCache {
   // the entry is gone (the glue drops everything it holds for it). Unknown ids
   // (released by release_step) are ignored.
   bool release(EntryId id);
+  // The same for the handle save() returned; idempotent (Note [Interrupted
+  // release]): a handle already released changes nothing. Returns true when
+  // entry `id` is gone.
+  bool release_handle(HandleId handle, EntryId id);
   // Completions since the last poll, in completion order.
   std::vector<Completion> poll();
 
@@ -285,6 +291,8 @@ class TensorCache {
   // the worker frees their space and drops them (Note [Abandoned stores]).
   std::unordered_map<EntryId, std::unique_ptr<Entry>> abandoned_;
   std::map<std::pair<uint64_t, uint64_t>, EntryId> by_key_;  // (key, version)
+  std::unordered_map<HandleId, EntryId> handles_;             // handles not yet released
+  HandleId next_handle_ = 1;
   std::map<int, MicroBatch> microbatches_;
   std::deque<EntryId> store_q_;
   std::deque<EntryId> load_q_;
