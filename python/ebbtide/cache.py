@@ -68,7 +68,7 @@ def _check_int(what: str, value, low: int, high: Optional[int]) -> int:
         v = None
     if v is None or v < low or (high is not None and v > high):
         bound = f">= {low}" if high is None else f"in {low}..{high}"
-        raise ValueError(f"{what}={value!r} must be an integer {bound}")
+        raise ValueError(f"{what}={value!r} must be {bound} (an integer)")
     return v
 
 
