@@ -411,6 +411,25 @@ TEST_P(IoEngine, InjectedDiskFullMidWrite) {
   EXPECT_EQ(e->stats().bytes_stored, src.size());
 }
 
+// Note [Slab growth]: less free space than one growth step still takes what fits.
+TEST_P(IoEngine, SlabGrowsByWhatFitsWhenAStepDoesNot) {
+  TempDir d;
+  std::string mnt = d.sub("small");
+  TmpfsMount m(mnt, "size=8m");
+  if (!m.ok()) GTEST_SKIP() << "cannot mount a small tmpfs here";
+  auto o = options({mnt});
+  o.slab_grow_bytes = 64 * kMiB;  // far more than the filesystem holds
+  MAKE_OR_SKIP(e, o);
+  std::vector<io::SlotId> slots;
+  for (int i = 0; i < 3; ++i) slots.push_back(e->allocate(2 * kMiB));
+  TestBuffer src(2 * kMiB), back(2 * kMiB);
+  src.fill(7);
+  e->write(slots[2], src.buf()).wait();
+  e->read(slots[2], back.buf()).wait();
+  EXPECT_EQ(0, std::memcmp(back.data(), src.data(), src.size()));
+  EXPECT_THROW(e->allocate(8 * kMiB), ebbtide::IoError);  // and a clean ENOSPC past it
+}
+
 TEST_P(IoEngine, SmallFilesystemFullMidWrite) {
   TempDir d;
   std::string mnt = d.sub("small");

@@ -524,7 +524,18 @@ void Engine::Impl::grow_for(uint64_t nbytes) {
                                    " bytes in use)"));
     target = slab_limit;
   }
-  for (auto& s : slabs) s->grow_to(target);  // IoError names the directory
+  try {
+    for (auto& s : slabs) s->grow_to(target);  // IoError names the directory
+  } catch (const IoError& e) {
+    // Note [Slab growth]: a whole step did not fit the free space; grow by
+    // what this reservation needs, so a device with less than a step free
+    // still takes what fits.
+    uint64_t need = (short_by + n - 1) / n;
+    need = (need + opt.chunk_bytes - 1) / opt.chunk_bytes * opt.chunk_bytes;
+    if (e.err() != ENOSPC || slab_size + need >= target) throw;
+    target = slab_size + need;
+    for (auto& s : slabs) s->grow_to(target);
+  }
   slab_size = target;
   alloc.grow(slab_size * n);
 }
