@@ -82,13 +82,14 @@ def _available_memory() -> int:
 def resolve_settings(target, cuda, adaptive, host_budget_bytes, max_write_mbps):
     """(max_write_bps, host_budget_bytes, adaptive) from arguments, then EBBTIDE_* variables."""
     explicit_cap = max_write_mbps is not None
+    source = "ebbtide.TensorCache: max_write_mbps"
     if max_write_mbps is None:
         max_write_mbps = _env_float("EBBTIDE_MAX_WRITE_MBPS")
+        source = "environment variable EBBTIDE_MAX_WRITE_MBPS"
     if max_write_mbps is not None and (isinstance(max_write_mbps, bool)
                                        or not isinstance(max_write_mbps, (int, float))
                                        or not math.isfinite(max_write_mbps) or max_write_mbps < 0):
-        raise ValueError(f"ebbtide.TensorCache: max_write_mbps={max_write_mbps!r} must be a number >= 0 "
-                         "(MB/s; 0 = no cap)")
+        raise ValueError(f"{source}={max_write_mbps!r} must be a number >= 0 (MB/s; 0 = no cap)")
     if target == "cpu" and explicit_cap and max_write_mbps:
         raise ValueError("ebbtide.TensorCache: max_write_mbps caps SSD writes; target 'cpu' writes none "
                          "(use target 'auto' or 'ssd')")

@@ -940,3 +940,9 @@ def test_a_handle_released_twice_frees_nothing_another_handle_needs():
         assert not cache._core.contains(eid)
         h1.cache = None  # already released: nothing left for its __del__ to do
     cache.close()
+
+
+@pytest.mark.skipif(not ssd_available(), reason="storage engine not in this build")
+def test_overlong_path_is_named_as_such():
+    with pytest.raises(OSError, match="too long"):
+        ebbtide.TensorCache(target="ssd", path="/tmp/" + "a" * 4096)

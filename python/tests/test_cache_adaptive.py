@@ -271,7 +271,7 @@ def test_bad_settings(tmp_path, kwargs, match):
 
 @pytest.mark.parametrize("var, value, match", [
     ("EBBTIDE_MAX_WRITE_MBPS", "fast", "EBBTIDE_MAX_WRITE_MBPS: 'fast' is not a number"),
-    ("EBBTIDE_MAX_WRITE_MBPS", "-3", "must be a number >= 0"),
+    ("EBBTIDE_MAX_WRITE_MBPS", "-3", "variable EBBTIDE_MAX_WRITE_MBPS=-3.0 must be a number >= 0"),
     ("EBBTIDE_ADAPTIVE", "maybe", "EBBTIDE_ADAPTIVE: 'maybe' is not a boolean"),
     ("EBBTIDE_HOST_BUDGET", "lots", "EBBTIDE_HOST_BUDGET"),
 ])

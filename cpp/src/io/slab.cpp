@@ -67,7 +67,9 @@ SlabFile::SlabFile(const std::string& dir, bool want_direct) : dir_(dir) {
   if (::stat(dir.c_str(), &st) != 0) {
     int e = errno;
     throw IoError(e, dir, -1,
-                  e == ENOENT ? "slab directory does not exist" : "cannot access slab directory");
+                  e == ENOENT         ? "slab directory does not exist"
+                  : e == ENAMETOOLONG ? "slab directory path is too long"
+                                      : "cannot access slab directory");
   }
   if (!S_ISDIR(st.st_mode)) throw IoError(ENOTDIR, dir, -1, "slab path is not a directory");
   std::error_code ec;
