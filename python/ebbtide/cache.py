@@ -58,6 +58,29 @@ def _env_bytes(name: str) -> Optional[int]:
     return _core.parse_bytes(v, f"environment variable {name}")
 
 
+class _KeptCounts:
+    """Per step (or in all) counts of resident saves the core never sees."""
+
+    __slots__ = ("saved", "new", "deduped", "bytes", "peak")
+
+    def __init__(self):
+        self.saved = self.new = self.deduped = self.bytes = self.peak = 0
+
+    def fold(self, step):
+        self.saved += step.saved
+        self.new += step.new
+        self.deduped += step.deduped
+        self.bytes += step.bytes
+        self.peak = max(self.peak, step.peak)
+
+    def add_to(self, d):
+        d["tensors_saved"] += self.saved
+        d["tensors_kept"] += self.new
+        d["tensors_deduped"] += self.deduped
+        d["saved_bytes_total"] += self.bytes
+        d["peak_resident_bytes"] += self.peak
+
+
 def _check_int(what: str, value, low: int, high: Optional[int]) -> int:
     """`value` as an int in low..high (high None: no bound), else ValueError naming `what` and the value."""
     try:
@@ -82,6 +105,11 @@ def _warn_no_cuda_shim():
         warnings.warn("ebbtide: CUDA tensors stay on the GPU (nothing is offloaded): the CUDA driver shim is "
                       f"unavailable ({_core.cuda_unavailable_reason() or 'disabled for this cache'})",
                       RuntimeWarning, stacklevel=4)
+
+
+_STRIDED = torch.strided
+_graph_task_id = torch._C._current_graph_task_id
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def _in_backward() -> bool:
@@ -148,6 +176,38 @@ class _Handle:
                 c._release(self.eid, self.hid)
                 return
             except BaseException:  # interrupt; interpreter shutdown, closed core
+                pass
+
+
+class _KeptView:
+    """dtype, shape and version of a kept tensor, for the in-place error."""
+
+    __slots__ = ("dtype", "shape", "version")
+
+    def __init__(self, t, version):
+        self.dtype, self.shape, self.version = t.dtype, t.shape, version
+
+
+class _Kept:
+    """What autograd keeps for a saved tensor that stays resident (Note [Kept
+    tensors]): the tensor and its version at pack. No core entry, no lock on
+    unpack; the version check is the one identity hooks would lose."""
+
+    __slots__ = ("cache", "t", "version", "key", "nbytes")
+
+    def __init__(self, cache, t, version, key, nbytes):
+        self.cache = cache
+        self.t = t
+        self.version = version
+        self.key = key
+        self.nbytes = nbytes
+
+    def __del__(self):
+        c = self.cache
+        if c is not None:
+            try:
+                c._kept_gone(self.key, self.nbytes)
+            except BaseException:  # interpreter shutdown
                 pass
 
 
@@ -299,6 +359,12 @@ class TensorCache:
         self._entries: dict[int, _Entry] = {}
         self._closed = False
         self._close_pending = False  # close once the last entry goes (Note [Lifetime after the block])
+        # Note [Kept tensors]: resident saves, counted here (the core never sees them).
+        self._kept_refs: dict = {}   # (storage key, version) -> live _Kept handles
+        self._kept_live = 0          # bytes of those storages
+        self._kept_step = _KeptCounts()
+        self._kept_total = _KeptCounts()
+        self._kept_unflushed = 0     # CUDA: bytes not yet told to the core (note_kept)
         self._in_step = False
         self._last_stats = None
         self._warned_store = False
@@ -360,6 +426,10 @@ class TensorCache:
         if model is not None:
             self._record_params(model)
         self._core.begin_step()
+        with self._lock:
+            self._kept_step = _KeptCounts()
+            self._kept_step.peak = self._kept_live
+            self._kept_unflushed = 0
         if self._adapt is not None:
             self._adapt.begin_step(self._core.stats())
         step_no = self._core.current_step
@@ -385,6 +455,7 @@ class TensorCache:
                 if not self._closed:
                     self._poll_locked()
                     self._core.end_step()
+                    self._kept_total.fold(self._kept_step)
                     if ok and self._adapt is not None:
                         self._adapt.end_step(self._core.stats())
                     self._last_stats = self._make_stats()
@@ -532,13 +603,14 @@ class TensorCache:
         self._param_storages = keys
         self._param_refs = refs
 
-    def _is_param_storage(self, t) -> bool:
-        b = t
+    def _base_is_param(self, b) -> bool:
+        """Whether `b` (a view's base) or its bases are, or share storage with, a parameter or buffer."""
+        params = self._param_storages
         for _ in range(8):
-            if isinstance(b, torch.nn.Parameter):
+            if type(b) is not torch.Tensor and isinstance(b, torch.nn.Parameter):
                 return True
             try:
-                if b.untyped_storage()._cdata in self._param_storages:
+                if b.untyped_storage()._cdata in params:
                     return True
             except Exception:
                 return True
@@ -547,43 +619,56 @@ class TensorCache:
                 return False
         return True
 
-    def _eligible(self, t) -> bool:
-        # Note [What is never offloaded]: parameters and anything sharing their
-        # storage, tensor subclasses (DTensor, FakeTensor, Parameter), non-strided
-        # or exotic tensors, tensors off the training device, saves during backward.
-        if type(t) is not torch.Tensor:
-            return False
-        if t.layout != torch.strided or t.is_quantized or t.is_meta or t.is_nested:
-            return False
-        if t.is_conj() or t.is_neg() or torch._C._functorch.is_functorch_wrapped_tensor(t):
-            return False
-        if self._device is None:
-            self._device = t.device
-        if t.device != self._device:
-            return False
-        if t.device.type != "cpu" and not (t.is_cuda and self._cuda_ok):
+    def _eligible(self, t):
+        """The storage of `t` when it may be offloaded, else None.
+
+        Note [What is never offloaded]: parameters and anything sharing their
+        storage, tensor subclasses (DTensor, FakeTensor, Parameter), non-strided
+        or exotic tensors, tensors off the training device, saves during
+        backward. Ordered cheapest first: it runs for every saved tensor.
+        """
+        if type(t) is not torch.Tensor or _graph_task_id() != -1:
+            return None
+        d = t.device
+        dev = self._device
+        if dev is None:
+            if t.is_meta:
+                return None
+            self._device = dev = d
+        if d != dev:
+            return None
+        if (t.layout != _STRIDED or t.is_quantized or t.is_nested or t.is_conj() or t.is_neg()
+                or _is_functorch_wrapped(t)):
+            return None
+        if d.type != "cpu" and not (t.is_cuda and self._cuda_ok):
             if t.is_cuda:
                 _warn_no_cuda_shim()
-            return False
-        if _in_backward():
-            return False
-        if self._is_param_storage(t):
-            return False
-        return True
+            return None
+        st = t.untyped_storage()
+        if st._cdata in self._param_storages:
+            return None
+        b = t._base
+        if b is not None and self._base_is_param(b):
+            return None
+        return st
 
     def _keeping_scope(self) -> bool:
         k = self.keep_last_modules
         return k > 0 and self._model_ref is not None and self._scope >= self._expected_blocks - k
 
     def _pack(self, t):
-        if self._closed or not self._eligible(t):
+        if self._closed:
             return t
-        st = t.untyped_storage()
+        st = self._eligible(t)
+        if st is None:
+            return t
         nbytes = st.nbytes()
         if nbytes == 0:
             return t
         decision, tier = self._scope_placement()
-        offload = nbytes >= self.min_bytes and decision == "offload"
+        if nbytes < self.min_bytes or decision != "offload":
+            return self._keep(t, st, nbytes, decision, tier)
+        offload = True
         cuda = t.device.type == "cuda"
         dev = t.device.index if cuda else -1
         stream = torch.cuda.current_stream(t.device).cuda_stream if cuda else 0
@@ -599,6 +684,50 @@ class TensorCache:
             if cuda:
                 self._poll_locked()  # Note [Release points]: drop what the save released, before the next allocation
             return _Handle(self, eid, hid, t, version)
+
+    def _keep(self, t, st, nbytes, decision, tier):
+        # Note [Kept tensors]: a save that stays resident needs no core entry:
+        # the handle holds the tensor (as autograd would) and its version. The
+        # counts keep stats() as they were: one per storage and version, like
+        # the core's dedup, and the key is unique while a handle holds the
+        # storage. On a GPU the core learns the bytes per block, for the
+        # prefetch distance.
+        version = t._version
+        key = (st._cdata, version)
+        with self._lock:
+            c = self._kept_step
+            c.saved += 1
+            n = self._kept_refs.get(key)
+            if n is None:
+                self._kept_refs[key] = 1
+                c.new += 1
+                c.bytes += nbytes
+                self._kept_live += nbytes
+                if self._kept_live > c.peak:
+                    c.peak = self._kept_live
+                self._note_plan(nbytes, False, decision, tier)
+                if t.is_cuda:
+                    self._kept_unflushed += nbytes
+            else:
+                self._kept_refs[key] = n + 1
+                c.deduped += 1
+        return _Kept(self, t, version, key, nbytes)
+
+    def _kept_gone(self, key, nbytes):
+        with self._lock:
+            n = self._kept_refs.get(key)
+            if n is None:
+                return
+            if n > 1:
+                self._kept_refs[key] = n - 1
+            else:
+                del self._kept_refs[key]
+                self._kept_live -= nbytes
+
+    def _flush_kept_locked(self):
+        if self._kept_unflushed:
+            self._core.note_kept(self._fwd_mb, self._kept_unflushed)
+            self._kept_unflushed = 0
 
     def _scope_placement(self):
         """("keep" | "offload", store tier hint) for the current scope: keep_last_modules, then the plan."""
@@ -662,7 +791,13 @@ class TensorCache:
         return out
 
     def _unpack(self, h):
-        if type(h) is not _Handle:
+        tp = type(h)
+        if tp is _Kept:
+            t = h.t
+            if t._version != h.version:
+                self._check_version(_KeptView(t, h.version), t._version)
+            return t
+        if tp is not _Handle:
             return h
         return h.cache._reload(h)
 
@@ -828,9 +963,11 @@ class TensorCache:
     def _make_stats(self) -> dict:
         s = self._core.stats()
         out = dict(s["step"])
-        out["total"] = s["total"]
+        self._kept_step.add_to(out)  # Note [Kept tensors]
+        out["total"] = dict(s["total"])
+        self._kept_total.add_to(out["total"])
         out["steps"] = s["steps"]
-        out["resident_bytes"] = s["resident_bytes"]
+        out["resident_bytes"] = s["resident_bytes"] + self._kept_live
         out["entries"] = s["entries"]
         out["store_bytes_held"] = s["store_bytes_held"]
         out["store_bytes_staged"] = s["store_bytes_staged"]
@@ -866,6 +1003,7 @@ class TensorCache:
         with self._lock:
             if self._closed:
                 return
+            self._flush_kept_locked()
             self._core.scope_end(self._fwd_mb, max(self._scope, 0))
             if self._blocks_in_fwd:
                 self._expected_blocks = self._blocks_in_fwd
@@ -915,6 +1053,7 @@ class TensorCache:
         with self._lock:
             if self._closed:
                 return
+            self._flush_kept_locked()
             if self._scope >= 0:
                 self._core.scope_end(self._fwd_mb, self._scope)
             self._scope = self._blocks_in_fwd

@@ -260,6 +260,7 @@ EBB_BIND(cache, 30) {
       .def("consume", &TensorCache::consume, nb::arg("id"), nb::arg("task") = -1)
       .def("reuse", &TensorCache::reuse, nb::arg("id"))
       .def("scope_end", &TensorCache::scope_end, nb::arg("microbatch"), nb::arg("scope"))
+      .def("note_kept", &TensorCache::note_kept, nb::arg("microbatch"), nb::arg("nbytes"))
       .def("prefetch_scope", &TensorCache::prefetch_scope, nb::arg("microbatch"), nb::arg("scope"),
            nb::arg("task") = -1)
       .def("prefetch_before", &TensorCache::prefetch_before, nb::arg("id"), nb::arg("task") = -1)

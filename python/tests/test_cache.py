@@ -946,3 +946,25 @@ def test_a_handle_released_twice_frees_nothing_another_handle_needs():
 def test_overlong_path_is_named_as_such():
     with pytest.raises(OSError, match="too long"):
         ebbtide.TensorCache(target="ssd", path="/tmp/" + "a" * 4096)
+
+
+def test_kept_tensors_take_no_core_entry_and_keep_the_inplace_check():
+    # Note [Kept tensors]: identity hooks lose autograd's in-place check (a
+    # silently wrong gradient); the kept handle keeps it, without an entry.
+    a = torch.randn(64, 64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        b = a * 2
+        c = b.sin()
+        b.add_(1)
+    c.sum().backward()  # what identity hooks allow
+    cache = ebbtide.TensorCache(target="cpu", min_bytes=1 << 30)
+    with cache.step():
+        b = a * 2
+        c = b.sin()
+        assert cache._core.stats()["entries"] == 0
+        s = cache.stats()
+        assert s["tensors_kept"] >= 1 and s["resident_bytes"] >= b.numel() * 4
+        b.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            c.sum().backward()
+    cache.close()

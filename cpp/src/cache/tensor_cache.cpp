@@ -881,6 +881,12 @@ void TensorCache::cancel_late_stores_locked(MicroBatch& mb) {
   }
 }
 
+void TensorCache::note_kept(int microbatch, uint64_t nbytes) {
+  Lock lock(mu_);
+  auto& mb = microbatches_[microbatch];
+  mb.kept_at[mb.order.size()] += nbytes;
+}
+
 void TensorCache::scope_end(int microbatch, int64_t scope) {
   Lock lock(mu_);
   auto& mb = microbatches_[microbatch];
@@ -901,6 +907,7 @@ std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_locked(MicroBatc
   uint64_t distance = 0;
   const uint64_t limit = opts_.prefetch_window_bytes;
   for (size_t i = std::min(end, mb.order.size()); i-- > 0;) {
+    if (auto k = mb.kept_at.find(i + 1); k != mb.kept_at.end()) distance += k->second;
     auto it = entries_.find(mb.order[i]);
     if (it == entries_.end()) continue;
     const Entry& e = *it->second;

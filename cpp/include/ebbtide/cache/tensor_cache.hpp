@@ -177,6 +177,10 @@ class TensorCache {
 
   // The micro-batch's current end of forward order (for scope bookkeeping).
   void scope_end(int microbatch, int64_t scope);
+  // `nbytes` the glue kept resident without an entry were saved at this point
+  // of the micro-batch's forward order: the prefetch distance counts them
+  // (Note [Prefetch distance]).
+  void note_kept(int microbatch, uint64_t nbytes);
   // Stored entries to load next, in reverse forward order from the end of
   // `scope` (or from just before entry `id`), within the prefetch window.
   // prefetch_scope also marks the start of the micro-batch's backward: its
@@ -251,6 +255,7 @@ class TensorCache {
   struct MicroBatch {
     std::vector<EntryId> order;              // offloaded entries, forward order
     std::map<int64_t, size_t> scope_end;     // scope -> order size at its end
+    std::map<size_t, uint64_t> kept_at;      // order size -> bytes kept there without entries
     size_t live = 0;
     bool backward_began = false;  // its queued stores were cancelled (Note [Late stores])
   };
