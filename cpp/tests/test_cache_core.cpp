@@ -280,6 +280,21 @@ TEST(CacheCore, PrefetchGoesInReverseForwardOrderWithinTheWindow) {
 // reached and a stored one count towards the window, so a stored early block
 // is not reloaded at the start of backward while later ones (forwarded: their
 // stores lagged compute) are still resident.
+// Bytes the glue kept without entries (note_kept) count towards the
+// distance too: a reload waits until backward has passed them.
+TEST(CacheCore, KeptBytesWithoutEntriesCountTowardsThePrefetchDistance) {
+  Fixture f(/*window=*/250);
+  auto a = test::random_bytes(100, 1);
+  EntryId id = f.save(a, 100);
+  f.cache->scope_end(0, 0);
+  f.cache->note_kept(0, 300);  // blocks 1..3 kept in the glue
+  f.cache->scope_end(0, 3);
+  f.cache->drain();
+  f.cache->poll();
+  EXPECT_TRUE(f.cache->prefetch_scope(0, 3).empty()) << "300 kept bytes ahead of it: beyond the window";
+  EXPECT_EQ(ids_of(f.cache->prefetch_scope(0, 0)), (std::vector<EntryId>{id}));
+}
+
 TEST(CacheCore, ResidentEntriesCountTowardsThePrefetchDistance) {
   Fixture f(/*window=*/250);
   std::vector<std::vector<unsigned char>> bufs;

@@ -139,6 +139,9 @@ struct TensorCache::Entry {
 
 namespace {
 
+// In MicroBatch::order: bytes the glue kept without an entry (note_kept).
+constexpr EntryId kKeptBytes = 0;
+
 bool is_resident(EntryState s, bool acked) {
   switch (s) {
     case EntryState::kStored: return !acked;
@@ -884,7 +887,8 @@ void TensorCache::cancel_late_stores_locked(MicroBatch& mb) {
 void TensorCache::note_kept(int microbatch, uint64_t nbytes) {
   Lock lock(mu_);
   auto& mb = microbatches_[microbatch];
-  mb.kept_at[mb.order.size()] += nbytes;
+  mb.kept_at[mb.order.size()] = nbytes;
+  mb.order.push_back(kKeptBytes);  // a place in the order, no entry
 }
 
 void TensorCache::scope_end(int microbatch, int64_t scope) {
@@ -907,7 +911,10 @@ std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_locked(MicroBatc
   uint64_t distance = 0;
   const uint64_t limit = opts_.prefetch_window_bytes;
   for (size_t i = std::min(end, mb.order.size()); i-- > 0;) {
-    if (auto k = mb.kept_at.find(i + 1); k != mb.kept_at.end()) distance += k->second;
+    if (mb.order[i] == kKeptBytes) {
+      distance += mb.kept_at[i];
+      continue;
+    }
     auto it = entries_.find(mb.order[i]);
     if (it == entries_.end()) continue;
     const Entry& e = *it->second;

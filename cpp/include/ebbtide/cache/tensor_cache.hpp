@@ -255,7 +255,7 @@ class TensorCache {
   struct MicroBatch {
     std::vector<EntryId> order;              // offloaded entries, forward order
     std::map<int64_t, size_t> scope_end;     // scope -> order size at its end
-    std::map<size_t, uint64_t> kept_at;      // order size -> bytes kept there without entries
+    std::map<size_t, uint64_t> kept_at;      // order index -> bytes kept there without entries
     size_t live = 0;
     bool backward_began = false;  // its queued stores were cancelled (Note [Late stores])
   };
