@@ -851,7 +851,9 @@ def test_close_releases_files_and_threads_at_once(target, tmp_path):
     assert during[0] > before[0], "the cache runs worker threads"
     keep = c  # noqa: F841  a live reference, as a traceback would hold
     c.close()
-    assert _threads_and_fds() == before
+    after = _threads_and_fds()
+    # <=, not ==: a thread of an earlier test may end meanwhile; none may be left over.
+    assert after[0] <= before[0] and after[1] <= before[1], (before, during, after)
     assert c.stats is not None and c.closed
     with pytest.raises(RuntimeError, match="closed"):
         c.describe()
