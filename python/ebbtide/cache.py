@@ -179,13 +179,13 @@ class _Handle:
                 pass
 
 
-class _KeptView:
-    """dtype, shape and version of a kept tensor, for the in-place error."""
-
-    __slots__ = ("dtype", "shape", "version")
-
-    def __init__(self, t, version):
-        self.dtype, self.shape, self.version = t.dtype, t.shape, version
+def _check_version(dtype, shape, saved, current):
+    """The RuntimeError autograd raises when a saved tensor changed in place."""
+    if current != saved:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{dtype} {list(shape)}] is at version {current}; expected version "
+            f"{saved} instead. (reported by ebbtide's saved-tensor hooks)")
 
 
 class _Kept:
@@ -774,11 +774,7 @@ class TensorCache:
 
     @staticmethod
     def _check_version(h, current):
-        if current != h.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: [{h.dtype} {list(h.shape)}] is at version {current}; expected version "
-                f"{h.version} instead. (reported by ebbtide's saved-tensor hooks)")
+        _check_version(h.dtype, h.shape, h.version, current)
 
     @staticmethod
     def _view(h, storage, device, byte_off=0):
@@ -795,7 +791,7 @@ class TensorCache:
         if tp is _Kept:
             t = h.t
             if t._version != h.version:
-                self._check_version(_KeptView(t, h.version), t._version)
+                _check_version(t.dtype, t.shape, h.version, t._version)
             return t
         if tp is not _Handle:
             return h

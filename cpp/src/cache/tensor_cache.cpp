@@ -314,9 +314,7 @@ SaveResult TensorCache::save(const SaveRequest& r) {
       if (e.state == EntryState::kLoaded) e.unpacks_left += 1;
       step_c_.tensors_deduped += 1;
       bool off = e.state != EntryState::kKept && e.state != EntryState::kFailed;
-      const HandleId h = next_handle_++;
-      handles_.emplace(h, e.id);
-      return SaveResult{e.id, h, false, off};
+      return SaveResult{e.id, new_handle_locked(e.id), false, off};
     }
   }
   auto e = std::make_unique<Entry>();
@@ -343,31 +341,17 @@ SaveResult TensorCache::save(const SaveRequest& r) {
     EBB_CHECK_STATE(!closed_, "tensor cache: closed while a save waited");
     offload = !stop_offload_;
   }
+  // Device entries are copied stream-ordered from here when they can be
+  // (Note [Stream-ordered offload]), else by a worker, else kept.
+  bool stream_ordered = false;
   if (offload && r.device >= 0) {
-    SaveResult out{e->id, 0, true, true};
-    switch (offload_device_locked(*e, r, out)) {
-      case DevicePath::kOffloaded: {
-        step_c_.saved_bytes_total += r.nbytes;
-        auto& mb = microbatches_[r.microbatch];
-        mb.order.push_back(e->id);
-        mb.live += 1;
-        mb.backward_began = false;
-        by_key_[{r.key, r.version}] = e->id;
-        out.handle = next_handle_++;
-        handles_.emplace(out.handle, e->id);
-        entries_.emplace(e->id, std::move(e));
-        mem::cuda::DeviceScope scope(opts_.driver, r.device);
-        bound_copies_locked(lanes_.at(r.device), r.stream);
-        return out;
-      }
-      case DevicePath::kKeep:
-        offload = false;
-        break;
-      case DevicePath::kWorker:
-        break;
+    switch (offload_device_locked(*e, r)) {
+      case DevicePath::kOffloaded: stream_ordered = true; break;
+      case DevicePath::kKeep: offload = false; break;
+      case DevicePath::kWorker: break;
     }
   }
-  if (offload && r.device >= 0) {  // the only step that can fail: before any accounting
+  if (offload && !stream_ordered && r.device >= 0) {  // the only step that can fail: before any accounting
     mem::cuda::DeviceScope scope(opts_.driver, r.device);  // Note [Caller's context]
     e->ready_ev = take_event_locked(r.device);
     try {
@@ -377,19 +361,22 @@ SaveResult TensorCache::save(const SaveRequest& r) {
       throw;
     }
   }
-  resident_ += e->nbytes;  // kKept, or kQueued below: resident either way
+  // Resident either way: kKept, kQueued, or kStored until its release point.
+  resident_ += e->nbytes;
   step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_);
   step_c_.saved_bytes_total += r.nbytes;
-  EntryId id = e->id;
+  const EntryId id = e->id;
   if (offload) {
-    e->state = EntryState::kQueued;
-    inflight_ += e->nbytes;
+    if (!stream_ordered) {
+      e->state = EntryState::kQueued;
+      inflight_ += e->nbytes;
+      store_q_.push_back(id);
+      work_cv_.notify_one();
+    }
     auto& mb = microbatches_[r.microbatch];
     mb.order.push_back(id);
     mb.live += 1;
     mb.backward_began = false;  // a new forward of this micro-batch
-    store_q_.push_back(id);
-    work_cv_.notify_one();
   } else {
     step_c_.tensors_kept += 1;
     if (r.device >= 0) {
@@ -404,9 +391,18 @@ SaveResult TensorCache::save(const SaveRequest& r) {
   }
   by_key_[{r.key, r.version}] = id;
   entries_.emplace(id, std::move(e));
+  const HandleId h = new_handle_locked(id);
+  if (stream_ordered) {
+    mem::cuda::DeviceScope scope(opts_.driver, r.device);
+    bound_copies_locked(lanes_.at(r.device), r.stream);
+  }
+  return SaveResult{id, h, true, offload};
+}
+
+HandleId TensorCache::new_handle_locked(EntryId id) {
   const HandleId h = next_handle_++;
   handles_.emplace(h, id);
-  return SaveResult{id, h, true, offload};
+  return h;
 }
 
 TensorCache::Lane& TensorCache::lane_locked(int device) {
@@ -436,7 +432,7 @@ Store& TensorCache::staging_locked() {
 // Note [Stream-ordered offload]. kKeep: no host space (budget full, no SSD
 // tier, staging_bytes reached); kWorker: the blob could not be page-locked,
 // so the copy would not overlap: the entry takes the worker path.
-TensorCache::DevicePath TensorCache::offload_device_locked(Entry& e, const SaveRequest& r, SaveResult& out) {
+TensorCache::DevicePath TensorCache::offload_device_locked(Entry& e, const SaveRequest& r) {
   auto* drv = opts_.driver;
   mem::cuda::DeviceScope scope(drv, r.device);  // Note [Caller's context]
   if (!fenced_.empty()) sweep_fenced_locked(false);
@@ -498,8 +494,6 @@ TensorCache::DevicePath TensorCache::offload_device_locked(Entry& e, const SaveR
   e.copy_through = lane->enqueued;
   e.state = EntryState::kStored;
   e.acked = false;  // the glue holds the tensor until a release point
-  resident_ += r.nbytes;
-  step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_);
   step_c_.bytes_offloaded += r.nbytes;
   step_c_.tensors_offloaded += 1;
   if (spill) {  // Note [SSD below the link]
@@ -507,7 +501,6 @@ TensorCache::DevicePath TensorCache::offload_device_locked(Entry& e, const SaveR
     store_q_.push_back(e.id);
     work_cv_.notify_one();
   }
-  (void)out;
   return DevicePath::kOffloaded;
 }
 

@@ -266,7 +266,8 @@ class TensorCache {
   void erase_locked(Lock& lock, EntryId id);
   void cancel_late_stores_locked(MicroBatch& mb);
   enum class DevicePath { kOffloaded, kWorker, kKeep };
-  DevicePath offload_device_locked(Entry& e, const SaveRequest& r, SaveResult& out);
+  DevicePath offload_device_locked(Entry& e, const SaveRequest& r);
+  HandleId new_handle_locked(EntryId id);
   Lane& lane_locked(int device);
   Store& staging_locked();
   void bound_copies_locked(Lane& lane, mem::cuda::Stream compute);
