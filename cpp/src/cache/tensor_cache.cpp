@@ -556,7 +556,10 @@ void TensorCache::bound_copies_locked(Lane& lane, mem::cuda::Stream compute) {
 void TensorCache::release_copies(int microbatch, int64_t scope, mem::cuda::Stream compute) {
   Lock lock(mu_);
   auto m = microbatches_.find(microbatch);
-  if (m == microbatches_.end() || lanes_.empty()) return;
+  // Nothing held (e.g. every block's backward after the first released all):
+  // no walk over the order.
+  const bool held = std::any_of(lanes_.begin(), lanes_.end(), [](const auto& l) { return !l.second.pending.empty(); });
+  if (m == microbatches_.end() || !held) return;
   const MicroBatch& mb = m->second;
   size_t end = mb.order.size();
   if (scope != INT64_MAX) {
