@@ -240,9 +240,9 @@ TEST(CacheCore, ReleaseWaitsForARunningStore) {
   EXPECT_TRUE(f.cache->poll().empty() || !f.cache->contains(a));
 }
 
-std::vector<EntryId> ids_of(const std::vector<std::pair<EntryId, uint64_t>>& v) {
+std::vector<EntryId> ids_of(const std::vector<Candidate>& v) {
   std::vector<EntryId> out;
-  for (auto& p : v) out.push_back(p.first);
+  for (auto& p : v) out.push_back(p.id);
   return out;
 }
 
@@ -260,7 +260,7 @@ TEST(CacheCore, PrefetchGoesInReverseForwardOrderWithinTheWindow) {
   auto p = f.cache->prefetch_scope(0, 4);
   EXPECT_EQ(ids_of(p), (std::vector<EntryId>{ids[4], ids[3]}));
   std::vector<std::vector<unsigned char>> outs(5, std::vector<unsigned char>(100));
-  for (auto [id, n] : p) {
+  for (auto [id, n, orig] : p) {
     EXPECT_EQ(n, 100u);
     f.cache->start_load(id, outs[id - ids[0]].data(), 0);
   }
@@ -508,7 +508,7 @@ TEST(CacheCore, ManyEntriesUnderConcurrentWorkersRoundTrip) {
           bufs_out[id].resize(bufs[i].size());
           f.cache->start_load(id, bufs_out[id].data(), 0);
         }
-        for (auto [pid, n] : f.cache->prefetch_before(id)) {
+        for (auto [pid, n, orig] : f.cache->prefetch_before(id)) {
           bufs_out[pid].resize(n);
           f.cache->start_load(pid, bufs_out[pid].data(), 0);
         }
@@ -560,7 +560,9 @@ namespace {
 
 TEST(CacheCore, PausedStoresForwardEverything) {
   auto store = make_host_store(HostStoreOptions{});
-  TensorCache c(std::move(store), CacheOptions{});
+  CacheOptions o;
+  o.inline_copy_bytes = 0;  // every store through the (paused) workers
+  TensorCache c(std::move(store), o);
   c.begin_step();
   c.pause_stores(true);
   auto x = test::random_bytes(1000, 1);
@@ -607,7 +609,9 @@ namespace ebbtide::cache {
 namespace {
 
 TEST(CacheCore, ConsumedEntriesAreNotPrefetchedAgainInTheSameBackward) {
-  TensorCache c(make_host_store(HostStoreOptions{}), CacheOptions{});
+  CacheOptions o;
+  o.inline_copy_bytes = 0;  // small host entries are prefetched only through the workers
+  TensorCache c(make_host_store(HostStoreOptions{}), o);
   c.begin_step();
   auto x = test::random_bytes(100, 1), y = test::random_bytes(100, 2);
   SaveRequest r;

@@ -97,14 +97,15 @@ StepResult run_step(SimDriver& drv, TensorCache& cache, const Workload& w, const
   std::map<EntryId, Held> held;
   std::map<EntryId, std::vector<EntryId>> unused;
   std::vector<std::vector<EntryId>> ids(static_cast<size_t>(w.blocks));
-  auto poll = [&] {
-    for (const auto& c : cache.poll()) {
+  auto ack = [&](const std::vector<Completion>& done) {
+    for (const auto& c : done) {
       auto it = held.find(c.id);
       if (it == held.end() || !it->second.live) continue;
       it->second.live = false;
       mem.free(it->second.span, drv.tail(compute));
     }
   };
+  auto poll = [&] { ack(cache.poll()); };
   cache.begin_step();
   const double kernel = w.block_seconds / w.tensors_per_block;
   uint64_t key = 1;
@@ -121,9 +122,11 @@ StepResult run_step(SimDriver& drv, TensorCache& cache, const Workload& w, const
       r.device = 0;
       r.stream = compute;
       r.offload = offload[static_cast<size_t>(b)];
-      EntryId id = cache.save(r).id;
+      SaveResult res = cache.save(r);
+      const EntryId id = res.id;
       ids[static_cast<size_t>(b)].push_back(id);
       held.emplace(id, std::move(h));
+      ack(res.done);  // completions come with the save too
       poll();
     }
     cache.scope_end(0, b);
@@ -145,14 +148,14 @@ StepResult run_step(SimDriver& drv, TensorCache& cache, const Workload& w, const
     cache.start_load(id, buf.first.data(), compute);
   };
   for (int b = w.blocks - 1; b >= 0; --b) {
-    for (auto [id, n] : cache.prefetch_scope(0, b)) load(id, n);
+    for (auto [id, n, orig] : cache.prefetch_scope(0, b)) load(id, n);
     const auto& block = ids[static_cast<size_t>(b)];
     for (auto it = block.rbegin(); it != block.rend(); ++it) {
       const EntryId id = *it;
       Held& h = held.at(id);
       const Reload r = cache.request(id);
       if (r == Reload::kNeedBuffer) load(id, w.tensor_bytes);
-      for (auto [pid, n] : cache.prefetch_before(id)) load(pid, n);
+      for (auto [pid, n, orig] : cache.prefetch_before(id)) load(pid, n);
       if (r == Reload::kNeedBuffer || r == Reload::kPending) {
         EXPECT_FALSE(h.live) << "entry " << id << " reloaded while the glue still holds it";
         cache.wait(id, compute);

@@ -38,10 +38,10 @@ from ebbtide._adaptive import _CUDA_PREFETCH_MODULES, Adaptive, resolve_settings
 
 __all__ = ["TensorCache", "offload", "release_pooled_stores"]
 
-_R_RESIDENT = _core.RELOAD_RESIDENT
-_R_FORWARD = _core.RELOAD_FORWARD
-_R_NEED = _core.RELOAD_NEED_BUFFER
-_R_PENDING = _core.RELOAD_PENDING
+_U_LIVE = _core.UNPACK_LIVE
+_U_BUFFER = _core.UNPACK_BUFFER
+_U_NEED = _core.UNPACK_NEED_BUFFER
+_StateError = _core.StateError
 
 _DEFAULT_MIN_BYTES = 64 * 1024
 _ALL_SCOPES = (1 << 63) - 1
@@ -119,38 +119,16 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class _Entry:
-    """Glue side of one core entry: what keeps device memory alive for it."""
-
-    __slots__ = ("live", "tref", "buf", "buf_off", "sref", "version", "nbytes", "scope", "dirty", "stream",
-                 "phase")
-
-    def __init__(self, live, sref, version, nbytes, scope, phase=0):
-        self.live = live      # the saved tensor, until its store completes (or for good)
-        try:                  # the saved tensor, while something outside autograd keeps it
-            self.tref = weakref.ref(live)
-        except TypeError:
-            self.tref = None
-        self.buf = None       # uint8 reload buffer while loading/loaded
-        self.buf_off = 0      # bytes from buf's start to the reloaded storage bytes
-        self.sref = sref      # StorageWeakRef: keeps the storage's key unique while we live
-        self.version = version
-        self.nbytes = nbytes
-        self.scope = scope
-        self.dirty = False    # modified in place while its store ran: keep live for the check
-        self.stream = 0       # CUDA stream the reload buffer was allocated on
-        self.phase = phase    # the storage's address modulo the store's I/O alignment
-
-
 class _Handle:
     """What autograd keeps for an offloaded or kept saved tensor.
 
     Its death (autograd freeing the graph) releases the entry and its space.
     """
 
-    __slots__ = ("cache", "eid", "hid", "dtype", "shape", "stride", "offset", "version", "tref", "__weakref__")
+    __slots__ = ("cache", "eid", "hid", "dtype", "shape", "stride", "offset", "version", "tref", "key",
+                 "nbytes", "whole", "__weakref__")
 
-    def __init__(self, cache, eid, hid, t, version):
+    def __init__(self, cache, eid, hid, t, version, tref, key, nbytes):
         self.cache = cache
         self.eid = eid
         self.hid = hid
@@ -159,13 +137,15 @@ class _Handle:
         self.stride = t.stride()
         self.offset = t.storage_offset()
         self.version = version
-        try:
-            self.tref = weakref.ref(t)
-        except TypeError:
-            self.tref = None
+        self.tref = tref  # the saved tensor, while something outside autograd keeps it
+        self.key = key    # its storage's identity at pack
+        self.nbytes = nbytes
+        # The tensor is its whole storage, contiguous: a reload can be an
+        # empty tensor of its shape.
+        self.whole = self.offset == 0 and t.is_contiguous() and t.numel() * t.element_size() == nbytes
 
     def __del__(self):
-        c = self.cache
+        c = getattr(self, "cache", None)  # None when __init__ did not finish
         if c is None:
             return
         # Note [Interrupted release] (tensor_cache.cpp): a KeyboardInterrupt
@@ -292,7 +272,10 @@ class TensorCache:
         self.target = target
         self.capacity_bytes = int(capacity_bytes)
         self.keep_last_modules = int(keep_last_modules)
-        self._device = self._normalize_device(device) if device is not None else None
+        self._device = None
+        self._device_is_cpu = False
+        if device is not None:
+            self._use_device(device)
         self._tmpdir = None
         paths: list = []
         if target in ("ssd", "auto"):
@@ -353,10 +336,11 @@ class TensorCache:
         # Device tensors need the CUDA driver shim; without it (EBBTIDE_CUDA=0,
         # no libcuda) they stay resident rather than failing the step.
         self._cuda_ok = bool(cuda) and _core.cuda_driver_available()
-        self._io_align = max(1, int(self._core.io_alignment))
+        # Note [Host copies on the caller]: reloads up to this size may land
+        # in a tensor the glue allocates (only host-tier entries do).
+        self._inline_bytes = int(self._core.inline_copy_bytes) if target != "ssd" else 0
         self.paths = paths
         self._lock = threading.RLock()
-        self._entries: dict[int, _Entry] = {}
         self._closed = False
         self._close_pending = False  # close once the last entry goes (Note [Lifetime after the block])
         # Note [Kept tensors]: resident saves, counted here (the core never sees them).
@@ -395,7 +379,7 @@ class TensorCache:
         if self._device is None:
             p = next(iter(model.parameters()), None)
             if p is not None:
-                self._device = self._normalize_device(p.device)
+                self._use_device(p.device)
         self._blocks = _find_blocks(model)
         self._expected_blocks = len(self._blocks)
         self._hooks.append(model.register_forward_pre_hook(self._on_root_forward_pre))
@@ -547,7 +531,6 @@ class TensorCache:
             self.detach()
             self._closed = True
             self._core.close()
-            self._entries.clear()
         self._remove_tmpdir()
 
     @property
@@ -567,6 +550,10 @@ class TensorCache:
             pass
 
     # ---------------------------------------------------------------- internals
+    def _use_device(self, device):
+        self._device = d = self._normalize_device(device)
+        self._device_is_cpu = d.type == "cpu"
+
     @staticmethod
     def _normalize_device(device):
         d = torch.device(device)
@@ -629,20 +616,23 @@ class TensorCache:
         """
         if type(t) is not torch.Tensor or _graph_task_id() != -1:
             return None
-        d = t.device
-        dev = self._device
-        if dev is None:
-            if t.is_meta:
+        if self._device_is_cpu:
+            if not t.is_cpu:
                 return None
-            self._device = dev = d
-        if d != dev:
-            return None
-        if (t.layout != _STRIDED or t.is_quantized or t.is_nested or t.is_conj() or t.is_neg()
-                or _is_functorch_wrapped(t)):
-            return None
-        if d.type != "cpu" and not (t.is_cuda and self._cuda_ok):
-            if t.is_cuda:
+        else:
+            dev = self._device
+            if dev is None:
+                if t.is_meta:
+                    return None
+                self._use_device(t.device)
+                return self._eligible(t)
+            if not t.is_cuda or t.device != dev:
+                return None
+            if not self._cuda_ok:
                 _warn_no_cuda_shim()
+                return None
+        if (t.layout is not _STRIDED or t.is_quantized or t.is_nested or t.is_conj() or t.is_neg()
+                or _is_functorch_wrapped(t)):
             return None
         st = t.untyped_storage()
         if st._cdata in self._param_storages:
@@ -668,22 +658,35 @@ class TensorCache:
         decision, tier = self._scope_placement()
         if nbytes < self.min_bytes or decision != "offload":
             return self._keep(t, st, nbytes, decision, tier)
-        offload = True
-        cuda = t.device.type == "cuda"
-        dev = t.device.index if cuda else -1
-        stream = torch.cuda.current_stream(t.device).cuda_stream if cuda else 0
+        if t.is_cuda:
+            dev = t.device.index
+            stream = torch.cuda.current_stream(t.device).cuda_stream
+        else:
+            dev = -1
+            stream = 0
         version = t._version
-        with self._lock:
-            self._poll_locked()
-            eid, is_new, off, hid = self._core.save(st._cdata, version, st.data_ptr(), nbytes, dev, stream,
-                                                    self._fwd_mb, offload, tier)
-            if is_new:
-                phase = st.data_ptr() % self._io_align if not cuda else 0
-                self._entries[eid] = _Entry(t, StorageWeakRef(st), version, nbytes, self._scope, phase)
-                self._note_plan(nbytes, off, decision, tier)
-            if cuda:
-                self._poll_locked()  # Note [Release points]: drop what the save released, before the next allocation
-            return _Handle(self, eid, hid, t, version)
+        key = st._cdata
+        try:
+            tref = weakref.ref(t)
+        except TypeError:
+            tref = None
+        # Note [Glue objects] (tensor_cache.cpp): the core holds `t` only while
+        # the entry needs it resident; the storage's weak reference comes back
+        # with prefetch candidates and keeps its key unique meanwhile.
+        # Completions come back with the call (Note [Release points]: on a GPU
+        # the released tensors go before the next allocation).
+        try:
+            eid, is_new, off, hid, done = self._core.save(key, version, st.data_ptr(), nbytes, dev, stream,
+                                                          self._fwd_mb, True, tier, t, StorageWeakRef(st))
+        except _StateError:
+            if self._closed:
+                return t  # closed meanwhile: autograd keeps it
+            raise
+        if done is not None:
+            self._ack(done)
+        if is_new:
+            self._note_plan(nbytes, off, decision, tier)
+        return _Handle(self, eid, hid, t, version, tref, key, nbytes)
 
     def _keep(self, t, st, nbytes, decision, tier):
         # Note [Kept tensors]: a save that stays resident needs no core entry:
@@ -755,22 +758,22 @@ class TensorCache:
             p["bytes_offloaded"] += nbytes
 
     def _poll_locked(self):
-        for eid, ok in self._core.poll():
-            e = self._entries.get(eid)
-            if e is None:
-                continue
+        done = self._core.poll()
+        if done:
+            self._ack(done)
+
+    def _ack(self, done):
+        """Completions: (id, ok, live tensor the core stopped holding, saved version)."""
+        for eid, ok, live, version in done:
             if ok:
-                live = e.live
-                if live is not None and live._version != e.version:
-                    # Written while the store copied it: the snapshot may be torn;
-                    # keep the live tensor so unpack reports the in-place change.
-                    e.dirty = True
-                else:
-                    e.live = None
+                if live is not None and live._version != version:
+                    # Note [Torn snapshots]: written while the store copied it;
+                    # the core answers unpacks from it, which then report the change.
+                    self._core.hold_live(eid, live)
             elif not self._warned_store:
                 self._warned_store = True
                 warnings.warn("ebbtide: storing an activation failed (disk full or I/O error); the rest "
-                              "of this step's activations stay in memory", RuntimeWarning, stacklevel=3)
+                              "of this step's activations stay in memory", RuntimeWarning, stacklevel=4)
 
     @staticmethod
     def _check_version(h, current):
@@ -798,54 +801,64 @@ class TensorCache:
         return h.cache._reload(h)
 
     def _reload(self, h):
-        eid = h.eid
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("ebbtide.TensorCache: a saved tensor was unpacked after the cache was closed")
-            e = self._entries.get(eid)
-            if e is None:
-                raise RuntimeError("ebbtide.TensorCache: a saved tensor was unpacked after its step was "
-                                   "aborted (the step raised) or the cache released it")
-            self._poll_locked()
-            live = e.live
-            if live is not None:
-                self._check_version(h, live._version)
-                r = self._core.request(eid)
-                if r in (_R_RESIDENT, _R_FORWARD):
-                    t = h.tref() if h.tref is not None else None
-                    if t is not None and t.untyped_storage()._cdata == live.untyped_storage()._cdata:
-                        return t
-                    return self._view(h, live.untyped_storage(), live.device)
-                e.live = None  # stored after our last poll: reload it
-            else:
-                t = self._original(e, h)
-                if t is not None:
-                    # Note [Originals still alive] (tensor_cache.cpp): no
-                    # reload, and an in-place change since the save is caught.
-                    self._check_version(h, t._version)
-                    self._core.reuse(eid)
-                    if h.tref is not None and h.tref() is t:
-                        return t
-                    return self._view(h, t.untyped_storage(), t.device)
-                r = self._core.request(eid)
-            device = self._device
+        # Note [One call per unpack] (tensor_cache.cpp).
+        if self._closed:
+            raise RuntimeError("ebbtide.TensorCache: a saved tensor was unpacked after the cache was closed")
+        t = h.tref() if h.tref is not None else None
+        if t is not None and t.untyped_storage()._cdata != h.key:
+            t = None
+        if t is not None and t._version != h.version:
+            # Note [Originals still alive]: no reload, and an in-place change
+            # since the save is caught.
+            self._check_version(h, t._version)
+        task = _graph_task_id()
+        if self._device_is_cpu and t is None and h.nbytes <= self._inline_bytes:
+            # Note [Host copies on the caller]: a host-tier entry is copied
+            # straight into a tensor of the saved shape when it can be.
+            out = torch.empty(h.shape, dtype=h.dtype) if h.whole else torch.empty(h.nbytes, dtype=torch.uint8)
+            kind, obj, nbytes, buf_stream = self._unpack_core(h, 0, task, False, out.data_ptr())
+            if kind == _U_BUFFER and obj is None:
+                return out if h.whole else self._view(h, out.untyped_storage(), out.device)
+            stream = 0
+        else:
             stream = self._stream()
-            if r == _R_NEED:
-                self._start_load_locked(eid, e, stream)
-            self._prefetch(self._core.prefetch_before(eid, torch._C._current_graph_task_id()), stream)
-        self._core.wait(eid, stream)
-        with self._lock:
-            buf = e.buf
-            if buf is None:
-                raise RuntimeError(f"ebbtide.TensorCache: reload buffer of entry {eid} vanished")
-            if device is not None and device.type == "cuda":
-                cur = torch.cuda.current_stream(device)
-                if cur.cuda_stream != e.stream:
-                    buf.record_stream(cur)
-            out = self._view(h, buf.untyped_storage(), buf.device, e.buf_off)
-            if self._core.consume(eid, torch._C._current_graph_task_id()):
-                e.buf = None
-        return out
+            kind, obj, nbytes, buf_stream = self._unpack_core(h, stream, task, t is not None)
+        if kind == _U_NEED:
+            # Note [Reload buffers]: allocated on the current (compute)
+            # stream, so the caching allocator never hands their memory to
+            # another stream before the compute stream's later work; the copy
+            # waits on an event recorded at start_load and the next unpack
+            # makes the compute stream wait on its end.
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+            self._core.start_load(h.eid, buf.data_ptr(), stream, buf)
+            del buf
+            kind, obj, nbytes, buf_stream = self._unpack_core(h, stream, task, False)
+        if kind == _U_LIVE:
+            if t is not None:
+                return t
+            if obj._version != h.version:
+                self._check_version(h, obj._version)
+            return self._view(h, obj.untyped_storage(), obj.device)
+        if kind != _U_BUFFER:
+            raise RuntimeError(f"ebbtide.TensorCache: no reload buffer for entry {h.eid}")
+        if obj.is_cuda and buf_stream != stream:
+            obj.record_stream(torch.cuda.current_stream(obj.device))
+        return self._view(h, obj.untyped_storage(), obj.device)
+
+    def _unpack_core(self, h, stream, task, have_original, into=0):
+        try:
+            kind, obj, nbytes, buf_stream, cands, done = self._core.unpack(h.eid, stream, task, have_original, into)
+        except _StateError:
+            if self._closed:
+                raise RuntimeError("ebbtide.TensorCache: a saved tensor was unpacked after the cache was "
+                                   "closed") from None
+            raise RuntimeError("ebbtide.TensorCache: a saved tensor was unpacked after its step was "
+                               "aborted (the step raised) or the cache released it") from None
+        if done is not None:
+            self._ack(done)
+        if cands is not None:
+            self._prefetch(cands, stream)
+        return kind, obj, nbytes, buf_stream
 
     def _stream(self):
         d = self._device
@@ -853,56 +866,31 @@ class TensorCache:
             return torch.cuda.current_stream(d).cuda_stream
         return 0
 
-    def _start_load_locked(self, eid, e, stream):
-        # Note [Reload buffers]: allocated on the current (compute) stream, so
-        # the caching allocator never hands their memory to another stream
-        # before the compute stream's later work; the copy waits on an event
-        # recorded here and unpack makes the compute stream wait on its end.
-        off = 0
-        if self._device is None or self._device.type == "cpu":
-            # Note [Host reload buffers]: page-aligned buffers from a pool in
-            # the core, reused by size across steps, so no fresh pages are
-            # zeroed each step. The bytes start at the saved storage's phase
-            # (Note [Slot phase] in engine.cpp), so O_DIRECT reads land in
-            # place; any phase an element type cannot start at goes staged.
-            buf = _core.cache_host_buffer(e.nbytes, e.phase if e.phase % 16 == 0 else 0)
-        else:
-            buf = torch.empty(e.nbytes, dtype=torch.uint8, device=self._device)
-        e.buf = buf
-        e.buf_off = off
-        e.stream = stream
-        try:
-            self._core.start_load(eid, buf.data_ptr() + off, stream)
-        except BaseException:
-            e.buf = None
-            raise
-
-    @staticmethod
-    def _original(e, h=None):
-        """The saved tensor (the handle's, else the entry's first) if something
-        outside autograd still keeps it and it still owns the entry's storage."""
-        for ref in ((h.tref if h is not None else None), e.tref):
-            t = ref() if ref is not None else None
-            if t is not None and t.untyped_storage()._cdata == e.sref.cdata:
-                return t
-        return None
-
     def _prefetch(self, candidates, stream):
-        for eid, _ in candidates:
-            e = self._entries.get(eid)
-            if e is None:
-                continue
-            if e.live is None and self._original(e) is not None:
-                # Its unpack will use the original: counted now, and the core
-                # offers it to no later prefetch of this step.
+        """Starts the loads of prefetch candidates (id, nbytes, (tensor ref, storage ref)); the core
+        allocates host buffers, device ones come from torch's allocator. Best effort."""
+        cuda = self._on_cuda()
+        ids = []
+        bufs = [] if cuda else None
+        for eid, nbytes, sref in candidates:
+            if sref is not None and not sref.expired():
+                # Its storage is still alive outside autograd: its unpack will
+                # use the original (Note [Originals still alive]): counted now,
+                # and the core offers it to no later prefetch of this step.
                 self._core.reuse(eid)
                 continue
+            if cuda:
+                try:
+                    buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+                except torch.OutOfMemoryError:
+                    break  # unpack loads on demand
+                bufs.append((buf.data_ptr(), buf))
+            ids.append(eid)
+        if ids:
             try:
-                self._start_load_locked(eid, e, stream)
-            except torch.OutOfMemoryError:
-                return  # prefetch is best effort; unpack loads on demand
-            except RuntimeError:
-                return
+                self._core.start_loads(ids, bufs, stream)
+            except (RuntimeError, OSError):
+                pass  # e.g. host memory exhausted: unpack loads on demand
 
     def _prefetch_scope(self, mb, scope):
         with self._lock:
@@ -912,15 +900,16 @@ class TensorCache:
                 # Note [Release points]: backward of the micro-batch begins.
                 self._core.release_copies(mb, _ALL_SCOPES, self._stream())
             self._poll_locked()
-            self._prefetch(self._core.prefetch_scope(mb, scope, torch._C._current_graph_task_id()), self._stream())
+            cands = self._core.prefetch_scope(mb, scope, _graph_task_id())
+            if cands is not None:
+                self._prefetch(cands, self._stream())
 
     def _release(self, eid, hid):
-        with self._lock:
-            if self._closed:
-                return
-            if self._core.release_handle(hid, eid):
-                self._entries.pop(eid, None)
-                if self._close_pending and not self._entries:
+        if self._closed:
+            return
+        if self._core.release_handle(hid, eid) and self._close_pending:
+            with self._lock:
+                if not self._closed and self._core.entry_count() == 0:
                     self._finish_deferred_close()
 
     def _close_when_released(self):
@@ -933,10 +922,9 @@ class TensorCache:
             if self._closed:
                 return
             self.detach()
-            if not self._entries:
-                self.close()
-                return
             self._close_pending = True
+            if self._core.entry_count() == 0:  # after the flag: a release racing with us sees one or the other
+                self.close()
 
     def _finish_deferred_close(self):
         try:
@@ -953,8 +941,7 @@ class TensorCache:
         with self._lock:
             if self._closed:
                 return
-            for eid in self._core.release_step(step_no):
-                self._entries.pop(eid, None)
+            self._core.release_step(step_no)
 
     def _make_stats(self) -> dict:
         s = self._core.stats()

@@ -10,7 +10,6 @@
 #include <nanobind/stl/vector.h>
 
 #include "bind.hpp"
-#include "ebbtide/cache/buffer_pool.hpp"
 #include "ebbtide/cache/store.hpp"
 #include "ebbtide/cache/tensor_cache.hpp"
 #include "ebbtide/io/engine.hpp"
@@ -91,7 +90,43 @@ nb::list tiers_list(const StoreStats& s) {
   return out;
 }
 
-using Prefetch = std::vector<std::pair<EntryId, uint64_t>>;
+// Note [Glue objects] (tensor_cache.cpp): a Python object the core keeps for
+// an entry. Its deleter takes the interpreter's lock (the core never destroys
+// one under its own lock or on a worker) and leaks the object once the
+// interpreter is gone.
+GlueObj glue_obj(nb::handle h) {
+  if (!h.is_valid() || h.is_none()) return {};
+  return GlueObj(h.inc_ref().ptr(), [](void* p) noexcept {
+    if (nb::detail::cleanup_guard guard{}) Py_DECREF(static_cast<PyObject*>(p));
+  });
+}
+
+nb::object py_obj(const GlueObj& g) {
+  return g ? nb::borrow(static_cast<PyObject*>(g.get())) : nb::none();
+}
+
+// A host pool buffer the core allocated (Entry::buf) as a torch uint8 tensor
+// of `nbytes` at `data`; the tensor keeps the buffer alive.
+nb::object host_tensor(const GlueObj& buf, void* data, uint64_t nbytes) {
+  auto* keep = new GlueObj(buf);
+  nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<GlueObj*>(p); });
+  return nb::cast(nb::ndarray<nb::pytorch, uint8_t, nb::ndim<1>>(data, {static_cast<size_t>(nbytes)}, owner));
+}
+
+// None when empty (the common case costs no list), else [(id, ok, live, version)].
+nb::object completions_py(std::vector<Completion>& done) {
+  if (done.empty()) return nb::none();
+  nb::list out;
+  for (auto& c : done) out.append(nb::make_tuple(c.id, c.ok, py_obj(c.live), c.version));
+  return out;
+}
+
+nb::object candidates_py(const std::vector<Candidate>& cands) {
+  if (cands.empty()) return nb::none();
+  nb::list out;
+  for (const auto& c : cands) out.append(nb::make_tuple(c.id, c.nbytes, py_obj(c.orig)));
+  return out;
+}
 
 // Note [Store pool]
 // ebbtide.offload() makes a cache per step, as save_on_cpu is used; building
@@ -159,26 +194,6 @@ EBB_BIND(cache, 30) {
   m.def("cache_inject_write_fault", &ebbtide::io::inject_write_fault, nb::arg("dir"), nb::arg("after_bytes"),
         nb::arg("err"), nb::arg("count") = 1);
   m.def("cache_clear_faults", &ebbtide::io::clear_faults);
-  // A page-aligned host buffer from the shared pool as a torch uint8 tensor;
-  // it returns to the pool when torch frees the tensor's storage.
-  // A pooled page-aligned host buffer whose bytes start `phase` bytes in (the
-  // tensor's storage begins there, Note [Slot phase] in engine.cpp).
-  m.def("cache_host_buffer", [](size_t nbytes, size_t phase) {
-    EBB_CHECK(phase < 4096, "cache_host_buffer: phase ", phase, " is not below 4096");
-    auto& pool = HostBufferPool::shared();
-    void* p = pool.take(nbytes + phase);
-    nb::capsule owner(p, [](void* q) noexcept {
-      try {
-        HostBufferPool::shared().give(q);
-      } catch (...) {
-      }
-    });
-    return nb::ndarray<nb::pytorch, uint8_t, nb::ndim<1>>(static_cast<char*>(p) + phase, {nbytes}, owner);
-  }, nb::arg("nbytes"), nb::arg("phase") = 0);
-  m.def("cache_host_buffer_stats", [] {
-    auto& pool = HostBufferPool::shared();
-    return std::make_tuple(pool.out_bytes(), pool.spare_bytes(), pool.reused());
-  });
   m.def("cuda_driver_available", [] { return cuda_driver(true) != nullptr; });
   m.def("release_pooled_stores", &release_pooled, nb::call_guard<nb::gil_scoped_release>(),
         "Drops the idle stores kept for ebbtide.offload() (Note [Store pool]); returns how many.");
@@ -188,6 +203,9 @@ EBB_BIND(cache, 30) {
   m.attr("TIER_CPU") = kTierCpu;
   m.attr("TIER_SSD") = kTierSsd;
   m.attr("RELOAD_PENDING") = static_cast<int>(Reload::kPending);
+  m.attr("UNPACK_LIVE") = static_cast<int>(Unpacked::Kind::kLive);
+  m.attr("UNPACK_BUFFER") = static_cast<int>(Unpacked::Kind::kBuffer);
+  m.attr("UNPACK_NEED_BUFFER") = static_cast<int>(Unpacked::Kind::kNeedBuffer);
 
   nb::class_<TensorCache>(m, "CacheCore", "The C++ tensor cache (bookkeeping, store/load workers).")
       .def("__init__",
@@ -225,8 +243,10 @@ EBB_BIND(cache, 30) {
            nb::arg("pooled") = false)
       .def("save",
            [](TensorCache& c, uint64_t key, uint64_t version, uintptr_t ptr, uint64_t nbytes, int device,
-              uintptr_t stream, int microbatch, bool offload, int tier) {
+              uintptr_t stream, int microbatch, bool offload, int tier, nb::handle live, nb::handle orig) {
              SaveRequest r;
+             r.live = glue_obj(live);
+             r.orig = glue_obj(orig);
              r.key = key;
              r.version = version;
              r.ptr = reinterpret_cast<const void*>(ptr);
@@ -236,34 +256,83 @@ EBB_BIND(cache, 30) {
              r.microbatch = microbatch;
              r.offload = offload;
              r.tier = tier;
-             auto res = c.save(r);
-             return std::make_tuple(res.id, res.is_new, res.offloaded, res.handle);
+             SaveResult res;
+             {
+               nb::gil_scoped_release unlocked;
+               res = c.save(r);
+               r = SaveRequest{};  // its glue objects: dropped here, or after the lock comes back
+             }
+             return nb::make_tuple(res.id, res.is_new, res.offloaded, res.handle, completions_py(res.done));
            },
            nb::arg("key"), nb::arg("version"), nb::arg("ptr"), nb::arg("nbytes"), nb::arg("device"),
-           nb::arg("stream"), nb::arg("microbatch"), nb::arg("offload"), nb::arg("tier") = -1, nb::call_guard<nb::gil_scoped_release>())
+           nb::arg("stream"), nb::arg("microbatch"), nb::arg("offload"), nb::arg("tier") = -1,
+           nb::arg("live").none() = nb::none(), nb::arg("orig").none() = nb::none(),
+           "Saves a storage (Note [Glue objects]: `live` is the tensor, held while the entry needs it; "
+           "`orig` comes back with prefetch candidates). Returns (id, is_new, offloaded, handle, completions).")
+      .def("unpack",
+           [](TensorCache& c, EntryId id, uintptr_t stream, int64_t task, bool have_original, uintptr_t into) {
+             Unpacked u;
+             {
+               nb::gil_scoped_release unlocked;
+               u = c.unpack(id, stream, task, have_original, reinterpret_cast<void*>(into));
+             }
+             nb::object obj = u.kind == Unpacked::Kind::kBuffer && u.host_buffer ? host_tensor(u.obj, u.data, u.nbytes)
+                                                                                : py_obj(u.obj);
+             return nb::make_tuple(static_cast<int>(u.kind), obj, u.nbytes, u.buffer_stream,
+                                   candidates_py(u.prefetch), completions_py(u.done));
+           },
+           nb::arg("id"), nb::arg("stream"), nb::arg("task") = -1, nb::arg("have_original") = false,
+           nb::arg("into") = 0,
+           "Note [One call per unpack]: (kind, obj, nbytes, buffer_stream, prefetch candidates, completions).")
+      .def("start_loads",
+           [](TensorCache& c, const std::vector<EntryId>& ids, nb::handle buffers, uintptr_t stream) {
+             std::vector<std::pair<uintptr_t, GlueObj>> bufs;
+             if (!buffers.is_none()) {
+               for (nb::handle b : buffers) {
+                 nb::tuple t = nb::borrow<nb::tuple>(b);
+                 bufs.emplace_back(nb::cast<uintptr_t>(t[0]), glue_obj(t[1]));
+               }
+             }
+             nb::gil_scoped_release unlocked;
+             c.start_loads(ids, bufs, stream);
+             bufs.clear();
+           },
+           nb::arg("ids"), nb::arg("buffers").none() = nb::none(), nb::arg("stream") = 0,
+           "Starts loads of prefetch candidates: host entries into pool buffers, device entries into "
+           "`buffers` [(ptr, owner)], allocated on `stream`.")
+      .def("hold_live", [](TensorCache& c, EntryId id, nb::handle live) { c.hold_live(id, glue_obj(live)); },
+           nb::arg("id"), nb::arg("live"))
+      .def("entry_count", &TensorCache::entry_count)
       .def("release", &TensorCache::release, nb::arg("id"), nb::call_guard<nb::gil_scoped_release>())
       .def("release_handle", &TensorCache::release_handle, nb::arg("handle"), nb::arg("id"),
            nb::call_guard<nb::gil_scoped_release>())
       .def("poll",
            [](TensorCache& c) {
-             std::vector<std::pair<EntryId, bool>> out;
-             for (const auto& x : c.poll()) out.emplace_back(x.id, x.ok);
+             auto done = c.poll();
+             nb::list out;
+             for (auto& x : done) out.append(nb::make_tuple(x.id, x.ok, py_obj(x.live), x.version));
              return out;
            })
       .def("request", [](TensorCache& c, EntryId id) { return static_cast<int>(c.request(id)); }, nb::arg("id"))
       .def("start_load",
-           [](TensorCache& c, EntryId id, uintptr_t dst, uintptr_t stream) {
-             c.start_load(id, reinterpret_cast<void*>(dst), stream);
+           [](TensorCache& c, EntryId id, uintptr_t dst, uintptr_t stream, nb::handle owner) {
+             if (owner.is_none()) c.start_load(id, reinterpret_cast<void*>(dst), stream);
+             else c.start_load(id, reinterpret_cast<void*>(dst), stream, glue_obj(owner));
            },
-           nb::arg("id"), nb::arg("dst"), nb::arg("stream"))
+           nb::arg("id"), nb::arg("dst"), nb::arg("stream"), nb::arg("owner").none() = nb::none())
       .def("wait", &TensorCache::wait, nb::arg("id"), nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>())
       .def("consume", &TensorCache::consume, nb::arg("id"), nb::arg("task") = -1)
       .def("reuse", &TensorCache::reuse, nb::arg("id"))
       .def("scope_end", &TensorCache::scope_end, nb::arg("microbatch"), nb::arg("scope"))
       .def("note_kept", &TensorCache::note_kept, nb::arg("microbatch"), nb::arg("nbytes"))
-      .def("prefetch_scope", &TensorCache::prefetch_scope, nb::arg("microbatch"), nb::arg("scope"),
-           nb::arg("task") = -1)
-      .def("prefetch_before", &TensorCache::prefetch_before, nb::arg("id"), nb::arg("task") = -1)
+      .def("prefetch_scope",
+           [](TensorCache& c, int mb, int64_t scope, int64_t task) {
+             return candidates_py(c.prefetch_scope(mb, scope, task));
+           },
+           nb::arg("microbatch"), nb::arg("scope"), nb::arg("task") = -1)
+      .def("prefetch_before",
+           [](TensorCache& c, EntryId id, int64_t task) { return candidates_py(c.prefetch_before(id, task)); },
+           nb::arg("id"), nb::arg("task") = -1)
       .def("release_copies", &TensorCache::release_copies, nb::arg("microbatch"), nb::arg("scope"),
            nb::arg("stream"))
       .def("measure_link",
@@ -282,6 +351,8 @@ EBB_BIND(cache, 30) {
       .def("set_write_limit", &TensorCache::set_write_limit, nb::arg("tier"), nb::arg("bytes_per_second"))
       .def("probe", &TensorCache::probe, nb::arg("tier"), nb::arg("nbytes"), nb::call_guard<nb::gil_scoped_release>())
       .def("pause_stores", &TensorCache::pause_stores, nb::arg("paused"))
+      .def("set_inline_copy_bytes", &TensorCache::set_inline_copy_bytes, nb::arg("bytes"))
+      .def_prop_ro("inline_copy_bytes", [](const TensorCache& c) { return c.options().inline_copy_bytes; })
       .def("close", &TensorCache::close, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("closed", &TensorCache::closed)
       .def("state", [](const TensorCache& c, EntryId id) { return std::string(to_string(c.state(id))); },

@@ -69,6 +69,7 @@ class HostStore final : public Store {
   }
 
   bool has_tier(int tier) const override { return tier == kTierCpu; }
+  int tier_of(Location) const override { return kTierCpu; }
 
   HostSpace reserve_host(uint64_t nbytes) override {
     EBB_CHECK(nbytes > 0, "host store: empty reservation");

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "ebbtide/cache/buffer_pool.hpp"
 #include "ebbtide/util/config.hpp"
 #include "ebbtide/util/error.hpp"
 #include "ebbtide/util/log.hpp"
@@ -98,6 +99,49 @@ namespace ebbtide::cache {
 // entries: save() records an event on the compute stream; the worker makes its
 // own side stream wait on it before the copy, and for loads records a done
 // event that wait() makes the consumer stream wait on: no host sync in hooks.
+//
+// Note [Glue objects]
+// The core owns each entry's whole life, the glue's objects included: the
+// saved tensor while the entry must keep it resident (`live`: kept,
+// forwarded or failed entries, stores not yet done, device copies not yet
+// released), a weak reference handed back with prefetch candidates
+// (`orig`), and a reload buffer (`buf`: the glue's, or a host pool buffer the
+// core allocated). They are opaque shared pointers whose deleters may need
+// the interpreter's lock, so none is destroyed under mu_ (a thread holding
+// the interpreter lock may be waiting for mu_) nor on a worker: dropping one
+// moves it to graveyard_, and every public call that can drop one swaps the
+// graveyard out under the lock and destroys it after unlocking (Reaper). A
+// completion hands the dropped `live` to the glue instead (Note [Torn
+// snapshots]).
+//
+// Note [Torn snapshots]
+// A store copies the tensor while the training thread goes on (a worker, or
+// the device's copy stream after the producing kernels). An in-place write
+// after the save can race with that copy; autograd would report the write at
+// backward as a version mismatch. So a completion returns the live tensor
+// and its saved version to the glue, which compares versions and, when they
+// differ, gives it back (hold_live): unpack then answers from the live
+// tensor and the glue raises autograd's error. Copies made on the caller's
+// thread (Note [Host copies on the caller]) cannot tear.
+//
+// Note [Host copies on the caller]
+// For small host tensors a worker round trip (queue, wake-up, completion,
+// poll) costs far more than the copy: tens of microseconds against one for
+// 16 KiB. Host entries of at most inline_copy_bytes bound for the host tier
+// are therefore copied into a host blob inside save() (the tensor is never
+// held), and every host reload not already started runs inside unpack(),
+// into a pool buffer, on the caller's thread (a worker would only add a
+// hand-off to the same wait). Workers keep the larger host stores, which
+// overlap compute, and every SSD write; prefetch skips the small host-tier
+// entries, whose reloads cost less than a hand-off.
+//
+// Note [One call per unpack]
+// unpack() does what request(), start_load(), wait() and consume() did in
+// turn: a host entry comes back as a pool buffer holding its bytes or as the
+// live tensor; a device entry the same, or, when no load was started, a
+// request for a buffer (allocated by the glue through torch's allocator,
+// then start_load(), then unpack() again). It also returns the prefetch
+// candidates behind the entry and the completions since the last call.
 
 struct TensorCache::Entry {
   EntryId id = 0;
@@ -135,12 +179,31 @@ struct TensorCache::Entry {
   bool loaded_once = false;            // a host-to-device copy read `blob` (load_done_ev)
   bool spilling = false;               // a worker is writing `blob` to the SSD
   uint64_t copy_through = 0;           // the lane's `enqueued` once its copy was
+  // Note [Glue objects].
+  GlueObj live;
+  GlueObj orig;
+  GlueObj buf;                         // owns `dst` while loading or loaded
+  bool buf_host = false;               // `buf` is a host pool buffer; `dst` is `buf_phase` bytes in
+  uint64_t buf_phase = 0;
+  mem::cuda::Stream buf_stream = 0;    // glue buffer: the stream it was allocated on
+  size_t order_pos = SIZE_MAX;         // its place in its micro-batch's order, if it has one
 };
 
 namespace {
 
 // In MicroBatch::order: bytes the glue kept without an entry (note_kept).
 constexpr EntryId kKeptBytes = 0;
+
+// Declared after a call's Lock: swaps the graveyard out while the lock is
+// held; the caller's vector, declared before the Lock, destroys it after the
+// unlock (Note [Glue objects]).
+struct Reaper {
+  std::vector<GlueObj>& grave;
+  std::vector<GlueObj>& out;
+  ~Reaper() {
+    if (!grave.empty()) out.swap(grave);
+  }
+};
 
 bool is_resident(EntryState s, bool acked) {
   switch (s) {
@@ -299,7 +362,9 @@ void TensorCache::give_event_locked(int device, mem::cuda::Event& ev) {
 void TensorCache::add_stall(double s) { step_c_.stall_seconds += s; }
 
 SaveResult TensorCache::save(const SaveRequest& r) {
+  std::vector<GlueObj> dead;
   Lock lock(mu_);
+  Reaper reaper{graveyard_, dead};
   EBB_CHECK_STATE(!closed_, "tensor cache: save on a closed cache");
   EBB_CHECK(r.nbytes > 0 && r.ptr != nullptr, "tensor cache: save of an empty storage (key ", r.key, ")");
   EBB_CHECK(r.device < 0 || opts_.driver != nullptr, "tensor cache: device ", r.device,
@@ -314,7 +379,7 @@ SaveResult TensorCache::save(const SaveRequest& r) {
       if (e.state == EntryState::kLoaded) e.unpacks_left += 1;
       step_c_.tensors_deduped += 1;
       bool off = e.state != EntryState::kKept && e.state != EntryState::kFailed;
-      return SaveResult{e.id, new_handle_locked(e.id), false, off};
+      return SaveResult{e.id, new_handle_locked(e.id), false, off, take_completions_locked()};
     }
   }
   auto e = std::make_unique<Entry>();
@@ -329,6 +394,7 @@ SaveResult TensorCache::save(const SaveRequest& r) {
   e->step = step_;
   e->handles = 1;
   e->state = EntryState::kKept;
+  e->orig = r.orig;
   bool offload = r.offload && !stop_offload_;
   if (offload && opts_.max_inflight_bytes != 0 && inflight_ + r.nbytes > opts_.max_inflight_bytes) {
     // Note [Store backpressure]: bounds the memory held for pending stores
@@ -361,21 +427,25 @@ SaveResult TensorCache::save(const SaveRequest& r) {
       throw;
     }
   }
-  // Resident either way: kKept, kQueued, or kStored until its release point.
-  resident_ += e->nbytes;
-  step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_);
+  const bool on_caller = offload && r.device < 0 && copy_on_caller_locked(*e, r);
+  // Resident: kKept, kQueued, or kStored until its release point; the cache
+  // holds the tensor until then.
+  if (!on_caller) {
+    resident_ += e->nbytes;
+    step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_);
+    e->live = r.live;
+  }
   step_c_.saved_bytes_total += r.nbytes;
   const EntryId id = e->id;
   if (offload) {
-    if (!stream_ordered) {
+    if (!stream_ordered && !on_caller) {
       e->state = EntryState::kQueued;
       inflight_ += e->nbytes;
       store_q_.push_back(id);
       work_cv_.notify_one();
     }
     auto& mb = microbatches_[r.microbatch];
-    mb.order.push_back(id);
-    mb.live += 1;
+    push_order_locked(mb, e.get(), r.nbytes, !on_caller);  // Note [Host copies on the caller]
     mb.backward_began = false;  // a new forward of this micro-batch
   } else {
     step_c_.tensors_kept += 1;
@@ -384,9 +454,7 @@ SaveResult TensorCache::save(const SaveRequest& r) {
       // prefetch distance counts them (Note [Prefetch distance]): a plan
       // keeps the tail resident, and the reloads of the early blocks must
       // wait until backward has freed it.
-      auto& mb = microbatches_[r.microbatch];
-      mb.order.push_back(id);
-      mb.live += 1;
+      push_order_locked(microbatches_[r.microbatch], e.get(), r.nbytes, false);
     }
   }
   by_key_[{r.key, r.version}] = id;
@@ -396,7 +464,65 @@ SaveResult TensorCache::save(const SaveRequest& r) {
     mem::cuda::DeviceScope scope(opts_.driver, r.device);
     bound_copies_locked(lanes_.at(r.device), r.stream);
   }
-  return SaveResult{id, h, true, offload};
+  return SaveResult{id, h, true, offload, take_completions_locked()};
+}
+
+// Note [Host copies on the caller]. False when the entry is not for this path
+// or the host tier is full (the worker path then spills it to the SSD).
+bool TensorCache::copy_on_caller_locked(Entry& e, const SaveRequest& r) {
+  if (r.device >= 0 || r.tier == kTierSsd || r.nbytes > opts_.inline_copy_bytes || !store_->has_tier(kTierCpu))
+    return false;
+  HostSpace space;
+  try {
+    space = store_->reserve_host(r.nbytes);
+  } catch (const IoError& ex) {
+    if (ex.err() == ENOSPC || ex.err() == ENOMEM) return false;
+    throw;
+  }
+  std::memcpy(space.ptr, r.ptr, r.nbytes);
+  e.loc = space.loc;
+  e.has_loc = true;
+  e.state = EntryState::kStored;
+  e.acked = true;
+  step_c_.bytes_offloaded += r.nbytes;
+  step_c_.tensors_offloaded += 1;
+  return true;
+}
+
+// `e` (or, null, `nbytes` kept without an entry) takes the next place in the
+// micro-batch's forward order.
+void TensorCache::push_order_locked(MicroBatch& mb, Entry* e, uint64_t nbytes, bool loadable) {
+  if (loadable) mb.loadable.push_back(mb.order.size());
+  if (e != nullptr) {
+    e->order_pos = mb.order.size();
+    mb.live += 1;
+  }
+  mb.order.push_back(e != nullptr ? e->id : kKeptBytes);
+  mb.cum.push_back(mb.cum.back() + nbytes);
+}
+
+void TensorCache::bury_locked(GlueObj& obj) {
+  if (obj) graveyard_.push_back(std::move(obj));
+  obj.reset();
+}
+
+// Note [Torn snapshots]: the completions since the last call, each with the
+// live tensor the cache stops holding.
+std::vector<Completion> TensorCache::take_completions_locked() {
+  std::vector<Completion> out;
+  if (completions_.empty()) return out;
+  out.swap(completions_);
+  for (auto& c : out) {
+    auto it = entries_.find(c.id);
+    if (it == entries_.end()) continue;
+    Entry& e = *it->second;
+    if (c.ok && e.state == EntryState::kStored && !e.acked) {
+      mutate(e, EntryState::kStored, true);
+      c.live = std::move(e.live);
+      c.version = e.version;
+    }
+  }
+  return out;
 }
 
 HandleId TensorCache::new_handle_locked(EntryId id) {
@@ -658,14 +784,16 @@ void TensorCache::erase_locked(Lock& lock, EntryId id) {
     }
   }
   free_blob_locked(e);
+  bury_locked(e.live);
+  bury_locked(e.orig);
+  bury_locked(e.buf);
   give_event_locked(e.device, e.copy_ev);
   give_event_locked(e.device, e.ready_ev);
   give_event_locked(e.device, e.dst_ready_ev);
   give_event_locked(e.device, e.load_done_ev);
   if (auto k = by_key_.find({e.key, e.version}); k != by_key_.end() && k->second == id) by_key_.erase(k);
   if (auto m = microbatches_.find(e.microbatch); m != microbatches_.end()) {
-    auto& order = m->second.order;
-    if (std::find(order.begin(), order.end(), id) != order.end() && --m->second.live == 0) {
+    if (e.order_pos != SIZE_MAX && --m->second.live == 0) {
       microbatches_.erase(m);
     }
   }
@@ -693,7 +821,9 @@ bool TensorCache::release_handle(HandleId handle, EntryId id) {
 }
 
 bool TensorCache::release(EntryId id) {
+  std::vector<GlueObj> dead;
   Lock lock(mu_);
+  Reaper reaper{graveyard_, dead};
   auto it = entries_.find(id);
   if (it == entries_.end()) return true;
   Entry& e = *it->second;
@@ -709,19 +839,31 @@ bool TensorCache::release(EntryId id) {
 
 std::vector<Completion> TensorCache::poll() {
   Lock lock(mu_);
-  std::vector<Completion> out;
-  out.swap(completions_);
-  for (const auto& c : out) {
-    auto it = entries_.find(c.id);
-    if (it != entries_.end() && it->second->state == EntryState::kStored && !it->second->acked) {
-      mutate(*it->second, EntryState::kStored, true);
-    }
+  return take_completions_locked();
+}
+
+void TensorCache::hold_live(EntryId id, GlueObj live) {
+  std::vector<GlueObj> dead;
+  Lock lock(mu_);
+  Reaper reaper{graveyard_, dead};
+  auto it = entries_.find(id);
+  if (it == entries_.end()) {
+    dead.push_back(std::move(live));
+    return;
   }
-  return out;
+  bury_locked(it->second->live);
+  it->second->live = std::move(live);
+}
+
+size_t TensorCache::entry_count() const {
+  Lock lock(mu_);
+  return entries_.size();
 }
 
 Reload TensorCache::request(EntryId id) {
+  std::vector<GlueObj> dead;
   Lock lock(mu_);
+  Reaper reaper{graveyard_, dead};
   EBB_CHECK_STATE(!closed_, "tensor cache: unpack from a closed cache (entry ", id, ")");
   Entry& e = find(id, "unpack");
   switch (e.state) {
@@ -746,6 +888,7 @@ Reload TensorCache::request(EntryId id) {
         // Completed after the glue's last poll: the glue drops its live
         // reference now; the completion in completions_ is then a no-op.
         mutate(e, EntryState::kStored, true);
+        bury_locked(e.live);
       }
       return Reload::kNeedBuffer;
     case EntryState::kLoading:
@@ -758,7 +901,74 @@ Reload TensorCache::request(EntryId id) {
 void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream) {
   Lock lock(mu_);
   EBB_CHECK_STATE(!closed_, "tensor cache: load on a closed cache");
+  start_load_locked(find(id, "start_load"), dst, stream);
+}
+
+void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream, GlueObj owner) {
+  std::vector<GlueObj> dead;
+  Lock lock(mu_);
+  Reaper reaper{graveyard_, dead};
+  EBB_CHECK_STATE(!closed_, "tensor cache: load on a closed cache");
   Entry& e = find(id, "start_load");
+  start_load_locked(e, dst, stream);
+  bury_locked(e.buf);
+  e.buf = std::move(owner);
+  e.buf_host = false;
+  e.buf_phase = 0;
+  e.buf_stream = stream;
+}
+
+void TensorCache::start_loads(const std::vector<EntryId>& ids,
+                              const std::vector<std::pair<uintptr_t, GlueObj>>& buffers, mem::cuda::Stream stream) {
+  std::vector<GlueObj> dead;
+  Lock lock(mu_);
+  Reaper reaper{graveyard_, dead};
+  EBB_CHECK_STATE(!closed_, "tensor cache: load on a closed cache");
+  EBB_CHECK(buffers.empty() || buffers.size() == ids.size(), "tensor cache: start_loads of ", ids.size(),
+            " entries with ", buffers.size(), " buffers");
+  for (size_t i = 0; i < ids.size(); ++i) {
+    auto it = entries_.find(ids[i]);
+    if (it == entries_.end()) continue;
+    Entry& e = *it->second;
+    if (e.state != EntryState::kStored || !e.acked || e.live || (!e.has_loc && e.blob == nullptr)) continue;
+    if (e.device < 0) {
+      host_buffer_locked(e);
+      start_load_locked(e, e.dst, 0);
+    } else {
+      EBB_CHECK(i < buffers.size() && buffers[i].first != 0, "tensor cache: no buffer for device entry ", e.id);
+      start_load_locked(e, reinterpret_cast<void*>(buffers[i].first), stream);
+      bury_locked(e.buf);
+      e.buf = buffers[i].second;
+      e.buf_host = false;
+      e.buf_phase = 0;
+      e.buf_stream = stream;
+    }
+  }
+}
+
+// A host pool buffer for `e`'s reload, its bytes starting at the saved
+// storage's address modulo the store's I/O alignment (Note [Slot phase] in
+// engine.cpp: O_DIRECT reads land in place), unless a 16-byte element could
+// not start there.
+void TensorCache::host_buffer_locked(Entry& e) {
+  uint64_t phase = reinterpret_cast<uintptr_t>(e.src) % std::max<uint64_t>(1, store_->io_alignment());
+  if (phase % 16 != 0) phase = 0;
+  void* p = HostBufferPool::shared().take(e.nbytes + phase);
+  bury_locked(e.buf);
+  e.buf = GlueObj(p, [](void* q) noexcept {
+    try {
+      HostBufferPool::shared().give(q);
+    } catch (...) {
+    }
+  });
+  e.buf_host = true;
+  e.buf_phase = phase;
+  e.buf_stream = 0;
+  e.dst = static_cast<char*>(p) + phase;
+}
+
+void TensorCache::start_load_locked(Entry& e, void* dst, mem::cuda::Stream stream) {
+  const EntryId id = e.id;
   EBB_CHECK_STATE(e.state == EntryState::kStored && (e.has_loc || e.blob != nullptr),
                   "tensor cache: start_load of entry ", id, " in state ", to_string(e.state), " (expected stored)");
   EBB_CHECK(dst != nullptr, "tensor cache: start_load of entry ", id, " into a null buffer");
@@ -832,15 +1042,142 @@ void TensorCache::wait(EntryId id, mem::cuda::Stream stream) {
 // prefetches of the consuming graph task skip it; a later backward of a
 // retained graph runs in a new task and prefetches it again.
 bool TensorCache::consume(EntryId id, int64_t task) {
+  std::vector<GlueObj> dead;
   Lock lock(mu_);
+  Reaper reaper{graveyard_, dead};
   Entry& e = find(id, "consume");
   if (e.state != EntryState::kLoaded) return false;
-  if (--e.unpacks_left > 0) return false;
+  consume_locked(e, task);
+  return e.state == EntryState::kStored;
+}
+
+void TensorCache::consume_locked(Entry& e, int64_t task) {
+  if (--e.unpacks_left > 0) return;
   e.consumed_task = task;
   mutate(e, EntryState::kStored, true);
   e.dst = nullptr;
+  bury_locked(e.buf);
   if (e.stream_ordered && e.has_loc) free_blob_locked(e);  // a bounce blob: the SSD still has the bytes
-  return true;
+}
+
+// Note [Host copies on the caller]: the reload of a stored host entry into a
+// pool buffer (then kLoaded), or into the glue's buffer `into` (the entry
+// stays kStored), on this thread, the lock released during the copy (`busy`
+// makes a release wait for it). Rethrows a failed load; the entry stays stored.
+void TensorCache::load_host_locked(Lock& lock, Entry& e, void* into) {
+  const bool own = into == nullptr;
+  if (own) {
+    host_buffer_locked(e);
+    mutate(e, EntryState::kLoading, true);
+    e.unpacks_left = e.handles;
+    e.load_started = true;
+    e.load_error = nullptr;
+  }
+  e.busy = true;
+  const Location loc = e.loc;
+  const Span dst{own ? e.dst : into, e.nbytes, -1, 0};
+  busy_ += 1;
+  lock.unlock();
+  const auto t0 = std::chrono::steady_clock::now();
+  std::exception_ptr err;
+  try {
+    store_->get(loc, dst);
+  } catch (...) {
+    err = std::current_exception();
+  }
+  lock.lock();
+  busy_ -= 1;
+  e.busy = false;
+  add_stall(seconds_since(t0));
+  done_cv_.notify_all();
+  if (err) {
+    step_c_.load_failures += 1;
+    if (own) {
+      e.dst = nullptr;
+      bury_locked(e.buf);
+      mutate(e, EntryState::kStored, true);
+    }
+    std::rethrow_exception(err);
+  }
+  if (own) mutate(e, EntryState::kLoaded, true);
+  step_c_.bytes_reloaded += e.nbytes;
+  step_c_.tensors_reloaded += 1;
+}
+
+Unpacked TensorCache::unpack(EntryId id, mem::cuda::Stream stream, int64_t task, bool have_original,
+                              void* into) {
+  std::vector<GlueObj> dead;
+  Lock lock(mu_);
+  Reaper reaper{graveyard_, dead};
+  EBB_CHECK_STATE(!closed_, "tensor cache: unpack from a closed cache (entry ", id, ")");
+  Unpacked out;
+  out.done = take_completions_locked();
+  Entry* e = &find(id, "unpack");
+  out.nbytes = e->nbytes;
+  if (e->live) {
+    // Kept, forwarded, failed, a store not yet done (forwarded now), a copy
+    // not yet released, or a torn snapshot: the live tensor answers.
+    if (in_flight(e->state)) {
+      mutate(*e, EntryState::kForwarded, true);
+      step_c_.tensors_forwarded += 1;
+      if (auto m = microbatches_.find(e->microbatch); m != microbatches_.end()) cancel_late_stores_locked(m->second);
+    } else if (e->state == EntryState::kStored) {
+      count_reuse_locked(*e);  // offloaded, but no reload needed
+    }
+    out.kind = Unpacked::Kind::kLive;
+    out.obj = e->live;
+    return out;
+  }
+  if (have_original && (e->state == EntryState::kStored || e->state == EntryState::kLoaded)) {
+    if (e->state == EntryState::kLoaded) consume_locked(*e, task);  // prefetched, then not needed
+    count_reuse_locked(*e);
+    out.kind = Unpacked::Kind::kLive;
+    return out;
+  }
+  if (e->state == EntryState::kStored) {
+    EBB_CHECK_STATE(e->has_loc || e->blob != nullptr, "tensor cache: entry ", id, " has neither bytes nor tensor");
+    if (e->device >= 0) {
+      out.kind = Unpacked::Kind::kNeedBuffer;
+      return out;
+    }
+    if (into != nullptr && e->has_loc && store_->tier_of(e->loc) == kTierCpu) {
+      load_host_locked(lock, *e, into);
+      e->consumed_task = task;
+      out.kind = Unpacked::Kind::kBuffer;
+      return out;  // no prefetch: host-tier entries are loaded at unpack
+    }
+    load_host_locked(lock, *e, nullptr);
+  } else if (e->state == EntryState::kLoading) {
+    const auto t0 = std::chrono::steady_clock::now();
+    done_cv_.wait(lock, [&] {
+      auto it = entries_.find(id);
+      return closed_ || it == entries_.end() || it->second->state != EntryState::kLoading;
+    });
+    add_stall(seconds_since(t0));
+    e = &find(id, "unpack");
+    if (e->load_error) {
+      auto err = e->load_error;
+      e->load_error = nullptr;
+      bury_locked(e->buf);
+      std::rethrow_exception(err);
+    }
+  }
+  EBB_CHECK_STATE(e->state == EntryState::kLoaded, "tensor cache: unpack of entry ", id, " in state ",
+                  to_string(e->state), " without its tensor");
+  if (e->device >= 0 && e->load_done_ev != 0) {
+    mem::cuda::DeviceScope scope(opts_.driver, e->device);  // Note [Caller's context]
+    opts_.driver->stream_wait_event(stream, e->load_done_ev);
+  }
+  out.kind = Unpacked::Kind::kBuffer;
+  out.obj = e->buf;
+  out.host_buffer = e->buf_host;
+  out.data = e->dst;
+  out.buffer_stream = e->buf_stream;
+  consume_locked(*e, task);
+  if (auto m = microbatches_.find(e->microbatch); m != microbatches_.end() && e->order_pos != SIZE_MAX) {
+    out.prefetch = prefetch_locked(m->second, e->order_pos, task);
+  }
+  return out;
 }
 
 // Note [Originals still alive]
@@ -849,8 +1186,15 @@ bool TensorCache::consume(EntryId id, int64_t task) {
 // answers its unpack from it and does not prefetch it; the counters record it
 // so that bytes_reloaded + bytes_reused accounts for every offloaded byte.
 bool TensorCache::reuse(EntryId id) {
+  std::vector<GlueObj> dead;
   Lock lock(mu_);
+  Reaper reaper{graveyard_, dead};
   Entry& e = find(id, "reuse");
+  if (e.state == EntryState::kLoaded) consume_locked(e, -1);  // prefetched, then not needed
+  return count_reuse_locked(e);
+}
+
+bool TensorCache::count_reuse_locked(Entry& e) {
   if (e.reused_step == step_) return false;
   e.reused_step = step_;
   step_c_.tensors_reused += 1;
@@ -882,9 +1226,7 @@ void TensorCache::cancel_late_stores_locked(MicroBatch& mb) {
 
 void TensorCache::note_kept(int microbatch, uint64_t nbytes) {
   Lock lock(mu_);
-  auto& mb = microbatches_[microbatch];
-  mb.kept_at[mb.order.size()] = nbytes;
-  mb.order.push_back(kKeptBytes);  // a place in the order, no entry
+  push_order_locked(microbatches_[microbatch], nullptr, nbytes, false);  // a place in the order, no entry
 }
 
 void TensorCache::scope_end(int microbatch, int64_t scope) {
@@ -893,41 +1235,41 @@ void TensorCache::scope_end(int microbatch, int64_t scope) {
   mb.scope_end[scope] = mb.order.size();
 }
 
-std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_locked(MicroBatch& mb, size_t end,
-                                                                      int64_t task) {
+std::vector<Candidate> TensorCache::prefetch_locked(MicroBatch& mb, size_t end, int64_t task) {
   // Note [Prefetch distance]: the window bounds two things. The bytes loading
   // or loaded ahead of use (window_), and how far ahead of the point backward
-  // has reached a load may start: every live entry walked counts, resident
-  // ones (kept, forwarded) included. Without the second bound, when stores lag
+  // has reached a load may start: the bytes of every entry in between count,
+  // resident ones (kept, forwarded) included. Without the second bound, when stores lag
   // compute (a fast GPU: most entries forwarded) the walk skipped the resident
   // entries and reloaded the few stored early blocks at the start of backward,
   // on top of everything still resident: a peak above no offload.
-  std::vector<std::pair<EntryId, uint64_t>> out;
+  // Only loadable positions are visited; the bytes between come from the
+  // running sums (Note [Host copies on the caller]: the small host entries
+  // count towards the distance but are loaded at unpack).
+  std::vector<Candidate> out;
   uint64_t window = window_;
-  uint64_t distance = 0;
   const uint64_t limit = opts_.prefetch_window_bytes;
-  for (size_t i = std::min(end, mb.order.size()); i-- > 0;) {
-    if (mb.order[i] == kKeptBytes) {
-      distance += mb.kept_at[i];
-      continue;
-    }
-    auto it = entries_.find(mb.order[i]);
-    if (it == entries_.end()) continue;
-    const Entry& e = *it->second;
+  end = std::min(end, mb.order.size());
+  for (auto it = std::lower_bound(mb.loadable.begin(), mb.loadable.end(), end); it != mb.loadable.begin();) {
+    const size_t i = *--it;
+    const uint64_t distance = mb.cum[end] - mb.cum[i];  // order[i, end)
+    if (distance > limit && mb.cum[end] - mb.cum[i + 1] > 0) break;
+    auto eit = entries_.find(mb.order[i]);
+    if (eit == entries_.end()) continue;
+    const Entry& e = *eit->second;
     if (task != -1 && e.consumed_task == task) continue;
-    if (distance + e.nbytes > limit && distance > 0) break;
-    distance += e.nbytes;
-    if (e.state != EntryState::kStored || !e.acked || (!e.has_loc && e.blob == nullptr)) continue;
+    if (e.state != EntryState::kStored || !e.acked || e.live || (!e.has_loc && e.blob == nullptr)) continue;
     if (e.reused_step == step_) continue;  // answered from its original (Note [Originals still alive])
+    if (e.device < 0 && e.has_loc && e.nbytes <= opts_.inline_copy_bytes && store_->tier_of(e.loc) == kTierCpu)
+      continue;  // reloaded at unpack (Note [Host copies on the caller])
     if (window + e.nbytes > limit) break;
     window += e.nbytes;
-    out.emplace_back(e.id, e.nbytes);
+    out.push_back(Candidate{e.id, e.nbytes, e.orig});
   }
   return out;
 }
 
-std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_scope(int microbatch, int64_t scope,
-                                                                     int64_t task) {
+std::vector<Candidate> TensorCache::prefetch_scope(int microbatch, int64_t scope, int64_t task) {
   Lock lock(mu_);
   auto m = microbatches_.find(microbatch);
   if (m == microbatches_.end()) return {};
@@ -937,15 +1279,14 @@ std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_scope(int microb
   return prefetch_locked(m->second, end, task);
 }
 
-std::vector<std::pair<EntryId, uint64_t>> TensorCache::prefetch_before(EntryId id, int64_t task) {
+std::vector<Candidate> TensorCache::prefetch_before(EntryId id, int64_t task) {
   Lock lock(mu_);
   auto it = entries_.find(id);
   if (it == entries_.end()) return {};
   auto m = microbatches_.find(it->second->microbatch);
   if (m == microbatches_.end()) return {};
-  auto& order = m->second.order;
-  auto pos = std::find(order.begin(), order.end(), id);
-  return prefetch_locked(m->second, static_cast<size_t>(pos - order.begin()), task);
+  if (it->second->order_pos == SIZE_MAX) return {};
+  return prefetch_locked(m->second, it->second->order_pos, task);
 }
 
 void TensorCache::begin_step() {
@@ -966,7 +1307,9 @@ void TensorCache::end_step() {
 }
 
 std::vector<EntryId> TensorCache::release_step(uint64_t step) {
+  std::vector<GlueObj> dead;
   Lock lock(mu_);
+  Reaper reaper{graveyard_, dead};
   std::vector<EntryId> ids;
   for (const auto& [id, e] : entries_) {
     if (step == 0 || e->step == step) ids.push_back(id);
@@ -1036,6 +1379,11 @@ std::pair<double, double> TensorCache::probe(int tier, uint64_t nbytes) {
   return {write_s, read_s};
 }
 
+void TensorCache::set_inline_copy_bytes(uint64_t bytes) {
+  Lock lock(mu_);
+  opts_.inline_copy_bytes = bytes;
+}
+
 void TensorCache::pause_stores(bool paused) {
   Lock lock(mu_);
   stores_paused_ = paused;
@@ -1043,6 +1391,7 @@ void TensorCache::pause_stores(bool paused) {
 }
 
 void TensorCache::close() {
+  std::vector<GlueObj> dead;  // Note [Glue objects]: destroyed after the lock
   {
     Lock lock(mu_);
     if (closed_ && workers_.empty()) return;
@@ -1060,6 +1409,9 @@ void TensorCache::close() {
   for (EntryId id : ids) erase_locked(lock, id);
   microbatches_.clear();
   handles_.clear();
+  for (auto& c : completions_) bury_locked(c.live);
+  completions_.clear();
+  dead.swap(graveyard_);
   if (opts_.driver != nullptr) {
     for (auto& [device, lane] : lanes_) {
       try {

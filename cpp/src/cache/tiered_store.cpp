@@ -79,6 +79,7 @@ class TieredStore final : public Store {
   }
 
   bool has_tier(int tier) const override { return tier >= 0 && tier < kTiers && tiers_[tier] != nullptr; }
+  int tier_of(Location loc) const override { return (loc & kSsdBit) ? kTierSsd : kTierCpu; }
 
   HostSpace reserve_host(uint64_t nbytes) override {
     if (!tiers_[kTierCpu]) return Store::reserve_host(nbytes);

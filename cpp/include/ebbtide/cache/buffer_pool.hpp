@@ -33,7 +33,7 @@ class HostBufferPool {
   size_t spare_bytes() const;  // kept for reuse
   uint64_t reused() const;     // take() calls served from spares
 
-  // The process-wide pool used by the Python glue (never destroyed).
+  // The process-wide pool: the tensor cache's host reload buffers (never destroyed).
   static HostBufferPool& shared();
 
  private:

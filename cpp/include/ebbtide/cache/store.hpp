@@ -81,6 +81,8 @@ class Store {
   virtual HostSpace reserve_host(uint64_t nbytes);
   // Whether puts with Span::tier == `tier` land in that kind of space.
   virtual bool has_tier(int tier) const { return false; }
+  // The tier (kTierCpu, kTierSsd) holding `loc`; -1 when the store has no tiers.
+  virtual int tier_of(Location loc) const { return -1; }
   // Host buffers whose address matches the source's at put() modulo this
   // move without a staging copy at get() (1: any buffer does).
   virtual uint64_t io_alignment() const { return 1; }

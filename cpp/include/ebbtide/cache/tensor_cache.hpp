@@ -1,17 +1,19 @@
 // The tensor cache core: bookkeeping and scheduling of offloaded activations.
 //
 // Knows nothing of torch. The glue (python/ebbtide/cache.py) calls save() from
-// the pack hook with a storage's identity, pointer and size; the cache dedups by
-// key and offloads. Device (CUDA) entries are copied stream-ordered from the
-// calling thread (Note [Stream-ordered offload] in the .cpp): save() enqueues
-// the copy on the device's copy stream and says the glue may drop the tensor
-// at once (record_stream). Host entries are stored by worker threads, whose
-// completions poll() reports so the glue can drop its reference. At unpack,
-// request() says whether the glue answers from its live tensor or from a
-// reload buffer it allocates and hands over with start_load(); prefetch_*()
-// choose what to load next in reverse forward order within a byte window.
-// Thread safe; workers never call back into the caller. States: Note [Entry
-// states] in the .cpp.
+// the pack hook with a storage's identity, pointer and size, and the tensor as
+// an opaque object the cache holds while the entry needs it resident (Note
+// [Glue objects] in the .cpp); the cache dedups by key and offloads. Small
+// host entries are copied inside save() (Note [Host copies on the caller]),
+// larger ones and SSD writes by worker threads; device (CUDA) entries are
+// copied stream-ordered from the calling thread (Note [Stream-ordered
+// offload]) and released at release points. Completions come back with the
+// next call, each with the tensor the cache stopped holding. At unpack, one
+// unpack() call answers from the live tensor or a reload (Note [One call per
+// unpack]) and names the next prefetch candidates, chosen in reverse forward
+// order within a byte window. request(), start_load(), wait() and consume()
+// are the same steps one by one. Thread safe; workers never call back into
+// the caller. States: Note [Entry states] in the .cpp.
 #pragma once
 
 #include <condition_variable>
@@ -36,6 +38,12 @@ namespace ebbtide::cache {
 
 using EntryId = uint64_t;
 using HandleId = uint64_t;  // one per save(): what autograd holds
+
+// An object of the glue that the core keeps for an entry: the saved tensor
+// while it must stay resident, a reload buffer, a weak reference (Note [Glue
+// objects] in the .cpp). Opaque here; the core destroys one only on a
+// caller's thread with its lock released, never on a worker.
+using GlueObj = std::shared_ptr<void>;
 
 enum class EntryState : uint8_t {
   kKept,       // resident by policy; never offloaded
@@ -68,6 +76,10 @@ struct CacheOptions {
                                                  // ahead of (Note [Copy bound]; 0 = no bound)
   uint64_t staging_bytes = 1ull << 30;           // pinned bytes held for device entries on
                                                  // their way to the SSD (Note [SSD below the link])
+  // Host entries of at most this many bytes bound for host memory are copied
+  // on the caller's thread, in save() and at unpack (Note [Host copies on the
+  // caller]); larger ones and SSD-bound ones go through the workers.
+  uint64_t inline_copy_bytes = 256ull << 10;
   // When set, close() hands the store (every entry's space freed) to this
   // instead of destroying it: a pool of stores for short-lived caches.
   std::function<void(std::unique_ptr<Store>)> return_store;
@@ -86,6 +98,15 @@ struct SaveRequest {
   int microbatch = 0;
   bool offload = true;          // false: keep resident (policy)
   int tier = -1;                // store tier hint (Span::tier), -1 = the store's first
+  GlueObj live;                 // the saved tensor: held while the entry needs it resident
+  GlueObj orig;                 // handed back with prefetch candidates (Candidate::orig)
+};
+
+struct Completion {
+  EntryId id = 0;
+  bool ok = false;     // false: store failed; the glue keeps the live tensor
+  GlueObj live;        // the entry's live tensor, no longer held by the cache
+  uint64_t version = 0;  // the version it was saved at (Note [Torn snapshots])
 };
 
 struct SaveResult {
@@ -93,11 +114,32 @@ struct SaveResult {
   HandleId handle = 0;     // release_handle() it when autograd drops it
   bool is_new = false;     // false: dedup hit, the handle joined an existing entry
   bool offloaded = false;  // a store was queued (new entry) / the entry is offloaded
+  std::vector<Completion> done;  // what poll() would return now, taken with this call
 };
 
-struct Completion {
+// A stored entry worth loading ahead of use (prefetch_*()).
+struct Candidate {
   EntryId id = 0;
-  bool ok = false;  // false: store failed; the glue keeps the live tensor
+  uint64_t nbytes = 0;
+  GlueObj orig;  // SaveRequest::orig
+};
+
+// What unpack() answers (Note [One call per unpack]).
+struct Unpacked {
+  enum class Kind : uint8_t {
+    kLive,        // `obj` is the live tensor (kept, forwarded, failed, or not yet released)
+    kBuffer,      // the bytes are in a reload buffer: `obj` owns it
+    kNeedBuffer,  // device entry: allocate `nbytes` on `stream`, start_load(), unpack() again
+  };
+  Kind kind = Kind::kLive;
+  GlueObj obj;
+  bool host_buffer = false;       // kBuffer: `obj` is a host pool buffer whose bytes start at `data`
+  void* data = nullptr;
+  uint64_t nbytes = 0;
+  uint64_t offset = 0;            // kBuffer, glue buffer: bytes from its start
+  mem::cuda::Stream buffer_stream = 0;  // glue buffer: the stream it was allocated on
+  std::vector<Candidate> prefetch;      // loads the glue may start next (start_load)
+  std::vector<Completion> done;         // as SaveResult::done
 };
 
 struct Counters {
@@ -155,13 +197,40 @@ class TensorCache {
   // release]): a handle already released changes nothing. Returns true when
   // entry `id` is gone.
   bool release_handle(HandleId handle, EntryId id);
-  // Completions since the last poll, in completion order.
+  // Completions since the last poll, in completion order. Each carries the
+  // entry's live tensor when the cache held one (it no longer does).
   std::vector<Completion> poll();
+  // The glue saw the tensor of a completion written in place since its save:
+  // the cache holds `live` again and answers unpacks from it, so the glue's
+  // version check reports the change (Note [Torn snapshots]).
+  void hold_live(EntryId id, GlueObj live);
+
+  // One unpack of entry `id` in backward task `task`, on compute stream
+  // `stream` (Note [One call per unpack]). Host entries are answered whole:
+  // from the live tensor, or reloaded into a pool buffer (on this thread when
+  // no load runs). StateError when closed or the entry is gone; rethrows a
+  // failed load.
+  // `have_original`: the glue holds the saved tensor itself, still alive
+  // outside autograd (Note [Originals still alive]): no reload; counted as
+  // reused, and kLive comes back without `obj` unless the cache holds one.
+  // `into`: the glue's host buffer of the entry's nbytes; a host-tier entry
+  // whose load has not started is copied there (kBuffer without `obj`).
+  Unpacked unpack(EntryId id, mem::cuda::Stream stream, int64_t task = -1, bool have_original = false,
+                  void* into = nullptr);
+  // Starts loads of stored entries (prefetch candidates): host entries into
+  // pool buffers of the cache's own, device entries into `buffers` (the
+  // glue's, allocated on `stream`), in order. Entries no longer stored are
+  // skipped.
+  void start_loads(const std::vector<EntryId>& ids, const std::vector<std::pair<uintptr_t, GlueObj>>& buffers,
+                   mem::cuda::Stream stream);
 
   Reload request(EntryId id);
   // Starts the reload of a kStored entry into dst (entry's nbytes, on the
   // entry's device; `stream`: where dst was allocated, the copy waits for it).
   void start_load(EntryId id, void* dst, mem::cuda::Stream stream);
+  // The same, the cache keeping `owner` (the buffer's glue object) until the
+  // entry is consumed or released.
+  void start_load(EntryId id, void* dst, mem::cuda::Stream stream, GlueObj owner);
   // Blocks until the entry's load is done; `stream` (device) then waits for
   // it without a host sync. Rethrows the load's error (the entry stays stored).
   void wait(EntryId id, mem::cuda::Stream stream);
@@ -187,8 +256,8 @@ class TensorCache {
   // stores not yet started are cancelled (Note [Late stores]).
   // Returns (id, nbytes); the glue allocates and calls start_load for each.
   // `task`: the current backward's graph task (-1: none).
-  std::vector<std::pair<EntryId, uint64_t>> prefetch_scope(int microbatch, int64_t scope, int64_t task = -1);
-  std::vector<std::pair<EntryId, uint64_t>> prefetch_before(EntryId id, int64_t task = -1);
+  std::vector<Candidate> prefetch_scope(int microbatch, int64_t scope, int64_t task = -1);
+  std::vector<Candidate> prefetch_before(EntryId id, int64_t task = -1);
 
   void begin_step();
   void end_step();
@@ -200,11 +269,15 @@ class TensorCache {
   void drain();
   // Holds queued stores (loads still run) until unpaused: tests stage forwarding.
   void pause_stores(bool paused);
+  // Changes CacheOptions::inline_copy_bytes (0: every store through the workers).
+  void set_inline_copy_bytes(uint64_t bytes);
   // A release point (Note [Release points]): the compute stream `compute` waits
   // for the copies of micro-batch `microbatch`'s device entries saved up to the
   // end of `scope` (every scope: INT64_MAX), and their completions are queued
   // for poll(), so the glue drops the tensors in the device's order.
   void release_copies(int microbatch, int64_t scope, mem::cuda::Stream compute);
+  // Live entries (released ones excluded).
+  size_t entry_count() const;
   // Device-to-host and host-to-device bytes/s of device `device`'s link,
   // timed with events over `nbytes` of device memory at `dev_ptr` (the glue's
   // allocation) and a pinned buffer, best of `repeats`. Synchronizes the device.
@@ -254,8 +327,9 @@ class TensorCache {
   };
   struct MicroBatch {
     std::vector<EntryId> order;              // offloaded entries, forward order
+    std::vector<uint64_t> cum{0};            // cum[i]: bytes of order[0, i), kept bytes included
+    std::vector<size_t> loadable;            // positions in `order` that prefetch may load, ascending
     std::map<int64_t, size_t> scope_end;     // scope -> order size at its end
-    std::map<size_t, uint64_t> kept_at;      // order index -> bytes kept there without entries
     size_t live = 0;
     bool backward_began = false;  // its queued stores were cancelled (Note [Late stores])
   };
@@ -278,7 +352,16 @@ class TensorCache {
   void run_device_load(Lock& lock, Entry& e);
   void ref_event_locked(mem::cuda::Event ev);
   void wait_idle_locked(Lock& lock, Entry& e);
-  std::vector<std::pair<EntryId, uint64_t>> prefetch_locked(MicroBatch& mb, size_t end, int64_t task);
+  std::vector<Candidate> prefetch_locked(MicroBatch& mb, size_t end, int64_t task);
+  std::vector<Completion> take_completions_locked();
+  void push_order_locked(MicroBatch& mb, Entry* e, uint64_t nbytes, bool loadable);
+  void bury_locked(GlueObj& obj);
+  bool copy_on_caller_locked(Entry& e, const SaveRequest& r);
+  void load_host_locked(Lock& lock, Entry& e, void* into);
+  void host_buffer_locked(Entry& e);
+  void consume_locked(Entry& e, int64_t task);
+  bool count_reuse_locked(Entry& e);  // Note [Originals still alive]: once per entry and step
+  void start_load_locked(Entry& e, void* dst, mem::cuda::Stream stream);
   void worker_main(unsigned index);
   void run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Stream>& side);
   void run_load(Lock& lock, EntryId id, std::map<int, mem::cuda::Stream>& side);
@@ -303,6 +386,7 @@ class TensorCache {
   std::deque<EntryId> store_q_;
   std::deque<EntryId> load_q_;
   std::vector<Completion> completions_;
+  std::vector<GlueObj> graveyard_;  // glue objects to destroy once the lock is released
   std::map<int, std::vector<mem::cuda::Event>> free_events_;  // per device
   std::unordered_map<mem::cuda::Event, int> event_refs_;       // holders of taken events
   std::map<int, Lane> lanes_;
