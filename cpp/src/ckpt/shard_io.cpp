@@ -79,25 +79,27 @@ ShardFile::ShardFile(const std::string& path, bool write, bool want_direct) : pa
       throw_io_error(e, path, -1, "fcntl(F_SETFL)");
     }
   }
-  if (want_direct) {
-    int fl = ::fcntl(fd_, F_GETFL);
-    uint32_t mem = 0, off = 0;
-    if (::fcntl(fd_, F_SETFL, fl | O_DIRECT) == 0) {
-      direct_ = true;
-      // Chunks sit at 4 KiB offsets in 4 KiB-aligned buffers: enough unless the
-      // device wants more (rare); then buffered I/O keeps the format unchanged.
-      if (io::detail::query_dio_align(fd_, &mem, &off) && (off > kBlockBytes || mem > kBlockBytes)) {
-        ::fcntl(fd_, F_SETFL, fl);
-        direct_ = false;
-        log::warn_once("ckpt-dioalign:" + path, ebbtide::detail::concat("O_DIRECT on ", path, " needs ", off,
-                                                                         "-byte alignment: using buffered I/O"));
-      }
-    } else {
-      std::string dir = path.substr(0, path.rfind('/'));
-      log::warn_once("ckpt-odirect:" + dir,
-                     ebbtide::detail::concat("O_DIRECT refused in ", dir, " (", std::strerror(errno),
-                                             "): checkpoint files there use buffered I/O"));
+  if (want_direct) enable_direct();
+}
+
+void ShardFile::enable_direct() {
+  int fl = ::fcntl(fd_, F_GETFL);
+  uint32_t mem = 0, off = 0;
+  if (::fcntl(fd_, F_SETFL, fl | O_DIRECT) == 0) {
+    direct_ = true;
+    // Transfers are at 4 KiB offsets in 4 KiB-aligned buffers: enough unless
+    // the device wants more (rare); then buffered I/O keeps the format unchanged.
+    if (io::detail::query_dio_align(fd_, &mem, &off) && (off > kBlockBytes || mem > kBlockBytes)) {
+      ::fcntl(fd_, F_SETFL, fl);
+      direct_ = false;
+      log::warn_once("ckpt-dioalign:" + path_, ebbtide::detail::concat("O_DIRECT on ", path_, " needs ", off,
+                                                                       "-byte alignment: using buffered I/O"));
     }
+  } else {
+    std::string dir = path_.substr(0, path_.rfind('/'));
+    log::warn_once("ckpt-odirect:" + dir,
+                   ebbtide::detail::concat("O_DIRECT refused in ", dir, " (", std::strerror(errno),
+                                           "): checkpoint files there use buffered I/O"));
   }
 }
 
@@ -152,7 +154,7 @@ struct TransferLoop::Impl {
     const ShardFile* file;
     bool write;
     char* buf;
-    uint64_t len, offset, done;
+    uint64_t len, offset, done, need;
     int buf_index;
     std::function<void()> on_done;
   };
@@ -195,7 +197,7 @@ struct TransferLoop::Impl {
       return;
     }
     op.done += static_cast<uint64_t>(c.res);
-    if (op.done < op.len) {  // short transfer: resubmit the remainder
+    if (op.done < op.need) {  // short transfer: resubmit the remainder
       issue(c.tag, op);
       return;
     }
@@ -233,7 +235,7 @@ TransferLoop::~TransferLoop() {
 }
 
 void TransferLoop::submit(const ShardFile& file, bool write, void* buf, uint64_t len, uint64_t offset,
-                          int buf_index, std::function<void()> on_done) {
+                          int buf_index, std::function<void()> on_done, uint64_t need) {
   auto& I = *impl_;
   if (I.error) return;  // drain() reports it
   while (I.inflight.size() >= I.depth) I.pump(true);
@@ -246,7 +248,8 @@ void TransferLoop::submit(const ShardFile& file, bool write, void* buf, uint64_t
   }
   uint64_t tag = I.next_tag++;
   auto [it, ok] = I.inflight.emplace(tag, Impl::Op{&file, write, static_cast<char*>(buf), len, offset, 0,
-                                                    buf_index, std::move(on_done)});
+                                                    need == 0 || write ? len : std::min(need, len), buf_index,
+                                                    std::move(on_done)});
   I.issue(tag, it->second);
   if (I.inflight.size() >= I.depth) I.backend->flush();
 }

@@ -30,6 +30,9 @@ class ShardFile {
   const std::string& path() const { return path_; }
   uint64_t size() const;
   void sync() const;  // fdatasync; IoError naming the path
+  // Switches to O_DIRECT where the filesystem allows it (logs once where it
+  // does not); what the constructor does with `want_direct`.
+  void enable_direct();
 
  private:
   std::string path_;
@@ -49,8 +52,11 @@ class TransferLoop {
 
   // Queues one transfer; blocks while `depth` are outstanding. `on_done` runs
   // on the calling thread (inside submit/drain) when it completes successfully.
+  // `need` (reads; 0 = len): the transfer is complete once that many bytes
+  // are in, so an O_DIRECT read of a file's last block may ask for the whole
+  // block and stop at the end of the file.
   void submit(const ShardFile& file, bool write, void* buf, uint64_t len, uint64_t offset,
-              int buf_index, std::function<void()> on_done = {});
+              int buf_index, std::function<void()> on_done = {}, uint64_t need = 0);
   // Runs the callbacks of finished transfers; with `block`, waits for at
   // least one when any is outstanding. Rethrows the first error.
   void poll(bool block);
