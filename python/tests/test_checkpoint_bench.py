@@ -12,3 +12,13 @@ def test_ckpt_bench_small(tmp_path, run_bench):
         assert r[k] > 0, k
     assert "ebbtide save (durable, committed)" in p.stdout
     assert os.listdir(tmp_path / "d") == []
+
+
+def test_ckpt_bench_safetensors_small(tmp_path, run_bench):
+    pytest.importorskip("safetensors")
+    p, r = run_bench("ckpt_bench.py", "--safetensors", "--size", "0.02", "--dir", str(tmp_path / "d"), "--no-fio")
+    for k in ("ebbtide_save_s", "ebbtide_load_s", "safetensors_save_s", "safetensors_load_s", "ebbtide_save_first_s",
+              "ebbtide_load_first_s"):
+        assert r[k] > 0, k
+    assert "ebbtide load_safetensors" in p.stdout
+    assert os.listdir(tmp_path / "d") == []

@@ -569,7 +569,8 @@ bool Reader::direct() const { return impl_->file->direct(); }
 // pinned staging buffers and copied out: a piece may serve several small
 // tensors, and a tensor may span several pieces. Pieces are submitted in file
 // order, `queue_depth` in flight; the last block of the file is asked for
-// whole and the read stops at the end of the file.
+// whole and the read stops at the end of the file. Owned destinations are
+// faulted in ahead of their reads on another thread.
 std::string Reader::read(const std::vector<ReadTarget>& targets) {
   auto& I = *impl_;
   const std::string& path = I.file->path();
@@ -581,15 +582,16 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
   struct Piece {
     uint64_t off, len;
     char* dst;  // in place; nullptr: staged
+    bool owned;  // dst covers whole blocks the caller owns (may be faulted in ahead)
   };
   std::vector<Piece> pieces;
   std::vector<Staged> staged;
   std::vector<bool> seen(I.h.tensors.size(), false);
   mem::cuda::Driver* drv = nullptr;
   CallerContext caller;
-  auto cut = [&](uint64_t off, uint64_t end, char* dst) {
+  auto cut = [&](uint64_t off, uint64_t end, char* dst, bool owned) {
     for (uint64_t o = off; o < end; o += kPieceBytes)
-      pieces.push_back({o, std::min(kPieceBytes, end - o), dst == nullptr ? nullptr : dst + (o - off)});
+      pieces.push_back({o, std::min(kPieceBytes, end - o), dst == nullptr ? nullptr : dst + (o - off), owned});
   };
   for (const auto& t : targets) {
     EBB_CHECK(t.tensor < I.h.tensors.size(), path, ": tensor index ", t.tensor, " out of range (",
@@ -606,10 +608,10 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
     }
     auto* dst = static_cast<char*>(t.ptr);
     if (!t.device && !direct) {
-      cut(a, a + n, dst);
+      cut(a, a + n, dst, false);
     } else if (!t.device && t.own_blocks && reinterpret_cast<uintptr_t>(dst) % kBlockBytes == a % kBlockBytes) {
       uint64_t head = a % kBlockBytes;
-      cut(a - head, align_up(a + n, kBlockBytes), dst - head);
+      cut(a - head, align_up(a + n, kBlockBytes), dst - head, true);
     } else {
       staged.push_back({a, a + n, &t});
     }
@@ -624,7 +626,7 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
       if (a > hi) break;
       hi = std::max(hi, direct ? align_up(staged[k].b, kBlockBytes) : staged[k].b);
     }
-    cut(lo, hi, nullptr);
+    cut(lo, hi, nullptr, false);
   }
   std::stable_sort(pieces.begin(), pieces.end(), [](const Piece& x, const Piece& y) { return x.off < y.off; });
   if (pieces.empty()) return "nothing to read";
@@ -658,6 +660,10 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
     }
   };
   detail::TransferLoop loop(depth, any_staged ? buffers_of(*staging) : std::vector<iovec>{}, I.opt.backend);
+  std::vector<std::pair<char*, uint64_t>> fresh;
+  for (const auto& p : pieces)
+    if (p.owned) fresh.emplace_back(p.dst, p.len);
+  detail::PagePopulator populate(std::move(fresh));  // Note [Populate ahead] in shard_io.cpp
   for (const auto& p : pieces) {
     const uint64_t need = std::min(p.len, I.size - p.off);  // the file may end inside the last block
     if (p.dst != nullptr) {

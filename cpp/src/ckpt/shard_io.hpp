@@ -5,12 +5,15 @@
 
 #include <sys/uio.h>
 
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "ebbtide/io/engine.hpp"
@@ -72,6 +75,22 @@ class TransferLoop {
 // Reads exactly `len` bytes at `offset` (pread, any thread); IoError naming
 // the file and offset, ENODATA at end of file.
 void read_exact(const ShardFile& file, void* buf, uint64_t len, uint64_t offset);
+
+// Faults in the pages of `ranges` (page-aligned destinations of reads in
+// place), in order, on a thread of its own while the reads run (Note
+// [Populate ahead] in shard_io.cpp); stops and joins on destruction. The
+// ranges must stay mapped until then.
+class PagePopulator {
+ public:
+  explicit PagePopulator(std::vector<std::pair<char*, uint64_t>> ranges);
+  ~PagePopulator();
+  PagePopulator(const PagePopulator&) = delete;
+  PagePopulator& operator=(const PagePopulator&) = delete;
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
 
 // Splits [offset, offset+len) of a contiguous pinned region made of equal
 // segments (registered one iovec each) so that no piece crosses a segment.
