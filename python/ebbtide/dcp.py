@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
 from ebbtide import _ckpt_check as check
 from ebbtide import _ckpt_tree as tree
@@ -187,6 +188,18 @@ class EbbtideWriter(StorageWriter, BlockingAsyncStager):
         self.save_id = str(uuid.uuid4())
         self.rank = 0
         self.is_coordinator = True
+
+    # -- AsyncStager ----------------------------------------------------------------
+    def stage(self, state_dict):
+        """async_save's staging: a CPU copy of `state_dict` (kept for the next
+        call with cache_staged_state_dict; pinned only where CUDA is usable)."""
+        if not self.cache_staged_state_dict:
+            staged = _create_cpu_state_dict(state_dict)
+            _copy_state_dict(state_dict, staged)
+            return staged
+        if self.state_dict_cache is None:
+            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+        return _copy_state_dict(state_dict, self.state_dict_cache)
 
     # -- StorageWriter --------------------------------------------------------------
     def reset(self, checkpoint_id=None):
@@ -426,7 +439,7 @@ def _check_layout(meta, blobs, file):
             bad(f"item {k}: size {size!r}, stride {stride!r}, head {head!r} are not a tensor layout")
         extent = 0 if 0 in size else 1 + sum((n - 1) * s for n, s in zip(size, stride))
         need = extent * dtype.itemsize
-        if head % dtype.itemsize or head + need > b["nbytes"]:
+        if need and (head % dtype.itemsize or head + need > b["nbytes"]):
             bad(f"item {k} ({b['name'][:200]}): {tuple(size)} {dtype} at byte {head} does not fit its "
                 f"{b['nbytes']}-byte blob")
         it["_dtype"] = dtype
@@ -517,11 +530,11 @@ class EbbtideReader(StorageReader):
             per_file.setdefault(si.relative_path, []).append(req)
         for name, reqs in per_file.items():
             file = os.path.join(self.path, name)
-            _, is_shard = _core.ckpt_probe_file(file)
+            size, is_shard = _core.ckpt_probe_file(file)
             if is_shard:
                 self._read_shard(_Shard(file), reqs, planner)
             else:
-                self._read_plain(file, reqs, planner)
+                self._read_plain(file, size, reqs, planner)
         fut = Future()
         fut.set_result(None)
         return fut
@@ -573,10 +586,19 @@ class EbbtideReader(StorageReader):
                 dtype = it["_dtype"]
                 extent = (0 if 0 in it["size"] else
                           1 + sum((n - 1) * s for n, s in zip(it["size"], it["stride"])))
-                data = buf[it["head"]:it["head"] + extent * dtype.itemsize].view(dtype)
-                self._commit(planner, r, torch.as_strided(data, it["size"], it["stride"]), shard.file)
+                if extent == 0:
+                    t = torch.empty(it["size"], dtype=dtype)
+                else:
+                    data = buf[it["head"]:it["head"] + extent * dtype.itemsize].view(dtype)
+                    t = torch.as_strided(data, it["size"], it["stride"])
+                self._commit(planner, r, t, shard.file)
 
-    def _read_plain(self, file, reqs, planner):
+    def _read_plain(self, file, size, reqs, planner):
+        for r in reqs:  # before allocating anything; the C++ read checks again against the open file
+            si = self.storage_data[r.storage_index]
+            if si.offset + si.length > size:
+                raise ValueError(f"{file}: item {r.storage_index.fqn!r}: byte range [{si.offset}, +{si.length}) "
+                                 f"lies outside the file ({size} bytes)")
         for batch in self._batches(reqs, lambda r: self.storage_data[r.storage_index].length):
             ranges, bufs = [], {}
             for r in batch:
