@@ -186,6 +186,7 @@ class EbbtideWriter(StorageWriter, BlockingAsyncStager):
         self._native = _core.CkptWriter(chunk_bytes=chunk_bytes, queue_depth=queue_depth, threads=threads,
                                         zstd_level=zstd_level, direct=direct)
         self.save_id = str(uuid.uuid4())
+        self._frames = {}
         self.rank = 0
         self.is_coordinator = True
 
@@ -244,7 +245,11 @@ class EbbtideWriter(StorageWriter, BlockingAsyncStager):
             t = _owned_storage(data)
             keep.append(t)
             nbytes = t.untyped_storage().nbytes()
-            head, tail = _torch_frame(t, nbytes)
+            # torch.save's bytes around a storage depend only on the tensor's layout.
+            key = (t.dtype, tuple(t.shape), t.stride(), nbytes)
+            if key not in self._frames:
+                self._frames[key] = _torch_frame(t, nbytes)
+            head, tail = self._frames[key]
             blobs.append((fqn, t.untyped_storage().data_ptr(), nbytes, False, 0, t.element_size(),
                           tree.codec_for(t.dtype, self.compress)))
             frames.append((head, tail))
