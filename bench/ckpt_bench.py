@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Checkpoint benchmark: a GPT-2 model state with AdamW moments saved to a
 directory with ebbtide.checkpoint, compared with fio (same directory, same
-run), torch.save/torch.load and torch.distributed.checkpoint.
+run), torch.save/torch.load and torch.distributed.checkpoint (DCP with its
+FileSystemWriter/Reader and with ebbtide's DCP storage plugin).
 
     python bench/ckpt_bench.py --dir /path/on/ssd --size 1.0 [--json out.json]
     python bench/ckpt_bench.py --safetensors --dir /path/on/ssd --size 1.0
@@ -290,6 +291,55 @@ def timed(fn):
     return time.perf_counter() - t, r
 
 
+def dcp_plugin_rounds(flat, work, repeat):
+    """DCP with ebbtide's storage plugin (ebbtide.dcp) against DCP's own
+    FileSystemWriter/Reader, same state, same directory: saves until durable
+    (FileSystemWriter fsyncs its files; the directory is fsynced after it, the
+    plugin commits by rename), loads into the existing state with the page
+    cache dropped, async_save's blocking time. The first save of each writer
+    object (buffers allocated, staging copy made) is reported apart."""
+    import statistics
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    from ebbtide.dcp import EbbtideReader, EbbtideWriter
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    fpath, epath = os.path.join(work, "dcp-fs"), os.path.join(work, "dcp-ebb")
+    r = {k: [] for k in ("fs_save_s", "ebb_save_s", "fs_load_s", "ebb_load_s", "ebb_async_blocked_s",
+                         "ebb_async_total_s")}
+
+    def fs_save():
+        dcp.save(flat, storage_writer=FileSystemWriter(fpath))
+        fsync_tree(fpath)
+    w = EbbtideWriter(epath)
+    out = {"dcp_fs_save_first_s": timed(fs_save)[0],
+           "dcp_ebb_save_first_s": timed(lambda: dcp.save(flat, storage_writer=w))[0]}
+    wa = EbbtideWriter(epath)
+    t0 = time.perf_counter()
+    fut = dcp.async_save(flat, storage_writer=wa)
+    out["dcp_ebb_async_blocked_first_s"] = time.perf_counter() - t0
+    fut.result()
+    for _ in range(max(1, repeat)):
+        shutil.rmtree(fpath, ignore_errors=True)
+        r["fs_save_s"].append(timed(fs_save)[0])
+        r["ebb_save_s"].append(timed(lambda: dcp.save(flat, storage_writer=w))[0])
+        for p, reader, key in ((fpath, FileSystemReader, "fs_load_s"), (epath, EbbtideReader, "ebb_load_s")):
+            drop_file_cache(p)
+            r[key].append(timed(lambda: dcp.load(flat, storage_reader=reader(p)))[0])
+        t0 = time.perf_counter()
+        fut = dcp.async_save(flat, storage_writer=wa)
+        r["ebb_async_blocked_s"].append(time.perf_counter() - t0)
+        fut.result()
+        r["ebb_async_total_s"].append(time.perf_counter() - t0)
+    out.update({f"dcp_{k}": statistics.median(v) for k, v in r.items()})
+    out["dcp_rounds"] = r
+    shutil.rmtree(fpath, ignore_errors=True)
+    shutil.rmtree(epath, ignore_errors=True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None, help="target directory (default: a temporary one under .)")
@@ -302,6 +352,8 @@ def main(argv=None):
                          "background save beside a training step); medians are reported")
     ap.add_argument("--safetensors", action="store_true",
                     help="compare safetensors save/load (ebbtide, the safetensors package, fio) instead")
+    ap.add_argument("--no-dcp-plugin", action="store_true",
+                    help="skip DCP with ebbtide's storage plugin vs FileSystemWriter/Reader")
     ap.add_argument("--stripe-dirs", nargs="*", default=None,
                     help="also time a save/load striped over --dir plus these directories")
     args = ap.parse_args(argv)
@@ -474,6 +526,10 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001
                 res["dcp_error"] = f"{type(e).__name__}: {e}"[:200]
 
+        if not args.no_dcp_plugin:
+            res.update(dcp_plugin_rounds({"model": model.state_dict(), "optimizer": opt.state_dict()}, work,
+                                         args.repeat))
+
         def row(name, secs, note=""):
             rows.append((name, f"{secs:.3f}" if secs is not None else "-",
                          f"{gb / secs:.2f}" if secs else "-", note))
@@ -503,6 +559,22 @@ def main(argv=None):
         if "dcp_async_blocked_s" in res:
             row("dcp.async_save: caller blocked", res["dcp_async_blocked_s"])
             row("dcp.async_save: until done", res["dcp_async_total_s"])
+        if "dcp_ebb_save_s" in res:
+            fio_note = (lambda t: f"{(gb / t) / fw['GBps']:.0%} of fio write") if fw and "GBps" in fw \
+                else (lambda t: "")
+            row("DCP save, FileSystemWriter (first)", res["dcp_fs_save_first_s"])
+            row("DCP save, FileSystemWriter", res["dcp_fs_save_s"], fio_note(res["dcp_fs_save_s"]))
+            row("DCP save, ebbtide plugin (first)", res["dcp_ebb_save_first_s"])
+            row("DCP save, ebbtide plugin", res["dcp_ebb_save_s"],
+                f"{fio_note(res['dcp_ebb_save_s'])}; {res['dcp_fs_save_s'] / res['dcp_ebb_save_s']:.2f}x "
+                "FileSystemWriter")
+            row("DCP async_save, plugin: blocked (first)", res["dcp_ebb_async_blocked_first_s"])
+            row("DCP async_save, plugin: blocked", res["dcp_ebb_async_blocked_s"],
+                f"{res['dcp_ebb_async_blocked_s'] / res['dcp_ebb_save_s']:.1%} of sync plugin save")
+            row("DCP async_save, plugin: until committed", res["dcp_ebb_async_total_s"])
+            row("DCP load, FileSystemReader (cache dropped)", res["dcp_fs_load_s"])
+            row("DCP load, ebbtide plugin (cache dropped)", res["dcp_ebb_load_s"],
+                f"{res['dcp_fs_load_s'] / res['dcp_ebb_load_s']:.2f}x FileSystemReader")
         for key, label in (("fio_read_1M_qd16", "1M, qd16"), ("fio_read_4M_qd8", "4M, qd8")):
             r = res.get(key)
             if r and "GBps" in r:

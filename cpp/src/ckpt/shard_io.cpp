@@ -9,6 +9,8 @@
 #include <cerrno>
 #include <cstring>
 #include <algorithm>
+#include <chrono>
+#include <thread>
 
 #include "ebbtide/ckpt/format.hpp"
 #include "ebbtide/ckpt/writer.hpp"
@@ -271,6 +273,10 @@ void TransferLoop::submit(const ShardFile& file, bool write, void* buf, uint64_t
   while (I.inflight.size() >= I.depth) I.pump(true);
   int fe = g_fault_err.load();
   if (write && fe != 0 && offset + len > g_fault_after.load()) {
+    if (fe < 0) {  // parked for good: a crash test kills the process here
+      log::warn("checkpoint: write of ", file.path(), " at ", offset, " parked by the test hook");
+      for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+    }
     g_fault_err = 0;
     if (!I.error) I.error = std::make_exception_ptr(IoError(fe, file.path(), static_cast<int64_t>(offset),
                                                             "checkpoint write failed (injected fault)"));
