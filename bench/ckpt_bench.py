@@ -1,9 +1,16 @@
 #!/usr/bin/env python3
 """Checkpoint benchmark: a GPT-2 model state with AdamW moments saved to a
 directory with ebbtide.checkpoint, compared with fio (same directory, same
-run), torch.save/torch.load and torch.distributed.checkpoint.
+run), torch.save/torch.load and torch.distributed.checkpoint (DCP with its
+FileSystemWriter/Reader and with ebbtide's DCP storage plugin).
 
     python bench/ckpt_bench.py --dir /path/on/ssd --size 1.0 [--json out.json]
+    python bench/ckpt_bench.py --safetensors --dir /path/on/ssd --size 1.0
+
+--safetensors compares one safetensors file of model weights written and read
+by ebbtide (checkpoint.save_safetensors / load_safetensors) with the
+safetensors package (save_file + fsync / load_file, page cache dropped) and
+fio on the same file; the first call in the process is reported apart.
 
 Save times are until durable (fsync'd and committed); loads read from the
 device (O_DIRECT for ebbtide, page cache dropped per file for torch.load).
@@ -142,10 +149,195 @@ def fault_in_seconds(nbytes):
     return dt if rc == 0 else None
 
 
+def touch_pages(tensors):
+    """Reads one byte per 4 KiB page of every tensor: a loader that maps the
+    file lazily pays its reads here, one that read eagerly pays almost nothing."""
+    total = 0
+    for t in tensors.values():
+        b = t.reshape(-1).view(torch.uint8)
+        total += int(b[::4096].sum()) if b.numel() else 0
+    return total
+
+
+def weights_like(size_gb):
+    """A decoder's weights of about `size_gb` GB: bf16 matrices of a 2048-wide
+    model plus fp32 norms, random values (incompressible, like trained ones)."""
+    g = torch.Generator().manual_seed(0)
+    out, total, i = {}, 0, 0
+    vocab = min(32000, max(256, int(size_gb * 1e9 / 4 / 2 / 2048)))  # small sizes: a smaller vocabulary
+    out["embed_tokens.weight"] = torch.randn(vocab, 2048, generator=g).bfloat16()
+    total += out["embed_tokens.weight"].nbytes
+    while total < size_gb * 1e9:
+        if size_gb < 0.2:  # small sizes (the benchmark's own test): small layers
+            out[f"layers.{i}.weight"] = torch.randn(512, 2048, generator=g).bfloat16()
+            total += 512 * 2048 * 2
+            i += 1
+            continue
+        for name, shape in (("q_proj", (2048, 2048)), ("k_proj", (512, 2048)), ("v_proj", (512, 2048)),
+                            ("o_proj", (2048, 2048)), ("gate_proj", (5632, 2048)), ("up_proj", (5632, 2048)),
+                            ("down_proj", (2048, 5632))):
+            t = torch.randn(*shape, generator=g).bfloat16()
+            out[f"layers.{i}.{name}.weight"] = t
+            total += t.nbytes
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            out[f"layers.{i}.{name}.weight"] = torch.randn(2048, generator=g)
+            total += 2048 * 4
+        i += 1
+    return out
+
+
+def safetensors_bench(args, work, res):
+    import statistics
+
+    import safetensors.torch as sft
+    tensors = weights_like(args.size)
+    nbytes = sum(t.nbytes for t in tensors.values())
+    gb = nbytes / 1e9
+    res.update(mode="safetensors", state_bytes=nbytes, tensors=len(tensors))
+    ebb, ref = os.path.join(work, "ebb.safetensors"), os.path.join(work, "ref.safetensors")
+
+    def ref_save():
+        sft.save_file(tensors, ref)
+        fsync_tree(ref)
+
+    def ref_load():
+        drop_file_cache(ref)
+        d = sft.load_file(ref)
+        touch_pages(d)
+        return d
+
+    def ebb_load():
+        d = ckpt.load_safetensors(ebb)
+        touch_pages(d)
+        return d
+    res["ebbtide_save_first_s"], info = timed(lambda: ckpt.save_safetensors(tensors, ebb))
+    res["ebbtide_backend"] = info["backend"]
+    res["ebbtide_load_first_s"], first = timed(ebb_load)
+    assert all(torch.equal(first[k].view(torch.uint8), tensors[k].view(torch.uint8)) for k in tensors)
+    del first
+    res["safetensors_save_first_s"] = timed(ref_save)[0]
+    res["safetensors_load_first_s"] = timed(ref_load)[0]
+    rounds = {k: [] for k in ("ebbtide_save_s", "ebbtide_load_s", "safetensors_save_s", "safetensors_load_s")}
+    fws, frs = [], []
+    for rnd in range(max(1, args.repeat)):
+        steps = [("ebbtide_save_s", lambda: ckpt.save_safetensors(tensors, ebb)), ("safetensors_save_s", ref_save)]
+        if not args.no_fio:
+            steps.append(("fio_write", None))
+        loads = [("ebbtide_load_s", ebb_load), ("safetensors_load_s", ref_load)]
+        if not args.no_fio:
+            loads.append(("fio_read", None))
+        for seq in (steps, loads):  # who goes first rotates per round
+            k = rnd % len(seq)
+            for name, fn in seq[k:] + seq[:k]:
+                if name == "fio_write":
+                    fws.append(fio(work, "write", os.path.getsize(ebb)))
+                    os.unlink(os.path.join(work, "fio.dat"))
+                elif name == "fio_read":
+                    frs.append(min((fio(work, "read", os.path.getsize(ebb), os.path.basename(ebb), bs=bs, qd=qd)
+                                    for bs, qd in (("1M", 16), ("4M", 8))),
+                                   key=lambda r: r.get("seconds", float("inf")) if r else float("inf")))
+                else:
+                    rounds[name].append(timed(fn)[0])
+    med = {k: statistics.median(v) for k, v in rounds.items()}
+    res.update(med)
+    res["rounds"] = rounds
+
+    def med_fio(runs):
+        ok = [r for r in runs if r and "GBps" in r]
+        if not ok:
+            return runs[0] if runs else None
+        secs = statistics.median(r["seconds"] for r in ok)
+        return {"GBps": os.path.getsize(ebb) / secs / 1e9, "seconds": secs}
+    if not args.no_fio:
+        res["fio_write"], res["fio_read"] = med_fio(fws), med_fio(frs)
+    res["load_average"] = os.getloadavg()
+    res["fault_in_s"] = fault_in_seconds(nbytes)
+    fw, fr = res.get("fio_write"), res.get("fio_read")
+    rows = []
+
+    def row(name, secs, note=""):
+        rows.append((name, f"{secs:.3f}", f"{gb / secs:.2f}", note))
+    if fw and "GBps" in fw:
+        rows.append(("fio seq write (1M, qd16, direct, fsync)", f"{fw['seconds']:.3f}", f"{fw['GBps']:.2f}", ""))
+    row("ebbtide save_safetensors (first call)", res["ebbtide_save_first_s"])
+    row("ebbtide save_safetensors (durable)", med["ebbtide_save_s"],
+        f"{(gb / med['ebbtide_save_s']) / fw['GBps']:.0%} of fio write" if fw and "GBps" in fw else "")
+    row("safetensors save_file + fsync (first call)", res["safetensors_save_first_s"])
+    row("safetensors save_file + fsync", med["safetensors_save_s"],
+        f"ebbtide {med['safetensors_save_s'] / med['ebbtide_save_s']:.2f}x faster")
+    if fr and "GBps" in fr:
+        rows.append(("fio seq read of the file (direct, best of 1Mx16/4Mx8)", f"{fr['seconds']:.3f}",
+                     f"{fr['GBps']:.2f}", ""))
+    row("ebbtide load_safetensors (first call)", res["ebbtide_load_first_s"])
+    row("ebbtide load_safetensors", med["ebbtide_load_s"],
+        f"{(gb / med['ebbtide_load_s']) / fr['GBps']:.0%} of fio read" if fr and "GBps" in fr else "")
+    if res["fault_in_s"] is not None:
+        row("new host memory: map + fault in (no I/O)", res["fault_in_s"], "part of any load into new tensors")
+    row("safetensors load_file (first call, cache dropped)", res["safetensors_load_first_s"])
+    row("safetensors load_file (cache dropped)", med["safetensors_load_s"],
+        f"ebbtide {med['safetensors_load_s'] / med['ebbtide_load_s']:.2f}x faster")
+    print(f"\nsafetensors file: {len(tensors)} tensors, {gb:.3f} GB of weights; dir {work}; "
+          f"backend {res['ebbtide_backend']}")
+    print(f"medians of {max(1, args.repeat)} round(s) after the first calls; load average "
+          f"{res['load_average'][0]:.2f} {res['load_average'][1]:.2f} {res['load_average'][2]:.2f}")
+    print(f"{'operation':<52} {'seconds':>9} {'GB/s':>7}  note")
+    for name, s_, g, note in rows:
+        print(f"{name:<52} {s_:>9} {g:>7}  {note}")
+
+
 def timed(fn):
     t = time.perf_counter()
     r = fn()
     return time.perf_counter() - t, r
+
+
+def dcp_plugin_rounds(flat, work, repeat):
+    """DCP with ebbtide's storage plugin (ebbtide.dcp) against DCP's own
+    FileSystemWriter/Reader, same state, same directory: saves until durable
+    (FileSystemWriter fsyncs its files; the directory is fsynced after it, the
+    plugin commits by rename), loads into the existing state with the page
+    cache dropped, async_save's blocking time. The first save of each writer
+    object (buffers allocated, staging copy made) is reported apart."""
+    import statistics
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    from ebbtide.dcp import EbbtideReader, EbbtideWriter
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    fpath, epath = os.path.join(work, "dcp-fs"), os.path.join(work, "dcp-ebb")
+    r = {k: [] for k in ("fs_save_s", "ebb_save_s", "fs_load_s", "ebb_load_s", "ebb_async_blocked_s",
+                         "ebb_async_total_s")}
+
+    def fs_save():
+        dcp.save(flat, storage_writer=FileSystemWriter(fpath))
+        fsync_tree(fpath)
+    w = EbbtideWriter(epath)
+    out = {"dcp_fs_save_first_s": timed(fs_save)[0],
+           "dcp_ebb_save_first_s": timed(lambda: dcp.save(flat, storage_writer=w))[0]}
+    wa = EbbtideWriter(epath)
+    t0 = time.perf_counter()
+    fut = dcp.async_save(flat, storage_writer=wa)
+    out["dcp_ebb_async_blocked_first_s"] = time.perf_counter() - t0
+    fut.result()
+    for _ in range(max(1, repeat)):
+        shutil.rmtree(fpath, ignore_errors=True)
+        r["fs_save_s"].append(timed(fs_save)[0])
+        r["ebb_save_s"].append(timed(lambda: dcp.save(flat, storage_writer=w))[0])
+        for p, reader, key in ((fpath, FileSystemReader, "fs_load_s"), (epath, EbbtideReader, "ebb_load_s")):
+            drop_file_cache(p)
+            r[key].append(timed(lambda: dcp.load(flat, storage_reader=reader(p)))[0])
+        t0 = time.perf_counter()
+        fut = dcp.async_save(flat, storage_writer=wa)
+        r["ebb_async_blocked_s"].append(time.perf_counter() - t0)
+        fut.result()
+        r["ebb_async_total_s"].append(time.perf_counter() - t0)
+    out.update({f"dcp_{k}": statistics.median(v) for k, v in r.items()})
+    out["dcp_rounds"] = r
+    shutil.rmtree(fpath, ignore_errors=True)
+    shutil.rmtree(epath, ignore_errors=True)
+    return out
 
 
 def main(argv=None):
@@ -158,6 +350,10 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds of (fio write, ebbtide save, fio read / load / load into in turns, async save, "
                          "background save beside a training step); medians are reported")
+    ap.add_argument("--safetensors", action="store_true",
+                    help="compare safetensors save/load (ebbtide, the safetensors package, fio) instead")
+    ap.add_argument("--no-dcp-plugin", action="store_true",
+                    help="skip DCP with ebbtide's storage plugin vs FileSystemWriter/Reader")
     ap.add_argument("--stripe-dirs", nargs="*", default=None,
                     help="also time a save/load striped over --dir plus these directories")
     args = ap.parse_args(argv)
@@ -167,6 +363,12 @@ def main(argv=None):
     work = tempfile.mkdtemp(prefix="run-", dir=base)
     res = {"size_arg_gb": args.size, "dir": os.path.abspath(work)}
     try:
+        if args.safetensors:
+            safetensors_bench(args, work, res)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(res, f, indent=1)
+            return 0
         model, opt, cfg = gpt2_state(args.size)
         state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
         nbytes = state_bytes(state)
@@ -324,6 +526,10 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001
                 res["dcp_error"] = f"{type(e).__name__}: {e}"[:200]
 
+        if not args.no_dcp_plugin:
+            res.update(dcp_plugin_rounds({"model": model.state_dict(), "optimizer": opt.state_dict()}, work,
+                                         args.repeat))
+
         def row(name, secs, note=""):
             rows.append((name, f"{secs:.3f}" if secs is not None else "-",
                          f"{gb / secs:.2f}" if secs else "-", note))
@@ -353,6 +559,22 @@ def main(argv=None):
         if "dcp_async_blocked_s" in res:
             row("dcp.async_save: caller blocked", res["dcp_async_blocked_s"])
             row("dcp.async_save: until done", res["dcp_async_total_s"])
+        if "dcp_ebb_save_s" in res:
+            fio_note = (lambda t: f"{(gb / t) / fw['GBps']:.0%} of fio write") if fw and "GBps" in fw \
+                else (lambda t: "")
+            row("DCP save, FileSystemWriter (first)", res["dcp_fs_save_first_s"])
+            row("DCP save, FileSystemWriter", res["dcp_fs_save_s"], fio_note(res["dcp_fs_save_s"]))
+            row("DCP save, ebbtide plugin (first)", res["dcp_ebb_save_first_s"])
+            row("DCP save, ebbtide plugin", res["dcp_ebb_save_s"],
+                f"{fio_note(res['dcp_ebb_save_s'])}; {res['dcp_fs_save_s'] / res['dcp_ebb_save_s']:.2f}x "
+                "FileSystemWriter")
+            row("DCP async_save, plugin: blocked (first)", res["dcp_ebb_async_blocked_first_s"])
+            row("DCP async_save, plugin: blocked", res["dcp_ebb_async_blocked_s"],
+                f"{res['dcp_ebb_async_blocked_s'] / res['dcp_ebb_save_s']:.1%} of sync plugin save")
+            row("DCP async_save, plugin: until committed", res["dcp_ebb_async_total_s"])
+            row("DCP load, FileSystemReader (cache dropped)", res["dcp_fs_load_s"])
+            row("DCP load, ebbtide plugin (cache dropped)", res["dcp_ebb_load_s"],
+                f"{res['dcp_fs_load_s'] / res['dcp_ebb_load_s']:.2f}x FileSystemReader")
         for key, label in (("fio_read_1M_qd16", "1M, qd16"), ("fio_read_4M_qd8", "4M, qd8")):
             r = res.get(key)
             if r and "GBps" in r:

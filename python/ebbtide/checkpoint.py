@@ -27,6 +27,7 @@ import torch
 from ebbtide import _ckpt_check as check
 from ebbtide import _ckpt_tree as tree
 from ebbtide import _core
+from ebbtide import _safetensors
 
 FORMAT_VERSION = _core.CKPT_FORMAT_VERSION
 INDEX_NAME = "index.json"
@@ -34,7 +35,7 @@ StateError = _core.StateError
 ChecksumError = _core.ChecksumError
 
 __all__ = ["save", "load", "inspect", "join", "wait_for_snapshots", "Writer", "SaveHandle", "SaveInfo",
-           "FORMAT_VERSION", "StateError", "ChecksumError"]
+           "FORMAT_VERSION", "StateError", "ChecksumError", "save_safetensors", "load_safetensors"]
 
 
 class SaveInfo(dict):
@@ -953,3 +954,53 @@ def _inspect_shard(path, idx, r, verify):
     if verify:
         shard["problems"] = reader.verify()
     return shard
+
+
+def save_safetensors(tensors, path, metadata=None):
+    """Writes a safetensors file (docs/checkpoints.md, "safetensors") with
+    ebbtide's I/O: through pinned buffers, O_DIRECT where the filesystem
+    allows it, to a temporary file renamed over `path` once durable.
+
+    Args:
+        tensors: dict of name -> dense tensor (CPU or CUDA; non-contiguous
+            ones are copied first).
+        path: the file to write (replaced atomically when it exists).
+        metadata: optional dict of str -> str, stored as "__metadata__".
+
+    Returns:
+        {"file_bytes", "data_bytes", "backend"}.
+
+    Raises:
+        TypeError: tensors or metadata of the wrong type.
+        ValueError: a dtype the format lacks, a reserved or repeated name.
+        OSError: the file cannot be written (naming it).
+
+    Example:
+        checkpoint.save_safetensors(model.state_dict(), "model.safetensors", {"format": "pt"})
+    """
+    return _safetensors.save(tensors, path, metadata)
+
+
+def load_safetensors(path, device=None):
+    """Reads a safetensors file, or a sharded HF checkpoint (a
+    model.safetensors.index.json, or a directory holding it or
+    model.safetensors), validating every header as hostile input.
+
+    Args:
+        path: a .safetensors file, an index json, or a directory.
+        device: where the tensors go (default CPU); CUDA reads go through
+            pinned staging buffers.
+
+    Returns:
+        dict of name -> tensor.
+
+    Raises:
+        ValueError: an invalid file or index, naming the file and the tensor.
+        NotImplementedError: a dtype torch has no equivalent for (F4, F6).
+        OSError: a missing or unreadable file.
+
+    Example:
+        state = checkpoint.load_safetensors("out/llama-tiny")   # save_pretrained's directory
+        model.load_state_dict(state)
+    """
+    return _safetensors.load(path, device)

@@ -10,6 +10,7 @@
 #include "ebbtide/ckpt/codec.hpp"
 #include "ebbtide/ckpt/reader.hpp"
 #include "ebbtide/ckpt/writer.hpp"
+#include "ebbtide/util/error.hpp"
 
 namespace nb = nanobind;
 using namespace ebbtide::ckpt;
@@ -68,7 +69,11 @@ EBB_BIND(ckpt, 30) {
            [](CheckpointWriter& w, const std::string& file, const std::vector<BlobTuple>& blobs, const std::string& meta,
               const std::string& commit_dir, const std::string& commit_path,
               const std::vector<std::pair<std::string, std::string>>& extra_files, bool block,
-              const std::vector<std::string>& stripe_files, bool pipelined, bool gated) {
+              const std::vector<std::string>& stripe_files, bool pipelined, bool gated,
+              const std::vector<std::pair<nb::bytes, nb::bytes>>& frames) {
+             if (!frames.empty() && frames.size() != blobs.size())
+               throw ebbtide::InvalidArgument(ebbtide::detail::concat("save: ", frames.size(), " frames for ",
+                                                                      blobs.size(), " blobs"));
              SaveRequest req;
              req.stripe_files = stripe_files;
              req.pipelined = pipelined;
@@ -82,13 +87,17 @@ EBB_BIND(ckpt, 30) {
                req.blobs.push_back({name, reinterpret_cast<const void*>(ptr), nbytes, device, stream, elem,
                                     parse_codec(codec)});
              }
+             for (size_t i = 0; i < frames.size(); ++i) {  // Note [Framed blobs]
+               req.blobs[i].head.assign(frames[i].first.c_str(), frames[i].first.size());
+               req.blobs[i].tail.assign(frames[i].second.c_str(), frames[i].second.size());
+             }
              ebbtide::py::gil_release g;
              return w.save(std::move(req), block);
            },
            nb::arg("file"), nb::arg("blobs"), nb::arg("meta"), nb::arg("commit_dir") = "", nb::arg("commit_path") = "",
            nb::arg("extra_files") = std::vector<std::pair<std::string, std::string>>{}, nb::arg("block") = false,
            nb::arg("stripe_files") = std::vector<std::string>{}, nb::arg("pipelined") = false,
-           nb::arg("gated") = false)
+           nb::arg("gated") = false, nb::arg("frames") = std::vector<std::pair<nb::bytes, nb::bytes>>{})
       .def_prop_ro("busy", &CheckpointWriter::busy)
       .def("join", [](CheckpointWriter& w) {
         ebbtide::py::gil_release g;
@@ -164,5 +173,17 @@ EBB_BIND(ckpt, 30) {
   }, nb::arg("tmp_dir"), nb::arg("path"));
   m.def("ckpt_write_file_durably", &write_file_durably, nb::arg("path"), nb::arg("content"));
   m.def("ckpt_remove_stale_temps", &remove_stale_temps, nb::arg("path"));
+  m.def("ckpt_probe_file", [](const std::string& path) {
+    FileProbe p = probe_file(path);
+    return nb::make_tuple(p.size, p.shard);
+  }, nb::arg("path"));
+  m.def("ckpt_read_file_ranges",
+        [](const std::string& path, const std::vector<std::tuple<uint64_t, uint64_t, uintptr_t>>& ranges) {
+          std::vector<FileRange> r;
+          for (const auto& [off, len, ptr] : ranges) r.push_back({off, len, reinterpret_cast<void*>(ptr)});
+          ebbtide::py::gil_release g;
+          read_file_ranges(path, r);
+        },
+        nb::arg("path"), nb::arg("ranges"));
   m.def("ckpt_inject_write_fault", &inject_write_fault, nb::arg("after_bytes"), nb::arg("err"));
 }

@@ -29,8 +29,8 @@ T get_at(const unsigned char* p, size_t off) {
   return v;
 }
 
-// Well-formed UTF-8 (no overlong forms, surrogates or code points past
-// U+10FFFF): blob names become Python strings.
+}  // namespace
+
 bool valid_utf8(std::string_view s) {
   static constexpr uint32_t kMin[] = {0, 0x80, 0x800, 0x10000};
   size_t i = 0;
@@ -49,8 +49,6 @@ bool valid_utf8(std::string_view s) {
   }
   return true;
 }
-
-}  // namespace
 
 std::string_view to_string(Codec c) {
   switch (c) {

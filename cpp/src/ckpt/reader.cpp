@@ -182,15 +182,8 @@ size_t ShardReader::stripe_count() const { return impl_->sb.stripe_count; }
 // the buffer. `process` runs on the workers; errors are collected. Depth:
 // 8 transfers per file of the shard in flight.
 //
-// Note [Populate ahead]
-// In-place destinations are usually fresh anonymous memory (checkpoint.load
-// maps new storages): the first touch of each page is a fault, taken inside
-// io_uring's submission (or the POSIX worker) while it pins the pages, in
-// series with the I/O. A populator thread walks the in-place chunks in
-// submission order and faults their pages in with MADV_POPULATE_WRITE (which
-// keeps contents, so it may race the reads) on another core; on a 2-core VM
-// this took a 1 GB load from 0.76 to 0.58 s. Kernels without it (EINVAL,
-// before 5.14) just skip the step.
+// In-place destinations are faulted in ahead of the reads (PagePopulator,
+// Note [Populate ahead] in shard_io.cpp).
 void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks, const std::vector<char*>& direct,
                                    unsigned threads, const std::function<void(size_t, const char*)>& process) {
   if (chunks.empty()) return;
@@ -215,30 +208,10 @@ void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks,
   size_t pending = 0;       // chunks with the workers
   size_t slots_held = 0;    // staging buffers among them
   std::exception_ptr error;
-  std::atomic<bool> stop_populating{false};
-  std::thread populator;
-  if (std::any_of(direct.begin(), direct.end(), [](char* d) { return d != nullptr; })) {
-    populator = std::thread([&] {
-      for (size_t i = 0; i < chunks.size() && !stop_populating.load(std::memory_order_relaxed); ++i) {
-        if (direct[i] == nullptr) continue;
-#ifdef MADV_POPULATE_WRITE
-        if (::madvise(direct[i], align_up(chunks[i]->stored_bytes, kBlockBytes), MADV_POPULATE_WRITE) != 0 &&
-            errno == EINVAL)
-          return;  // no MADV_POPULATE_WRITE (or not anonymous/file memory): the I/O faults pages in itself
-#else
-        return;
-#endif
-      }
-    });
-  }
-  struct JoinPopulator {
-    std::thread& t;
-    std::atomic<bool>& stop;
-    ~JoinPopulator() {
-      stop = true;
-      if (t.joinable()) t.join();
-    }
-  } join_populator{populator, stop_populating};
+  std::vector<std::pair<char*, uint64_t>> in_place;
+  for (size_t i = 0; i < direct.size(); ++i)
+    if (direct[i] != nullptr) in_place.emplace_back(direct[i], align_up(chunks[i]->stored_bytes, kBlockBytes));
+  detail::PagePopulator populate(std::move(in_place));
   {
     detail::Workers pool(nthreads);
     auto hand_off = [&](size_t i, int slot, const char* buf) {

@@ -5,12 +5,15 @@
 
 #include <sys/uio.h>
 
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "ebbtide/io/engine.hpp"
@@ -30,6 +33,9 @@ class ShardFile {
   const std::string& path() const { return path_; }
   uint64_t size() const;
   void sync() const;  // fdatasync; IoError naming the path
+  // Switches to O_DIRECT where the filesystem allows it (logs once where it
+  // does not); what the constructor does with `want_direct`.
+  void enable_direct();
 
  private:
   std::string path_;
@@ -49,8 +55,11 @@ class TransferLoop {
 
   // Queues one transfer; blocks while `depth` are outstanding. `on_done` runs
   // on the calling thread (inside submit/drain) when it completes successfully.
+  // `need` (reads; 0 = len): the transfer is complete once that many bytes
+  // are in, so an O_DIRECT read of a file's last block may ask for the whole
+  // block and stop at the end of the file.
   void submit(const ShardFile& file, bool write, void* buf, uint64_t len, uint64_t offset,
-              int buf_index, std::function<void()> on_done = {});
+              int buf_index, std::function<void()> on_done = {}, uint64_t need = 0);
   // Runs the callbacks of finished transfers; with `block`, waits for at
   // least one when any is outstanding. Rethrows the first error.
   void poll(bool block);
@@ -66,6 +75,22 @@ class TransferLoop {
 // Reads exactly `len` bytes at `offset` (pread, any thread); IoError naming
 // the file and offset, ENODATA at end of file.
 void read_exact(const ShardFile& file, void* buf, uint64_t len, uint64_t offset);
+
+// Faults in the pages of `ranges` (page-aligned destinations of reads in
+// place), in order, on a thread of its own while the reads run (Note
+// [Populate ahead] in shard_io.cpp); stops and joins on destruction. The
+// ranges must stay mapped until then.
+class PagePopulator {
+ public:
+  explicit PagePopulator(std::vector<std::pair<char*, uint64_t>> ranges);
+  ~PagePopulator();
+  PagePopulator(const PagePopulator&) = delete;
+  PagePopulator& operator=(const PagePopulator&) = delete;
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
 
 // Splits [offset, offset+len) of a contiguous pinned region made of equal
 // segments (registered one iovec each) so that no piece crosses a segment.

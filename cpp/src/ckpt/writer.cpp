@@ -32,6 +32,15 @@
 // approves; a change rejects the save and nothing is committed. The
 // writer's destructor rejects a save still waiting.
 //
+// Note [Framed blobs]
+// A blob may carry `head` and `tail` bytes that are stored around its data,
+// contiguously, as one blob: the DCP storage plugin (python/ebbtide/dcp.py)
+// frames each tensor's storage with the bytes torch.save writes around it, so
+// that an uncompressed item is a torch.load-able byte range of the shard file
+// (Note [DCP layout] there). Framing happens in the snapshot copy; the write
+// path sees ordinary blobs of stored_nbytes(). Framed blobs are never
+// pipelined (their chunks do not map onto the caller's memory).
+//
 // Note [Striping]
 // With stripe files, chunk i goes to file i % (1 + stripes) (file 0 is the
 // shard file), each file with its own cursor, all written through one ring
@@ -238,7 +247,7 @@ struct CheckpointWriter::Impl {
   static bool can_pipeline(const SaveRequest& req) {
     if (!req.pipelined) return false;
     for (const auto& b : req.blobs)
-      if (b.device || b.codec != Codec::kNone) return false;
+      if (b.device || b.codec != Codec::kNone || !b.head.empty() || !b.tail.empty()) return false;
     return true;
   }
 
@@ -254,7 +263,7 @@ struct CheckpointWriter::Impl {
       EBB_CHECK(b.codec == Codec::kNone || have_zstd(), "blob '", b.name, "': codec ", to_string(b.codec),
                 " needs zstd, and this build has no libzstd");
       plan[i].arena_offset = off;
-      off += align_up(b.nbytes, kBlockBytes);
+      off += align_up(b.stored_nbytes(), kBlockBytes);
     }
     ensure_arena(off);
     if (!copy) return plan;
@@ -299,7 +308,7 @@ struct CheckpointWriter::Impl {
       drv->bind_context_of(reinterpret_cast<mem::cuda::DevicePtr>(b.ptr));
       arena->ensure_registered();  // async device copies need page-locked memory
       const std::pair<mem::cuda::Context, mem::cuda::Stream> key{drv->current_context(), b.stream};
-      drv->memcpy_dtoh_async(base + plan[i].arena_offset, reinterpret_cast<mem::cuda::DevicePtr>(b.ptr), b.nbytes,
+      drv->memcpy_dtoh_async(base + plan[i].arena_offset + b.head.size(), reinterpret_cast<mem::cuda::DevicePtr>(b.ptr), b.nbytes,
                              b.stream);
       if (std::find(copies.streams.begin(), copies.streams.end(), key) == copies.streams.end())
         copies.streams.push_back(key);
@@ -315,8 +324,11 @@ struct CheckpointWriter::Impl {
     for (size_t i = 0; i < req.blobs.size(); ++i) {
       const auto& b = req.blobs[i];
       char* dst = base + plan[i].arena_offset;
-      uint64_t padded = align_up(b.nbytes, kBlockBytes);
-      if (padded > b.nbytes) std::memset(dst + b.nbytes, 0, padded - b.nbytes);
+      const uint64_t stored = b.stored_nbytes(), padded = align_up(stored, kBlockBytes);
+      if (padded > stored) std::memset(dst + stored, 0, padded - stored);
+      if (!b.head.empty()) std::memcpy(dst, b.head.data(), b.head.size());
+      if (!b.tail.empty()) std::memcpy(dst + b.head.size() + b.nbytes, b.tail.data(), b.tail.size());
+      dst += b.head.size();
       if (b.device) continue;
       for (uint64_t o = 0; o < b.nbytes; o += kPiece)
         pieces.push_back({static_cast<const char*>(b.ptr) + o, dst + o, std::min(kPiece, b.nbytes - o)});
@@ -356,19 +368,20 @@ struct CheckpointWriter::Impl {
     std::vector<ChunkJob> jobs;
     for (uint32_t i = 0; i < req.blobs.size(); ++i) {
       const auto& b = req.blobs[i];
-      BlobEntry be{b.name, b.nbytes, static_cast<uint32_t>(jobs.size()), 0, b.codec, b.elem_bytes};
-      for (uint64_t o = 0; o < b.nbytes; o += opt.chunk_bytes) {
+      const uint64_t nbytes = b.stored_nbytes();
+      BlobEntry be{b.name, nbytes, static_cast<uint32_t>(jobs.size()), 0, b.codec, b.elem_bytes};
+      for (uint64_t o = 0; o < nbytes; o += opt.chunk_bytes) {
         ChunkJob j;
         j.blob = i;
         j.arena_offset = plan[i].arena_offset + o;
         j.raw_offset = o;
-        j.raw = static_cast<uint32_t>(std::min<uint64_t>(opt.chunk_bytes, b.nbytes - o));
+        j.raw = static_cast<uint32_t>(std::min<uint64_t>(opt.chunk_bytes, nbytes - o));
         j.codec = b.codec;
         j.elem = b.elem_bytes;
         j.stripe = static_cast<uint16_t>(jobs.size() % nfiles);
         if (pipelined) {
           j.src = static_cast<const char*>(b.ptr) + o;
-          j.pad = o + j.raw == b.nbytes ? static_cast<uint32_t>(align_up(j.raw, kBlockBytes) - j.raw) : 0;
+          j.pad = o + j.raw == nbytes ? static_cast<uint32_t>(align_up(j.raw, kBlockBytes) - j.raw) : 0;
         }
         jobs.push_back(j);
       }
@@ -615,7 +628,7 @@ struct CheckpointWriter::Impl {
 
     SaveResult r;
     r.file = req.file;
-    for (const auto& b : req.blobs) r.raw_bytes += b.nbytes;
+    for (const auto& b : req.blobs) r.raw_bytes += b.stored_nbytes();
     r.stored_bytes = stored_total;
     r.file_bytes = total_file_bytes;
     r.backend = loop->describe() + (files[0]->direct() ? " O_DIRECT" : " buffered") +

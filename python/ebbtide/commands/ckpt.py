@@ -3,7 +3,11 @@ compression, checks it as load() does and verifies every chunk's checksum.
 Exit 1 when a shard would be refused by load() (one `BAD SHARD: FILE: why`
 line each) or a chunk is bad (one `BAD CHUNK: ...` line each, naming the
 tensor and the file offset); exit 2, with one line, when the index itself is
-unusable."""
+unusable.
+
+PATH may also be a safetensors file, an HF model.safetensors.index.json or a
+directory holding either: its tensors are listed (name, dtype, shape, bytes)
+and each validation error is one `BAD FILE: FILE: why` line (exit 1)."""
 import json
 import sys
 
@@ -29,7 +33,9 @@ def _one_line(text):
 
 
 def _inspect(args):
-    from ebbtide import checkpoint
+    from ebbtide import _safetensors, checkpoint
+    if _safetensors.looks_like_safetensors(args.path):
+        return _inspect_safetensors(args)
     try:
         info = checkpoint.inspect(args.path, verify=not args.no_verify)
     except (OSError, ValueError, NotImplementedError) as e:
@@ -74,3 +80,34 @@ def _inspect(args):
     elif not refused:
         print("\nall chunk checksums OK")
     return 1 if bad or refused else 0
+
+
+def _inspect_safetensors(args):
+    from ebbtide import _safetensors
+    try:
+        info = _safetensors.inspect(args.path)
+    except (OSError, ValueError, NotImplementedError) as e:
+        print(f"ebbtide ckpt inspect: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 1 if info["errors"] else 0
+    files = info["files"]
+    print(f"{info['path']}: safetensors" + (f", index of {len(files)} file(s)" if info["index"] else ""))
+    for f in files:
+        if "error" in f:
+            continue
+        total = sum(t["nbytes"] for t in f["tensors"])
+        print(f"\n{f['file']}: {_fmt(f['file_bytes'])} on disk, {len(f['tensors'])} tensors, {_fmt(total)}"
+              + (f", metadata {json.dumps(f['metadata'])[:200]}" if f["metadata"] else ""))
+        print(f"  {'tensor':<56} {'dtype':<12} {'shape':<18} {'bytes':>10}")
+        for t in f["tensors"]:
+            shape = "x".join(map(str, t["shape"])) or "()"
+            print(f"  {_one_line(t['name'])[:56]:<56} {t['dtype']:<12} {shape:<18} {_fmt(t['nbytes']):>10}")
+    for e in info["errors"]:
+        print(f"BAD FILE: {_one_line(e)}", file=sys.stderr)
+    if info["errors"]:
+        print(f"\n{len(info['errors'])} problem(s)", file=sys.stderr)
+        return 1
+    print("\nheaders valid")
+    return 0

@@ -90,6 +90,10 @@ std::string encode_header(const Header& h);
 // Chunk extents against the real file sizes are checked by ShardReader.
 Header decode_header(std::string_view bytes, const std::string& path);
 
+// Well-formed UTF-8: no overlong forms, surrogates or code points past
+// U+10FFFF (names read from files become Python strings).
+bool valid_utf8(std::string_view s);
+
 inline constexpr uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 // [offset, offset + len) lies inside [0, limit), computed without overflow.
 inline constexpr bool fits_within(uint64_t offset, uint64_t len, uint64_t limit) {

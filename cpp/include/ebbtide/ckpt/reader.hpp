@@ -55,4 +55,22 @@ class ShardReader {
   std::unique_ptr<Impl> impl_;
 };
 
+// Plain files (not shards), e.g. the .distcp files of torch's DCP
+// FileSystemWriter: Note [Untrusted byte ranges] in range_read.cpp.
+struct FileRange {
+  uint64_t offset = 0;
+  uint64_t len = 0;
+  void* dst = nullptr;  // host memory of `len` bytes
+};
+struct FileProbe {
+  uint64_t size = 0;   // bytes
+  bool shard = false;  // starts with an ebbtide shard superblock magic
+};
+// Opens `path` as a regular file (InvalidArgument for a symlink, FIFO,
+// directory...; IoError naming it when it cannot be opened).
+FileProbe probe_file(const std::string& path);
+// Reads each range (pread); InvalidArgument naming the file and the range
+// when one does not lie inside the file.
+void read_file_ranges(const std::string& path, const std::vector<FileRange>& ranges);
+
 }  // namespace ebbtide::ckpt

@@ -38,6 +38,10 @@ struct BlobSource {
   uintptr_t stream = 0;
   uint16_t elem_bytes = 1;
   Codec codec = Codec::kNone;
+  // Bytes stored right before and after the memory at `ptr`, in the same
+  // blob (Note [Framed blobs] in writer.cpp); the blob is head + data + tail.
+  std::string head, tail;
+  uint64_t stored_nbytes() const { return head.size() + nbytes + tail.size(); }
 };
 
 struct SaveRequest {
@@ -140,7 +144,9 @@ void write_file_durably(const std::string& path, const std::string& content);
 void remove_stale_temps(const std::string& path);
 
 // Test hook (process-wide): the next write of shard data at or beyond
-// `after_bytes` of any shard fails with errno `err`; err = 0 clears it.
+// `after_bytes` of any shard fails with errno `err`; err = 0 clears it;
+// err < 0 parks the writing thread there for good instead (crash tests kill
+// the process while a save is half written).
 void inject_write_fault(uint64_t after_bytes, int err);
 
 }  // namespace ebbtide::ckpt

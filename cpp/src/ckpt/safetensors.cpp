@@ -1,0 +1,901 @@
+// safetensors files: header parsing and validation (Note [Hostile
+// safetensors]), reads (Note [Reading in place]) and writes (Note
+// [Safetensors save]) through the checkpoint I/O path (shard_io.hpp).
+#include "ebbtide/ckpt/safetensors.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <unordered_set>
+
+#include "ebbtide/ckpt/format.hpp"
+#include "ebbtide/ckpt/writer.hpp"
+#include "ebbtide/mem/cuda_shim.hpp"
+#include "ebbtide/mem/pinned_pool.hpp"
+#include "ebbtide/util/error.hpp"
+#include "shard_io.hpp"
+#include "workers.hpp"
+
+namespace ebbtide::ckpt::safetensors {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the safetensors header length is little-endian");
+
+namespace {
+
+struct DtypeBits {
+  std::string_view name;
+  uint32_t bits;
+};
+// Every dtype of the format (the safetensors package 0.8).
+constexpr DtypeBits kDtypes[] = {
+    {"BOOL", 8},         {"F4", 4},           {"F6_E2M3", 6}, {"F6_E3M2", 6}, {"U8", 8},   {"I8", 8},
+    {"F8_E5M2", 8},      {"F8_E4M3", 8},      {"F8_E8M0", 8}, {"F8_E4M3FNUZ", 8},         {"F8_E5M2FNUZ", 8},
+    {"I16", 16},         {"U16", 16},         {"F16", 16},    {"BF16", 16},   {"I32", 32}, {"U32", 32},
+    {"F32", 32},         {"C64", 64},         {"F64", 64},    {"I64", 64},    {"U64", 64},
+};
+
+// A name as error messages show it: quoted, cut to 120 bytes (a hostile
+// header may hold names of megabytes).
+std::string quoted(std::string_view name) {
+  if (name.size() <= 120) return "'" + std::string(name) + "'";
+  return "'" + std::string(name.substr(0, 120)) + "...' (" + std::to_string(name.size()) + " bytes)";
+}
+
+// Bytes of `shape` elements of `bits` each; false when the product overflows
+// or does not end at a byte boundary.
+bool tensor_bytes(const std::vector<uint64_t>& shape, uint32_t bits, uint64_t* out) {
+  if (std::find(shape.begin(), shape.end(), uint64_t{0}) != shape.end()) {
+    *out = 0;
+    return true;
+  }
+  // Every partial product stays at most `limit` (2^67), so none wraps 128 bits.
+  const unsigned __int128 limit = (static_cast<unsigned __int128>(UINT64_MAX) << 3) | 7;
+  unsigned __int128 total = bits;
+  for (uint64_t d : shape) {
+    if (total > limit / d) return false;
+    total *= d;
+  }
+  if (total % 8 != 0) return false;
+  *out = static_cast<uint64_t>(total / 8);
+  return true;
+}
+
+// A strict reader of the JSON text of a header: RFC 8259 syntax, UTF-8
+// strings (escapes decoded, unpaired surrogates refused), non-negative
+// integers without fraction or exponent where the format wants sizes, and a
+// nesting limit for values it skips.
+class Json {
+ public:
+  Json(std::string_view text, const std::string& path) : s_(text), path_(path) {}
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw InvalidArgument(ebbtide::detail::concat(path_, ": invalid safetensors header (", what, " at byte ",
+                                                  pos_ + 8, " of the file)"));
+  }
+  void ws() {
+    while (pos_ < s_.size() && (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r')) ++pos_;
+  }
+  bool next_is(char c) {
+    ws();
+    return pos_ < s_.size() && s_[pos_] == c;
+  }
+  void expect(char c, std::string_view where) {
+    if (!next_is(c)) fail(ebbtide::detail::concat("expected '", c, "' ", where));
+    ++pos_;
+  }
+  // After an object member or array element: true for ',' (more follow), false for `close`.
+  bool more(char close, std::string_view where) {
+    ws();
+    if (pos_ < s_.size() && s_[pos_] == ',') {
+      ++pos_;
+      return true;
+    }
+    expect(close, where);
+    return false;
+  }
+  bool at_end() {
+    ws();
+    return pos_ == s_.size();
+  }
+
+  std::string string(std::string_view what) {
+    if (!next_is('"')) fail(ebbtide::detail::concat("expected a string for ", what));
+    ++pos_;
+    std::string out;
+    for (;;) {
+      if (pos_ >= s_.size()) fail(ebbtide::detail::concat("unterminated string in ", what));
+      auto c = static_cast<unsigned char>(s_[pos_++]);
+      if (c == '"') break;
+      if (c < 0x20) fail(ebbtide::detail::concat("control character in ", what));
+      if (c != '\\') {
+        out.push_back(static_cast<char>(c));
+        continue;
+      }
+      if (pos_ >= s_.size()) fail(ebbtide::detail::concat("unterminated string in ", what));
+      char e = s_[pos_++];
+      switch (e) {
+        case '"': case '\\': case '/': out.push_back(e); break;
+        case 'b': out.push_back('\b'); break;
+        case 'f': out.push_back('\f'); break;
+        case 'n': out.push_back('\n'); break;
+        case 'r': out.push_back('\r'); break;
+        case 't': out.push_back('\t'); break;
+        case 'u': {
+          uint32_t cp = hex4(what);
+          if (cp >= 0xDC00 && cp <= 0xDFFF) fail(ebbtide::detail::concat("unpaired surrogate escape in ", what));
+          if (cp >= 0xD800 && cp <= 0xDBFF) {
+            if (pos_ + 2 > s_.size() || s_[pos_] != '\\' || s_[pos_ + 1] != 'u')
+              fail(ebbtide::detail::concat("unpaired surrogate escape in ", what));
+            pos_ += 2;
+            uint32_t lo = hex4(what);
+            if (lo < 0xDC00 || lo > 0xDFFF) fail(ebbtide::detail::concat("unpaired surrogate escape in ", what));
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+          }
+          append_utf8(out, cp);
+          break;
+        }
+        default: fail(ebbtide::detail::concat("invalid escape '\\", e, "' in ", what));
+      }
+    }
+    if (!valid_utf8(out)) fail(ebbtide::detail::concat(what, " is not valid UTF-8"));
+    return out;
+  }
+
+  uint64_t uint(std::string_view what) {
+    ws();
+    if (pos_ >= s_.size() || s_[pos_] < '0' || s_[pos_] > '9')
+      fail(ebbtide::detail::concat(what, " is not a non-negative integer"));
+    if (s_[pos_] == '0' && pos_ + 1 < s_.size() && s_[pos_ + 1] >= '0' && s_[pos_ + 1] <= '9')
+      fail(ebbtide::detail::concat(what, " has a leading zero"));
+    uint64_t v = 0;
+    while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') {
+      uint64_t d = static_cast<uint64_t>(s_[pos_] - '0');
+      if (v > (UINT64_MAX - d) / 10) fail(ebbtide::detail::concat(what, " does not fit in 64 bits"));
+      v = v * 10 + d;
+      ++pos_;
+    }
+    if (pos_ < s_.size() && (s_[pos_] == '.' || s_[pos_] == 'e' || s_[pos_] == 'E'))
+      fail(ebbtide::detail::concat(what, " is not an integer"));
+    return v;
+  }
+
+  // Skips one value of any type (members the format does not define).
+  void skip_value(int depth) {
+    if (depth > 64) fail("values nested more than 64 deep");
+    ws();
+    if (pos_ >= s_.size()) fail("unexpected end of the header");
+    char c = s_[pos_];
+    if (c == '{') {
+      ++pos_;
+      if (next_is('}')) {
+        ++pos_;
+        return;
+      }
+      do {
+        string("a member name");
+        expect(':', "after a member name");
+        skip_value(depth + 1);
+      } while (more('}', "after an object member"));
+    } else if (c == '[') {
+      ++pos_;
+      if (next_is(']')) {
+        ++pos_;
+        return;
+      }
+      do {
+        skip_value(depth + 1);
+      } while (more(']', "after an array element"));
+    } else if (c == '"') {
+      string("a string value");
+    } else if (c == '-' || (c >= '0' && c <= '9')) {
+      number();
+    } else if (!literal("true") && !literal("false") && !literal("null")) {
+      fail(ebbtide::detail::concat("unexpected character '", printable(c), "'"));
+    }
+  }
+
+  bool literal(std::string_view word) {
+    ws();
+    if (s_.substr(pos_, word.size()) != word) return false;
+    pos_ += word.size();
+    return true;
+  }
+
+ private:
+  static std::string printable(char c) {
+    auto u = static_cast<unsigned char>(c);
+    if (u >= 0x20 && u < 0x7F) return std::string(1, c);
+    char b[8];
+    std::snprintf(b, sizeof b, "\\x%02x", u);
+    return b;
+  }
+  uint32_t hex4(std::string_view what) {
+    if (pos_ + 4 > s_.size()) fail(ebbtide::detail::concat("truncated \\u escape in ", what));
+    uint32_t v = 0;
+    for (int i = 0; i < 4; ++i) {
+      char h = s_[pos_++];
+      v <<= 4;
+      if (h >= '0' && h <= '9') v |= static_cast<uint32_t>(h - '0');
+      else if (h >= 'a' && h <= 'f') v |= static_cast<uint32_t>(h - 'a' + 10);
+      else if (h >= 'A' && h <= 'F') v |= static_cast<uint32_t>(h - 'A' + 10);
+      else fail(ebbtide::detail::concat("invalid \\u escape in ", what));
+    }
+    return v;
+  }
+  static void append_utf8(std::string& out, uint32_t cp) {
+    if (cp < 0x80) {
+      out.push_back(static_cast<char>(cp));
+    } else if (cp < 0x800) {
+      out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
+      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    } else if (cp < 0x10000) {
+      out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
+      out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    } else {
+      out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
+      out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
+      out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    }
+  }
+  void digits() {
+    size_t start = pos_;
+    while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') ++pos_;
+    if (pos_ == start) fail("malformed number");
+  }
+  void number() {
+    if (s_[pos_] == '-') ++pos_;
+    if (pos_ < s_.size() && s_[pos_] == '0') ++pos_;
+    else digits();
+    if (pos_ < s_.size() && s_[pos_] == '.') {
+      ++pos_;
+      digits();
+    }
+    if (pos_ < s_.size() && (s_[pos_] == 'e' || s_[pos_] == 'E')) {
+      ++pos_;
+      if (pos_ < s_.size() && (s_[pos_] == '+' || s_[pos_] == '-')) ++pos_;
+      digits();
+    }
+  }
+
+  std::string_view s_;
+  const std::string& path_;
+  size_t pos_ = 0;
+};
+
+TensorInfo parse_tensor(Json& j, std::string name) {
+  TensorInfo t;
+  t.name = std::move(name);
+  const std::string who = "tensor " + quoted(t.name);
+  bool have_dtype = false, have_shape = false, have_offsets = false;
+  j.expect('{', "to open the entry of " + who);
+  if (j.next_is('}')) {
+    j.expect('}', "");
+  } else {
+    do {
+      std::string key = j.string("a member name of " + who);
+      j.expect(':', "after a member name of " + who);
+      auto once = [&](bool& seen) {
+        if (seen) j.fail(ebbtide::detail::concat(who, " has '", key, "' twice"));
+        seen = true;
+      };
+      if (key == "dtype") {
+        once(have_dtype);
+        t.dtype = j.string("the dtype of " + who);
+      } else if (key == "shape") {
+        once(have_shape);
+        j.expect('[', "to open the shape of " + who);
+        if (j.next_is(']')) {
+          j.expect(']', "");
+        } else {
+          do {
+            if (t.shape.size() == kMaxDims)
+              j.fail(ebbtide::detail::concat("the shape of ", who, " has more than ", kMaxDims, " dimensions"));
+            t.shape.push_back(j.uint("a dimension of " + who));
+          } while (j.more(']', "in the shape of " + who));
+        }
+      } else if (key == "data_offsets") {
+        once(have_offsets);
+        j.expect('[', "to open the data_offsets of " + who);
+        t.begin = j.uint("the first data offset of " + who);
+        j.expect(',', "in the data_offsets of " + who + " (two offsets)");
+        t.end = j.uint("the second data offset of " + who);
+        j.expect(']', "after the two data_offsets of " + who);
+      } else {
+        j.skip_value(1);  // a member the format does not define: ignored, as the safetensors package does
+      }
+    } while (j.more('}', "after a member of " + who));
+  }
+  if (!have_dtype || !have_shape || !have_offsets)
+    j.fail(ebbtide::detail::concat(who, " has no '", !have_dtype ? "dtype" : !have_shape ? "shape" : "data_offsets",
+                                   "'"));
+  return t;
+}
+
+void parse_metadata(Json& j, Metadata& out) {
+  if (j.literal("null")) return;
+  j.expect('{', "to open __metadata__ (a map of strings)");
+  if (j.next_is('}')) {
+    j.expect('}', "");
+    return;
+  }
+  std::unordered_set<std::string> keys;
+  do {
+    std::string k = j.string("a __metadata__ key");
+    j.expect(':', "after a __metadata__ key");
+    if (!j.next_is('"')) j.fail("the __metadata__ value of " + quoted(k) + " is not a string");
+    std::string v = j.string("the __metadata__ value of " + quoted(k));
+    if (!keys.insert(k).second) j.fail("__metadata__ has the key " + quoted(k) + " twice");
+    out.emplace_back(std::move(k), std::move(v));
+  } while (j.more('}', "after a __metadata__ entry"));
+}
+
+std::string json_string(std::string_view s) {
+  std::string out = "\"";
+  for (char ch : s) {
+    auto c = static_cast<unsigned char>(ch);
+    if (c == '"' || c == '\\') {
+      out.push_back('\\');
+      out.push_back(ch);
+    } else if (c < 0x20) {
+      char b[8];
+      std::snprintf(b, sizeof b, "\\u%04x", c);
+      out += b;
+    } else {
+      out.push_back(ch);
+    }
+  }
+  out.push_back('"');
+  return out;
+}
+
+constexpr uint64_t kPieceBytes = 4ull << 20;  // one transfer (and one staging buffer)
+
+}  // namespace
+
+uint32_t dtype_bits(std::string_view dtype) {
+  for (const auto& d : kDtypes)
+    if (d.name == dtype) return d.bits;
+  return 0;
+}
+
+// Note [Hostile safetensors]
+// A safetensors file may come from anyone; nothing in it is trusted. The
+// header length must leave the 8 length bytes and the header inside the file
+// and be at most kMaxHeaderBytes (checked by Reader before reading it). The
+// header must be one well-formed JSON object (Json above: strict syntax,
+// UTF-8, no unpaired surrogates, skipped values at most 64 deep); its members
+// are tensors, names unique, plus at most one "__metadata__" map of strings.
+// Each tensor has a known dtype, at most kMaxDims dimensions and integer
+// offsets begin <= end; shape x dtype bits, computed in 128 bits, is a whole
+// number of bytes equal to end - begin. Sorted by offset, the tensors tile
+// the data section exactly, as the format requires: the first starts at 0,
+// each starts where the previous ends (no gap, no overlap), the last ends at
+// the end of the file. So every read lies inside the file and writes only its
+// own target's bytes, and destination memory (sized by the header) is
+// bounded by the file size.
+Header parse_header(std::string_view json, uint64_t file_bytes, const std::string& path) {
+  auto bad = [&](auto&&... what) {
+    return InvalidArgument(ebbtide::detail::concat(path, ": invalid safetensors file (", what..., ")"));
+  };
+  if (json.size() > kMaxHeaderBytes || !fits_within(8, json.size(), file_bytes))
+    throw bad("header length ", json.size(), " does not fit in the file of ", file_bytes, " bytes");
+  Header h;
+  h.data_offset = 8 + json.size();
+  h.data_bytes = file_bytes - h.data_offset;
+  Json j(json, path);
+  j.expect('{', "at the start of the header");
+  std::unordered_set<std::string> names;
+  bool have_meta = false;
+  if (j.next_is('}')) {
+    j.expect('}', "");
+  } else {
+    do {
+      std::string key = j.string("a tensor name");
+      j.expect(':', "after the name " + quoted(key));
+      if (key == "__metadata__") {
+        if (have_meta) j.fail("__metadata__ appears twice");
+        have_meta = true;
+        parse_metadata(j, h.metadata);
+        continue;
+      }
+      if (!names.insert(key).second) j.fail("tensor " + quoted(key) + " appears twice");
+      h.tensors.push_back(parse_tensor(j, std::move(key)));
+    } while (j.more('}', "after a header entry"));
+  }
+  if (!j.at_end()) j.fail("text after the header object");
+
+  for (const auto& t : h.tensors) {
+    const std::string who = "tensor " + quoted(t.name);
+    uint32_t bits = dtype_bits(t.dtype);
+    if (bits == 0) throw bad(who, ": unknown dtype ", quoted(t.dtype));
+    if (t.begin > t.end) throw bad(who, ": data_offsets [", t.begin, ", ", t.end, "] end before they begin");
+    if (t.end > h.data_bytes)
+      throw bad(who, ": data_offsets [", t.begin, ", ", t.end, "] run past the data section (", h.data_bytes,
+                " bytes)");
+    uint64_t n = 0;
+    if (!tensor_bytes(t.shape, bits, &n) || n != t.end - t.begin) {
+      std::string dims;
+      for (auto d : t.shape) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+      throw bad(who, ": shape [", dims, "] of ", t.dtype, " does not take the ", t.end - t.begin,
+                " bytes of its data_offsets [", t.begin, ", ", t.end, "]");
+    }
+  }
+  std::vector<size_t> order(h.tensors.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    const auto &x = h.tensors[a], &y = h.tensors[b];
+    return x.begin != y.begin ? x.begin < y.begin : x.end < y.end;
+  });
+  uint64_t covered = 0;  // data bytes [0, covered) belong to a tensor
+  const TensorInfo* prev = nullptr;
+  for (size_t i : order) {
+    const auto& t = h.tensors[i];
+    if (t.begin < covered)
+      throw bad("tensor ", quoted(t.name), " at data bytes [", t.begin, ", ", t.end, ") overlaps tensor ",
+                quoted(prev->name), " at [", prev->begin, ", ", prev->end, ")");
+    if (t.begin > covered)
+      throw bad("data bytes [", covered, ", ", t.begin, ") belong to no tensor (before tensor ", quoted(t.name), ")");
+    covered = t.end;
+    prev = &t;
+  }
+  if (covered != h.data_bytes)
+    throw bad("data bytes [", covered, ", ", h.data_bytes, ") at the end of the file belong to no tensor");
+  return h;
+}
+
+std::string encode_header(const std::vector<TensorInfo>& tensors, const Metadata& metadata) {
+  std::string s = "{";
+  if (!metadata.empty()) {
+    s += "\"__metadata__\":{";
+    for (size_t i = 0; i < metadata.size(); ++i) {
+      if (i) s += ',';
+      s += json_string(metadata[i].first) + ':' + json_string(metadata[i].second);
+    }
+    s += "}";
+  }
+  for (const auto& t : tensors) {
+    if (s.size() > 1) s += ',';
+    s += json_string(t.name) + ":{\"dtype\":" + json_string(t.dtype) + ",\"shape\":[";
+    for (size_t i = 0; i < t.shape.size(); ++i) s += (i ? "," : "") + std::to_string(t.shape[i]);
+    s += "],\"data_offsets\":[" + std::to_string(t.begin) + "," + std::to_string(t.end) + "]}";
+  }
+  s += '}';
+  s.append((8 - (8 + s.size()) % 8) % 8, ' ');
+  return s;
+}
+
+IoOptions IoOptions::from_env() {
+  WriterOptions w = WriterOptions{}.with_env();
+  IoOptions o;
+  o.direct = w.direct;
+  o.backend = w.backend;
+  o.queue_depth = w.queue_depth;
+  return o;
+}
+
+namespace {
+
+// Restores the calling thread's CUDA context on scope exit (Note [Caller's
+// context] in tensor_cache.cpp); inert without device work.
+struct CallerContext {
+  mem::cuda::Driver* drv = nullptr;
+  mem::cuda::Context ctx = 0;
+  void take(mem::cuda::Driver* d) {
+    if (drv != nullptr) return;
+    drv = d;
+    ctx = d->current_context();
+  }
+  ~CallerContext() {
+    if (drv == nullptr) return;
+    try {
+      drv->set_current_context(ctx);
+    } catch (...) {  // the error in flight, if any, is the one to report
+    }
+  }
+};
+
+mem::cuda::Driver* need_driver(const std::string& tensor) {
+  mem::cuda::Driver* drv = mem::cuda::driver();
+  EBB_CHECK(drv != nullptr, "tensor ", quoted(tensor), " is in CUDA device memory but no CUDA driver is usable: ",
+            mem::cuda::unavailable_reason());
+  return drv;
+}
+
+std::vector<iovec> buffers_of(const mem::PinnedPool& pool) {
+  std::vector<iovec> v;
+  for (size_t i = 0; i < pool.count(); ++i) v.push_back({pool.buffer(i), pool.buffer_bytes()});
+  return v;
+}
+
+}  // namespace
+
+struct Reader::Impl {
+  std::unique_ptr<detail::ShardFile> file;
+  Header h;
+  uint64_t size = 0;
+  IoOptions opt;
+};
+
+Reader::Reader(const std::string& path, const IoOptions& options) : impl_(std::make_unique<Impl>()) {
+  auto& I = *impl_;
+  I.opt = options;
+  // Buffered while the header is read (exact lengths at any offset), O_DIRECT after.
+  I.file = std::make_unique<detail::ShardFile>(path, false, false);
+  I.size = I.file->size();
+  auto bad = [&](auto&&... what) {
+    return InvalidArgument(ebbtide::detail::concat(path, ": invalid safetensors file (", what..., ")"));
+  };
+  if (I.size < 8) throw bad("the file has ", I.size, " bytes, fewer than the 8-byte header length");
+  unsigned char len8[8];
+  detail::read_exact(*I.file, len8, 8, 0);
+  uint64_t n = 0;
+  std::memcpy(&n, len8, 8);
+  if (n > kMaxHeaderBytes || n > I.size - 8) {
+    const char* hint = std::memcmp(len8, "PK\x03\x04", 4) == 0 ? "; it looks like a zip file (torch.save)"
+                       : std::memcmp(len8, kSuperMagic, 8) == 0 ? "; it is an ebbtide checkpoint shard"
+                                                                : "";
+    if (n > kMaxHeaderBytes)
+      throw bad("header length ", n, " is above the ", kMaxHeaderBytes, "-byte limit", hint);
+    throw bad("header length ", n, " runs past the end of the file (", I.size, " bytes)", hint);
+  }
+  std::string json(n, '\0');
+  detail::read_exact(*I.file, json.data(), n, 8);
+  I.h = parse_header(json, I.size, path);
+  if (options.direct) I.file->enable_direct();
+}
+
+Reader::~Reader() = default;
+const Header& Reader::header() const { return impl_->h; }
+const std::string& Reader::path() const { return impl_->file->path(); }
+uint64_t Reader::file_bytes() const { return impl_->size; }
+bool Reader::direct() const { return impl_->file->direct(); }
+
+// Note [Reading in place]
+// Host targets are read straight into their memory where the I/O allows it:
+// buffered reads take any address and length; O_DIRECT needs file offset,
+// address and length 4 KiB-aligned, which a tensor at data offset x meets
+// only when its address is congruent to x mod 4 KiB and the caller owns the
+// blocks around it (ReadTarget::own_blocks: the read covers whole blocks and
+// overwrites the bytes before and after the tensor in them).
+// checkpoint.load_safetensors allocates large tensors that way. Everything
+// else (device targets, other host targets) is read in 4 MiB pieces into
+// pinned staging buffers and copied out: a piece may serve several small
+// tensors, and a tensor may span several pieces. Pieces are submitted in file
+// order, `queue_depth` in flight; the last block of the file is asked for
+// whole and the read stops at the end of the file. Owned destinations are
+// faulted in ahead of their reads on another thread.
+std::string Reader::read(const std::vector<ReadTarget>& targets) {
+  auto& I = *impl_;
+  const std::string& path = I.file->path();
+  const bool direct = I.file->direct();
+  struct Staged {
+    uint64_t a, b;  // file range
+    const ReadTarget* t;
+  };
+  struct Piece {
+    uint64_t off, len;
+    char* dst;  // in place; nullptr: staged
+    bool owned;  // dst covers whole blocks the caller owns (may be faulted in ahead)
+  };
+  std::vector<Piece> pieces;
+  std::vector<Staged> staged;
+  std::vector<bool> seen(I.h.tensors.size(), false);
+  mem::cuda::Driver* drv = nullptr;
+  CallerContext caller;
+  auto cut = [&](uint64_t off, uint64_t end, char* dst, bool owned) {
+    for (uint64_t o = off; o < end; o += kPieceBytes)
+      pieces.push_back({o, std::min(kPieceBytes, end - o), dst == nullptr ? nullptr : dst + (o - off), owned});
+  };
+  for (const auto& t : targets) {
+    EBB_CHECK(t.tensor < I.h.tensors.size(), path, ": tensor index ", t.tensor, " out of range (",
+              I.h.tensors.size(), " tensors)");
+    const TensorInfo& ti = I.h.tensors[t.tensor];
+    EBB_CHECK(!seen[t.tensor], path, ": tensor ", quoted(ti.name), " is to be read twice");
+    seen[t.tensor] = true;
+    const uint64_t n = ti.end - ti.begin, a = I.h.data_offset + ti.begin;
+    if (n == 0) continue;
+    EBB_CHECK(t.ptr != nullptr, path, ": null destination for tensor ", quoted(ti.name));
+    if (t.device && drv == nullptr) {
+      drv = need_driver(ti.name);
+      caller.take(drv);
+    }
+    auto* dst = static_cast<char*>(t.ptr);
+    if (!t.device && !direct) {
+      cut(a, a + n, dst, false);
+    } else if (!t.device && t.own_blocks && reinterpret_cast<uintptr_t>(dst) % kBlockBytes == a % kBlockBytes) {
+      uint64_t head = a % kBlockBytes;
+      cut(a - head, align_up(a + n, kBlockBytes), dst - head, true);
+    } else {
+      staged.push_back({a, a + n, &t});
+    }
+  }
+  // Staged pieces: the union of the staged tensors' (block-aligned) ranges.
+  std::sort(staged.begin(), staged.end(), [](const Staged& x, const Staged& y) { return x.a < y.a; });
+  for (size_t k = 0; k < staged.size();) {
+    uint64_t lo = direct ? staged[k].a / kBlockBytes * kBlockBytes : staged[k].a;
+    uint64_t hi = direct ? align_up(staged[k].b, kBlockBytes) : staged[k].b;
+    for (++k; k < staged.size(); ++k) {
+      uint64_t a = direct ? staged[k].a / kBlockBytes * kBlockBytes : staged[k].a;
+      if (a > hi) break;
+      hi = std::max(hi, direct ? align_up(staged[k].b, kBlockBytes) : staged[k].b);
+    }
+    cut(lo, hi, nullptr, false);
+  }
+  std::stable_sort(pieces.begin(), pieces.end(), [](const Piece& x, const Piece& y) { return x.off < y.off; });
+  if (pieces.empty()) return "nothing to read";
+
+  const unsigned depth = std::max(1u, I.opt.queue_depth);
+  const bool any_staged = !staged.empty();
+  mem::PinnedPoolOptions host_only;
+  host_only.cuda_register = false;
+  std::unique_ptr<mem::PinnedPool> staging;
+  if (any_staged) {
+    staging = std::make_unique<mem::PinnedPool>(kPieceBytes, depth, host_only);
+    if (drv != nullptr) staging->ensure_registered();  // asynchronous host-to-device copies
+  }
+  std::vector<int> free_slots;
+  for (int i = any_staged ? static_cast<int>(staging->count()) - 1 : -1; i >= 0; --i) free_slots.push_back(i);
+  size_t first_staged = 0;  // staged tensors before it end before the current staged piece
+  auto scatter = [&](uint64_t off, uint64_t len, const char* buf, size_t from) {
+    for (size_t k = from; k < staged.size() && staged[k].a < off + len; ++k) {
+      uint64_t lo = std::max(staged[k].a, off), hi = std::min(staged[k].b, off + len);
+      if (lo >= hi) continue;
+      const ReadTarget& t = *staged[k].t;
+      char* dst = static_cast<char*>(t.ptr) + (lo - staged[k].a);
+      if (!t.device) {
+        std::memcpy(dst, buf + (lo - off), hi - lo);
+        continue;
+      }
+      auto d = reinterpret_cast<mem::cuda::DevicePtr>(dst);
+      drv->bind_context_of(d);
+      drv->memcpy_htod_async(d, buf + (lo - off), hi - lo, t.stream);
+      drv->stream_synchronize(t.stream);  // before the staging buffer is reused
+    }
+  };
+  detail::TransferLoop loop(depth, any_staged ? buffers_of(*staging) : std::vector<iovec>{}, I.opt.backend);
+  std::vector<std::pair<char*, uint64_t>> fresh;
+  for (const auto& p : pieces)
+    if (p.owned) fresh.emplace_back(p.dst, p.len);
+  detail::PagePopulator populate(std::move(fresh));  // Note [Populate ahead] in shard_io.cpp
+  for (const auto& p : pieces) {
+    const uint64_t need = std::min(p.len, I.size - p.off);  // the file may end inside the last block
+    if (p.dst != nullptr) {
+      loop.submit(*I.file, false, p.dst, p.len, p.off, -1, {}, need);
+      continue;
+    }
+    while (free_slots.empty()) loop.poll(true);
+    int slot = free_slots.back();
+    free_slots.pop_back();
+    while (first_staged < staged.size() && staged[first_staged].b <= p.off) ++first_staged;
+    char* buf = static_cast<char*>(staging->buffer(static_cast<size_t>(slot)));
+    loop.submit(*I.file, false, buf, p.len, p.off, slot,
+                [&, p, buf, slot, from = first_staged] {
+                  scatter(p.off, p.len, buf, from);
+                  free_slots.push_back(slot);
+                },
+                need);
+  }
+  loop.drain();
+  return loop.describe() + (direct ? " O_DIRECT" : " buffered");
+}
+
+// Note [Safetensors save]
+// The file is streamed through a ring of pinned buffers: worker threads copy
+// the file image (length, header, then each tensor's bytes, host memcpy or
+// device-to-host copy) into buffer k % N for the 4 MiB piece k while the
+// ring writes the earlier pieces (O_DIRECT where allowed; the last piece is
+// padded to a whole block and the file truncated to its size after). The
+// data section of a safetensors file starts at 8 + N, which is not block
+// aligned, so tensors cannot be written from their own memory. The file is
+// written under a temporary name beside `path`, fdatasync'd, renamed over
+// `path` and the directory fsync'd: a crash leaves the old file or the new
+// one, never a torn one.
+SaveResult save(const std::string& path, const std::vector<SaveTensor>& tensors, const Metadata& metadata,
+                const IoOptions& opt) {
+  EBB_CHECK(!path.empty(), "safetensors: the file path is empty");
+  auto bad = [&](const std::string& name, auto&&... what) {
+    return InvalidArgument(ebbtide::detail::concat(path, ": cannot save tensor ", quoted(name), ": ", what...));
+  };
+  std::unordered_set<std::string_view> names;
+  std::vector<TensorInfo> infos(tensors.size());
+  std::vector<uint32_t> bits(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    if (t.name == "__metadata__") throw bad(t.name, "the name is reserved for the metadata");
+    if (!valid_utf8(t.name)) throw bad(t.name, "the name is not valid UTF-8");
+    if (!names.insert(t.name).second) throw bad(t.name, "the name appears twice");
+    bits[i] = dtype_bits(t.dtype);
+    if (bits[i] == 0) throw bad(t.name, "unknown safetensors dtype ", quoted(t.dtype));
+    if (t.shape.size() > kMaxDims) throw bad(t.name, t.shape.size(), " dimensions (at most ", kMaxDims, ")");
+    uint64_t n = 0;
+    if (!tensor_bytes(t.shape, bits[i], &n)) throw bad(t.name, "its size is not a whole number of bytes below 2^64");
+    if (n > 0 && t.ptr == nullptr) throw bad(t.name, "null data pointer");
+    infos[i] = {t.name, t.dtype, t.shape, 0, n};
+  }
+  std::unordered_set<std::string_view> keys;
+  for (const auto& [k, v] : metadata) {
+    EBB_CHECK(valid_utf8(k) && valid_utf8(v), path, ": safetensors metadata ", quoted(k), " is not valid UTF-8");
+    EBB_CHECK(keys.insert(k).second, path, ": safetensors metadata key ", quoted(k), " appears twice");
+  }
+  // Largest elements first, then by name: every tensor starts at a multiple of its element size.
+  std::vector<size_t> order(tensors.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return bits[a] != bits[b] ? bits[a] > bits[b] : tensors[a].name < tensors[b].name;
+  });
+  std::vector<TensorInfo> sorted;
+  uint64_t data = 0;
+  for (size_t i : order) {
+    TensorInfo t = infos[i];
+    uint64_t n = t.end;
+    EBB_CHECK(n <= UINT64_MAX / 2 - data, path, ": the tensors add up to more than 2^63 bytes");
+    t.begin = data;
+    t.end = data + n;
+    data += n;
+    sorted.push_back(std::move(t));
+  }
+  const std::string json = encode_header(sorted, metadata);
+  EBB_CHECK(json.size() <= kMaxHeaderBytes, path, ": the safetensors header would have ", json.size(),
+            " bytes, above the ", kMaxHeaderBytes, "-byte limit readers accept");
+  std::string prefix(8, '\0');
+  uint64_t n = json.size();
+  std::memcpy(prefix.data(), &n, 8);
+  prefix += json;
+  const uint64_t total = prefix.size() + data;
+
+  // The file image as extents in file order: the prefix, then each tensor.
+  struct Extent {
+    uint64_t off, len;
+    const char* src;
+    bool device;
+    uintptr_t stream;
+    const std::string* name;
+  };
+  std::vector<Extent> extents{{0, prefix.size(), prefix.data(), false, 0, nullptr}};
+  mem::cuda::Driver* drv = nullptr;
+  for (size_t k = 0; k < order.size(); ++k) {
+    const auto& t = tensors[order[k]];
+    if (sorted[k].end == sorted[k].begin) continue;
+    if (t.device && drv == nullptr) drv = need_driver(t.name);
+    extents.push_back({prefix.size() + sorted[k].begin, sorted[k].end - sorted[k].begin,
+                       static_cast<const char*>(t.ptr), t.device, t.stream, &t.name});
+  }
+
+  std::string tmp;
+  {
+    std::random_device rd;
+    char suffix[24];
+    std::snprintf(suffix, sizeof suffix, ".tmp-%08x%08x", rd(), rd());
+    tmp = path + suffix;
+  }
+  struct RemoveTemp {
+    const std::string& tmp;
+    bool keep = false;
+    ~RemoveTemp() {
+      if (!keep) ::unlink(tmp.c_str());
+    }
+  } remove_tmp{tmp};
+  detail::ShardFile file(tmp, true, opt.direct);
+  const bool direct = file.direct();
+  const uint64_t npieces = (total + kPieceBytes - 1) / kPieceBytes;
+  const unsigned depth = std::max(1u, opt.queue_depth);
+  mem::PinnedPoolOptions host_only;
+  host_only.cuda_register = false;
+  mem::PinnedPool ring(kPieceBytes, std::min<uint64_t>(npieces, depth + 2), host_only);
+  if (drv != nullptr) ring.ensure_registered();
+  const size_t nbuf = ring.count();
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<int> filled(nbuf, 0);      // 1: piece in the buffer is ready, -1: its copy failed
+  std::vector<int> writing(nbuf, 0);     // 1 while a write from the buffer is in flight
+  std::exception_ptr fill_error;
+  CallerContext caller;
+  if (drv != nullptr) caller.take(drv);
+
+  // Copies file bytes [off, off + len) into `out` (a worker thread).
+  auto fill = [&](uint64_t off, uint64_t len, char* out) {
+    auto it = std::upper_bound(extents.begin(), extents.end(), off,
+                               [](uint64_t o, const Extent& e) { return o < e.off; });
+    for (--it; it != extents.end() && it->off < off + len; ++it) {
+      uint64_t lo = std::max(it->off, off), hi = std::min(it->off + it->len, off + len);
+      if (lo >= hi) continue;
+      if (!it->device) {
+        std::memcpy(out + (lo - off), it->src + (lo - it->off), hi - lo);
+        continue;
+      }
+      auto src = reinterpret_cast<mem::cuda::DevicePtr>(it->src) + (lo - it->off);
+      drv->bind_context_of(src);
+      drv->memcpy_dtoh_async(out + (lo - off), src, hi - lo, it->stream);
+      drv->stream_synchronize(it->stream);
+    }
+  };
+  std::string backend;
+  {
+    detail::Workers workers(detail::default_threads());
+    struct Join {  // worker tasks reference this frame: every exit waits for them
+      std::mutex& mu;
+      std::condition_variable& cv;
+      size_t posted = 0, finished = 0;
+      ~Join() {
+        std::unique_lock lock(mu);
+        cv.wait(lock, [&] { return finished == posted; });
+      }
+    } join{mu, cv};
+    detail::TransferLoop loop(depth, buffers_of(ring), opt.backend);
+    uint64_t next_fill = 0;
+    for (uint64_t k = 0; k < npieces; ++k) {
+      // Keep the copies ahead of the writes: piece j uses buffer j % nbuf once its last write is done.
+      while (next_fill < npieces && next_fill < k + nbuf) {
+        size_t slot = next_fill % nbuf;
+        if (writing[slot]) {
+          loop.poll(true);
+          continue;
+        }
+        uint64_t off = next_fill * kPieceBytes, len = std::min(kPieceBytes, total - off);
+        char* out = static_cast<char*>(ring.buffer(slot));
+        {
+          std::lock_guard lock(mu);
+          filled[slot] = 0;
+          ++join.posted;
+        }
+        workers.post([&, off, len, out, slot] {
+          int state = 1;
+          try {
+            fill(off, len, out);
+          } catch (...) {
+            state = -1;
+            std::lock_guard lock(mu);
+            if (!fill_error) fill_error = std::current_exception();
+          }
+          std::lock_guard lock(mu);
+          filled[slot] = state;
+          ++join.finished;
+          cv.notify_all();
+        });
+        ++next_fill;
+      }
+      const size_t slot = k % nbuf;
+      {
+        std::unique_lock lock(mu);
+        if (filled[slot] == 0) {
+          lock.unlock();
+          loop.poll(false);  // frees buffers while the copy runs
+          lock.lock();
+          cv.wait(lock, [&] { return filled[slot] != 0; });
+        }
+        if (fill_error) std::rethrow_exception(fill_error);
+      }
+      const uint64_t off = k * kPieceBytes, len = std::min(kPieceBytes, total - off);
+      uint64_t wlen = len;
+      char* buf = static_cast<char*>(ring.buffer(slot));
+      if (direct && len % kBlockBytes != 0) {  // the last piece: whole blocks, truncated below
+        wlen = align_up(len, kBlockBytes);
+        std::memset(buf + len, 0, wlen - len);
+      }
+      writing[slot] = 1;
+      loop.submit(file, true, buf, wlen, off, static_cast<int>(slot), [&writing, slot] { writing[slot] = 0; });
+    }
+    loop.drain();
+    backend = loop.describe() + (direct ? " O_DIRECT" : " buffered");
+  }
+  EBB_SYSCALL(::ftruncate(file.fd(), static_cast<off_t>(total)), tmp, static_cast<int64_t>(total));
+  file.sync();
+  if (::rename(tmp.c_str(), path.c_str()) != 0) throw_io_error(errno, path, -1, "rename");
+  remove_tmp.keep = true;
+  auto slash = path.rfind('/');
+  fsync_directory(slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash));
+  SaveResult r;
+  r.file_bytes = total;
+  r.data_bytes = data;
+  r.backend = backend;
+  return r;
+}
+
+}  // namespace ebbtide::ckpt::safetensors

@@ -1,0 +1,249 @@
+"""safetensors files with ebbtide's I/O (docs/checkpoints.md, "safetensors").
+
+The C++ core (ebbtide._core.SafetensorsReader, safetensors_save) parses and
+validates headers as hostile input and moves the bytes (O_DIRECT, io_uring);
+this module maps dtypes, allocates the tensors and reads HF index files.
+"""
+import json
+import mmap
+import os
+
+import torch
+
+from ebbtide import _ckpt_check as check
+from ebbtide import _core
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "C64": torch.complex64,
+}
+for _name, _attr in (("U64", "uint64"), ("U32", "uint32"), ("U16", "uint16"), ("F8_E4M3", "float8_e4m3fn"),
+                     ("F8_E5M2", "float8_e5m2"), ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
+                     ("F8_E5M2FNUZ", "float8_e5m2fnuz"), ("F8_E8M0", "float8_e8m0fnu")):
+    if hasattr(torch, _attr):
+        _DTYPES[_name] = getattr(torch, _attr)
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+# Host tensors at least this large get memory of their own, placed so that
+# O_DIRECT reads land in them in place (Note [Reading in place] in
+# cpp/src/ckpt/safetensors.cpp); smaller ones are copied from staging.
+_IN_PLACE_MIN_BYTES = 1 << 20
+_BLOCK = 4096
+
+
+def _dtype_name(t, name):
+    try:
+        return _NAMES[t.dtype]
+    except KeyError:
+        raise ValueError(f"safetensors: tensor {name!r} has dtype {t.dtype}, which the safetensors format "
+                         "does not have") from None
+
+
+def _torch_dtype(dt, file, name):
+    try:
+        return _DTYPES[dt]
+    except KeyError:
+        raise NotImplementedError(f"{file}: tensor {name[:120]!r} has dtype {dt}, which has no torch dtype "
+                                  "here") from None
+
+
+def _device(device):
+    d = torch.device("cpu" if device is None else device)
+    if d.type == "cuda" and d.index is None:  # "cuda" means the current device
+        d = torch.device("cuda", torch.cuda.current_device())
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"safetensors: device {d} is not supported (cpu or cuda)")
+    return d
+
+
+def save(tensors, path, metadata=None):
+    if not isinstance(tensors, dict):
+        raise TypeError(f"save_safetensors: tensors must be a dict of name -> tensor, not {type(tensors).__name__}")
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in metadata.items()):
+        raise TypeError("save_safetensors: metadata must be a dict of str -> str")
+    entries, keep = [], []
+    for name, t in tensors.items():
+        if not isinstance(name, str):
+            raise TypeError(f"save_safetensors: tensor names must be strings, not {type(name).__name__}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"save_safetensors: {name!r} is a {type(t).__name__}, not a tensor")
+        if t.layout != torch.strided:
+            raise ValueError(f"save_safetensors: tensor {name!r} has layout {t.layout}; only dense tensors are saved")
+        t = t.detach().resolve_conj().resolve_neg().contiguous()
+        if t.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"save_safetensors: tensor {name!r} is on {t.device}; move it to the CPU or a CUDA device")
+        cuda = t.device.type == "cuda"
+        stream = torch.cuda.current_stream(t.device).cuda_stream if cuda else 0
+        keep.append(t)
+        entries.append((name, _dtype_name(t, name), list(t.shape), t.data_ptr(), cuda, stream))
+    return _core.safetensors_save(os.fspath(path), entries, list(metadata.items()))
+
+
+def _host_buffer(nbytes, file_offset, itemsize):
+    """Memory for a tensor at `file_offset` of the file: (uint8 tensor, owns
+    its blocks). Large ones get a mapping of their own, the tensor placed at
+    the file offset's position in a 4 KiB block."""
+    head = file_offset % _BLOCK
+    if nbytes < _IN_PLACE_MIN_BYTES or head % itemsize:
+        return torch.empty(nbytes, dtype=torch.uint8), False
+    m = mmap.mmap(-1, (head + nbytes + _BLOCK - 1) // _BLOCK * _BLOCK,
+                  flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=head), True  # keeps `m` alive
+
+
+def _read(reader, device, names=None):
+    """Reads the tensors of an open SafetensorsReader (those in `names`, or
+    all) onto `device`; returns {name: tensor}."""
+    file = reader.path
+    out, targets = {}, []
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    for i, (name, dt, shape, offset, nbytes) in enumerate(reader.tensors):
+        if names is not None and name not in names:
+            continue
+        dtype = _torch_dtype(dt, file, name)
+        itemsize = dtype.itemsize
+        if device.type == "cpu":
+            buf, own = _host_buffer(nbytes, offset, itemsize)
+        else:
+            buf, own = torch.empty(nbytes, dtype=torch.uint8, device=device), False
+        out[name] = buf.view(dtype).view(shape)
+        if nbytes:
+            targets.append((i, buf.data_ptr(), device.type == "cuda", stream, own))
+    reader.read(targets)
+    return out
+
+
+def load(path, device=None):
+    device = _device(device)
+    kind, p = _resolve(path)
+    if kind == "file":
+        return _read(_core.SafetensorsReader(p), device)
+    weight_map, _ = read_index(p)
+    base = os.path.dirname(p)
+    out = {}
+    for fname, names in _by_file(weight_map).items():
+        reader = _core.SafetensorsReader(os.path.join(base, fname))
+        _check_shard(reader, names, p)
+        out.update(_read(reader, device, names))
+    return out
+
+
+def _resolve(path):
+    """("file", path) or ("index", path of the index json) for a file, an
+    index json or a directory holding model.safetensors(.index.json)."""
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        for name, kind in ((INDEX_NAME, "index"), (SINGLE_NAME, "file")):
+            if os.path.lexists(os.path.join(p, name)):
+                return kind, os.path.join(p, name)
+        found = sorted(f for f in os.listdir(p) if f.endswith(".safetensors") or f.endswith(".safetensors.index.json"))
+        if len(found) == 1:
+            return ("index" if found[0].endswith(".json") else "file"), os.path.join(p, found[0])
+        raise FileNotFoundError(2, f"no {INDEX_NAME} or {SINGLE_NAME} in the directory"
+                                + (f" (it holds {len(found)} safetensors files: name one)" if found else ""), p)
+    return ("index" if p.endswith(".json") else "file"), p
+
+
+def _no_duplicates(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise ValueError(f"key {k[:120]!r} appears twice")
+        d[k] = v
+    return d
+
+
+def read_index(ip):
+    """Reads and checks an HF index json: {"weight_map": {tensor: file}}
+    with every file a plain name in the index's directory. Returns
+    (weight_map, metadata); ValueError naming the index and the entry."""
+    raw = check.read_regular_file(ip, "safetensors index")
+    try:
+        idx = json.loads(raw, object_pairs_hook=_no_duplicates)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{ip}: corrupt safetensors index ({e})") from None
+    wm = idx.get("weight_map") if isinstance(idx, dict) else None
+    if not isinstance(wm, dict):
+        raise ValueError(f"{ip}: not a safetensors index (no weight_map object)")
+    for name, f in wm.items():
+        if not isinstance(f, str) or not f or f in (".", "..") or "/" in f or "\\" in f or "\0" in f:
+            raise ValueError(f"{ip}: tensor {name[:120]!r} maps to {str(f)[:120]!r}, which is not a file name in "
+                             "the index's directory")
+    return wm, idx.get("metadata")
+
+
+def _by_file(weight_map):
+    files = {}
+    for name, f in weight_map.items():
+        files.setdefault(f, set()).add(name)
+    return files
+
+
+def _check_shard(reader, names, ip):
+    """The shard holds exactly the tensors the index maps to it."""
+    have = {t[0] for t in reader.tensors}
+    missing = sorted(names - have)
+    if missing:
+        raise ValueError(f"{reader.path}: tensor {missing[0][:120]!r} (mapped to this file by {ip}) is not in it"
+                         + (f", nor {len(missing) - 1} more" if len(missing) > 1 else ""))
+    extra = sorted(have - names)
+    if extra:
+        raise ValueError(f"{reader.path}: tensor {extra[0][:120]!r} is in this file but {ip} does not map it here"
+                         + (f", nor {len(extra) - 1} more" if len(extra) > 1 else ""))
+
+
+def inspect(path):
+    """Describes a safetensors file, an index json or a directory holding one,
+    checking it as load() does without reading tensor data. Returns {"path",
+    "index" (its path or None), "files": [{"file", "file_bytes", "metadata",
+    "tensors": [{"name", "dtype", "shape", "nbytes"}]} or {"file", "error"}],
+    "errors": [one line each]}."""
+    kind, p = _resolve(path)
+    out = {"path": p, "index": p if kind == "index" else None, "files": [], "errors": []}
+    if kind == "file":
+        shards = {os.path.basename(p): None}
+        base = os.path.dirname(p)
+    else:
+        weight_map, _ = read_index(p)
+        shards = _by_file(weight_map)
+        base = os.path.dirname(p)
+    for fname, names in shards.items():
+        f = os.path.join(base, fname)
+        try:
+            r = _core.SafetensorsReader(f)
+            if names is not None:
+                _check_shard(r, names, p)
+        except (OSError, ValueError, NotImplementedError) as e:
+            out["files"].append({"file": f, "error": str(e)})
+            out["errors"].append(str(e))
+            continue
+        tensors = []
+        for name, dt, shape, _offset, nbytes in r.tensors:
+            tensors.append({"name": name, "dtype": dt, "shape": shape, "nbytes": nbytes})
+            if dt not in _DTYPES:
+                out["errors"].append(f"{f}: tensor {name[:120]!r} has dtype {dt}, which has no torch dtype here")
+        out["files"].append({"file": f, "file_bytes": r.file_bytes, "metadata": dict(r.metadata),
+                             "tensors": tensors})
+    return out
+
+
+def looks_like_safetensors(path):
+    """True for what `ebbtide ckpt inspect` should read as safetensors: a
+    file, an index json, or a directory without an ebbtide index.json that
+    holds safetensors files."""
+    p = os.fspath(path)
+    if not os.path.isdir(p):
+        return os.path.lexists(p)
+    if os.path.lexists(os.path.join(p, "index.json")):
+        return False
+    try:
+        return any(f.endswith(".safetensors") or f.endswith(".safetensors.index.json") for f in os.listdir(p))
+    except OSError:
+        return False

@@ -1,0 +1,651 @@
+"""torch.distributed.checkpoint (DCP) storage plugin on ebbtide's I/O engine.
+
+``EbbtideWriter`` and ``EbbtideReader`` plug into ``dcp.save``,
+``dcp.async_save`` and ``dcp.load`` (FSDP2, torchtitan, torchtune): DCP plans
+what each rank saves and how it reshards on load; the bytes are moved by the
+C++ checkpoint writer and reader (O_DIRECT from pinned aligned buffers,
+io_uring where available, crc32c per chunk, optional zstd), and a save is
+committed by renaming its directory. See docs/checkpoints.md,
+"torch.distributed.checkpoint".
+
+Note [DCP layout]
+Each rank writes one file ``__<rank>_0.distcp`` that is an ebbtide shard
+(docs/checkpoint-format.md): a superblock in block 0, data chunks at 4 KiB
+offsets, the chunk table (crc32c, codec) after the data. Each DCP write item
+is one blob. A tensor item's blob is framed (Note [Framed blobs] in
+cpp/src/ckpt/writer.cpp) with the bytes torch.save writes around its storage
+(made by torch.save itself under ``torch.serialization.skip_data`` into a
+sink that keeps everything but the storage bytes), so that uncompressed, the
+blob is exactly what torch.save would have written. ``.metadata`` is DCP's own
+pickle with ``_StorageInfo(relative_path, offset, length)`` naming the blob's
+first byte and size: torch's FileSystemReader reads the range and torch.loads
+it, never looking at the rest of the file, so it loads these checkpoints as
+its own. Compressed blobs carry the transform descriptor ``ebbtide-zstd/1``,
+which FileSystemReader refuses ("Unknown extension"). EbbtideReader reads
+ebbtide shards through the C++ reader (tables validated, checksums verified,
+chunks decompressed) and takes tensors out of the frame by the layout the
+shard's JSON metadata records; any other file (FileSystemWriter's) by
+bounds-checked byte ranges and ``torch.load(weights_only=True)``.
+
+Note [DCP metadata safety]
+``.metadata`` is a pickle, which can run any code when loaded.
+torch's weights_only unpickler cannot read it (DCP writes pickle protocol 4,
+whose FRAME opcode it refuses), so EbbtideReader unpickles it with
+``_MetadataUnpickler``, whose ``find_class`` allows only the DCP metadata
+dataclasses, torch.Size/dtype/layout/memory_format and pathlib paths: no other
+callable can be reached. Then every field the reader uses is type- and
+range-checked (``_check_metadata``): file names must be plain names inside the
+checkpoint directory, offsets and lengths integers; the C++ side checks each
+range against the real file, which must be a regular file (Note [Untrusted
+byte ranges] in cpp/src/ckpt/range_read.cpp).
+"""
+import dataclasses
+import io
+import json
+import os
+import pathlib
+import pickle
+import uuid
+
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint import metadata as _md
+from torch.distributed.checkpoint.filesystem import _StorageInfo, FileSystem
+from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+from ebbtide import _ckpt_check as check
+from ebbtide import _ckpt_tree as tree
+from ebbtide import _core
+from ebbtide.checkpoint import _host_buffer
+
+__all__ = ["EbbtideWriter", "EbbtideReader", "load_metadata"]
+
+METADATA_NAME = ".metadata"
+DCP_VERSION = "1.0.0"
+LAYOUT = "ebbtide-dcp"
+LAYOUT_VERSION = 1
+COMPRESSED_DESCRIPTOR = "ebbtide-zstd/1"
+MAX_METADATA_BYTES = 1 << 30
+
+
+@dataclasses.dataclass
+class _SavePlanData:
+    """What the coordinator hands each rank in prepare_global_plan."""
+
+    prefix: str
+    tmp_dir: str
+
+
+class _FrameSink:
+    """File-like target for torch.save that keeps the bytes written and skips
+    the gap left by skip_data() (the storage bytes)."""
+
+    def __init__(self):
+        self.parts = []
+        self.pos = 0
+        self.end = 0
+
+    def write(self, b):
+        mv = memoryview(b).cast("B")
+        self.parts.append((self.pos, bytes(mv)))
+        self.pos += mv.nbytes
+        self.end = max(self.end, self.pos)
+        return mv.nbytes
+
+    def seek(self, pos, whence=0):
+        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.end + pos
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def flush(self):
+        pass
+
+
+def _torch_frame(t, nbytes):
+    """(head, tail): the bytes torch.save(t) writes before and after the
+    `nbytes` bytes of t's storage. RuntimeError when torch's output does not
+    have that shape (a torch change this module must follow)."""
+    sink = _FrameSink()
+    with torch.serialization.skip_data():
+        torch.save(t, sink)
+    img = bytearray()
+    gap = None
+    for pos, data in sorted(sink.parts):
+        if pos > len(img):
+            if gap is not None:
+                raise RuntimeError("torch.save left more than one gap; ebbtide.dcp cannot frame this tensor")
+            gap = (len(img), pos)
+            img.extend(bytes(pos - len(img)))
+        img[pos:pos + len(data)] = data
+    if gap is None:
+        gap = (len(img), len(img)) if nbytes == 0 else None
+    if gap is None or gap[1] - gap[0] != nbytes:
+        raise RuntimeError(f"torch.save wrote its storage bytes unexpectedly (gap {gap}, storage {nbytes} bytes); "
+                           "ebbtide.dcp cannot frame this tensor")
+    return bytes(img[:gap[0]]), bytes(img[gap[1]:])
+
+
+def _owned_storage(t):
+    """A CPU tensor equal to `t` that is the whole of its storage (like
+    FileSystemWriter, which clones such tensors before torch.save)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+class EbbtideWriter(StorageWriter, BlockingAsyncStager):
+    """DCP StorageWriter writing through ebbtide's C++ checkpoint writer.
+
+    One file per rank, crash-safe: every rank writes into ``PATH.tmp-*``; the
+    coordinator writes ``.metadata`` and commits the directory by rename, so
+    PATH is always the previous complete checkpoint or the new one. Reuse one
+    writer across saves to keep its pinned snapshot buffers (and, for
+    async_save, its staged copy of the state).
+
+    Args:
+        path: checkpoint directory (replaced as a whole by each save).
+        compress: None, or "lossless" (zstd per chunk, byte-grouped for
+            numbers). Compressed checkpoints load only with EbbtideReader.
+        zstd_level: zstd level (default EBBTIDE_CKPT_ZSTD_LEVEL or 1).
+        chunk_bytes: checksum and compression unit (default 4 MiB).
+        queue_depth: writes in flight.
+        threads: snapshot copy and compression threads (0: min(4, cores)).
+        direct: O_DIRECT where the filesystem allows it (default True).
+        cache_staged_state_dict: async_save keeps its staged copy of the
+            state for the next async_save (faster staging, one state of
+            host memory held).
+
+    Raises:
+        ValueError: a bad option, or DCP asked for per-rank metadata
+            (use_collectives=False), which this writer does not do.
+
+    Example:
+        >>> w = EbbtideWriter("/ckpt/step100")
+        >>> dcp.save({"model": model.state_dict()}, storage_writer=w)
+    """
+
+    def __init__(self, path, *, compress=None, zstd_level=None, chunk_bytes=None, queue_depth=None, threads=None,
+                 direct=None, cache_staged_state_dict=True):
+        StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        if compress not in (None, "lossless"):
+            raise ValueError(f"compress={compress!r}: expected None or 'lossless'")
+        if compress and not _core.ckpt_have_zstd():
+            raise ValueError("compress='lossless' needs zstd, and this ebbtide build has no libzstd")
+        self.path = os.fspath(path)
+        self.compress = compress
+        self._native = _core.CkptWriter(chunk_bytes=chunk_bytes, queue_depth=queue_depth, threads=threads,
+                                        zstd_level=zstd_level, direct=direct)
+        self.save_id = str(uuid.uuid4())
+        self._frames = {}
+        self.rank = 0
+        self.is_coordinator = True
+
+    # -- AsyncStager ----------------------------------------------------------------
+    def stage(self, state_dict):
+        """async_save's staging: a CPU copy of `state_dict` (kept for the next
+        call with cache_staged_state_dict; pinned only where CUDA is usable)."""
+        if not self.cache_staged_state_dict:
+            staged = _create_cpu_state_dict(state_dict)
+            _copy_state_dict(state_dict, staged)
+            return staged
+        if self.state_dict_cache is None:
+            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+        return _copy_state_dict(state_dict, self.state_dict_cache)
+
+    # -- StorageWriter --------------------------------------------------------------
+    def reset(self, checkpoint_id=None):
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.save_id = str(uuid.uuid4())
+
+    def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank") or 0
+        if not kwargs.get("use_collectives", True):
+            raise ValueError("EbbtideWriter needs use_collectives=True: one .metadata per checkpoint, "
+                             "committed by renaming the checkpoint directory")
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        path = os.path.abspath(self.path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _core.ckpt_remove_stale_temps(path)
+        tmp = _core.ckpt_make_temp_dir(path)
+        self._tmp = tmp  # prepare_global_plan and finish both run on the coordinator
+        return [dataclasses.replace(p, storage_data=_SavePlanData(f"__{i}_", tmp)) for i, p in enumerate(plans)]
+
+    def write_data(self, plan, planner):
+        sd = plan.storage_data
+        name = f"{sd.prefix}0.distcp"
+        file = os.path.join(sd.tmp_dir, name)
+        blobs, frames, layout, keep = [], [], [], []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                raw = bytearray(data.getbuffer())
+                buf = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+                keep.append(buf)
+                blobs.append((fqn, buf.data_ptr(), len(raw), False, 0, 1, "zstd" if self.compress else "none"))
+                frames.append((b"", b""))
+                layout.append({"kind": "bytes"})
+                continue
+            t = _owned_storage(data)
+            keep.append(t)
+            nbytes = t.untyped_storage().nbytes()
+            # torch.save's bytes around a storage depend only on the tensor's layout.
+            key = (t.dtype, tuple(t.shape), t.stride(), nbytes)
+            if key not in self._frames:
+                self._frames[key] = _torch_frame(t, nbytes)
+            head, tail = self._frames[key]
+            blobs.append((fqn, t.untyped_storage().data_ptr(), nbytes, False, 0, t.element_size(),
+                          tree.codec_for(t.dtype, self.compress)))
+            frames.append((head, tail))
+            layout.append({"kind": "tensor", "head": len(head), "dtype": tree.dtype_name(t.dtype),
+                           "size": list(t.shape), "stride": list(t.stride())})
+        meta = json.dumps({"layout": LAYOUT, "version": LAYOUT_VERSION, "items": layout})
+        h = self._native.save(file, blobs, meta, block=True, frames=frames)
+        h.wait()
+        del keep
+        written = _core.CkptReader(file).blobs
+        desc = [COMPRESSED_DESCRIPTOR] if self.compress else None
+        results = [WriteResult(index=item.index, size_in_bytes=b["nbytes"],
+                               storage_data=_StorageInfo(name, b["offset"], b["nbytes"], transform_descriptors=desc))
+                   for item, b in zip(plan.items, written)]
+        fut = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata, results):
+        storage = {}
+        for wr_list in results:
+            storage.update({wr.index: wr.storage_data for wr in wr_list})
+        metadata.version = DCP_VERSION
+        metadata.storage_data = storage
+        metadata.storage_meta = self.storage_meta()
+        with open(os.path.join(self._tmp, METADATA_NAME), "xb") as f:
+            pickle.dump(metadata, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _test_hook("before-commit")
+        _core.ckpt_commit_directory(self._tmp, os.path.abspath(self.path))  # fsyncs, renames, fsyncs the parent
+
+    def storage_meta(self):
+        return _md.StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self):
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id):
+        return FileSystem.validate_checkpoint_id(checkpoint_id)
+
+
+def _test_hook(point):
+    """Crash tests: EBBTIDE_DCP_TEST_PARK=<point> parks the saving process at
+    `point` (after writing a file <tmp>/PARKED) until it is killed."""
+    if os.environ.get("EBBTIDE_DCP_TEST_PARK") == point:
+        import time
+
+        marker = os.environ["EBBTIDE_DCP_TEST_PARK_MARKER"]
+        with open(marker, "w") as f:
+            f.write(point)
+        while True:
+            time.sleep(3600)
+
+
+# -- metadata --------------------------------------------------------------------------
+_ALLOWED = {
+    ("torch.distributed.checkpoint.metadata", n): getattr(_md, n)
+    for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+              "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+}
+_ALLOWED[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+_ALLOWED[("torch", "Size")] = torch.Size
+_ALLOWED[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a lookup in torch's layouts
+_ALLOWED[("pathlib", "PosixPath")] = pathlib.PosixPath
+_ALLOWED[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
+_TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Note [DCP metadata safety]: only DCP metadata types can be created."""
+
+    def __init__(self, f, where):
+        super().__init__(f)
+        self.where = where
+
+    def find_class(self, module, name):
+        obj = _ALLOWED.get((module, name))
+        if obj is None and module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUES):
+            obj = getattr(torch, name)
+        if obj is None:
+            raise ValueError(f"{self.where}: refers to {module}.{name}, which is not a DCP metadata type; "
+                             "refusing to load it (a DCP .metadata holds only checkpoint metadata)")
+        return obj
+
+
+def _is_int(x):
+    return type(x) is int and 0 <= x <= check.MAX_INT
+
+
+def _check_metadata(md, where):
+    def bad(what):
+        raise ValueError(f"{where}: {what}")
+
+    if not isinstance(md, _md.Metadata):
+        bad(f"holds a {type(md).__name__}, not DCP Metadata")
+    if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
+        bad("state_dict_metadata and storage_data must be dicts")
+    for fqn, m in md.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            bad(f"state_dict_metadata key {fqn!r} is not a string")
+        if isinstance(m, _md.BytesStorageMetadata):
+            continue
+        if not isinstance(m, _md.TensorStorageMetadata) or not isinstance(m.properties, _md.TensorProperties):
+            bad(f"entry {fqn!r} is a {type(m).__name__}, not tensor or bytes metadata")
+        if not isinstance(m.properties.dtype, torch.dtype):
+            bad(f"tensor {fqn!r}: dtype {m.properties.dtype!r} is not a torch dtype")
+        if not isinstance(m.size, tuple) or len(m.size) > check.MAX_DIMS or not all(map(_is_int, m.size)):
+            bad(f"tensor {fqn!r}: size {m.size!r} is not a shape")
+        if not isinstance(m.chunks, list):
+            bad(f"tensor {fqn!r}: chunks is not a list")
+        for c in m.chunks:
+            if (not isinstance(c, _md.ChunkStorageMetadata) or not isinstance(c.offsets, tuple)
+                    or not isinstance(c.sizes, tuple) or len(c.offsets) != len(m.size)
+                    or len(c.sizes) != len(m.size) or not all(map(_is_int, c.offsets))
+                    or not all(map(_is_int, c.sizes))
+                    or any(o + s > n for o, s, n in zip(c.offsets, c.sizes, m.size))):
+                bad(f"tensor {fqn!r}: chunk {c!r} does not lie inside the tensor of size {tuple(m.size)}")
+    for idx, si in md.storage_data.items():
+        if not isinstance(idx, _md.MetadataIndex) or not isinstance(idx.fqn, str):
+            bad(f"storage_data key {idx!r} is not a MetadataIndex")
+        if not isinstance(si, _StorageInfo):
+            bad(f"storage_data[{idx.fqn!r}] is a {type(si).__name__}, not _StorageInfo")
+        p = si.relative_path
+        if (not isinstance(p, str) or p in ("", ".", "..") or "/" in p or "\0" in p or p == METADATA_NAME):
+            bad(f"storage_data[{idx.fqn!r}]: file name {p!r} is not a plain file name inside the checkpoint "
+                "directory")
+        if not _is_int(si.offset) or not _is_int(si.length):
+            bad(f"storage_data[{idx.fqn!r}]: offset {si.offset!r} / length {si.length!r} must be integers >= 0")
+        d = si.transform_descriptors
+        if d is not None and (not isinstance(d, (list, tuple)) or not all(isinstance(x, str) for x in d)):
+            bad(f"storage_data[{idx.fqn!r}]: transform_descriptors {d!r} is not a list of strings")
+
+
+def load_metadata(path):
+    """Reads and checks the ``.metadata`` of DCP checkpoint directory `path`
+    (Note [DCP metadata safety]).
+
+    Args:
+        path: checkpoint directory.
+
+    Returns:
+        torch.distributed.checkpoint.metadata.Metadata
+
+    Raises:
+        FileNotFoundError: no .metadata (not a DCP checkpoint, or a save that
+            was killed before its commit).
+        ValueError: the file is not valid, safe DCP metadata.
+    """
+    mp = os.path.join(os.fspath(path), METADATA_NAME)
+    try:
+        raw = check.read_regular_file(mp, "DCP metadata", limit=MAX_METADATA_BYTES)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{mp}: no DCP metadata; {path} is not a committed checkpoint (a save killed "
+                                "before its commit leaves the previous checkpoint in place and its own files "
+                                "in PATH.tmp-*)") from None
+    try:
+        md = _MetadataUnpickler(io.BytesIO(raw), mp).load()
+    except ValueError:
+        raise
+    except Exception as e:  # truncated or corrupt pickle: any of pickle's many error types
+        raise ValueError(f"{mp}: corrupt DCP metadata ({type(e).__name__}: {e})") from None
+    _check_metadata(md, mp)
+    return md
+
+
+# -- reader ----------------------------------------------------------------------------------
+def _check_layout(meta, blobs, file):
+    """Checks a shard's JSON metadata written by EbbtideWriter against its blob table."""
+
+    def bad(what):
+        raise ValueError(f"{file}: {what}")
+
+    if not isinstance(meta, dict) or meta.get("layout") != LAYOUT or meta.get("version") != LAYOUT_VERSION:
+        bad(f"not an ebbtide DCP shard (layout {str(meta.get('layout') if isinstance(meta, dict) else meta)[:64]!r})")
+    items = meta.get("items")
+    if not isinstance(items, list) or len(items) != len(blobs):
+        bad(f"metadata lists {len(items) if isinstance(items, list) else 'no'} items for {len(blobs)} blobs")
+    for k, (it, b) in enumerate(zip(items, blobs)):
+        if not isinstance(it, dict) or it.get("kind") not in ("bytes", "tensor"):
+            bad(f"item {k}: kind must be 'bytes' or 'tensor'")
+        if it["kind"] == "bytes":
+            continue
+        if not isinstance(it.get("dtype"), str):
+            bad(f"item {k}: dtype missing")
+        dtype = tree.dtype_from_name(it["dtype"], f"{file}: item {k}")
+        size, stride, head = it.get("size"), it.get("stride"), it.get("head")
+        if (not isinstance(size, list) or not isinstance(stride, list) or len(size) != len(stride)
+                or len(size) > check.MAX_DIMS or not all(map(_is_int, size + stride)) or not _is_int(head)):
+            bad(f"item {k}: size {size!r}, stride {stride!r}, head {head!r} are not a tensor layout")
+        extent = 0 if 0 in size else 1 + sum((n - 1) * s for n, s in zip(size, stride))
+        need = extent * dtype.itemsize
+        if need and (head % dtype.itemsize or head + need > b["nbytes"]):
+            bad(f"item {k} ({b['name'][:200]}): {tuple(size)} {dtype} at byte {head} does not fit its "
+                f"{b['nbytes']}-byte blob")
+        it["_dtype"] = dtype
+    return items
+
+
+class _Shard:
+    """An ebbtide shard written by EbbtideWriter, opened and checked."""
+
+    def __init__(self, file):
+        self.reader = _core.CkptReader(file)
+        self.blobs = self.reader.blobs
+        try:
+            meta = json.loads(self.reader.meta)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"{file}: corrupt shard metadata ({e})") from None
+        self.items = _check_layout(meta, self.blobs, file)
+        self.by_range = {(b["offset"], b["nbytes"]): k for k, b in enumerate(self.blobs)}
+        self.file = file
+
+
+class EbbtideReader(StorageReader):
+    """DCP StorageReader reading through ebbtide's C++ reader. Loads
+    checkpoints written by EbbtideWriter (checksums verified, compressed or
+    not) and by torch's FileSystemWriter.
+
+    Args:
+        path: checkpoint directory.
+        threads: reader threads (0: the reader's default).
+        batch_bytes: most bytes of one file read ahead at once.
+
+    Raises:
+        FileNotFoundError: no .metadata in `path` (read_metadata).
+        ValueError: hostile or corrupt metadata or data, naming the file and
+            the item (Note [DCP metadata safety]).
+        ebbtide._core.ChecksumError: data that fails its crc32c.
+
+    Example:
+        >>> dcp.load(state, storage_reader=EbbtideReader("/ckpt/step100"))
+    """
+
+    def __init__(self, path, *, threads=0, batch_bytes=256 << 20):
+        super().__init__()
+        self.path = os.fspath(path)
+        self.threads = threads
+        self.batch_bytes = batch_bytes
+        self.storage_data = {}
+        self.load_id = str(uuid.uuid4())
+
+    def reset(self, checkpoint_id=None):
+        self.storage_data = {}
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.load_id = str(uuid.uuid4())
+
+    def read_metadata(self, *args, **kwargs):
+        md = load_metadata(self.path)
+        if md.storage_meta is None:
+            md.storage_meta = _md.StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
+        _check_metadata(metadata, os.path.join(self.path, METADATA_NAME))
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        return plans
+
+    @property
+    def checkpoint_id(self):
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id):
+        return FileSystem.validate_checkpoint_id(checkpoint_id)
+
+    def read_data(self, plan, planner):
+        per_file = {}
+        for req in plan.items:
+            si = self.storage_data.get(req.storage_index)
+            if si is None:
+                raise ValueError(f"{self.path}: the load plan asks for {req.storage_index}, which the checkpoint's "
+                                 "metadata does not list")
+            per_file.setdefault(si.relative_path, []).append(req)
+        for name, reqs in per_file.items():
+            file = os.path.join(self.path, name)
+            size, is_shard = _core.ckpt_probe_file(file)
+            if is_shard:
+                self._read_shard(_Shard(file), reqs, planner)
+            else:
+                self._read_plain(file, size, reqs, planner)
+        fut = Future()
+        fut.set_result(None)
+        return fut
+
+    def _batches(self, reqs, size_of):
+        batch, total = [], 0
+        for r in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+            n = size_of(r)
+            if batch and total + n > self.batch_bytes:
+                yield batch
+                batch, total = [], 0
+            batch.append(r)
+            total += n
+        if batch:
+            yield batch
+
+    def _read_shard(self, shard, reqs, planner):
+        def blob_of(r):
+            si = self.storage_data[r.storage_index]
+            k = shard.by_range.get((si.offset, si.length))
+            if k is None:
+                raise ValueError(f"{shard.file}: item {r.storage_index.fqn!r} names bytes [{si.offset}, +{si.length}) "
+                                 "that are not a blob of this shard")
+            compressed = shard.blobs[k]["codec"] != "none"
+            if (si.transform_descriptors or None) not in (None, [COMPRESSED_DESCRIPTOR]) or \
+                    (compressed and si.transform_descriptors != [COMPRESSED_DESCRIPTOR]):
+                raise ValueError(f"{shard.file}: item {r.storage_index.fqn!r}: transform descriptors "
+                                 f"{si.transform_descriptors!r} do not match its blob (codec "
+                                 f"{shard.blobs[k]['codec']})")
+            return k
+
+        for batch in self._batches(reqs, lambda r: self.storage_data[r.storage_index].length):
+            bufs = {}
+            for r in batch:
+                k = blob_of(r)
+                if k not in bufs:
+                    bufs[k] = _host_buffer(shard.blobs[k]["nbytes"])
+            shard.reader.read([(k, b.data_ptr(), False, 0) for k, b in bufs.items()], threads=self.threads)
+            for r in batch:
+                k = blob_of(r)
+                it, buf = shard.items[k], bufs[k]
+                if r.type == LoadItemType.BYTE_IO:
+                    if it["kind"] != "bytes":
+                        raise ValueError(f"{shard.file}: item {r.storage_index.fqn!r} is a tensor, read as bytes")
+                    planner.load_bytes(r, io.BytesIO(buf.numpy().tobytes()))
+                    continue
+                if it["kind"] != "tensor":
+                    raise ValueError(f"{shard.file}: item {r.storage_index.fqn!r} is bytes, read as a tensor")
+                dtype = it["_dtype"]
+                extent = (0 if 0 in it["size"] else
+                          1 + sum((n - 1) * s for n, s in zip(it["size"], it["stride"])))
+                if extent == 0:
+                    t = torch.empty(it["size"], dtype=dtype)
+                else:
+                    data = buf[it["head"]:it["head"] + extent * dtype.itemsize].view(dtype)
+                    t = torch.as_strided(data, it["size"], it["stride"])
+                self._commit(planner, r, t, shard.file)
+
+    def _read_plain(self, file, size, reqs, planner):
+        for r in reqs:  # before allocating anything; the C++ read checks again against the open file
+            si = self.storage_data[r.storage_index]
+            if si.offset + si.length > size:
+                raise ValueError(f"{file}: item {r.storage_index.fqn!r}: byte range [{si.offset}, +{si.length}) "
+                                 f"lies outside the file ({size} bytes)")
+        for batch in self._batches(reqs, lambda r: self.storage_data[r.storage_index].length):
+            ranges, bufs = [], {}
+            for r in batch:
+                si = self.storage_data[r.storage_index]
+                if si.transform_descriptors:
+                    raise ValueError(f"{file}: item {r.storage_index.fqn!r} uses stream transforms "
+                                     f"{si.transform_descriptors!r}, which EbbtideReader does not read; "
+                                     "load it with FileSystemReader")
+                key = (si.offset, si.length)
+                if key not in bufs:
+                    bufs[key] = torch.empty(si.length, dtype=torch.uint8)
+                    ranges.append((si.offset, si.length, bufs[key].data_ptr()))
+            _core.ckpt_read_file_ranges(file, ranges)
+            for r in batch:
+                si = self.storage_data[r.storage_index]
+                buf = bufs[(si.offset, si.length)]
+                if r.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(r, io.BytesIO(buf.numpy().tobytes()))
+                    continue
+                try:
+                    t = torch.load(io.BytesIO(buf.numpy()), map_location="cpu", weights_only=True)
+                except Exception as e:
+                    raise ValueError(f"{file}: item {r.storage_index.fqn!r} at [{si.offset}, +{si.length}) is not "
+                                     f"a torch.save'd tensor ({type(e).__name__}: {str(e)[:300]})") from None
+                if not isinstance(t, torch.Tensor):
+                    raise ValueError(f"{file}: item {r.storage_index.fqn!r} holds a {type(t).__name__}, not a tensor")
+                self._commit(planner, r, t, file)
+
+    @staticmethod
+    def _commit(planner, req, tensor, file):
+        if any(o + n > s for o, n, s in zip(req.storage_offsets, req.lengths, tensor.shape)) or \
+                len(req.storage_offsets) != tensor.dim():
+            raise ValueError(f"{file}: item {req.storage_index.fqn!r}: stored chunk of shape {tuple(tensor.shape)} "
+                             f"does not hold the requested offsets {tuple(req.storage_offsets)} and lengths "
+                             f"{tuple(req.lengths)}")
+        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise ValueError(f"{file}: item {req.storage_index.fqn!r}: stored shape {tuple(tensor.size())} does not "
+                             f"match the target's {tuple(target.size())}")
+        if target.dtype != tensor.dtype:
+            raise ValueError(f"{file}: item {req.storage_index.fqn!r}: stored dtype {tensor.dtype} does not match "
+                             f"the target's {target.dtype}")
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
