@@ -173,7 +173,7 @@ class _Kept:
     tensors]): the tensor and its version at pack. No core entry, no lock on
     unpack; the version check is the one identity hooks would lose."""
 
-    __slots__ = ("cache", "t", "version", "key", "nbytes")
+    __slots__ = ("cache", "t", "version", "key", "nbytes", "__weakref__")
 
     def __init__(self, cache, t, version, key, nbytes):
         self.cache = cache
@@ -349,6 +349,7 @@ class TensorCache:
         self._kept_step = _KeptCounts()
         self._kept_total = _KeptCounts()
         self._kept_unflushed = 0     # CUDA: bytes not yet told to the core (note_kept)
+        self._kept_handles: list = []  # weak references to this step's _Kept handles (Note [Kept cycles])
         self._in_step = False
         self._last_stats = None
         self._warned_store = False
@@ -414,6 +415,7 @@ class TensorCache:
             self._kept_step = _KeptCounts()
             self._kept_step.peak = self._kept_live
             self._kept_unflushed = 0
+            self._kept_handles = []
         if self._adapt is not None:
             self._adapt.begin_step(self._core.stats())
         step_no = self._core.current_step
@@ -436,6 +438,9 @@ class TensorCache:
             if not ok:
                 self._abort(step_no)
             with self._lock:
+                if ok:
+                    self._break_cycles_locked(step_no)
+                self._kept_handles = []
                 if not self._closed:
                     self._poll_locked()
                     self._core.end_step()
@@ -714,7 +719,9 @@ class TensorCache:
             else:
                 self._kept_refs[key] = n + 1
                 c.deduped += 1
-        return _Kept(self, t, version, key, nbytes)
+        k = _Kept(self, t, version, key, nbytes)
+        self._kept_handles.append(weakref.ref(k))
+        return k
 
     def _kept_gone(self, key, nbytes):
         with self._lock:
@@ -793,6 +800,9 @@ class TensorCache:
         tp = type(h)
         if tp is _Kept:
             t = h.t
+            if t is None:
+                raise RuntimeError("ebbtide.TensorCache: a saved tensor was unpacked after its step was "
+                                   "aborted (the step raised)")
             if t._version != h.version:
                 _check_version(t.dtype, t.shape, h.version, t._version)
             return t
@@ -942,6 +952,35 @@ class TensorCache:
             if self._closed:
                 return
             self._core.release_step(step_no)
+            # Note [Kept cycles]: the failed step's kept handles let go of
+            # their tensors (unpacking one now raises).
+            handles, self._kept_handles = self._kept_handles, []
+            for ref in handles:
+                k = ref()
+                if k is not None and k.cache is not None:
+                    k.cache = None
+                    self._kept_gone(k.key, k.nbytes)
+                    k.t = None
+
+    def _break_cycles_locked(self, step_no):
+        # Note [Kept cycles]
+        # A tensor held by a handle that its own node saved (an op's output:
+        # relu, exp, ...) forms a cycle through autograd's C++ graph (tensor
+        # -> grad_fn -> saved handle -> tensor) that Python's collector cannot
+        # see; identity saved-tensor hooks leak the same way. Backward breaks
+        # it by freeing the saved tensors. A graph that is still alive when
+        # its step ends (no backward yet, or never: an evaluation forward
+        # with grad enabled) would leak, so its held tensors become detached
+        # ones: the same storage and version counter without the grad_fn
+        # (autograd gives the unpacked tensor its grad_fn back). Only the
+        # survivors pay for it.
+        for ref in self._kept_handles:
+            k = ref()
+            if k is not None and k.t is not None:
+                k.t = k.t.detach()
+        if not self._closed:
+            for eid, live in self._core.held_lives(step_no):
+                self._core.hold_live(eid, live.detach())
 
     def _make_stats(self) -> dict:
         s = self._core.stats()

@@ -302,6 +302,14 @@ EBB_BIND(cache, 30) {
            "`buffers` [(ptr, owner)], allocated on `stream`.")
       .def("hold_live", [](TensorCache& c, EntryId id, nb::handle live) { c.hold_live(id, glue_obj(live)); },
            nb::arg("id"), nb::arg("live"))
+      .def("held_lives",
+           [](const TensorCache& c, uint64_t step) {
+             auto held = c.held_lives(step);
+             nb::list out;
+             for (auto& [id, live] : held) out.append(nb::make_tuple(id, py_obj(live)));
+             return out;
+           },
+           nb::arg("step"))
       .def("entry_count", &TensorCache::entry_count)
       .def("release", &TensorCache::release, nb::arg("id"), nb::call_guard<nb::gil_scoped_release>())
       .def("release_handle", &TensorCache::release_handle, nb::arg("handle"), nb::arg("id"),

@@ -855,6 +855,15 @@ void TensorCache::hold_live(EntryId id, GlueObj live) {
   it->second->live = std::move(live);
 }
 
+std::vector<std::pair<EntryId, GlueObj>> TensorCache::held_lives(uint64_t step) const {
+  Lock lock(mu_);
+  std::vector<std::pair<EntryId, GlueObj>> out;
+  for (const auto& [id, e] : entries_) {
+    if (e->live && (step == 0 || e->step == step)) out.emplace_back(id, e->live);
+  }
+  return out;
+}
+
 size_t TensorCache::entry_count() const {
   Lock lock(mu_);
   return entries_.size();

@@ -200,10 +200,14 @@ class TensorCache {
   // Completions since the last poll, in completion order. Each carries the
   // entry's live tensor when the cache held one (it no longer does).
   std::vector<Completion> poll();
-  // The glue saw the tensor of a completion written in place since its save:
-  // the cache holds `live` again and answers unpacks from it, so the glue's
-  // version check reports the change (Note [Torn snapshots]).
+  // The cache holds `live` for the entry (again, or instead of the object it
+  // held) and answers unpacks from it: the glue saw the tensor of a completion
+  // written in place since its save, so its version check reports the change
+  // (Note [Torn snapshots]); or the glue swaps a held tensor for one that
+  // makes no reference cycle (Note [Kept cycles] in cache.py).
   void hold_live(EntryId id, GlueObj live);
+  // The tensors the cache holds for entries of step `step` (0: every step).
+  std::vector<std::pair<EntryId, GlueObj>> held_lives(uint64_t step) const;
 
   // One unpack of entry `id` in backward task `task`, on compute stream
   // `stream` (Note [One call per unpack]). Host entries are answered whole:
