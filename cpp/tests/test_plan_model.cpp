@@ -241,3 +241,134 @@ TEST(PlanModel, ValidationNamesTheSetting) {
   EXPECT_EQ(parse_arch("encoder_decoder"), Arch::kEncoderDecoder);
   EXPECT_EQ(parse_dtype_bytes("FP32"), 4);
 }
+
+namespace {
+
+// A tiny Llama: the shape python/tests/test_model_vs_cache.py measures.
+ModelConfig tiny_llama(int64_t p, bool flash) {
+  ModelConfig c;
+  c.family = Family::kLlama;
+  c.layers = 2;
+  c.hidden = 64;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.ffn_hidden = 96;
+  c.vocab = 256;
+  c.seq = 64;
+  c.batch = 2;
+  c.bytes_per_element = p;
+  c.flash_attn = flash;
+  return c;
+}
+
+}  // namespace
+
+TEST(PlanModel, LlamaLayerTermByTerm) {
+  // Note [Layer families], with s=64, b=2, h=64, a=4, g=2, f=96.
+  const double s = 64, b = 2, h = 64, a = 4, f = 96, sb = s * b, sbh = sb * h;
+  for (const double p : {2.0, 4.0}) {
+    const double norm = 4 * sbh + 4 * sb + p * sbh;
+    const double common = 2 * norm + 2 * p * sbh + p * sbh /* o input */ + 4 * p * sb * f;
+    const ActivationBytes sdpa = activation_bytes(tiny_llama(static_cast<int64_t>(p), true));
+    EXPECT_DOUBLE_EQ(sdpa.self_layer, common + p * sbh * (1 + 2 * 2 / a) + 4 * a * sb) << p;
+    const ActivationBytes eager = activation_bytes(tiny_llama(static_cast<int64_t>(p), false));
+    const double probs = (p == 4 ? 4 : 4 + p) * a * s * s * b;
+    EXPECT_DOUBLE_EQ(eager.self_layer, common + 3 * p * sbh + probs) << p;
+    EXPECT_DOUBLE_EQ(eager.per_step, 2 * eager.self_layer);
+    EXPECT_DOUBLE_EQ(sdpa.outside, 8 * sb + 2 * s * (h / a) * p + norm + p * sbh);
+    EXPECT_DOUBLE_EQ(sdpa.logits, 4 * sb * 256 + 8 * sb + 4);
+  }
+  // The pack-hook count of LlamaForCausalLM at fp32 / SDPA (docs/model.md table).
+  const ActivationBytes a4 = activation_bytes(tiny_llama(4, true));
+  EXPECT_DOUBLE_EQ(a4.per_step + a4.outside + a4.logits, 1229316.0);
+}
+
+TEST(PlanModel, LlamaOptions) {
+  ModelConfig c = tiny_llama(2, false);
+  const double base_layer = activation_bytes(c).self_layer;
+  const double ss = 4.0 * 64 * 64 * 2;
+  c.dropout = true;  // bool mask and the dropped copy
+  EXPECT_DOUBLE_EQ(activation_bytes(c).self_layer, base_layer + 3 * ss);
+  c.flash_attn = true;  // the kernel regenerates the mask
+  c.dropout = false;
+  const double flash_layer = activation_bytes(c).self_layer;
+  c.dropout = true;
+  EXPECT_DOUBLE_EQ(activation_bytes(c).self_layer, flash_layer);
+  c.recompute = Recompute::kSelective;
+  EXPECT_DOUBLE_EQ(activation_bytes(c).self_layer, flash_layer - 4.0 * 4 * 64 * 2);
+  c.recompute = Recompute::kFull;
+  EXPECT_DOUBLE_EQ(activation_bytes(c).self_layer, 2.0 * 64 * 2 * 64);
+  c = tiny_llama(2, true);
+  c.gated_mlp = false;
+  EXPECT_DOUBLE_EQ(activation_bytes(c).self_layer, flash_layer - 2 * 2.0 * 128 * 96);
+  c = tiny_llama(2, true);
+  c.norm = Norm::kLayerNorm;
+  EXPECT_DOUBLE_EQ(activation_bytes(c).self_layer, flash_layer - 2 * (4.0 * 128 * 64 + 4 * 128 - 8 * 128));
+  c = tiny_llama(2, true);
+  c.rotary = false;
+  EXPECT_DOUBLE_EQ(activation_bytes(c).outside, activation_bytes(tiny_llama(2, true)).outside - 2 * 64 * 16 * 2);
+  c = tiny_llama(2, true);
+  c.kv_heads = 4;  // multi-head: k and v as large as q
+  EXPECT_DOUBLE_EQ(activation_bytes(c).self_layer, flash_layer + 2 * 2.0 * 128 * 32);
+}
+
+TEST(PlanModel, MixtureOfExperts) {
+  ModelConfig c = tiny_llama(4, true);
+  c.experts = 4;
+  c.top_k = 2;
+  const double sb = 128, r = sb * 2, h = 64, f = 96, p = 4;
+  const double dense_mlp = 4 * p * sb * f;
+  const double moe = 4 * sb * 4 + 32 * r + 8 * r + 4 * sb + 4 * 4 + 2 * p * r * h + 4 * p * r * f;
+  EXPECT_DOUBLE_EQ(activation_bytes(c).self_layer, activation_bytes(tiny_llama(4, true)).self_layer - dense_mlp + moe);
+  c.expert_ffn_hidden = 48;
+  const Flops fl = flops(c);
+  const double s = 64, b = 2;
+  EXPECT_DOUBLE_EQ(fl.self_layer, 4 * b * s * h * h * 1.5 + 4 * b * s * s * h + 2 * b * s * h * 4 + 6 * r * h * 48);
+}
+
+TEST(PlanModel, LlamaFlopsAndParameters) {
+  ModelConfig c = tiny_llama(2, true);
+  const double b = 2, s = 64, h = 64, f = 96;
+  // q, o: 2 h^2 each per token; k, v at 2 of 4 heads; three MLP matrices.
+  EXPECT_DOUBLE_EQ(flops(c).self_layer, 2 * b * s * (2 * h * h + 2 * h * 32) + 4 * b * s * s * h + 6 * b * s * h * f);
+  // Published totals (Note [Model catalog]).
+  const std::pair<const char*, double> published[] = {{"llama3-8b", 8030261248.0},
+                                                     {"llama3-70b", 70553706496.0},
+                                                     {"qwen2.5-7b", 7615616512.0},
+                                                     {"qwen2.5-72b", 72706203648.0},
+                                                     {"mixtral-8x7b", 46702792704.0}};
+  for (const auto& [name, params] : published) {
+    ModelConfig m = find_model(name).config;
+    m.seq = 8192;
+    EXPECT_DOUBLE_EQ(parameter_count(m), params) << name;
+  }
+  EXPECT_EQ(find_model("Llama3-8B").config.kv_heads, 8);
+  const std::string e = error_of([] { find_model("llama2-7b"); });
+  EXPECT_NE(e.find("llama3-8b, llama3-70b, qwen2.5-7b, qwen2.5-72b, mixtral-8x7b"), std::string::npos) << e;
+}
+
+TEST(PlanModel, LlamaValidation) {
+  ModelConfig c = tiny_llama(2, true);
+  c.kv_heads = 3;
+  std::string e = error_of([&] { validate(c); });
+  EXPECT_NE(e.find("'kv_heads' (3) must divide 'heads' (4)"), std::string::npos) << e;
+  c = tiny_llama(2, true);
+  c.experts = 4;
+  c.top_k = 5;
+  e = error_of([&] { validate(c); });
+  EXPECT_NE(e.find("'top_k' must be in 1..experts (4), got 5"), std::string::npos) << e;
+  c = tiny_llama(2, true);
+  c.top_k = 2;
+  e = error_of([&] { validate(c); });
+  EXPECT_NE(e.find("need 'experts' > 0"), std::string::npos) << e;
+  c = tiny_llama(2, true);
+  c.arch = Arch::kEncoder;
+  e = error_of([&] { validate(c); });
+  EXPECT_NE(e.find("family llama is a decoder"), std::string::npos) << e;
+  c = base();
+  c.kv_heads = 8;
+  e = error_of([&] { validate(c); });
+  EXPECT_NE(e.find("'kv_heads' applies only to family llama"), std::string::npos) << e;
+  e = error_of([] { parse_family("bloom"); });
+  EXPECT_NE(e.find("valid: gpt2, llama"), std::string::npos) << e;
+}

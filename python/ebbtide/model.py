@@ -6,7 +6,10 @@ A model config is a plain dict with the keys of ``ebbtide::plan::ModelConfig``:
 layers, hidden, heads, seq, batch, vocab, ffn_hidden, arch ("decoder",
 "encoder", "encoder-decoder"), decoder_layers, flash_attn, tp, sp, recompute
 ("none", "selective", "full"), bytes_per_element (or dtype: "bf16", "fp16",
-"fp32"). Missing keys take the C++ defaults. No torch needed.
+"fp32"), family ("gpt2", "llama") and the llama family's kv_heads, gated_mlp,
+norm ("rmsnorm", "layernorm"), bias, qkv_bias, dropout, rotary,
+tied_embeddings, experts, top_k, expert_ffn_hidden, norm_topk,
+shared_expert_ffn_hidden. Missing keys take the C++ defaults. No torch needed.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ __all__ = [
     "plan",
     "gpus",
     "ssds",
+    "models",
+    "catalog_config",
     "normalize_config",
     "config_from_hf",
     "predicted_saved_bytes",
@@ -78,6 +83,20 @@ def ssds() -> list[dict]:
     return _core.plan_ssds()
 
 
+def models() -> list[dict]:
+    """The model catalog (published shapes): name, description, family, layers, hidden,
+    heads, kv_heads, ffn_hidden, vocab, qkv_bias, tied_embeddings, experts, top_k."""
+    return _core.plan_models()
+
+
+def catalog_config(name: str) -> dict:
+    """The config-dict keys of catalog model ``name`` (case-insensitive); ValueError lists the names."""
+    for m in models():
+        if m["name"] == name.lower():
+            return {k: v for k, v in m.items() if k not in ("name", "description")}
+    raise ValueError(f"unknown model {name!r} (valid: {', '.join(m['name'] for m in models())})")
+
+
 # ---------------------------------------------------------------------------
 # Hugging Face configs
 
@@ -94,10 +113,19 @@ def _get(cfg, *names, default=None):
     return default
 
 
+# model_type values read as the llama family (Note [Layer families] in model.cpp).
+_LLAMA_TYPES = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe")
+# Activations that save only their input: the gated MLP's count holds for them.
+_GATED_ACTS = ("silu", "swish", "gelu", "gelu_pytorch_tanh")
+
+
 def _family(cfg) -> str:
     model_type = _get(cfg, "model_type", default="")
-    if model_type in ("gpt2", "bert", "t5"):
+    if model_type in ("gpt2", "bert", "t5") + _LLAMA_TYPES:
         return model_type
+    if model_type:
+        raise ValueError(
+            f"unsupported model_type {model_type!r} (valid: gpt2, bert, t5, {', '.join(_LLAMA_TYPES)})")
     if _get(cfg, "n_layer") is not None and _get(cfg, "n_embd") is not None:
         return "gpt2"
     if _get(cfg, "d_model") is not None and _get(cfg, "num_layers") is not None:
@@ -106,8 +134,8 @@ def _family(cfg) -> str:
         return "bert"
     raise ValueError(
         f"unsupported Hugging Face config (model_type {model_type!r}): expected GPT-2 "
-        "(n_layer/n_embd/n_head), BERT (num_hidden_layers/hidden_size/num_attention_heads) "
-        "or T5 (num_layers/d_model/num_heads)")
+        "(n_layer/n_embd/n_head), BERT (num_hidden_layers/hidden_size/num_attention_heads), "
+        f"T5 (num_layers/d_model/num_heads) or key 'model_type' one of {', '.join(_LLAMA_TYPES)}")
 
 
 def _flash(cfg) -> bool:
@@ -116,18 +144,82 @@ def _flash(cfg) -> bool:
     return impl not in (None, "eager")
 
 
+def _need(cfg, key):
+    value = _get(cfg, key)
+    if value is None:
+        raise ValueError(f"missing key {key!r}")
+    return value
+
+
+def _int_key(cfg, key, default=None):
+    value = _get(cfg, key, default=default) if default is not None else _need(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"key {key!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _llama_from_hf(cfg, model_type: str) -> dict:
+    hidden = _int_key(cfg, "hidden_size")
+    heads = _int_key(cfg, "num_attention_heads")
+    if heads == 0 or hidden % heads:
+        raise ValueError(f"key 'num_attention_heads' ({heads}) must divide 'hidden_size' ({hidden})")
+    head_dim = _get(cfg, "head_dim")
+    if head_dim is not None and head_dim != hidden // heads:
+        raise ValueError(f"key 'head_dim' ({head_dim}) differs from hidden_size / num_attention_heads "
+                         f"({hidden // heads}): not modelled")
+    act = _get(cfg, "hidden_act", default="silu")
+    if act not in _GATED_ACTS:
+        raise ValueError(f"key 'hidden_act' value {act!r} not modelled (valid: {', '.join(_GATED_ACTS)})")
+    out: dict[str, Any] = {
+        "family": "llama", "arch": "decoder",
+        "layers": _int_key(cfg, "num_hidden_layers"), "hidden": hidden, "heads": heads,
+        "kv_heads": _int_key(cfg, "num_key_value_heads", default=heads),
+        "ffn_hidden": _int_key(cfg, "intermediate_size"),
+        "dropout": float(_get(cfg, "attention_dropout", default=0.0)) > 0,
+        "tied_embeddings": bool(_get(cfg, "tie_word_embeddings", default=False)),
+        "bias": bool(_get(cfg, "attention_bias", default=False) or _get(cfg, "mlp_bias", default=False)),
+        "qkv_bias": model_type in ("qwen2", "qwen2_moe"),
+    }
+    if model_type == "mixtral":
+        if float(_get(cfg, "router_jitter_noise", default=0.0)) > 0:
+            raise ValueError("key 'router_jitter_noise' > 0 not modelled (it saves a noise tensor per layer)")
+        out.update(experts=_int_key(cfg, "num_local_experts"), top_k=_int_key(cfg, "num_experts_per_tok"))
+    elif model_type == "qwen2_moe":
+        if _int_key(cfg, "decoder_sparse_step", default=1) != 1 or _get(cfg, "mlp_only_layers", default=[]):
+            raise ValueError("keys 'decoder_sparse_step' != 1 / 'mlp_only_layers' (dense layers among "
+                             "MoE layers) not modelled")
+        out.update(experts=_int_key(cfg, "num_experts"), top_k=_int_key(cfg, "num_experts_per_tok"),
+                   expert_ffn_hidden=_int_key(cfg, "moe_intermediate_size"),
+                   shared_expert_ffn_hidden=_int_key(cfg, "shared_expert_intermediate_size", default=0),
+                   norm_topk=bool(_get(cfg, "norm_topk_prob", default=False)))
+    return out
+
+
 def config_from_hf(config, seq: int, batch: int) -> dict:
-    """Maps a Hugging Face GPT-2, BERT or T5 config (object or dict) to a model-config dict.
+    """Maps a Hugging Face config (object or dict) to a model-config dict: GPT-2,
+    BERT, T5 (family gpt2) or Llama, Qwen2, Mistral, Mixtral, Qwen2-MoE (family llama).
+
+    Raises ValueError naming a missing, bad or unsupported key.
 
     GPT-2: n_layer, n_embd, n_head, n_inner (default 4h); BERT: num_hidden_layers,
     hidden_size, num_attention_heads, intermediate_size; T5: num_layers,
     num_decoder_layers, d_model, num_heads, d_ff (d_kv is kept as
     ``attention_inner`` = num_heads * d_kv for reference; the formulas assume it
-    equals d_model). flash_attn is False only for attn_implementation "eager".
+    equals d_model). flash_attn is True for an attn_implementation other than
+    "eager" (SDPA, flash kernels); unset counts as eager.
+
+    Llama family: num_hidden_layers, hidden_size, num_attention_heads,
+    num_key_value_heads, intermediate_size, hidden_act (silu, gelu), attention_dropout,
+    attention_bias / mlp_bias, tie_word_embeddings, vocab_size; Mixtral
+    num_local_experts, num_experts_per_tok; Qwen2-MoE num_experts,
+    num_experts_per_tok, moe_intermediate_size, shared_expert_intermediate_size,
+    norm_topk_prob.
     """
     family = _family(config)
     out: dict[str, Any] = {"seq": int(seq), "batch": int(batch), "flash_attn": _flash(config)}
-    if family == "gpt2":
+    if family in _LLAMA_TYPES:
+        out.update(_llama_from_hf(config, family))
+    elif family == "gpt2":
         hidden = int(_get(config, "n_embd"))
         out.update(layers=int(_get(config, "n_layer")), hidden=hidden, heads=int(_get(config, "n_head")),
                    ffn_hidden=int(_get(config, "n_inner", default=4 * hidden)), arch="decoder")
@@ -144,7 +236,7 @@ def config_from_hf(config, seq: int, batch: int) -> dict:
                    attention_inner=heads * int(_get(config, "d_kv", default=_get(config, "d_model") // heads)))
     vocab = _get(config, "vocab_size")
     if vocab is not None:
-        out["vocab"] = int(vocab)
+        out["vocab"] = _int_key(config, "vocab_size")
     return out
 
 
@@ -187,8 +279,9 @@ def _act(cfg, *names, default):
 def predicted_saved_bytes(hf_config, seq: int, batch: int, dtype="fp32", *, device: str = "cpu",
                           with_loss: bool = True) -> int:
     """Bytes autograd saves in one training forward of a HF GPT-2 (LM head), BERT
-    (masked LM) or T5 (conditional generation) model in eager PyTorch: distinct
-    storages, parameters excluded, labels a tensor of their own.
+    (masked LM), T5 (conditional generation) or Llama-family causal LM (Llama,
+    Qwen2, Mistral, Mixtral, Qwen2-MoE; eager or SDPA attention) in PyTorch:
+    distinct storages, parameters excluded, labels a tensor of their own.
 
     device: "cpu" or "cuda". On CPU dropout saves its mask in the input dtype
     and layer_norm its statistics in the input dtype; on CUDA the mask is bool
@@ -198,13 +291,19 @@ def predicted_saved_bytes(hf_config, seq: int, batch: int, dtype="fp32", *, devi
         raise ValueError(f"device {device!r} is not valid (valid: cpu, cuda)")
     if int(seq) <= 0 or int(batch) <= 0:
         raise ValueError(f"seq and batch must be positive, got seq={seq}, batch={batch}")
+    family = _family(hf_config)
+    if family in _LLAMA_TYPES:
+        # Note [Layer families] (model.cpp): the C++ model counts these layers.
+        cfg = config_from_hf(hf_config, seq, batch)
+        cfg["bytes_per_element"] = _dtype_bytes(dtype)
+        a = activation_bytes(cfg)
+        return int(a["per_step"] + a["outside"] + (a["logits"] if with_loss else 0))
     if _flash(hf_config):
-        raise ValueError("predicted_saved_bytes models attn_implementation='eager' only")
+        raise ValueError("predicted_saved_bytes models attn_implementation='eager' only for GPT-2, BERT, T5")
     p = _dtype_bytes(dtype)
     mask = 1 if device == "cuda" else p
     stats = 4 if device == "cuda" else p
     s, b = int(seq), int(batch)
-    family = _family(hf_config)
     cfg = config_from_hf(hf_config, s, b)
     h, a, f, vocab = cfg["hidden"], cfg["heads"], cfg["ffn_hidden"], cfg.get("vocab", 0)
     sbh, sbf, ss = s * b * h, s * b * f, a * s * s * b

@@ -18,7 +18,15 @@ namespace {
 
 constexpr const char* kConfigKeys =
     "layers, hidden, heads, seq, batch, vocab, ffn_hidden, arch, decoder_layers, flash_attn, tp, "
-    "sp, recompute, bytes_per_element, dtype";
+    "sp, recompute, bytes_per_element, dtype, family, kv_heads, gated_mlp, norm, bias, qkv_bias, dropout, "
+    "rotary, tied_embeddings, experts, top_k, expert_ffn_hidden, norm_topk, shared_expert_ffn_hidden";
+
+bool to_bool(nb::handle v, const std::string& key) {
+  if (!PyBool_Check(v.ptr()) && !PyLong_Check(v.ptr()))
+    throw ebbtide::InvalidArgument("model setting '" + key + "' must be true or false, got " +
+                                   nb::cast<std::string>(nb::repr(v)));
+  return PyObject_IsTrue(v.ptr()) == 1;
+}
 
 int64_t to_int(nb::handle v, const std::string& key) {
   if (PyBool_Check(v.ptr()) || !PyLong_Check(v.ptr()))
@@ -61,6 +69,20 @@ ModelConfig config_from(const nb::dict& d) {
     else if (key == "arch") c.arch = parse_arch(to_str(v, key));
     else if (key == "recompute") c.recompute = parse_recompute(to_str(v, key));
     else if (key == "dtype") c.bytes_per_element = parse_dtype_bytes(to_str(v, key));
+    else if (key == "family") c.family = parse_family(to_str(v, key));
+    else if (key == "norm") c.norm = parse_norm(to_str(v, key));
+    else if (key == "kv_heads") c.kv_heads = to_int(v, key);
+    else if (key == "experts") c.experts = to_int(v, key);
+    else if (key == "top_k") c.top_k = to_int(v, key);
+    else if (key == "expert_ffn_hidden") c.expert_ffn_hidden = to_int(v, key);
+    else if (key == "shared_expert_ffn_hidden") c.shared_expert_ffn_hidden = to_int(v, key);
+    else if (key == "norm_topk") c.norm_topk = to_bool(v, key);
+    else if (key == "gated_mlp") c.gated_mlp = to_bool(v, key);
+    else if (key == "bias") c.bias = to_bool(v, key);
+    else if (key == "qkv_bias") c.qkv_bias = to_bool(v, key);
+    else if (key == "dropout") c.dropout = to_bool(v, key);
+    else if (key == "rotary") c.rotary = to_bool(v, key);
+    else if (key == "tied_embeddings") c.tied_embeddings = to_bool(v, key);
     else
       throw ebbtide::InvalidArgument("unknown model setting '" + key + "' (valid: " + kConfigKeys + ")");
   }
@@ -84,6 +106,42 @@ nb::dict config_dict(const ModelConfig& c) {
   d["sp"] = c.sp;
   d["recompute"] = to_string(c.recompute);
   d["bytes_per_element"] = c.bytes_per_element;
+  d["family"] = to_string(c.family);
+  if (c.family == Family::kLlama) {
+    d["kv_heads"] = c.kv();
+    d["gated_mlp"] = c.gated_mlp;
+    d["norm"] = to_string(c.norm);
+    d["bias"] = c.bias;
+    d["qkv_bias"] = c.qkv_bias;
+    d["dropout"] = c.dropout;
+    d["rotary"] = c.rotary;
+    d["tied_embeddings"] = c.tied_embeddings;
+    d["experts"] = c.experts;
+    d["top_k"] = c.top_k;
+    d["expert_ffn_hidden"] = c.experts > 0 ? c.expert_ffn() : 0;
+    d["norm_topk"] = c.norm_topk;
+    d["shared_expert_ffn_hidden"] = c.shared_expert_ffn_hidden;
+  }
+  return d;
+}
+
+// A catalog shape: the llama-family keys only (seq, batch, dtype are the caller's).
+nb::dict model_spec_dict(const ModelSpec& m) {
+  nb::dict d;
+  d["name"] = m.name;
+  d["description"] = m.description;
+  const ModelConfig& c = m.config;
+  d["family"] = to_string(c.family);
+  d["layers"] = c.layers;
+  d["hidden"] = c.hidden;
+  d["heads"] = c.heads;
+  d["kv_heads"] = c.kv();
+  d["ffn_hidden"] = c.ffn();
+  d["vocab"] = c.vocab;
+  d["qkv_bias"] = c.qkv_bias;
+  d["tied_embeddings"] = c.tied_embeddings;
+  d["experts"] = c.experts;
+  d["top_k"] = c.top_k;
   return d;
 }
 
@@ -96,6 +154,7 @@ nb::dict activation_dict(const ActivationBytes& a) {
   d["per_step"] = a.per_step;
   d["last_layer"] = a.last_layer;
   d["logits"] = a.logits;
+  d["outside"] = a.outside;
   return d;
 }
 
@@ -139,6 +198,7 @@ nb::dict report_dict(const PlanReport& r) {
   d["activation_bytes_shared"] = r.activations.shared;
   d["activation_bytes_per_step"] = r.activations.per_step;
   d["logits_bytes"] = r.activations.logits;
+  d["outside_layers_bytes"] = r.activations.outside;
   d["offloaded_bytes_per_step"] = r.offloaded_bytes_per_step;
   d["resident_bytes_with_offload"] = r.resident_bytes_offloaded;
   d["flops_forward"] = r.flops.forward;
@@ -265,6 +325,11 @@ EBB_BIND(plan, 40) {
   m.def("plan_gpus", [] {
     nb::list l;
     for (const auto& g : gpu_catalog()) l.append(gpu_dict(g));
+    return l;
+  });
+  m.def("plan_models", [] {
+    nb::list l;
+    for (const auto& s : model_catalog()) l.append(model_spec_dict(s));
     return l;
   });
   m.def("plan_ssds", [] {

@@ -326,3 +326,105 @@ def test_cli_missing_sizes():
     r = _cli("--layers", "4")
     assert r.returncode != 0
     assert "--hidden" in r.stderr
+
+
+# ---------------------------------------------------------------------------
+# Llama family: --hf-config, --model, explicit flags
+
+LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256, "hidden_act": "silu",
+             "tie_word_embeddings": False, "rms_norm_eps": 1e-5}
+
+
+def _write(tmp_path, cfg, name="config.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_cli_hf_config_equals_catalog_and_flags(tmp_path):
+    path = _write(tmp_path, LLAMA3_8B)
+    runs = [
+        _cli("--hf-config", path, "--seq", "8192", "--batch", "1", "--json"),
+        _cli("--model", "llama3-8b", "--seq", "8192", "--batch", "1", "--json"),
+        _cli("--arch", "llama", "--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8",
+             "--ffn-hidden", "14336", "--vocab", "128256", "--seq", "8192", "--batch", "1", "--json"),
+    ]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    reports = [json.loads(r.stdout) for r in runs]
+    assert reports[0]["config"]["family"] == "llama" and reports[0]["config"]["kv_heads"] == 8
+    assert reports[0]["params"] == 8030261248
+    for key in ("activation_bytes_per_step", "flops_forward", "params", "outside_layers_bytes"):
+        assert reports[0][key] == reports[1][key] == reports[2][key], key
+    # GQA: k and v at 8 of 32 heads are less than the multi-head layer
+    mha = _cli("--arch", "llama", "--layers", "32", "--hidden", "4096", "--heads", "32", "--ffn-hidden", "14336",
+               "--vocab", "128256", "--seq", "8192", "--json")
+    assert json.loads(mha.stdout)["activation_bytes_per_layer"] > reports[2]["activation_bytes_per_layer"]
+
+
+def test_cli_hf_config_moe_and_gpt2(tmp_path):
+    mixtral = dict(LLAMA3_8B, model_type="mixtral", vocab_size=32000, num_local_experts=8, num_experts_per_tok=2)
+    r = _cli("--hf-config", _write(tmp_path, mixtral), "--seq", "4096", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert (d["config"]["experts"], d["config"]["top_k"]) == (8, 2)
+    assert d["params"] == 46702792704
+    flags = _cli("--arch", "moe", "--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8",
+                 "--ffn-hidden", "14336", "--vocab", "32000", "--experts", "8", "--top-k", "2", "--seq", "4096",
+                 "--json")
+    assert flags.returncode == 0, flags.stderr
+    assert json.loads(flags.stdout)["activation_bytes_per_step"] == d["activation_bytes_per_step"]
+    qwen_moe = {"model_type": "qwen2_moe", "hidden_size": 2048, "num_hidden_layers": 24,
+                "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 5632,
+                "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_experts": 60,
+                "num_experts_per_tok": 4, "vocab_size": 151936, "norm_topk_prob": False}
+    r = _cli("--hf-config", _write(tmp_path, qwen_moe, "q.json"), "--seq", "4096", "--json")
+    assert r.returncode == 0, r.stderr
+    c = json.loads(r.stdout)["config"]
+    assert (c["experts"], c["expert_ffn_hidden"], c["shared_expert_ffn_hidden"], c["norm_topk"]) == (
+        60, 1408, 5632, False)
+    gpt2 = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257}
+    r = _cli("--hf-config", _write(tmp_path, gpt2, "g.json"), "--seq", "1024", "--json")
+    assert r.returncode == 0, r.stderr
+    direct = model.plan(layers=12, hidden=768, heads=12, ffn_hidden=3072, seq=1024, vocab=50257)
+    assert json.loads(r.stdout)["activation_bytes_per_step"] == direct["activation_bytes_per_step"]
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"num_attention_heads": None}, "missing key 'num_attention_heads'"),
+    ({"hidden_act": "relu2"}, "key 'hidden_act' value 'relu2' not modelled"),
+    ({"head_dim": 64}, "key 'head_dim' (64) differs"),
+    ({"num_key_value_heads": 5}, "'kv_heads' (5) must divide 'heads' (32)"),
+    ({"model_type": "falcon"}, "unsupported model_type 'falcon'"),
+    ({"intermediate_size": "big"}, "key 'intermediate_size' must be a non-negative integer"),
+])
+def test_cli_bad_hf_config_names_file_and_key(tmp_path, change, message):
+    cfg = {k: v for k, v in dict(LLAMA3_8B, **change).items() if v is not None}
+    path = _write(tmp_path, cfg)
+    r = _cli("--hf-config", path, "--seq", "4096")
+    assert r.returncode == 2
+    assert message in r.stderr, r.stderr
+    assert path in r.stderr, r.stderr
+    if "kv_heads" in message:  # a check of the model names the setting and the key it came from
+        assert "(from keys 'num_attention_heads', 'num_key_value_heads')" in r.stderr, r.stderr
+
+
+def test_cli_hf_config_unreadable(tmp_path):
+    r = _cli("--hf-config", str(tmp_path / "none.json"), "--seq", "4096")
+    assert r.returncode == 2 and "none.json: cannot read" in r.stderr, r.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    r = _cli("--hf-config", str(bad), "--seq", "4096")
+    assert r.returncode == 2 and "bad.json: not a JSON file" in r.stderr, r.stderr
+    r = _cli("--model", "llama2-7b", "--seq", "4096")
+    assert r.returncode == 2 and "valid: llama3-8b, llama3-70b" in r.stderr, r.stderr
+    r = _cli("--arch", "moe", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64")
+    assert r.returncode == 2 and "--arch moe needs --experts and --top-k" in r.stderr, r.stderr
+
+
+def test_cli_list_shows_models():
+    r = _cli("--list")
+    assert r.returncode == 0, r.stderr
+    for name in ("llama3-8b", "llama3-70b", "qwen2.5-7b", "qwen2.5-72b", "mixtral-8x7b"):
+        assert name in r.stdout

@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "ebbtide/util/error.hpp"
 
@@ -87,6 +88,34 @@ void validate(const ModelConfig& c) {
   EBB_CHECK(c.bytes_per_element == 2 || c.bytes_per_element == 4,
             "model setting 'bytes_per_element' must be 2 (bf16/fp16) or 4 (fp32), got ",
             c.bytes_per_element);
+  EBB_CHECK(c.kv_heads >= 0, "model setting 'kv_heads' must be positive (or 0 for heads), got ", c.kv_heads);
+  EBB_CHECK(c.experts >= 0, "model setting 'experts' must be >= 0 (0: a dense MLP), got ", c.experts);
+  EBB_CHECK(c.expert_ffn_hidden >= 0,
+            "model setting 'expert_ffn_hidden' must be positive (or 0 for ffn_hidden), got ", c.expert_ffn_hidden);
+  if (c.family == Family::kGpt2) {
+    for (auto [v, name] : {std::pair{c.kv_heads, "kv_heads"}, std::pair{c.experts, "experts"},
+                           std::pair{c.top_k, "top_k"}, std::pair{c.expert_ffn_hidden, "expert_ffn_hidden"}}) {
+      EBB_CHECK(v == 0, "model setting '", name, "' applies only to family llama (got family gpt2; use arch llama)");
+    }
+    return;
+  }
+  EBB_CHECK(c.arch == Arch::kDecoder, "model family llama is a decoder (got arch ", to_string(c.arch), ")");
+  EBB_CHECK(c.heads % c.kv() == 0, "model setting 'kv_heads' (", c.kv(), ") must divide 'heads' (", c.heads,
+            "): each key/value head serves a whole group of query heads (valid: ", divisors(c.heads, c.heads), ")");
+  EBB_CHECK(c.kv() % c.tp == 0, "model setting 'tp' (", c.tp, ") must divide 'kv_heads' (", c.kv(), ")");
+  if (c.experts == 0) {
+    EBB_CHECK(c.top_k == 0 && c.expert_ffn_hidden == 0 && c.shared_expert_ffn_hidden == 0,
+              "model settings 'top_k', 'expert_ffn_hidden' and 'shared_expert_ffn_hidden' need 'experts' > 0 "
+              "(got top_k ", c.top_k, ", expert_ffn_hidden ", c.expert_ffn_hidden, ", shared_expert_ffn_hidden ",
+              c.shared_expert_ffn_hidden, ")");
+  } else {
+    EBB_CHECK(c.top_k >= 1 && c.top_k <= c.experts, "model setting 'top_k' must be in 1..experts (",
+              c.experts, "), got ", c.top_k);
+    EBB_CHECK(c.shared_expert_ffn_hidden >= 0,
+              "model setting 'shared_expert_ffn_hidden' must be >= 0 (0: none), got ", c.shared_expert_ffn_hidden);
+    EBB_CHECK(c.expert_ffn() % c.tp == 0, "model setting 'tp' (", c.tp, ") must divide the expert MLP width (",
+              c.expert_ffn(), ")");
+  }
 }
 
 Arch parse_arch(std::string_view name) {
@@ -96,6 +125,23 @@ Arch parse_arch(std::string_view name) {
   if (n == "encoder-decoder" || n == "encoder_decoder") return Arch::kEncoderDecoder;
   throw InvalidArgument(detail::concat("unknown arch '", name, "' (valid: decoder, encoder, encoder-decoder)"));
 }
+
+Family parse_family(std::string_view name) {
+  const std::string n = lower(name);
+  if (n == "gpt2") return Family::kGpt2;
+  if (n == "llama") return Family::kLlama;
+  throw InvalidArgument(detail::concat("unknown family '", name, "' (valid: gpt2, llama)"));
+}
+
+Norm parse_norm(std::string_view name) {
+  const std::string n = lower(name);
+  if (n == "layernorm" || n == "layer-norm" || n == "layer_norm") return Norm::kLayerNorm;
+  if (n == "rmsnorm" || n == "rms-norm" || n == "rms_norm") return Norm::kRmsNorm;
+  throw InvalidArgument(detail::concat("unknown norm '", name, "' (valid: layernorm, rmsnorm)"));
+}
+
+std::string to_string(Family family) { return family == Family::kLlama ? "llama" : "gpt2"; }
+std::string to_string(Norm norm) { return norm == Norm::kRmsNorm ? "rmsnorm" : "layernorm"; }
 
 Recompute parse_recompute(std::string_view name) {
   const std::string n = lower(name);
@@ -149,8 +195,110 @@ std::string to_string(Recompute r) {
 // encoder sequence, taken equal to s) and a score term (2p + 1) a s^2 b / t;
 // the encoder output (p sbh) feeds every cross-attention and is counted once
 // per step. Derivation and the paper's table in docs/model.md.
+// Note [Layer families]
+// Family gpt2 is Note [Activation bytes]: the paper's count of Megatron-LM's
+// fused kernels. Family llama counts, op by op, what autograd saves for the
+// Hugging Face LlamaDecoderLayer (also Qwen2, Mistral, Mixtral) in PyTorch
+// eager, one count per storage as the tensor cache keeps them (measured with a
+// pack hook on random-init models, docs/model.md "Llama family").
+// p = bytes_per_element, g = kv heads, d = h/a, T = s*b tokens, R = T*top_k:
+//   RMSNorm (Python code): the fp32 input (pow and mul save it; a copy at
+//     p = 2), the fp32 rsqrt per row, the normalised tensor in p (the weight
+//     multiply saves it): 4 sbh + 4 sb + p sbh. LayerNorm: input and the two
+//     fp32 row statistics, p sbh + 8 sb. Two per layer; their outputs are the
+//     q/k/v and MLP inputs, p sbh each.
+//   rotary: q*cos + rotate_half(q)*sin saves only cos and sin (they need no
+//     grad), one s x d table each per step, shared by every layer (`outside`).
+//   SDPA / flash: q (p sbh), k and v at g heads (2 p sbh g/a), the output,
+//     which is the o-projection input (its transpose is already contiguous),
+//     and the fp32 log-sum-exp 4 a s b.
+//   eager: q, k and v repeated to a heads (repeat_kv copies, 3 p sbh), the
+//     fp32 softmax output 4 a s^2 b, at p = 2 its cast to p (p a s^2 b), with
+//     dropout a bool mask and the dropped copy (1 + p) a s^2 b, and the
+//     o-projection input (transpose(...).contiguous() copies: p sbh).
+//   gated MLP: gate output, SiLU output, up output, product: 4 p sbf; a plain
+//     MLP 2 p sbf (activation input, second-linear input).
+//   mixture of experts (grouped_mm path: the R token-expert pairs sorted by
+//     expert, so the total does not depend on the routing): fp32 router
+//     softmax 4 T E; top-k indices, sort permutation, token index and inverse
+//     permutation, int64, 32 R; fp32 top-k weights before and after sorting
+//     8 R, their row sums 4 T; int32 group offsets 4 E; the gathered tokens and
+//     the expert outputs p R h each; per expert row 4 p fe (gate_up output 2fe,
+//     SiLU output, product). Without renormalisation (Qwen2-MoE's default)
+//     the top-k weights and row sums (4 R + 4 T) go. Qwen2-MoE's shared
+//     expert adds a gated MLP over all tokens, its sigmoid gate output p sb
+//     and its output p sbh (the gate multiply saves both); it casts the
+//     routing weights to p, which this count keeps at fp32 (2 R more at p = 2).
+// Outside the layers (`outside`): int64 ids 8 sb, cos and sin 2 s d p, the
+// final norm, the LM-head input p sbh. `logits` is what HF's loss saves: it
+// upcasts the logits, so the log-softmax is fp32 (4 sbV), plus int64 targets
+// and a scalar. TP shards q/k/v, the attention core and the MLP inner tensors;
+// SP shards the rest, as for family gpt2.
+namespace {
+
+double norm_bytes(const ModelConfig& c, double sbh, double sb) {
+  const double p = static_cast<double>(c.bytes_per_element);
+  return c.norm == Norm::kRmsNorm ? 4 * sbh + 4 * sb + p * sbh : p * sbh + 8 * sb;
+}
+
+ActivationBytes llama_activation_bytes(const ModelConfig& c) {
+  const double s = static_cast<double>(c.seq);
+  const double b = static_cast<double>(c.batch);
+  const double h = static_cast<double>(c.hidden);
+  const double a = static_cast<double>(c.heads);
+  const double g = static_cast<double>(c.kv());
+  const double f = static_cast<double>(c.ffn());
+  const double t = static_cast<double>(c.tp);
+  const double p = static_cast<double>(c.bytes_per_element);
+  const double sb = s * b;
+  const double sbh = sb * h;
+  const double sp_div = c.sp ? t : 1.0;
+  constexpr double kFp32 = 4.0;
+  constexpr double kInt64 = 8.0;
+  constexpr double kMask = 1.0;
+
+  double core = 0;  // attention core, dropped by selective recompute
+  if (c.flash_attn) {
+    core = kFp32 * a * sb;
+  } else {
+    const double ss = a * s * s * b;
+    core = kFp32 * ss + (p != kFp32 ? p * ss : 0.0) + (c.dropout ? (kMask + p) * ss : 0.0);
+  }
+  if (c.recompute == Recompute::kSelective) core = 0;
+  const double qkv = c.flash_attn ? p * sbh * (1 + 2 * g / a) : 3 * p * sbh;
+  double replicated = 2 * norm_bytes(c, sbh, sb) + 2 * p * sbh;
+  double sharded = qkv + p * sbh;
+  if (c.experts == 0) {
+    sharded += (c.gated_mlp ? 4 : 2) * p * sb * f;
+  } else {
+    const double e = static_cast<double>(c.experts);
+    const double r = sb * static_cast<double>(c.top_k);
+    const double fe = static_cast<double>(c.expert_ffn());
+    replicated += kFp32 * sb * e + 4 * kInt64 * r + kFp32 * r + kFp32 * e + 2 * p * r * h;
+    if (c.norm_topk) replicated += kFp32 * r + kFp32 * sb;
+    sharded += (c.gated_mlp ? 4 : 2) * p * r * fe;
+    if (c.shared_expert_ffn_hidden > 0) {
+      replicated += p * sb + p * sbh;  // sigmoid gate output, shared expert output
+      sharded += (c.gated_mlp ? 4 : 2) * p * sb * static_cast<double>(c.shared_expert_ffn_hidden);
+    }
+  }
+  ActivationBytes out;
+  out.self_layer = c.recompute == Recompute::kFull ? p * sbh / sp_div
+                                                   : replicated / sp_div + sharded / t + core / t;
+  out.per_step = static_cast<double>(c.layers) * out.self_layer;
+  out.last_layer = out.self_layer;
+  const double head_dim = h / a;
+  out.outside = kInt64 * sb + (c.rotary ? 2 * s * head_dim * p : 0.0) +
+                (norm_bytes(c, sbh, sb) + p * sbh) / sp_div;
+  out.logits = kFp32 * sb * static_cast<double>(c.vocab) / t + kInt64 * sb + kFp32;
+  return out;
+}
+
+}  // namespace
+
 ActivationBytes activation_bytes(const ModelConfig& c) {
   validate(c);
+  if (c.family == Family::kLlama) return llama_activation_bytes(c);
   const double s = static_cast<double>(c.seq);
   const double b = static_cast<double>(c.batch);
   const double h = static_cast<double>(c.hidden);
@@ -195,6 +343,10 @@ ActivationBytes activation_bytes(const ModelConfig& c) {
 // FLOPs count multiply-adds as 2 (Narayanan et al. 2021, appendix): per layer
 // 24 b s h^2 + 4 b s^2 h with f = 4h, written here for any f as
 // 8 b s h^2 (QKV + output) + 4 b s h f (MLP) + 4 b s^2 h (scores and context).
+// Family llama: q and o projections 4 b s h^2, k and v 4 b s h^2 g/a, a gated
+// MLP three matrices 6 b s h f (plain: 4 b s h f); with experts the router
+// 2 b s h E and the top_k experts per token 6 b s k h fe. Causal masking is
+// not subtracted from the s^2 terms (as in the paper's count).
 Flops flops(const ModelConfig& c) {
   validate(c);
   const double s = static_cast<double>(c.seq);
@@ -203,7 +355,23 @@ Flops flops(const ModelConfig& c) {
   const double f = static_cast<double>(c.ffn());
   const double attn_core = 4 * b * s * s * h;
   Flops out;
-  out.self_layer = 8 * b * s * h * h + 4 * b * s * h * f + attn_core;
+  if (c.family == Family::kLlama) {
+    const double kv_fraction = static_cast<double>(c.kv()) / static_cast<double>(c.heads);
+    const double mlp_matrices = c.gated_mlp ? 3 : 2;
+    out.self_layer = 4 * b * s * h * h * (1 + kv_fraction) + attn_core;
+    if (c.experts == 0) {
+      out.self_layer += 2 * mlp_matrices * b * s * h * f;
+    } else {
+      out.self_layer += 2 * b * s * h * static_cast<double>(c.experts) +
+                        2 * mlp_matrices * b * s * static_cast<double>(c.top_k) * h *
+                            static_cast<double>(c.expert_ffn());
+      if (c.shared_expert_ffn_hidden > 0)
+        out.self_layer += 2 * mlp_matrices * b * s * h * static_cast<double>(c.shared_expert_ffn_hidden) +
+                          2 * b * s * h;
+    }
+  } else {
+    out.self_layer = 8 * b * s * h * h + 4 * b * s * h * f + attn_core;
+  }
   // Cross-attention: Q and output projections over s, K and V over the
   // encoder sequence (= s), scores and context s x s.
   const double cross = 8 * b * s * h * h + attn_core;
@@ -227,6 +395,20 @@ double parameter_count(const ModelConfig& c) {
   validate(c);
   const double h = static_cast<double>(c.hidden);
   const double f = static_cast<double>(c.ffn());
+  if (c.family == Family::kLlama) {
+    const double hkv = h * static_cast<double>(c.kv()) / static_cast<double>(c.heads);
+    const double norm = c.norm == Norm::kRmsNorm ? h : 2 * h;
+    const double matrices = c.gated_mlp ? 3 : 2;
+    double attn = 2 * h * h + 2 * h * hkv;
+    if (c.bias || c.qkv_bias) attn += h + 2 * hkv;
+    if (c.bias) attn += h;
+    auto mlp = [&](double width) { return matrices * h * width + (c.bias ? (matrices - 1) * width + h : 0.0); };
+    const double e = static_cast<double>(c.experts);
+    double ffn = c.experts == 0 ? mlp(f) : e * mlp(static_cast<double>(c.expert_ffn())) + e * h;
+    if (c.shared_expert_ffn_hidden > 0) ffn += mlp(static_cast<double>(c.shared_expert_ffn_hidden)) + h;
+    const double embeddings = static_cast<double>(c.vocab) * h * (c.tied_embeddings ? 1 : 2);
+    return static_cast<double>(c.layers) * (attn + ffn + 2 * norm) + embeddings + norm;
+  }
   // attention 4h^2 + 4h, MLP 2hf + f + h, two layernorms 4h
   const double self_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h;
   const double cross = 4 * h * h + 4 * h + 2 * h;  // cross-attention + its layernorm
@@ -235,6 +417,53 @@ double parameter_count(const ModelConfig& c) {
   return static_cast<double>(c.self_only_layers()) * self_layer +
          static_cast<double>(c.cross_layers()) * (self_layer + cross) + embeddings + final_norms;
 }
+
+namespace {
+
+ModelConfig llama_shape(int64_t layers, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t ffn,
+                        int64_t vocab) {
+  ModelConfig c;
+  c.family = Family::kLlama;
+  c.layers = layers;
+  c.hidden = hidden;
+  c.heads = heads;
+  c.kv_heads = kv_heads;
+  c.ffn_hidden = ffn;
+  c.vocab = vocab;
+  return c;
+}
+
+ModelConfig with_qkv_bias(ModelConfig c) {
+  c.qkv_bias = true;
+  return c;
+}
+
+ModelConfig with_experts(ModelConfig c, int64_t experts, int64_t top_k) {
+  c.experts = experts;
+  c.top_k = top_k;
+  return c;
+}
+
+}  // namespace
+
+// Note [Model catalog]: shapes from each model's published config.json
+// (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+// intermediate_size, vocab_size, num_local_experts, num_experts_per_tok,
+// tie_word_embeddings false for all five). Parameter counts come out at the
+// published 8.03 B, 70.6 B, 7.62 B, 72.7 B and 46.7 B (docs/model.md).
+const std::vector<ModelSpec>& model_catalog() {
+  static const std::vector<ModelSpec> kModels = {
+      {"llama3-8b", "Meta Llama 3 8B (also 3.1)", llama_shape(32, 4096, 32, 8, 14336, 128256)},
+      {"llama3-70b", "Meta Llama 3 70B (also 3.1, 3.3)", llama_shape(80, 8192, 64, 8, 28672, 128256)},
+      {"qwen2.5-7b", "Qwen2.5 7B", with_qkv_bias(llama_shape(28, 3584, 28, 4, 18944, 152064))},
+      {"qwen2.5-72b", "Qwen2.5 72B", with_qkv_bias(llama_shape(80, 8192, 64, 8, 29568, 152064))},
+      {"mixtral-8x7b", "Mistral AI Mixtral 8x7B (8 experts, top 2)",
+       with_experts(llama_shape(32, 4096, 32, 8, 14336, 32000), 8, 2)},
+  };
+  return kModels;
+}
+
+const ModelSpec& find_model(std::string_view name) { return find_in(model_catalog(), name, "model"); }
 
 // Note [Catalog sources]: peak dense (non-sparse) tensor-core rates and memory
 // from NVIDIA's A100, H100 and H200 datasheets; PCIe one direction (the
@@ -298,7 +527,8 @@ PlanReport make_plan(const ModelConfig& config, const GpuSpec& gpu, const SsdSpe
   r.activations = activation_bytes(config);
   r.offloaded_bytes_per_step =
       std::max(0.0, r.activations.per_step - r.activations.last_layer - r.activations.shared);
-  r.resident_bytes_offloaded = r.activations.last_layer + r.activations.shared + r.activations.logits;
+  r.resident_bytes_offloaded =
+      r.activations.last_layer + r.activations.shared + r.activations.logits + r.activations.outside;
   r.flops = flops(config);
 
   const double peak = (config.bytes_per_element == 4 ? gpu.peak_tf32_tflops : gpu.peak_bf16_tflops) * 1e12;
@@ -329,12 +559,12 @@ PlanReport make_plan(const ModelConfig& config, const GpuSpec& gpu, const SsdSpe
   one.batch = 1;
   const ActivationBytes a1 = activation_bytes(one);
   const double free_gpu = r.gpu_memory_bytes - r.model_state_bytes;
-  const double resident1 = a1.last_layer + a1.shared + a1.logits;
+  const double resident1 = a1.last_layer + a1.shared + a1.logits + a1.outside;
   const double offloaded1 = std::max(0.0, a1.per_step - a1.last_layer - a1.shared);
   const int64_t by_gpu = fit(free_gpu, resident1);
   const int64_t by_ssd = offloaded1 > 0 ? fit(r.ssd_capacity_bytes, offloaded1) : by_gpu;
   r.max_micro_batch = std::min(by_gpu, by_ssd);
-  r.max_micro_batch_without_offload = fit(free_gpu, a1.per_step + a1.logits);
+  r.max_micro_batch_without_offload = fit(free_gpu, a1.per_step + a1.logits + a1.outside);
   return r;
 }
 

@@ -10,7 +10,11 @@ def register(subparsers):
         "plan", help="performance model: activation bytes, SSD bandwidth and lifetime",
         description="Predict activation bytes, step time, the SSD write bandwidth offloading "
                     "needs, SSD lifetime and the largest micro-batch (docs/model.md).")
-    p.add_argument("--list", action="store_true", help="show the GPU and SSD catalogs and exit")
+    p.add_argument("--list", action="store_true", help="show the GPU, SSD and model catalogs and exit")
+    p.add_argument("--hf-config", metavar="PATH",
+                   help="a local Hugging Face config.json (GPT-2, BERT, T5, Llama, Qwen2, Mistral, Mixtral, "
+                        "Qwen2-MoE); explicit flags override its values")
+    p.add_argument("--model", help="a model shape from the catalog (see --list); flags override it")
     p.add_argument("--layers", type=int, help="transformer layers (encoder layers for encoder-decoder)")
     p.add_argument("--decoder-layers", type=int, default=None,
                    help="decoder layers for --arch encoder-decoder (default: --layers)")
@@ -19,8 +23,19 @@ def register(subparsers):
     p.add_argument("--seq", type=int, help="sequence length s")
     p.add_argument("--batch", type=int, default=1, help="micro-batch b (default 1)")
     p.add_argument("--ffn-hidden", type=int, default=None, help="MLP width (default 4*hidden)")
-    p.add_argument("--vocab", type=int, default=50257, help="vocabulary size (default 50257)")
-    p.add_argument("--arch", default="decoder", help="decoder | encoder | encoder-decoder")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 50257)")
+    p.add_argument("--arch", default=None,
+                   help="decoder | encoder | encoder-decoder (GPT-2-style layers) | llama | moe "
+                        "(Llama-style layers; moe needs --experts and --top-k) (default decoder)")
+    p.add_argument("--kv-heads", type=int, default=None, help="llama: key/value heads (grouped-query attention)")
+    p.add_argument("--experts", type=int, default=None, help="llama/moe: routed experts per layer")
+    p.add_argument("--top-k", type=int, default=None, help="llama/moe: experts per token")
+    p.add_argument("--expert-ffn-hidden", type=int, default=None, help="llama/moe: expert MLP width "
+                   "(default --ffn-hidden)")
+    p.add_argument("--shared-expert-ffn-hidden", type=int, default=None,
+                   help="llama/moe: width of a shared expert (Qwen2-MoE)")
+    p.add_argument("--norm", default=None, help="llama: rmsnorm | layernorm (default rmsnorm)")
+    p.add_argument("--dropout", action="store_true", help="llama: attention dropout on")
     p.add_argument("--no-flash-attn", action="store_true",
                    help="attention saves the s x s scores (eager / Megatron kernels)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
@@ -56,6 +71,14 @@ def _bytes(n):
 def _print_catalogs(out):
     from ebbtide import model
 
+    out.write("Models (--model)\n")
+    out.write(f"  {'name':<13} {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>3} {'ffn':>6} {'vocab':>6} "
+              f"{'experts':>7}  description\n")
+    for m in model.models():
+        experts = f"{m['experts']}/top{m['top_k']}" if m["experts"] else "-"
+        out.write(f"  {m['name']:<13} {m['layers']:>6} {m['hidden']:>6} {m['heads']:>5} {m['kv_heads']:>3} "
+                  f"{m['ffn_hidden']:>6} {m['vocab']:>6} {experts:>7}  {m['description']}\n")
+    out.write("\n")
     out.write("GPUs\n")
     out.write(f"  {'name':<10} {'bf16 TFLOP/s':>12} {'tf32 TFLOP/s':>12} {'memory GB':>9} "
               f"{'PCIe GB/s':>9}  description\n")
@@ -73,10 +96,18 @@ def _print_catalogs(out):
 
 def _print_report(r, out):
     c = r["config"]
+    if c["family"] == "llama":
+        layer = (f"llama, {c['layers']} layers, h={c['hidden']}, a={c['heads']}, kv={c['kv_heads']}, "
+                 f"ffn={c['ffn_hidden']}, V={c['vocab']}, {c['norm']}")
+        if c["experts"]:
+            layer += (f", {c['experts']} experts top-{c['top_k']} ffn={c['expert_ffn_hidden']}"
+                      + (f" + shared {c['shared_expert_ffn_hidden']}" if c["shared_expert_ffn_hidden"] else ""))
+    else:
+        layer = (f"{c['arch']}, {c['layers']} layers"
+                 + (f" + {c['decoder_layers']} decoder layers" if c["arch"] == "encoder-decoder" else "")
+                 + f", h={c['hidden']}, a={c['heads']}, ffn={c['ffn_hidden']}, V={c['vocab']}")
     rows = [
-        ("model", f"{c['arch']}, {c['layers']} layers"
-                  + (f" + {c['decoder_layers']} decoder layers" if c["arch"] == "encoder-decoder" else "")
-                  + f", h={c['hidden']}, a={c['heads']}, ffn={c['ffn_hidden']}, V={c['vocab']}"),
+        ("model", layer),
         ("shape", f"s={c['seq']}, b={c['batch']}, {c['bytes_per_element']}-byte activations, "
                   f"flash_attn={'on' if c['flash_attn'] else 'off'}, tp={c['tp']}, "
                   f"sp={'on' if c['sp'] else 'off'}, recompute={c['recompute']}"),
@@ -86,6 +117,7 @@ def _print_report(r, out):
         ("activations / step", _bytes(r["activation_bytes_per_step"])),
         ("offloaded / step", f"{_bytes(r['offloaded_bytes_per_step'])}  (all but the last layer)"),
         ("logits", _bytes(r["logits_bytes"])),
+        ("outside the layers", _bytes(r["outside_layers_bytes"])),
         ("forward FLOPs", f"{r['flops_forward']:.3e}"),
         ("forward time", f"{r['forward_seconds'] * 1e3:.1f} ms"),
         ("step time", f"{r['step_seconds'] * 1e3:.1f} ms  (3 x forward + recompute)"),
@@ -107,24 +139,81 @@ def _print_report(r, out):
         out.write(f"{k:<{width}}  {v}\n")
 
 
+_LLAMA_ARCHS = ("llama", "moe")
+_FLAG_KEYS = {  # argparse dest -> config key, applied over --hf-config / --model
+    "layers": "layers", "decoder_layers": "decoder_layers", "hidden": "hidden", "heads": "heads",
+    "ffn_hidden": "ffn_hidden", "vocab": "vocab", "kv_heads": "kv_heads", "experts": "experts",
+    "top_k": "top_k", "expert_ffn_hidden": "expert_ffn_hidden",
+    "shared_expert_ffn_hidden": "shared_expert_ffn_hidden", "norm": "norm",
+}
+
+
+# Model settings -> the Hugging Face keys they come from, for error messages.
+_HF_KEYS = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
+            "kv_heads": "num_key_value_heads", "ffn_hidden": "intermediate_size", "vocab": "vocab_size",
+            "experts": "num_local_experts", "top_k": "num_experts_per_tok",
+            "expert_ffn_hidden": "moe_intermediate_size"}
+
+
+def _hf_config(path, seq, batch):
+    from ebbtide import model
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a JSON file ({e})") from None
+    except OSError as e:
+        raise OSError(f"{path}: cannot read the Hugging Face config ({e.strerror})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object (a Hugging Face config.json)")
+    try:
+        config = model.config_from_hf(raw, seq, batch)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    config.pop("attention_inner", None)
+    try:
+        model.normalize_config(config)
+    except ValueError as e:
+        keys = [hf for setting, hf in _HF_KEYS.items() if f"'{setting}'" in str(e) and hf in raw]
+        raise ValueError(f"{path}: {e}" + (f" (from {'keys' if len(keys) > 1 else 'key'} {', '.join(repr(k) for k in keys)})" if keys else "")) \
+            from None
+    return config
+
+
 def run(args):
     if args.list:
         _print_catalogs(sys.stdout)
         return 0
-    missing = [f"--{n}" for n in ("layers", "hidden", "heads", "seq") if getattr(args, n) is None]
-    if missing:
-        raise ValueError(f"missing {', '.join(missing)} (or use --list)")
     from ebbtide import model
 
-    config = {
-        "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq": args.seq,
-        "batch": args.batch, "vocab": args.vocab, "arch": args.arch, "tp": args.tp, "sp": args.sp,
-        "flash_attn": not args.no_flash_attn, "recompute": args.recompute, "dtype": args.dtype,
-    }
-    if args.ffn_hidden is not None:
-        config["ffn_hidden"] = args.ffn_hidden
-    if args.decoder_layers is not None:
-        config["decoder_layers"] = args.decoder_layers
+    if args.hf_config and args.model:
+        raise ValueError("give --hf-config or --model, not both")
+    config = {}
+    if args.hf_config:
+        config = _hf_config(args.hf_config, args.seq or 1, args.batch)
+    elif args.model:
+        config = model.catalog_config(args.model)
+    if args.arch is not None:
+        if args.arch in _LLAMA_ARCHS:
+            config.update(family="llama", arch="decoder")
+        else:
+            config.update(family="gpt2", arch=args.arch)
+    if args.arch == "moe" and (args.experts is None or args.top_k is None) and not config.get("experts"):
+        raise ValueError("--arch moe needs --experts and --top-k")
+    for dest, key in _FLAG_KEYS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            config[key] = value
+    if args.dropout:
+        config["dropout"] = True
+    missing = [f"--{n}" for n in ("layers", "hidden", "heads") if config.get(n) is None]
+    missing += ["--seq"] if args.seq is None else []
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)} (or use --hf-config, --model or --list)")
+    config.update(seq=args.seq, batch=args.batch, tp=args.tp, sp=args.sp, flash_attn=not args.no_flash_attn,
+                  recompute=args.recompute, dtype=args.dtype)
+    config.pop("bytes_per_element", None)
     report = model.plan(config, gpu=args.gpu, ssd=args.ssd, ssds=args.ssds, mfu=args.mfu,
                         write_amplification=args.write_amplification)
     if args.json:

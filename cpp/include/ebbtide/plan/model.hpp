@@ -13,10 +13,20 @@ namespace ebbtide::plan {
 
 enum class Arch { kDecoder, kEncoder, kEncoderDecoder };
 enum class Recompute { kNone, kSelective, kFull };
+// Layer family (Note [Layer families] in model.cpp): kGpt2 counts what
+// Megatron-LM's fused kernels save (Korthikanti et al.); kLlama counts what
+// the Hugging Face Llama/Qwen2/Mistral/Mixtral layers save in PyTorch eager.
+enum class Family { kGpt2, kLlama };
+enum class Norm { kLayerNorm, kRmsNorm };
 
 // One transformer stack. Zero in ffn_hidden means 4*hidden; zero in
 // decoder_layers means `layers` (encoder-decoder only: `layers` counts the
 // encoder layers). bytes_per_element is the activation dtype size (2 or 4).
+// The llama family is a decoder: kv_heads (0: heads) for grouped-query
+// attention, a gated (SwiGLU, three matrices) or plain MLP, RMSNorm or
+// LayerNorm, biases, attention dropout, rotary embeddings, and a mixture of
+// experts when experts > 0 (top_k routed experts per token, each
+// expert_ffn_hidden wide, 0: ffn_hidden). flash_attn false is eager attention.
 struct ModelConfig {
   int64_t layers = 0;
   int64_t hidden = 0;
@@ -32,8 +42,24 @@ struct ModelConfig {
   bool sp = false;
   Recompute recompute = Recompute::kNone;
   int64_t bytes_per_element = 2;
+  Family family = Family::kGpt2;
+  int64_t kv_heads = 0;
+  bool gated_mlp = true;         // llama family only
+  Norm norm = Norm::kRmsNorm;    // llama family only
+  bool bias = false;             // llama family: q/k/v/o and MLP biases (parameters only)
+  bool qkv_bias = false;         // llama family: biases on q, k, v only (Qwen2)
+  bool dropout = false;          // llama family: attention dropout
+  bool rotary = true;            // llama family
+  bool tied_embeddings = false;  // llama family: LM head shares the embedding
+  int64_t experts = 0;
+  int64_t top_k = 0;
+  int64_t expert_ffn_hidden = 0;
+  bool norm_topk = true;                // renormalise the top-k router weights (Mixtral)
+  int64_t shared_expert_ffn_hidden = 0; // Qwen2-MoE: a gated shared expert of this width (0: none)
 
   int64_t ffn() const { return ffn_hidden > 0 ? ffn_hidden : 4 * hidden; }
+  int64_t kv() const { return kv_heads > 0 ? kv_heads : heads; }
+  int64_t expert_ffn() const { return expert_ffn_hidden > 0 ? expert_ffn_hidden : ffn(); }
   int64_t self_only_layers() const;  // layers in the self-attention-only stack
   int64_t cross_layers() const;    // decoder layers with cross-attention (enc-dec)
 };
@@ -43,9 +69,14 @@ struct ModelConfig {
 void validate(const ModelConfig& config);
 
 // Names accepted by the CLI and Python ("decoder", "encoder",
-// "encoder-decoder"/"encoder_decoder"; "none", "selective", "full";
-// "bf16", "fp16", "fp32"). Unknown names throw InvalidArgument listing them.
+// "encoder-decoder"/"encoder_decoder"; "gpt2", "llama"; "layernorm",
+// "rmsnorm"; "none", "selective", "full"; "bf16", "fp16", "fp32"). Unknown
+// names throw InvalidArgument listing them.
 Arch parse_arch(std::string_view name);
+Family parse_family(std::string_view name);
+Norm parse_norm(std::string_view name);
+std::string to_string(Family family);
+std::string to_string(Norm norm);
 Recompute parse_recompute(std::string_view name);
 int64_t parse_dtype_bytes(std::string_view name);
 std::string to_string(Arch arch);
@@ -58,7 +89,8 @@ struct ActivationBytes {
   double shared = 0;          // once per step: encoder output read by every cross-attention
   double per_step = 0;        // all layers + shared
   double last_layer = 0;      // the layer kept resident when offloading
-  double logits = 0;          // output layer logits (never offloaded)
+  double logits = 0;          // output layer logits (never offloaded); llama family: what the loss saves
+  double outside = 0;         // llama family, once per step: token ids, rotary tables, final norm, LM-head input
   double largest_layer() const { return cross_layer > self_layer ? cross_layer : self_layer; }
 };
 ActivationBytes activation_bytes(const ModelConfig& config);
@@ -96,6 +128,16 @@ struct SsdSpec {
   double seq_read_gbps;
 };
 
+// A published model shape (Note [Model catalog] in model.cpp); seq, batch,
+// dtype and parallelism are the caller's.
+struct ModelSpec {
+  std::string name;  // catalog key, e.g. "llama3-8b"
+  std::string description;
+  ModelConfig config;
+};
+
+const std::vector<ModelSpec>& model_catalog();
+const ModelSpec& find_model(std::string_view name);
 const std::vector<GpuSpec>& gpu_catalog();
 const std::vector<SsdSpec>& ssd_catalog();
 // Case-insensitive lookup; unknown names throw InvalidArgument listing the valid names.
@@ -118,7 +160,7 @@ struct PlanReport {
   double model_state_bytes = 0;         // 16 bytes/param (mixed-precision Adam) / tp
   ActivationBytes activations;
   double offloaded_bytes_per_step = 0;  // per_step - last layer - shared
-  double resident_bytes_offloaded = 0;  // last layer + shared + logits
+  double resident_bytes_offloaded = 0;  // last layer + shared + logits + outside
   Flops flops;
   double forward_seconds = 0;
   double step_seconds = 0;
