@@ -214,9 +214,28 @@ TEST(CacheGlue, ReusingAPrefetchedEntryFreesItsBuffer) {
   c.start_loads({res.id}, {}, 0);
   c.drain();
   EXPECT_EQ(c.stats().window_bytes, 1000u);
-  EXPECT_TRUE(c.reuse(res.id));  // the glue answered from the original after all
+  EXPECT_FALSE(c.reuse(res.id)) << "its bytes were counted as reloaded";  // answered from the original after all
   EXPECT_EQ(c.state(res.id), EntryState::kStored);
   EXPECT_EQ(c.stats().window_bytes, 0u);
+  const auto s = c.stats().step;
+  EXPECT_EQ(s.bytes_reloaded + s.bytes_reused, s.bytes_offloaded);
+}
+
+TEST(CacheGlue, AHandleAnsweredFromItsOriginalAfterAReloadCountsEachByteOnce) {
+  TensorCache c(make_host_store(HostStoreOptions{}), CacheOptions{});
+  c.begin_step();
+  auto x = test::random_bytes(1000, 22);
+  SaveResult a = c.save(host_request(x, 1));
+  SaveResult b = c.save(host_request(x, 1));  // a second view of the same storage
+  ASSERT_EQ(a.id, b.id);
+  Unpacked u1 = c.unpack(a.id, 0);  // its own tensor is gone: reloaded
+  ASSERT_EQ(u1.kind, Unpacked::Kind::kBuffer);
+  Unpacked u2 = c.unpack(b.id, 0, -1, /*have_original=*/true);  // this one's tensor is alive
+  EXPECT_EQ(u2.kind, Unpacked::Kind::kLive);
+  const auto s = c.stats().step;
+  EXPECT_EQ(s.bytes_reloaded, 1000u);
+  EXPECT_EQ(s.bytes_reused, 0u);
+  EXPECT_EQ(c.state(a.id), EntryState::kStored);
 }
 
 TEST(CacheGlue, GlueObjectsDieOnTheCallersThreadWithTheLockReleased) {

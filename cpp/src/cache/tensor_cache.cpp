@@ -1138,8 +1138,10 @@ Unpacked TensorCache::unpack(EntryId id, mem::cuda::Stream stream, int64_t task,
     return out;
   }
   if (have_original && (e->state == EntryState::kStored || e->state == EntryState::kLoaded)) {
-    if (e->state == EntryState::kLoaded) consume_locked(*e, task);  // prefetched, then not needed
-    count_reuse_locked(*e);
+    // A loaded entry's bytes were counted as reloaded: this handle only
+    // consumes it (every offloaded byte counts once, reloaded or reused).
+    if (e->state == EntryState::kLoaded) consume_locked(*e, task);
+    else count_reuse_locked(*e);
     out.kind = Unpacked::Kind::kLive;
     return out;
   }
@@ -1199,7 +1201,10 @@ bool TensorCache::reuse(EntryId id) {
   Lock lock(mu_);
   Reaper reaper{graveyard_, dead};
   Entry& e = find(id, "reuse");
-  if (e.state == EntryState::kLoaded) consume_locked(e, -1);  // prefetched, then not needed
+  if (e.state == EntryState::kLoaded) {  // prefetched, then not needed: its bytes count as reloaded
+    consume_locked(e, -1);
+    return false;
+  }
   return count_reuse_locked(e);
 }
 
