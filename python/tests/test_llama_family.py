@@ -17,6 +17,7 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 VOCAB = 128
 SEQ = 24
 MODELS = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @pytest.fixture(autouse=True)
@@ -35,35 +36,41 @@ def ssd_available():
     return _core.build_info.get("cache_ssd", False)
 
 
-def make_model(kind, dtype, attn):
+def make_model(kind, dtype, attn, experts=None):
+    """experts: the MoE models' experts_implementation (None: HF's default,
+    grouped_mm where torch has it, else the eager loop)."""
     torch.manual_seed(1234)
+    impl = dict(attn_implementation=attn)
+    if experts is not None:
+        impl["experts_implementation"] = experts
     tf = transformers
     # Grouped-query attention (4 query heads, 2 key/value heads) as in the real models.
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                   use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=1)
     if kind == "llama":
-        m = tf.LlamaForCausalLM._from_config(tf.LlamaConfig(**common), attn_implementation=attn)
+        m = tf.LlamaForCausalLM._from_config(tf.LlamaConfig(**common), **impl)
     elif kind == "qwen2":
-        m = tf.Qwen2ForCausalLM._from_config(tf.Qwen2Config(**common), attn_implementation=attn)
+        m = tf.Qwen2ForCausalLM._from_config(tf.Qwen2Config(**common), **impl)
     elif kind == "mistral":
         # A window shorter than the sequence, so the mask differs from plain causal.
-        m = tf.MistralForCausalLM._from_config(tf.MistralConfig(sliding_window=8, **common),
-                                               attn_implementation=attn)
+        cfg = tf.MistralConfig(sliding_window=8, **common)
+        m = tf.MistralForCausalLM._from_config(cfg, **impl)
     elif kind == "mixtral":
-        # Top-2 of 4 experts (index ops route the tokens); the router's
+        # Top-2 of 4 experts (HF's default grouped_mm sorts the tokens by
+        # expert and gathers them); the router's
         # load-balancing loss joins the loss; jitter multiplies the router's
         # input in place by random noise.
         cfg = tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
                                output_router_logits=True, router_aux_loss_coef=0.02,
                                router_jitter_noise=0.01, **common)
-        m = tf.MixtralForCausalLM._from_config(cfg, attn_implementation=attn)
+        m = tf.MixtralForCausalLM._from_config(cfg, **impl)
     else:
         # Top-2 of 4 experts beside a shared expert behind a sigmoid gate.
         cfg = tf.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                                 shared_expert_intermediate_size=128, output_router_logits=True,
                                 router_aux_loss_coef=0.02, **common)
-        m = tf.Qwen2MoeForCausalLM._from_config(cfg, attn_implementation=attn)
+        m = tf.Qwen2MoeForCausalLM._from_config(cfg, **impl)
     m = m.to(dtype)
     m.train()
     return m
@@ -114,23 +121,50 @@ CASES = [
 ]
 
 
+def enable_checkpointing(model, ckpt):
+    if ckpt == "nockpt":
+        return
+    kwargs = {"use_reentrant": ckpt == "ckpt-reentrant"}
+    # gradient_checkpointing_enable before transformers 5
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 @pytest.mark.parametrize("dtype,attn,ckpt,target", CASES)
 @pytest.mark.parametrize("kind", MODELS)
 def test_bitwise_equal_to_no_offload(kind, dtype, attn, ckpt, target, tmp_path):
-    model = make_model(kind, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], attn)
-    if ckpt != "nockpt":
-        kwargs = {"use_reentrant": ckpt == "ckpt-reentrant"}
-        # gradient_checkpointing_enable before transformers 5
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model = make_model(kind, DTYPES[dtype], attn)
+    enable_checkpointing(model, ckpt)
+    check_bitwise(model, target, tmp_path, f"{kind} {dtype} {attn} {ckpt} target={target}")
+
+
+@pytest.mark.parametrize("kind,experts,dtype,attn,ckpt,target", [
+    ssd_param("mixtral", "eager", "fp32", "sdpa", "nockpt", "ssd"),
+    pytest.param("mixtral", "batched_mm", "bf16", "eager", "ckpt", "cpu"),
+    pytest.param("qwen2_moe", "eager", "bf16", "eager", "ckpt", "cpu"),
+    ssd_param("qwen2_moe", "batched_mm", "fp32", "sdpa", "nockpt", "ssd"),
+])
+def test_moe_experts_implementations(kind, experts, dtype, attn, ckpt, target, tmp_path):
+    """The experts' other forms: HF's eager loop (a boolean mask per expert,
+    index_add_ into a zero buffer) and batched_mm (every token's top-k weights
+    gathered into one batched matmul)."""
+    model = make_model(kind, DTYPES[dtype], attn, experts=experts)
+    assert model.config._experts_implementation == experts
+    enable_checkpointing(model, ckpt)
+    what = f"{kind} experts={experts} {dtype} {attn} {ckpt} target={target}"
+    check_bitwise(model, target, tmp_path, what)
+
+
+def check_bitwise(model, target, tmp_path, what):
+    """Loss and gradients of `model` under a TensorCache (two steps) and under
+    ebbtide.offload equal those of the same step without offloading."""
     batch = make_batch()
     ref = run(model, batch)
     # The model itself is deterministic: otherwise no offloading could match it.
-    assert_bitwise(ref, run(model, batch), "a second step without offloading")
+    assert_bitwise(ref, run(model, batch), f"{what}: a second step without offloading")
     path = str(tmp_path) if target != "cpu" else None
-    what = f"{kind} {dtype} {attn} {ckpt} target={target}"
     cache = ebbtide.TensorCache(target=target, path=path, min_bytes=0, keep_last_modules=1)
     cache.attach(model)
     try:
