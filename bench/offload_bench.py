@@ -60,27 +60,48 @@ CPU_METHODS = "none,ebbtide-ssd,ebbtide-cpu"
 GiB = 1 << 30
 
 
-def auto_layers(device, hidden, heads, seq, batch, attn, dtype_bytes, optimizer, vocab):
+def block_params(model, hidden, heads, seq):
+    """Parameters of one transformer block of the demo's `model` (ebbtide.demo.MODELS):
+    the difference between a two-block and a one-block model built on the meta
+    device (nothing allocated). A GPT-2 block has 12*h^2 + 13*h, a Llama one
+    about 10.5*h^2 (grouped-query attention, SwiGLU), a Mixtral one 34.5*h^2
+    (four experts)."""
+    import torch
+    import transformers as tf
+
+    from ebbtide.demo import VOCAB, _make_hf_model
+
+    tf.logging.set_verbosity_error()
+    counts = []
+    for layers in (1, 2):
+        with torch.device("meta"):
+            m = _make_hf_model(tf, model, layers, hidden, heads, seq, dict(vocab_size=VOCAB, use_cache=False))
+        counts.append(sum(p.numel() for p in m.parameters()))
+    return counts[1] - counts[0]
+
+
+def auto_layers(device, model, hidden, heads, seq, batch, attn, dtype_bytes, optimizer, vocab):
     """How many blocks fit the device: its free memory less headroom, over one
-    block's weights, gradients, AdamW moments and activations (Korthikanti et
-    al.: 34*s*b*h bytes at 16 bits with fused attention, plus 5*a*s^2*b for
-    eager attention's scores). Returns (layers, the estimate's numbers)."""
+    block's weights, gradients, AdamW moments (block_params) and activations
+    (Korthikanti et al.: 34*s*b*h bytes at 16 bits with fused attention, plus
+    5*a*s^2*b for eager attention's scores; a mixture of experts' top-2 MLPs
+    hold more). Returns (layers, the estimate's numbers)."""
     import torch
 
     if device.type != "cuda":
         return 2, dict(reason="not a CUDA device: a small fixed number")
     free, total = torch.cuda.mem_get_info(device)
     per_param = dtype_bytes * (2 + (2 if optimizer == "adamw" else 0))
-    block_params = 12 * hidden * hidden + 13 * hidden
+    n_block = block_params(model, hidden, heads, seq)
     act = 34 * seq * batch * hidden * dtype_bytes // 2
     if attn == "eager":
         act += 5 * heads * seq * seq * batch * dtype_bytes // 2
-    per_layer = block_params * per_param + act
+    per_layer = n_block * per_param + act
     # embeddings (tied LM head) with their state; logits and their fp32 loss copy and gradients
     fixed = (vocab + seq) * hidden * per_param + batch * seq * vocab * (dtype_bytes + 4) * 2
     headroom = int(0.15 * free) + 2 * GiB  # allocator slack, temporaries, the link probe
     layers = max(1, int((free - headroom - fixed) // per_layer))
-    return layers, dict(free_bytes=free, total_bytes=total, per_layer_bytes=per_layer,
+    return layers, dict(free_bytes=free, total_bytes=total, block_params=n_block, per_layer_bytes=per_layer,
                         fixed_bytes=fixed, headroom_bytes=headroom)
 
 
@@ -271,10 +292,13 @@ def format_table(result):
 
 
 def main():
+    from ebbtide.demo import MODELS
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--shape", choices=sorted(SHAPES), help="a preset shape (see above)")
-    ap.add_argument("--model", default="gpt2")
+    ap.add_argument("--model", default="gpt2", choices=MODELS,
+                    help="the demo's random-init HF model (default gpt2: the recorded results)")
     ap.add_argument("--layers", help="a number, or auto: as many as fit the device")
     ap.add_argument("--hidden", type=int)
     ap.add_argument("--heads", type=int)
@@ -313,8 +337,9 @@ def main():
     dtype_bytes = {"fp32": 4, "bf16": 2}[cfg["dtype"]]
     layers_estimate = None
     if str(cfg["layers"]) == "auto":
-        cfg["layers"], layers_estimate = auto_layers(dev, cfg["hidden"], cfg["heads"], cfg["seq"], cfg["batch"],
-                                                     cfg["attn"], dtype_bytes, args.optimizer, VOCAB)
+        cfg["layers"], layers_estimate = auto_layers(dev, args.model, cfg["hidden"], cfg["heads"], cfg["seq"],
+                                                     cfg["batch"], cfg["attn"], dtype_bytes, args.optimizer,
+                                                     VOCAB)
         print(f"[bench] --layers auto: {cfg['layers']} ({layers_estimate})", file=sys.stderr)
     else:
         try:

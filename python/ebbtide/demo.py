@@ -26,7 +26,10 @@ METHODS = ("none", "ebbtide-ssd", "ebbtide-cpu", "recompute", "save_on_cpu")
 # compiler-offload (torch's AOTAutograd offloading pass; needs CUDA and
 # compiled blocks).
 EXTRA_METHODS = ("ebbtide-auto", "torchtune", "compiler-offload")
-MODELS = ("gpt2", "bert", "t5")
+# Llama-family decoders first (the default: the architecture people train
+# today), then the older GPT-2, BERT and T5.
+MODELS = ("llama", "qwen2", "mistral", "mixtral", "gpt2", "bert", "t5")
+DEFAULT_MODEL = "llama"
 ATTENTION = ("eager", "sdpa")
 COMPILE = ("none", "block")
 
@@ -97,8 +100,34 @@ def build_model(name, layers, hidden, heads, seq, dtype, device, attn="eager"):
     return model, make_batch
 
 
+def _llama_family_config(tf, name, layers, hidden, heads, seq, common):
+    """The config of a Llama-family decoder: RMSNorm, rotary positions, a
+    SwiGLU MLP about 8/3 as wide as the model (rounded up to 64, as Llama
+    rounds), grouped-query attention with a quarter as many key/value heads
+    when the heads divide by 4 (Llama 3's 32:8). qwen2 adds q/k/v biases (its
+    config's default), mistral a sliding window of half the sequence, mixtral
+    top-2 routing over 4 experts, each with that MLP, and the router's
+    load-balancing loss."""
+    shape = dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                 num_key_value_heads=heads // 4 if heads % 4 == 0 else heads,
+                 intermediate_size=-(-8 * hidden // (3 * 64)) * 64, max_position_embeddings=seq,
+                 pad_token_id=0, bos_token_id=0, eos_token_id=0, **common)
+    if name == "llama":
+        return tf.LlamaConfig(**shape), tf.LlamaForCausalLM
+    if name == "qwen2":
+        return tf.Qwen2Config(**shape), tf.Qwen2ForCausalLM
+    if name == "mistral":
+        return tf.MistralConfig(sliding_window=max(seq // 2, 1), **shape), tf.MistralForCausalLM
+    cfg = tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                           **shape)
+    return cfg, tf.MixtralForCausalLM
+
+
 def _make_hf_model(tf, name, layers, hidden, heads, seq, common):
-    if name == "gpt2":
+    if name in ("llama", "qwen2", "mistral", "mixtral"):
+        cfg, cls = _llama_family_config(tf, name, layers, hidden, heads, seq, common)
+        model = cls(cfg)
+    elif name == "gpt2":
         cfg = tf.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_positions=seq,
                             bos_token_id=0, eos_token_id=0, **common)
         model = tf.GPT2LMHeadModel(cfg)
@@ -655,7 +684,7 @@ def resolve_size(device, **overrides):
     return size
 
 
-def run_demo(model="gpt2", methods=METHODS, steps=5, warmup=1, seq=None, batch=None,
+def run_demo(model=DEFAULT_MODEL, methods=METHODS, steps=5, warmup=1, seq=None, batch=None,
              layers=None, hidden=None, heads=None, device=None, dtype="fp32", path=None,
              log=print, attn="eager", compile="none", optimizer="adamw", before_methods=None):
     """Runs every method on one model; returns a dict with the config and one

@@ -2,12 +2,12 @@
 steps keeping all activations, offloading them with ebbtide, and recomputing
 them (full activation checkpointing), and plot model throughput against the
 step's peak memory. Built on the demo harness (ebbtide.demo)."""
-from ebbtide.demo import run_demo
+from ebbtide.demo import DEFAULT_MODEL, run_demo
 
 ROK_METHODS = {"keep": "none", "offload": "ebbtide-ssd", "recompute": "recompute"}
 
 
-def run_rok(model="gpt2", batches=(1, 2, 4, 8), steps=2, warmup=1, device=None, dtype="fp32",
+def run_rok(model=DEFAULT_MODEL, batches=(1, 2, 4, 8), steps=2, warmup=1, device=None, dtype="fp32",
             path=None, log=print, **size):
     if not batches:
         raise ValueError("--batch: give at least one micro-batch size")

@@ -21,6 +21,19 @@ def test_offload_bench_small(tmp_path, run_bench):
     assert "targets:" in p.stdout
 
 
+def test_offload_bench_mixture_of_experts(tmp_path, run_bench):
+    """--model mixtral (the demo's models are the bench's): the MoE trains bitwise
+    under every CPU method and its saved storages are measured."""
+    pytest.importorskip("transformers")
+    p, r = run_bench("offload_bench.py", "--device", "cpu", "--model", "mixtral", "--layers", "2", "--hidden", "64",
+                     "--heads", "4", "--seq", "64", "--batch", "2", "--steps", "1", "--warmup", "0",
+                     "--path", str(tmp_path))
+    assert r["model"] == "mixtral" and "offload_bench: mixtral" in p.stdout
+    assert [row["method"] for row in r["rows"]] == ["none", "ebbtide-ssd", "ebbtide-cpu"]
+    assert all(row["max_grad_diff"] == 0.0 and row["max_grad_diff_exact"] for row in r["rows"]), r["rows"]
+    assert r["eligible_bytes"] > 0 and r["rows"][2]["offloaded_fraction"] > 0
+
+
 def _check_run(r, ran, skipped):
     rows = {row["method"]: row for row in r["rows"]}
     assert set(rows) == ran | skipped

@@ -4,11 +4,12 @@ import sys
 
 
 def register(subparsers):
-    from ebbtide.demo import EXTRA_METHODS, METHODS, MODELS
+    from ebbtide.demo import DEFAULT_MODEL, EXTRA_METHODS, METHODS, MODELS
 
     p = subparsers.add_parser(
         "demo", help="train a small HF model with and without offloading and compare")
-    p.add_argument("--model", default="gpt2", choices=MODELS)
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS,
+                   help=f"random-init HF model (default {DEFAULT_MODEL}; Llama-family first)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per method (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     p.add_argument("--seq", type=int, help="sequence length (default: 512 CPU, 1024 GPU)")

@@ -4,11 +4,11 @@ import sys
 
 
 def register(subparsers):
-    from ebbtide.demo import MODELS
+    from ebbtide.demo import DEFAULT_MODEL, MODELS
 
     p = subparsers.add_parser("rok", help="throughput against activation peak for keep / "
                                           "offload / recompute per micro-batch size")
-    p.add_argument("--model", default="gpt2", choices=MODELS)
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS)
     p.add_argument("--batch", default="1,2,4,8", help="comma-separated micro-batch sizes")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
