@@ -238,6 +238,25 @@ TEST(CacheGlue, AHandleAnsweredFromItsOriginalAfterAReloadCountsEachByteOnce) {
   EXPECT_EQ(c.state(a.id), EntryState::kStored);
 }
 
+TEST(CacheGlue, HandlesCopiedIntoTheirOwnBuffersCountOneReloadPerBackward) {
+  TensorCache c(make_host_store(HostStoreOptions{}), CacheOptions{});
+  c.begin_step();
+  auto x = test::random_bytes(256, 23);
+  SaveResult a = c.save(host_request(x, 1));
+  SaveResult b = c.save(host_request(x, 1));
+  ASSERT_EQ(a.id, b.id);
+  std::vector<unsigned char> o1(256), o2(256), o3(256);
+  EXPECT_EQ(c.unpack(a.id, 0, /*task=*/5, false, o1.data()).kind, Unpacked::Kind::kBuffer);
+  EXPECT_EQ(c.unpack(b.id, 0, 5, false, o2.data()).kind, Unpacked::Kind::kBuffer);
+  EXPECT_EQ(o1, x);
+  EXPECT_EQ(o2, x);
+  EXPECT_EQ(c.stats().step.tensors_reloaded, 1u);
+  c.unpack(a.id, 0, /*task=*/6, false, o3.data());  // a retained graph's second backward
+  EXPECT_EQ(o3, x);
+  EXPECT_EQ(c.stats().step.tensors_reloaded, 2u);
+  EXPECT_EQ(c.stats().store.blobs, 1u) << "no pool buffer was taken";
+}
+
 TEST(CacheGlue, GlueObjectsDieOnTheCallersThreadWithTheLockReleased) {
   CacheOptions o;
   o.inline_copy_bytes = 0;  // the tensor is held while a worker stores it

@@ -161,7 +161,9 @@ struct TensorCache::Entry {
   int handles = 0;
   int unpacks_left = 0;
   int64_t consumed_task = -1;  // graph task that consumed the last load
-  uint64_t reused_step = UINT64_MAX;  // step in which reuse() last counted this entry
+  uint64_t reused_step = UINT64_MAX;  // step in which it was last answered from its original
+  uint64_t tally_step = UINT64_MAX;   // step in which its bytes were last counted reloaded or reused
+  bool tally_reused = false;          // ... as reused
   Location loc = 0;
   bool has_loc = false;
   void* dst = nullptr;
@@ -1002,8 +1004,7 @@ void TensorCache::start_load_locked(Entry& e, void* dst, mem::cuda::Stream strea
     e.load_started = true;
     mutate(e, EntryState::kLoaded, true);
     e.unpacks_left = e.handles;
-    step_c_.bytes_reloaded += e.nbytes;
-    step_c_.tensors_reloaded += 1;
+    count_reload_locked(e);
     return;
   }
   if (e.device >= 0) {
@@ -1073,7 +1074,7 @@ void TensorCache::consume_locked(Entry& e, int64_t task) {
 // pool buffer (then kLoaded), or into the glue's buffer `into` (the entry
 // stays kStored), on this thread, the lock released during the copy (`busy`
 // makes a release wait for it). Rethrows a failed load; the entry stays stored.
-void TensorCache::load_host_locked(Lock& lock, Entry& e, void* into) {
+void TensorCache::load_host_locked(Lock& lock, Entry& e, void* into, bool count) {
   const bool own = into == nullptr;
   if (own) {
     host_buffer_locked(e);
@@ -1109,8 +1110,7 @@ void TensorCache::load_host_locked(Lock& lock, Entry& e, void* into) {
     std::rethrow_exception(err);
   }
   if (own) mutate(e, EntryState::kLoaded, true);
-  step_c_.bytes_reloaded += e.nbytes;
-  step_c_.tensors_reloaded += 1;
+  if (count) count_reload_locked(e);
 }
 
 Unpacked TensorCache::unpack(EntryId id, mem::cuda::Stream stream, int64_t task, bool have_original,
@@ -1152,12 +1152,15 @@ Unpacked TensorCache::unpack(EntryId id, mem::cuda::Stream stream, int64_t task,
       return out;
     }
     if (into != nullptr && e->has_loc && store_->tier_of(e->loc) == kTierCpu) {
-      load_host_locked(lock, *e, into);
+      // The handles of one storage are copied one by one: one reload per
+      // backward (a retained graph's next backward counts again).
+      const bool again = task != -1 && e->consumed_task == task && e->tally_step == step_ && !e->tally_reused;
+      load_host_locked(lock, *e, into, !again);
       e->consumed_task = task;
       out.kind = Unpacked::Kind::kBuffer;
       return out;  // no prefetch: host-tier entries are loaded at unpack
     }
-    load_host_locked(lock, *e, nullptr);
+    load_host_locked(lock, *e, nullptr, true);
   } else if (e->state == EntryState::kLoading) {
     const auto t0 = std::chrono::steady_clock::now();
     done_cv_.wait(lock, [&] {
@@ -1208,12 +1211,29 @@ bool TensorCache::reuse(EntryId id) {
   return count_reuse_locked(e);
 }
 
+// Every offloaded byte counts once a step: reloaded, or reused when no reload
+// was needed. An entry with several handles can be both (one handle's tensor
+// alive, another's not): the reload wins.
 bool TensorCache::count_reuse_locked(Entry& e) {
   if (e.reused_step == step_) return false;
   e.reused_step = step_;
+  if (e.tally_step == step_) return false;
+  e.tally_step = step_;
+  e.tally_reused = true;
   step_c_.tensors_reused += 1;
   step_c_.bytes_reused += e.nbytes;
   return true;
+}
+
+void TensorCache::count_reload_locked(Entry& e) {
+  step_c_.bytes_reloaded += e.nbytes;
+  step_c_.tensors_reloaded += 1;
+  if (e.tally_step == step_ && e.tally_reused) {
+    step_c_.tensors_reused -= 1;
+    step_c_.bytes_reused -= e.nbytes;
+  }
+  e.tally_step = step_;
+  e.tally_reused = false;
 }
 
 // Note [Late stores]
@@ -1662,8 +1682,7 @@ void TensorCache::run_load(Lock& lock, EntryId id, std::map<int, mem::cuda::Stre
     return;
   }
   mutate(e, EntryState::kLoaded, true);
-  step_c_.bytes_reloaded += e.nbytes;
-  step_c_.tensors_reloaded += 1;
+  count_reload_locked(e);
 }
 
 // Note [SSD below the link]: the worker waits for the store's copy on its own
@@ -1752,8 +1771,7 @@ void TensorCache::run_device_load(Lock& lock, Entry& e) {
   e.blob_loc = space.loc;
   e.loaded_once = true;
   mutate(e, EntryState::kLoaded, true);
-  step_c_.bytes_reloaded += n;
-  step_c_.tensors_reloaded += 1;
+  count_reload_locked(e);
 }
 
 std::pair<double, double> TensorCache::measure_link(int device, void* dev_ptr, uint64_t nbytes, int repeats) {

@@ -361,10 +361,11 @@ class TensorCache {
   void push_order_locked(MicroBatch& mb, Entry* e, uint64_t nbytes, bool loadable);
   void bury_locked(GlueObj& obj);
   bool copy_on_caller_locked(Entry& e, const SaveRequest& r);
-  void load_host_locked(Lock& lock, Entry& e, void* into);
+  void load_host_locked(Lock& lock, Entry& e, void* into, bool count);
   void host_buffer_locked(Entry& e);
   void consume_locked(Entry& e, int64_t task);
   bool count_reuse_locked(Entry& e);  // Note [Originals still alive]: once per entry and step
+  void count_reload_locked(Entry& e);
   void start_load_locked(Entry& e, void* dst, mem::cuda::Stream stream);
   void worker_main(unsigned index);
   void run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Stream>& side);
