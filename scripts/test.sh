@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Sets everything up and runs all tests: C++ units (GoogleTest via ctest), the
-# same units under ASan+UBSan, a bounded libFuzzer run of the checkpoint shard
-# reader, then the Python integration tests (pytest).
+# same units under ASan+UBSan, bounded libFuzzer runs of the checkpoint shard
+# reader and the safetensors reader, then the Python integration tests (pytest).
 # Set EBBTIDE_SKIP_SANITIZERS=1 to skip the sanitizer build and the fuzzing
-# during development; EBBTIDE_FUZZ_SECONDS sets the fuzzing time (default 60).
+# during development; EBBTIDE_FUZZ_SECONDS sets each fuzz target's time (default 60).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -29,22 +29,27 @@ if [ "${EBBTIDE_SKIP_SANITIZERS:-0}" != 1 ]; then
 
   # Checkpoint loading must be safe against any file (docs/checkpoints.md,
   # "Threat model"): cpp/fuzz/fuzz_ckpt_shard.cpp feeds mutated shards (with
-  # their checksums repaired) to the decoders and the reader under
-  # ASan+UBSan. A crash, sanitizer report or untyped exception fails the stage
-  # and leaves the input in build/fuzz/crash-*.
+  # their checksums repaired) to the decoders and the reader, and
+  # cpp/fuzz/fuzz_safetensors.cpp mutated safetensors files to the header
+  # parser and the reader, under ASan+UBSan, each for EBBTIDE_FUZZ_SECONDS. A
+  # crash, sanitizer report or untyped exception fails the stage and leaves
+  # the input in build/fuzz/crash-*.
   fuzz_seconds=${EBBTIDE_FUZZ_SECONDS:-60}
-  say "Fuzzing the checkpoint shard reader (libFuzzer, ASan+UBSan, ${fuzz_seconds} s)"
   probe=$(mktemp -d)
   echo 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }' >"$probe/p.cpp"
   if command -v clang++ >/dev/null && clang++ -fsanitize=fuzzer,address,undefined "$probe/p.cpp" -o "$probe/p" 2>/dev/null; then
+    rm -f "$probe/p.cpp" "$probe/p"
     CC=clang CXX=clang++ cmake -S . -B build/fuzz -G Ninja -DEBBTIDE_BUILD_FUZZ=ON -DEBBTIDE_BUILD_TESTS=OFF \
       -DEBBTIDE_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-    cmake --build build/fuzz -j"$jobs" --target fuzz_ckpt_shard
-    # New inputs go to a scratch directory; the checked-in seeds stay as they are.
-    cp cpp/fuzz/corpus/ckpt_shard/* "$probe/"
-    rm -f "$probe/p.cpp" "$probe/p"
-    EBBTIDE_LOG_LEVEL=error build/fuzz/cpp/fuzz/fuzz_ckpt_shard -max_total_time="$fuzz_seconds" -max_len=32768 \
-      -timeout=20 -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix=build/fuzz/ "$probe"
+    cmake --build build/fuzz -j"$jobs" --target fuzz_ckpt_shard fuzz_safetensors
+    for target in ckpt_shard safetensors; do
+      say "Fuzzing ${target} (libFuzzer, ASan+UBSan, ${fuzz_seconds} s)"
+      # New inputs go to a scratch directory; the checked-in seeds stay as they are.
+      mkdir -p "$probe/$target"
+      cp cpp/fuzz/corpus/"$target"/* "$probe/$target/"
+      EBBTIDE_LOG_LEVEL=error build/fuzz/cpp/fuzz/fuzz_"$target" -max_total_time="$fuzz_seconds" -max_len=32768 \
+        -timeout=20 -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix=build/fuzz/ "$probe/$target"
+    done
   else
     say "SKIPPED fuzzing: clang++ cannot link -fsanitize=fuzzer here (scripts/setup.sh installs the Debian package clang)"
   fi
