@@ -42,6 +42,7 @@ byte ranges] in cpp/src/ckpt/range_read.cpp).
 import dataclasses
 import io
 import json
+import math
 import os
 import pathlib
 import pickle
@@ -649,3 +650,61 @@ class EbbtideReader(StorageReader):
                              f"the target's {target.dtype}")
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+
+
+# -- inspection ------------------------------------------------------------------------------
+def inspect(path, verify=True):
+    """What `ebbtide ckpt inspect` shows of DCP checkpoint directory `path`.
+
+    Returns a dict: ``path``, ``items`` (one per state-dict entry: ``fqn``,
+    ``kind`` "tensor" | "bytes", ``dtype``, ``size``, ``chunks``, ``bytes``),
+    ``files`` (one per data file: ``file``, ``writer`` "ebbtide" |
+    "FileSystemWriter", ``file_bytes``, ``items``, ``bytes``, ``codecs``) and
+    ``errors`` (one line each: a data file missing or refused, a range past a
+    file's end, with `verify` a chunk failing its checksum).
+
+    Raises:
+        FileNotFoundError, ValueError: no or unusable ``.metadata`` (load_metadata).
+    """
+    path = os.fspath(path)
+    md = load_metadata(path)
+    items = []
+    for fqn, m in md.state_dict_metadata.items():
+        if isinstance(m, _md.TensorStorageMetadata):
+            items.append(dict(fqn=fqn, kind="tensor", dtype=str(m.properties.dtype).replace("torch.", ""),
+                              size=list(m.size), chunks=len(m.chunks),
+                              bytes=math.prod(m.size) * m.properties.dtype.itemsize))
+        else:
+            items.append(dict(fqn=fqn, kind="bytes", dtype=None, size=None, chunks=1, bytes=None))
+    per_file = {}
+    for idx, si in md.storage_data.items():
+        per_file.setdefault(si.relative_path, []).append(si)
+    files, errors = [], []
+    for name in sorted(per_file):
+        infos = per_file[name]
+        file = os.path.join(path, name)
+        entry = dict(file=name, items=len(infos), bytes=sum(si.length for si in infos))
+        files.append(entry)
+        try:
+            size, is_shard = _core.ckpt_probe_file(file)
+            entry["file_bytes"] = size
+            entry["writer"] = "ebbtide" if is_shard else "FileSystemWriter"
+            if is_shard:
+                shard = _Shard(file)
+                entry["codecs"] = sorted({b["codec"] for b in shard.blobs})
+                for si in infos:
+                    if (si.offset, si.length) not in shard.by_range:
+                        errors.append(f"{file}: no blob at offset {si.offset}, {si.length} bytes, which the "
+                                      "metadata lists")
+                if verify:
+                    for blob, off, msg in shard.reader.verify():
+                        errors.append(f"{file}: blob {blob} at file offset {off}: {msg}")
+            else:
+                entry["codecs"] = ["none"]
+                for si in infos:
+                    if si.offset + si.length > size:
+                        errors.append(f"{file}: bytes {si.offset}..{si.offset + si.length} lie past its end "
+                                      f"({size} bytes)")
+        except (OSError, ValueError, RuntimeError) as e:
+            errors.append(f"{file}: {e}")
+    return dict(path=path, items=items, files=files, errors=errors)

@@ -342,3 +342,39 @@ def test_corrupt_plugin_data_fails_its_checksum(tmp_path):
     f.write_bytes(raw)
     with pytest.raises(FAILS, match="crc32c mismatch"):
         _load(tmp_path / "c")
+
+
+def _inspect(capsys, *args):
+    from ebbtide import cli
+    rc = cli.main(["ckpt", "inspect", *map(str, args)])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_inspect_lists_both_writers_and_reports_damage(tmp_path, capsys):
+    sd = _mixed_state()
+    dcp.save(sd, storage_writer=EbbtideWriter(tmp_path / "ebb"))
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path / "fsw"))
+    for name, writer in (("ebb", "ebbtide"), ("fsw", "FileSystemWriter")):
+        rc, out, err = _inspect(capsys, tmp_path / name)
+        assert rc == 0, err
+        assert "torch.distributed.checkpoint" in out and writer in out and " w " in out, out
+        assert "all chunk checksums and ranges OK" in out
+    # A flipped byte in ebbtide's file fails its chunk's checksum.
+    md = load_metadata(tmp_path / "ebb")
+    (si,) = [s for k, s in md.storage_data.items() if k.fqn == "w"]
+    f = tmp_path / "ebb" / "__0_0.distcp"
+    raw = bytearray(f.read_bytes())
+    raw[si.offset + si.length // 2] ^= 0xFF
+    f.write_bytes(raw)
+    rc, out, err = _inspect(capsys, tmp_path / "ebb")
+    assert rc == 1 and "BAD FILE:" in err and "__0_0.distcp" in err, err
+    # A FileSystemWriter file cut short: its ranges lie past the end.
+    g = tmp_path / "fsw" / "__0_0.distcp"
+    g.write_bytes(g.read_bytes()[:64])
+    rc, out, err = _inspect(capsys, tmp_path / "fsw")
+    assert rc == 1 and "past its end" in err, err
+    # No usable metadata: one line, exit 2.
+    (tmp_path / "fsw" / ".metadata").write_bytes(b"\x80\x04junk")
+    rc, out, err = _inspect(capsys, tmp_path / "fsw")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err

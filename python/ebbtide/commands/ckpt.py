@@ -7,8 +7,14 @@ unusable.
 
 PATH may also be a safetensors file, an HF model.safetensors.index.json or a
 directory holding either: its tensors are listed (name, dtype, shape, bytes)
-and each validation error is one `BAD FILE: FILE: why` line (exit 1)."""
+and each validation error is one `BAD FILE: FILE: why` line (exit 1). Or a
+torch.distributed.checkpoint directory (one with a `.metadata`, written by
+ebbtide.dcp or torch's FileSystemWriter): its entries and data files are
+listed, the metadata checked as the loader does, the byte ranges against the
+files and, for ebbtide's files, every chunk's checksum (one `BAD FILE:` line
+each, exit 1)."""
 import json
+import os
 import sys
 
 
@@ -36,6 +42,8 @@ def _inspect(args):
     from ebbtide import _safetensors, checkpoint
     if _safetensors.looks_like_safetensors(args.path):
         return _inspect_safetensors(args)
+    if os.path.isdir(args.path) and os.path.lexists(os.path.join(args.path, ".metadata")):
+        return _inspect_dcp(args)
     try:
         info = checkpoint.inspect(args.path, verify=not args.no_verify)
     except (OSError, ValueError, NotImplementedError) as e:
@@ -110,4 +118,36 @@ def _inspect_safetensors(args):
         print(f"\n{len(info['errors'])} problem(s)", file=sys.stderr)
         return 1
     print("\nheaders valid")
+    return 0
+
+
+def _inspect_dcp(args):
+    from ebbtide import dcp
+    try:
+        info = dcp.inspect(args.path, verify=not args.no_verify)
+    except (OSError, ValueError) as e:
+        print(f"ebbtide ckpt inspect: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 1 if info["errors"] else 0
+    print(f"{info['path']}: torch.distributed.checkpoint, {len(info['items'])} entries, "
+          f"{len(info['files'])} data file(s)")
+    print(f"\n  {'entry':<56} {'dtype':<12} {'shape':<18} {'bytes':>10} chunks")
+    for it in info["items"]:
+        shape = "x".join(map(str, it["size"])) if it["size"] is not None else "-"
+        nbytes = _fmt(it["bytes"]) if it["bytes"] is not None else "(pickled)"
+        print(f"  {_one_line(it['fqn'])[:56]:<56} {it['dtype'] or 'bytes':<12} {shape or '()':<18} {nbytes:>10} "
+              f"{it['chunks']}")
+    print()
+    for f in info["files"]:
+        where = f"{_fmt(f['file_bytes'])} on disk" if "file_bytes" in f else "unreadable"
+        print(f"{f['file']}: {f.get('writer', '?')}, {where}, {f['items']} items, {_fmt(f['bytes'])}, "
+              f"codecs {','.join(f.get('codecs', ['?']))}")
+    for e in info["errors"]:
+        print(f"BAD FILE: {_one_line(e)}", file=sys.stderr)
+    if info["errors"]:
+        print(f"\n{len(info['errors'])} problem(s)", file=sys.stderr)
+        return 1
+    print("\nmetadata valid" + ("" if args.no_verify else ", all chunk checksums and ranges OK"))
     return 0
