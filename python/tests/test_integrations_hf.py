@@ -60,6 +60,24 @@ def test_trainer_callback_bf16_checkpointing_given_cache(tmp_path):
     assert_changed(got, tiny_llama())
 
 
+def test_callback_close_after_failed_train(tmp_path):
+    class Boom(transformers.TrainerCallback):
+        def on_substep_end(self, *a, **k):  # after the first micro-batch's backward, inside the step
+            raise KeyError("boom")
+
+    cb = OffloadCallback(**CACHE)
+    model = tiny_llama()
+    trainer = transformers.Trainer(model=model, args=_args(tmp_path), train_dataset=_dataset(),
+                                   callbacks=[cb, Boom()])
+    with pytest.raises(KeyError, match="boom"):
+        trainer.train()
+    top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+    assert top_hooks(False) is not None  # the exception skipped the callbacks: the step's hooks stay
+    cb.close()
+    assert top_hooks(False) is None
+    assert cb.cache.closed
+
+
 def test_callback_rejects_cache_and_settings():
     import ebbtide
 

@@ -61,3 +61,21 @@ def test_lightning_callback_bitwise(call_submodule):
 def test_lightning_callback_bad_module():
     with pytest.raises(AttributeError, match="has no attribute 'decoder'"):
         _fit([OffloadCallback(target="cpu", module="decoder")])
+
+
+def test_lightning_exception_releases_the_step():
+    class Failing(LitLlama):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 1:
+                raise KeyError("boom")
+            return super().training_step(batch, batch_idx)
+
+    cb = OffloadCallback(target="cpu", min_bytes=0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+    with warnings.catch_warnings(), pytest.raises(KeyError, match="boom"):
+        warnings.simplefilter("ignore")
+        trainer.fit(Failing(), torch.utils.data.DataLoader(token_rows(8), batch_size=2))
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # on_exception ended the step
+    assert cb.cache.stats()["steps"] == 2  # the first batch's and the failed one's
+    cb.cache.close()

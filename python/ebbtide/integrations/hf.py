@@ -60,7 +60,13 @@ class OffloadCallback(_transformers.TrainerCallback):
         """The TensorCache (None before training begins when none was given)."""
         return self._step.cache
 
+    def close(self) -> None:
+        """Ends a step left open by an exception out of ``train()`` (releasing its
+        entries) and closes the cache unless it was given. Idempotent."""
+        self._step.close()
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._step.end(RuntimeError("a new training run began"))  # a step an exception left open
         self._step.open(model)
 
     def on_step_begin(self, args, state, control, **kwargs):
