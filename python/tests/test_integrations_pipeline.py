@@ -7,6 +7,8 @@ instruction schedule (deepspeed.runtime.pipe.schedule.TrainSchedule) for a
 map ebbtide hands the engine (hinted_instruction_map) with a TensorCache.
 Stage 0 runs several forwards before their backwards; after 3 optimizer steps
 the parameters are bitwise those of the same schedule without offloading.
+torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B run for real on
+one stage (gloo, world size 1) with hint_torch_pipeline_stage.
 """
 import collections
 
@@ -151,3 +153,65 @@ def test_backward_hint_without_forward_names_the_buffer():
     with ebbtide.TensorCache(target="cpu") as cache:
         with pytest.raises(RuntimeError, match="no forward into buffer 1"):
             PipelineHints(cache).backward(1)
+
+
+def _torch_pipeline(hinted, schedule_name):
+    """3 steps of a torch.distributed.pipelining schedule, 2 micro-batches
+    each, on one stage in this process (gloo, world size 1)."""
+    from torch.distributed import pipelining
+
+    first, last = _stages()
+    module = torch.nn.Sequential(first, last)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    stage = pipelining.PipelineStage(module, 0, 1, torch.device("cpu"))
+    cache, order = None, []
+    if hinted:
+        from ebbtide.integrations.pipeline import hint_torch_pipeline_stage
+
+        cache = ebbtide.TensorCache(target="cpu", min_bytes=0, keep_last_modules=0).attach(module)
+        hints = hint_torch_pipeline_stage(stage, cache)
+        for name in ("forward", "backward"):
+            def record(key, _f=getattr(hints, name), _n=name):
+                mb = _f(key)
+                order.append((_n, mb))
+                return mb
+            setattr(hints, name, record)
+
+    def loss_fn(logits, ids):
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    sched = getattr(pipelining, schedule_name)(stage, n_microbatches=2, loss_fn=loss_fn)
+    rows = token_rows(12)
+    for step in range(3):
+        batch = rows[step * 4:(step + 1) * 4]
+        with cache.step() if cache is not None else torch.enable_grad():
+            sched.step(batch, target=batch)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return module, cache, order
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule_name", ["ScheduleGPipe", "Schedule1F1B"])
+def test_torch_pipelining_hints_bitwise(one_rank_group, schedule_name):
+    ref, _, _ = _torch_pipeline(False, schedule_name)
+    got, cache, order = _torch_pipeline(True, schedule_name)
+    try:
+        assert cache.stats()["total"]["bytes_offloaded"] > 0
+    finally:
+        cache.close()
+    assert_same_params(got, ref)
+    assert_changed(got, torch.nn.Sequential(*_stages()))
+    fwd = [mb for kind, mb in order if kind == "forward"]
+    bwd = [mb for kind, mb in order if kind == "backward"]
+    assert len(set(fwd)) == 6 and sorted(bwd) == sorted(fwd)
+    if schedule_name == "ScheduleGPipe":  # every forward of a step before its backwards
+        assert [k for k, _ in order[:2]] == ["forward", "forward"]

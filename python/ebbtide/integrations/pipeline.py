@@ -19,8 +19,10 @@ gradient arrives. Without hints the block backward hooks still prefetch the
 right micro-batch, only later.
 
 torch.distributed.pipelining's single-stage schedules (``ScheduleGPipe``,
-``Schedule1F1B``) need no hints: each stage forward is a forward of the
-attached root module, which starts a micro-batch record (docs/tensor-cache.md).
+``Schedule1F1B``) work without hints (each stage forward is a forward of the
+attached root module, which starts a micro-batch record); with
+``hint_torch_pipeline_stage`` a backward starts prefetching its micro-batch
+before its first gradient arrives.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from typing import Hashable
 
 from ebbtide.integrations import require
 
-__all__ = ["PipelineHints", "hinted_instruction_map", "offload_deepspeed_pipeline"]
+__all__ = ["PipelineHints", "hint_torch_pipeline_stage", "hinted_instruction_map", "offload_deepspeed_pipeline"]
 
 _WHAT = "ebbtide.integrations.pipeline"
 
@@ -138,3 +140,40 @@ def offload_deepspeed_pipeline(engine, target: str = "auto", path=None, *, cache
 
     engine.train_batch = train_batch_offloaded
     return cache
+
+
+def hint_torch_pipeline_stage(stage, cache) -> PipelineHints:
+    """Gives `cache` the hints of a ``torch.distributed.pipelining`` stage's schedule.
+
+    Wraps the stage's ``forward_one_chunk`` and ``backward_one_chunk`` (the
+    calls every schedule makes per micro-batch) so each gives hints first,
+    keyed by the schedule's micro-batch index. Attach `cache` to the stage's
+    module and wrap ``schedule.step(...)`` in ``cache.step()``.
+
+    Args:
+        stage: a ``torch.distributed.pipelining.PipelineStage`` (one per rank).
+        cache: the TensorCache attached to the stage's module.
+
+    Returns:
+        The PipelineHints in use.
+
+    Raises:
+        TypeError: `stage` has no forward_one_chunk / backward_one_chunk.
+    """
+    if not (hasattr(stage, "forward_one_chunk") and hasattr(stage, "backward_one_chunk")):
+        raise TypeError(f"{_WHAT}.hint_torch_pipeline_stage: {type(stage).__name__} is not a "
+                        "torch.distributed.pipelining stage (no forward_one_chunk / backward_one_chunk)")
+    hints = PipelineHints(cache)
+    fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
+
+    def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+        hints.forward(fwd_chunk_id)
+        return fwd(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(bwd_chunk_id, *args, **kwargs):
+        hints.backward(bwd_chunk_id)
+        return bwd(bwd_chunk_id, *args, **kwargs)
+
+    stage.forward_one_chunk = forward_one_chunk
+    stage.backward_one_chunk = backward_one_chunk
+    return hints
