@@ -50,10 +50,11 @@ def test_trainer_callback_bitwise(tmp_path):
 def test_trainer_callback_bf16_checkpointing_given_cache(tmp_path):
     import ebbtide
 
-    extra = dict(bf16=True, gradient_checkpointing=True)
+    extra = dict(bf16=True, activation_checkpointing=True)
     ref = _train(tmp_path / "ref", [], **extra)
     with ebbtide.TensorCache(**CACHE) as cache:
         got = _train(tmp_path / "got", [OffloadCallback(cache=cache)], **extra)
+        assert got.is_activation_checkpointing
         assert not cache.closed  # borrowed: the caller closes it
         assert cache.stats()["total"]["bytes_offloaded"] > 0
     assert_same_params(got, ref)
