@@ -23,7 +23,6 @@ offloaders need a CUDA (or other accelerator) device: on a CPU-only machine
 their rows say why they did not run.
 """
 import argparse
-import copy
 import os
 import statistics
 import sys
