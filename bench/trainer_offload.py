@@ -14,7 +14,9 @@ torchtune: a torchtune llama2 decoder in the loop torchtune's single-device
   get_act_offloading_ctx_manager), ebbtide-cpu, ebbtide-ssd (ebbtide's
   drop-in).
 
-Every method starts from the same weights and sees the same batches. Per
+Every method starts from the same weights and sees the same batches; the
+torchtune methods take turns step by step (the order rotating), the TRL runs
+one after the other (a Trainer cannot be stepped from outside). Per
 method: median optimizer-step time (after --warmup steps), the largest step
 peak of memory above the step's start (ebbtide.memmeter: the CUDA allocator
 on a GPU, the process heap on the CPU), bytes ebbtide offloaded, and whether
@@ -150,41 +152,96 @@ def _tt_model(args, device):
                   embed_dim=args.hidden, max_seq_len=args.seq, intermediate_dim=4 * args.hidden).to(device)
 
 
-def _run_torchtune(method, args, device, path):
-    import torch
-    import torchtune.training
+class _TorchtuneJob:
+    """One method of the torchtune loop: its model, context, optimizer and meter."""
 
-    from ebbtide.integrations import torchtune as ebb_tt
+    def __init__(self, method, args, device, path):
+        import torch
+        import torchtune.training
 
-    model = _tt_model(args, device)
-    if method == "none":
-        ctx = torchtune.training.get_act_offloading_ctx_manager(model, False)
-    elif method == "framework":
-        ctx = torchtune.training.get_act_offloading_ctx_manager(model, True)
-    else:
-        ctx = ebb_tt.get_act_offloading_ctx_manager(model, True, **_cache_settings(method, path),
-                                                    min_bytes=args.min_bytes)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    rows = _rows(args, (args.warmup + args.steps) * args.accum * args.batch).to(device)
-    meter = _Meter(device)
-    k = 0
-    for _ in range(args.warmup + args.steps):
-        meter.begin()
+        from ebbtide.integrations import torchtune as ebb_tt
+
+        self.args, self.stats = args, None
+        self.model = _tt_model(args, device)
+        if method == "none":
+            self.ctx = torchtune.training.get_act_offloading_ctx_manager(self.model, False)
+        elif method == "framework":
+            self.ctx = torchtune.training.get_act_offloading_ctx_manager(self.model, True)
+        else:
+            self.ctx = ebb_tt.get_act_offloading_ctx_manager(self.model, True, **_cache_settings(method, path),
+                                                             min_bytes=args.min_bytes)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.rows = _rows(args, (args.warmup + args.steps) * args.accum * args.batch).to(device)
+        self.meter = _Meter(device)
+        self.k = 0
+
+    def step(self):
+        """One optimizer step of what torchtune's single-device recipe does."""
+        import torch
+
+        args = self.args
+        self.meter.begin()
         for _ in range(args.accum):
-            tokens = rows[k * args.batch:(k + 1) * args.batch]
-            k += 1
-            with ctx:
-                logits = model(tokens[:, :-1])
+            tokens = self.rows[self.k * args.batch:(self.k + 1) * args.batch]
+            self.k += 1
+            with self.ctx:
+                logits = self.model(tokens[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
             (loss / args.accum).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        meter.end()
-    stats = None
-    if isinstance(ctx, ebb_tt.OffloadActivations):
-        stats = ctx.cache.stats()
-        ctx.close()
-    return model, meter, stats
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.meter.end()
+
+    def finish(self):
+        cache = getattr(self.ctx, "cache", None)
+        if cache is not None:
+            self.stats = cache.stats()
+            self.ctx.close()
+        return self.model, self.meter, self.stats
+
+
+def _run_torchtune_all(methods, args, device, workdir):
+    """Every method's step in turn (the order rotating each step), so machine
+    load hits all alike. Returns method -> (model, meter, stats) or the
+    exception that stopped it."""
+    jobs, out = {}, {}
+    for method in methods:
+        sub = os.path.join(workdir, f"torchtune-{method}")
+        os.makedirs(sub)
+        try:
+            jobs[method] = _TorchtuneJob(method, args, device, sub)
+        except Exception as exc:
+            out[method] = exc
+    order = list(jobs)
+    for i in range(args.warmup + args.steps):
+        print(f"[trainer_offload] torchtune: step {i + 1}/{args.warmup + args.steps}", file=sys.stderr)
+        for method in order:
+            if method in out:
+                continue
+            try:
+                jobs[method].step()
+            except Exception as exc:
+                out[method] = exc
+        order = order[1:] + order[:1]
+    for method, job in jobs.items():
+        if method not in out:
+            out[method] = job.finish()
+    return out
+
+
+def _run_trl_all(methods, args, device, workdir):
+    """Each method's whole SFTTrainer run in turn (a Trainer cannot be stepped
+    from outside). Returns method -> (model, meter, stats) or the exception."""
+    out = {}
+    for method in methods:
+        print(f"[trainer_offload] trl: {method}", file=sys.stderr)
+        sub = os.path.join(workdir, f"trl-{method}")
+        os.makedirs(sub)
+        try:
+            out[method] = _run_trl(method, args, device, sub)
+        except Exception as exc:
+            out[method] = exc
+    return out
 
 
 def run(args):
@@ -203,24 +260,23 @@ def run(args):
     for m in methods:
         if m not in METHODS:
             raise SystemExit(f"--methods: {m!r} is not one of {', '.join(METHODS)}")
-    runner = {"trl": _run_trl, "torchtune": _run_torchtune}
+    runner = {"trl": _run_trl_all, "torchtune": _run_torchtune_all}
     rows = []
     with tempfile.TemporaryDirectory(prefix="ebbtide-trainer-", dir=args.path) as workdir:
         for fw in frameworks:
+            results = runner[fw](methods, args, device, workdir)
             ref = None
             for method in methods:
-                print(f"[trainer_offload] {fw}: {method}", file=sys.stderr)
-                sub = os.path.join(workdir, f"{fw}-{method}")
-                os.makedirs(sub)
+                res = results[method]
                 row = dict(framework=fw, method=method)
-                try:
-                    model, meter, stats = runner[fw](method, args, device, sub)
-                except Exception as exc:  # the framework's offloader on a machine it does not support
-                    if method != "framework":
-                        raise
-                    row.update(error=f"{type(exc).__name__}: {exc}".splitlines()[0][:160])
+                if isinstance(res, Exception):
+                    if method != "framework":  # ours and the reference must run
+                        raise res
+                    # The framework's offloader on a machine it does not support.
+                    row.update(error=f"{type(res).__name__}: {res}".splitlines()[0][:160])
                     rows.append(row)
                     continue
+                model, meter, stats = res
                 times, peaks = meter.times[args.warmup:], meter.peaks[args.warmup:]
                 if ref is None:
                     ref = (model, statistics.median(times), max(peaks))
@@ -230,7 +286,6 @@ def run(args):
                            params_equal_none=_params_equal(model, ref[0]),
                            bytes_offloaded=stats["total"]["bytes_offloaded"] if stats else None)
                 rows.append(row)
-                del model
     return dict(model="llama", layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
                 batch=args.batch, accum=args.accum, vocab=args.vocab, steps=args.steps, warmup=args.warmup,
                 device=device.type, threads=torch.get_num_threads(), rows=rows)
