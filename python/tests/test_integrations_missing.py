@@ -25,6 +25,7 @@ def test_torchtune_and_pipeline_import_without_their_frameworks(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchtune", None)
     monkeypatch.setitem(sys.modules, "torchtune.training", None)
     monkeypatch.setitem(sys.modules, "deepspeed", None)
+    monkeypatch.setitem(sys.modules, "deepspeed.runtime.pipe.schedule", None)  # may be imported already
     for name in ("ebbtide.integrations.torchtune", "ebbtide.integrations.pipeline"):
         monkeypatch.delitem(sys.modules, name, raising=False)
         importlib.import_module(name)
