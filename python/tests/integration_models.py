@@ -34,3 +34,44 @@ def assert_changed(a, b):
     pb = dict(b.named_parameters())
     assert any(not torch.equal(p.detach(), pb[n].detach()) for n, p in a.named_parameters()), \
         "training changed no parameter"
+
+
+class one_rank_deepspeed:
+    """A gloo process group of this process alone, set up for DeepSpeed
+    (its environment variables, and no JIT-compiled shared-memory allreduce:
+    a minute of g++ for an optimization DeepSpeed does without). Restores
+    everything on exit."""
+
+    def __init__(self, monkeypatch):
+        self.mp = monkeypatch
+
+    def __enter__(self):
+        import importlib
+
+        import deepspeed
+        import torch.distributed as dist
+
+        self.mp.setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)
+        for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+            self.mp.setenv(k, v)
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+        deepspeed.init_distributed(dist_backend="gloo")
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def deepspeed_pipeline_engine(layers, loss_fn):
+    """A DeepSpeed PipelineEngine of one stage over `layers`: batches of 2 rows,
+    gradient accumulation 2, AdamW lr 1e-2 (inside one_rank_deepspeed)."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    net = PipelineModule(layers=layers, num_stages=1, loss_fn=loss_fn, partition_method="uniform")
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}, "steps_per_print": 10**6}
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    return engine

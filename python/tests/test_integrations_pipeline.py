@@ -7,10 +7,13 @@ instruction schedule (deepspeed.runtime.pipe.schedule.TrainSchedule) for a
 map ebbtide hands the engine (hinted_instruction_map) with a TensorCache.
 Stage 0 runs several forwards before their backwards; after 3 optimizer steps
 the parameters are bitwise those of the same schedule without offloading.
-torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B run for real on
-one stage (gloo, world size 1) with hint_torch_pipeline_stage.
+torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B, and a real
+DeepSpeed PipelineEngine through offload_deepspeed_pipeline, run on one
+stage (gloo, world size 1).
 """
 import collections
+import gc
+import weakref
 
 import pytest
 import torch
@@ -18,7 +21,8 @@ import torch
 schedule = pytest.importorskip("deepspeed.runtime.pipe.schedule")
 transformers = pytest.importorskip("transformers")
 
-from integration_models import VOCAB, assert_changed, assert_same_params, token_rows  # noqa: E402
+from integration_models import (VOCAB, assert_changed, assert_same_params, deepspeed_pipeline_engine,  # noqa: E402
+                                one_rank_deepspeed, token_rows)
 
 import ebbtide  # noqa: E402
 from ebbtide.integrations.pipeline import PipelineHints, hinted_instruction_map  # noqa: E402
@@ -215,3 +219,47 @@ def test_torch_pipelining_hints_bitwise(one_rank_group, schedule_name):
     assert len(set(fwd)) == 6 and sorted(bwd) == sorted(fwd)
     if schedule_name == "ScheduleGPipe":  # every forward of a step before its backwards
         assert [k for k, _ in order[:2]] == ["forward", "forward"]
+
+
+def _lm_loss(logits, ids):
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def _deepspeed_engine_run(offload):
+    """3 train_batch calls of a real DeepSpeed PipelineEngine (one stage, 2
+    micro-batches each) over the GPT-2 split's two parts as its layers."""
+    from ebbtide.integrations.pipeline import offload_deepspeed_pipeline, restore_deepspeed_pipeline
+
+    first, last = _stages()
+    engine = deepspeed_pipeline_engine([first, last], _lm_loss)
+    cache = offload_deepspeed_pipeline(engine, target="cpu", min_bytes=0, keep_last_modules=0) if offload else None
+    rows = token_rows(12)
+    it = iter([(rows[i * 2:(i + 1) * 2], rows[i * 2:(i + 1) * 2]) for i in range(6)])
+    for _ in range(3):
+        engine.train_batch(it)
+    if offload:
+        with pytest.raises(RuntimeError, match="already offloads"):
+            offload_deepspeed_pipeline(engine, cache=cache)
+        # DeepSpeed's parameter hooks keep the engine alive to the end of the
+        # process: let go of the cache.
+        restore_deepspeed_pipeline(engine)
+        assert "train_batch" not in vars(engine) and "_INSTRUCTION_MAP" not in vars(engine)
+    return engine.module, cache
+
+
+def test_deepspeed_pipeline_engine_bitwise(monkeypatch):
+    pytest.importorskip("deepspeed.pipe")
+    with one_rank_deepspeed(monkeypatch):
+        ref, _ = _deepspeed_engine_run(False)
+        got, cache = _deepspeed_engine_run(True)
+    try:
+        assert cache.stats()["steps"] == 3  # one cache step per train_batch
+        assert cache.stats()["total"]["bytes_offloaded"] > 0
+    finally:
+        cache.close()
+    assert_same_params(got, ref)
+    assert_changed(got, torch.nn.Sequential(*_stages()))
+    gone = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert gone() is None, "the engine still holds the cache after restore_deepspeed_pipeline"

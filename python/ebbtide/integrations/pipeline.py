@@ -30,7 +30,8 @@ from typing import Hashable
 
 from ebbtide.integrations import require
 
-__all__ = ["PipelineHints", "hint_torch_pipeline_stage", "hinted_instruction_map", "offload_deepspeed_pipeline"]
+__all__ = ["PipelineHints", "hint_torch_pipeline_stage", "hinted_instruction_map", "offload_deepspeed_pipeline",
+           "restore_deepspeed_pipeline"]
 
 _WHAT = "ebbtide.integrations.pipeline"
 
@@ -130,7 +131,12 @@ def offload_deepspeed_pipeline(engine, target: str = "auto", path=None, *, cache
         cache = TensorCache(target=target, path=path, **cache_kwargs)
     if cache._model_ref is None:
         cache.attach(engine.module)
+    if "_ebbtide_saved" in vars(engine):
+        raise RuntimeError(f"{_WHAT}.offload_deepspeed_pipeline: the engine already offloads; "
+                           "restore_deepspeed_pipeline(engine) first")
     hints = PipelineHints(cache)
+    own = vars(engine)
+    saved = {name: own[name] for name in ("_INSTRUCTION_MAP", "train_batch") if name in own}
     engine._INSTRUCTION_MAP = hinted_instruction_map(engine._INSTRUCTION_MAP, hints)
     train_batch = engine.train_batch
 
@@ -139,7 +145,23 @@ def offload_deepspeed_pipeline(engine, target: str = "auto", path=None, *, cache
             return train_batch(*args, **kwargs)
 
     engine.train_batch = train_batch_offloaded
+    engine._ebbtide_saved = saved
     return cache
+
+
+def restore_deepspeed_pipeline(engine) -> None:
+    """Undoes ``offload_deepspeed_pipeline``: the engine's own instruction map
+    and ``train_batch`` again, and no reference to the cache left on the
+    engine (DeepSpeed engines live as long as their parameters' hooks, often
+    to the end of the process). Does not close the cache. Idempotent."""
+    saved = vars(engine).pop("_ebbtide_saved", None)
+    if saved is None:
+        return
+    for name in ("_INSTRUCTION_MAP", "train_batch"):
+        if name in saved:
+            setattr(engine, name, saved[name])
+        else:
+            vars(engine).pop(name, None)
 
 
 def hint_torch_pipeline_stage(stage, cache) -> PipelineHints:
