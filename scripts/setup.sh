@@ -42,8 +42,11 @@ fi
 stamp="$venv/.ebbtide-requirements"
 if ! cmp -s "$repo/requirements-dev.txt" "$stamp" 2>/dev/null; then
   say "installing requirements-dev.txt"
-  "$py" -m pip install -q -r "$repo/requirements-dev.txt"
+  # The installed torch is a constraint: no requirement may replace it.
+  torch_pin="torch==$("$py" -c 'import torch; print(torch.__version__)')"
+  "$py" -m pip install -q -r "$repo/requirements-dev.txt" -c <(echo "$torch_pin")
   "$py" -m pip install -q --no-deps llm-analysis==0.2.2
+  "$py" -m pip install -q --no-deps torchtune==0.6.1
   cp "$repo/requirements-dev.txt" "$stamp"
 fi
 

@@ -1,0 +1,77 @@
+"""Tiny random-init models and data shared by the test_integrations_* files."""
+import torch
+
+VOCAB = 128
+SEQ = 32
+
+
+def tiny_llama(seed=0):
+    """A 2-layer LlamaForCausalLM, hidden 32, random init (nothing downloaded)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager")
+
+
+def token_rows(n, seed=0):
+    """n rows of SEQ random token ids (no padding)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n, SEQ), generator=g)
+
+
+def assert_same_params(a, b):
+    """Every parameter of module `a` is bitwise equal to the one of the same name in `b`."""
+    pb = dict(b.named_parameters())
+    diff = [name for name, p in a.named_parameters() if not torch.equal(p.detach(), pb[name].detach())]
+    assert not diff, f"parameters differ from the run without offloading: {diff}"
+
+
+def assert_changed(a, b):
+    """Training moved at least one parameter (so equality above is not vacuous)."""
+    pb = dict(b.named_parameters())
+    assert any(not torch.equal(p.detach(), pb[n].detach()) for n, p in a.named_parameters()), \
+        "training changed no parameter"
+
+
+class one_rank_deepspeed:
+    """A gloo process group of this process alone, set up for DeepSpeed
+    (its environment variables, and no JIT-compiled shared-memory allreduce:
+    a minute of g++ for an optimization DeepSpeed does without). Restores
+    everything on exit."""
+
+    def __init__(self, monkeypatch):
+        self.mp = monkeypatch
+
+    def __enter__(self):
+        import importlib
+
+        import deepspeed
+        import torch.distributed as dist
+
+        self.mp.setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)
+        for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+            self.mp.setenv(k, v)
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+        deepspeed.init_distributed(dist_backend="gloo")
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def deepspeed_pipeline_engine(layers, loss_fn):
+    """A DeepSpeed PipelineEngine of one stage over `layers`: batches of 2 rows,
+    gradient accumulation 2, AdamW lr 1e-2 (inside one_rank_deepspeed)."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    net = PipelineModule(layers=layers, num_stages=1, loss_fn=loss_fn, partition_method="uniform")
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}, "steps_per_print": 10**6}
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    return engine
