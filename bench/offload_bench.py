@@ -5,8 +5,8 @@ One model per run, shared by every method; the methods' steps are rotated
 round by round (ebbtide.demo, Note [One model for every method]).
 
 Shapes (--shape; --layers/--hidden/... override any of their numbers):
-  a  GPT-2 style, SDPA attention, 8 layers, hidden 4096, seq 2048, batch 2, bf16
-  b  the same at hidden 8192 with as many layers as fit (--layers auto)
+  a  Llama style (--model llama), SDPA attention, 8 layers, hidden 4096, seq 2048, batch 2, bf16
+  b  GPT-2 style, SDPA attention, hidden 8192, as many layers as fit (--layers auto)
   c  4 layers, hidden 4096, seq 2048, batch 2, eager attention, bf16 (the GPU
      default when no shape is named)
 --compile block compiles each transformer block (as torchtitan does) and
@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 from bench_common import write_result  # noqa: E402
 
 SHAPES = {
-    "a": dict(layers=8, hidden=4096, heads=32, seq=2048, batch=2, attn="sdpa"),
+    "a": dict(layers=8, hidden=4096, heads=32, seq=2048, batch=2, attn="sdpa", model="llama"),
     "b": dict(layers="auto", hidden=8192, heads=64, seq=2048, batch=2, attn="sdpa"),
     "c": dict(layers=4, hidden=4096, heads=32, seq=2048, batch=2, attn="eager"),
 }
@@ -297,8 +297,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--shape", choices=sorted(SHAPES), help="a preset shape (see above)")
-    ap.add_argument("--model", default="gpt2", choices=MODELS,
-                    help="the demo's random-init HF model (default gpt2: the recorded results)")
+    ap.add_argument("--model", default=None, choices=MODELS,
+                    help="the demo's random-init HF model (default: llama for --shape a, else gpt2, the "
+                         "recorded results)")
     ap.add_argument("--layers", help="a number, or auto: as many as fit the device")
     ap.add_argument("--hidden", type=int)
     ap.add_argument("--heads", type=int)
@@ -317,6 +318,8 @@ def main():
     ap.add_argument("--path", default=None, help="directory for SSD files")
     ap.add_argument("--json", default=None, help="write results to this file")
     args = ap.parse_args()
+    if args.model is None:
+        args.model = SHAPES[args.shape].get("model", "gpt2") if args.shape else "gpt2"
 
     import torch
 
@@ -325,7 +328,8 @@ def main():
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = dev.type == "cuda"
     if args.shape:
-        defaults = dict(SHAPES[args.shape], dtype="bf16")
+        defaults = {k: v for k, v in SHAPES[args.shape].items() if k != "model"}
+        defaults["dtype"] = "bf16"
     elif gpu:
         defaults = dict(SHAPES["c"], dtype="bf16")
     else:

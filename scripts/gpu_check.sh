@@ -13,7 +13,7 @@
 #            OFFLOAD_METHODS=a,b,... runs only those methods)
 #   offload2 the same at a shape whose full offload fits PCIe bandwidth (2
 #            layers, hidden 8192, seq 512: about 43 GB/s needed, by the model)
-#   shape_a  bench/offload_bench.py --shape a (GPT-2 style, SDPA, 8 layers,
+#   shape_a  bench/offload_bench.py --shape a (Llama style, SDPA, 8 layers,
 #            hidden 4096, seq 2048), every method, eager blocks
 #   shape_a_compiled  the same with each block compiled (--compile block),
 #            adding torch's compiler offloading (compiler-offload)
