@@ -59,8 +59,19 @@ struct Fixture {
     r.nbytes = buf.size();
     r.microbatch = mb;
     r.offload = offload;
-    return cache->save(r).id;
+    auto res = cache->save(r);
+    done.insert(done.end(), res.done.begin(), res.done.end());  // completions come with saves too
+    return res.id;
   }
+  // Every completion since the last call: those the saves took, then poll()'s.
+  std::vector<Completion> poll() {
+    auto out = std::move(done);
+    done.clear();
+    auto more = cache->poll();
+    out.insert(out.end(), more.begin(), more.end());
+    return out;
+  }
+  std::vector<Completion> done;
   GatedStore* store;
   std::unique_ptr<TensorCache> cache;
 };
@@ -71,7 +82,7 @@ TEST(CacheCore, StoreThenReloadRoundTrips) {
   EntryId id = f.save(data, 11);
   f.cache->drain();
   EXPECT_EQ(f.cache->state(id), EntryState::kStored);
-  auto done = f.cache->poll();
+  auto done = f.poll();
   ASSERT_EQ(done.size(), 1u);
   EXPECT_EQ(done[0].id, id);
   EXPECT_TRUE(done[0].ok);
@@ -108,7 +119,7 @@ TEST(CacheCore, ReuseOfALiveOriginalCountsOncePerEntryAndStep) {
   auto data = test::random_bytes(4096, 3);
   EntryId id = f.save(data, 12);
   f.cache->drain();
-  f.cache->poll();
+  f.poll();
   EXPECT_TRUE(f.cache->reuse(id));
   EXPECT_FALSE(f.cache->reuse(id));  // a second handle of the same entry
   auto s = f.cache->stats();
@@ -139,7 +150,7 @@ TEST(CacheCore, DedupByKeyCountsBytesOnceAndLivesUntilLastHandle) {
   EXPECT_EQ(s.step.saved_bytes_total, 4096u);
   EXPECT_EQ(s.entries, 1u);
   f.cache->drain();
-  f.cache->poll();
+  f.poll();
   // Two handles: the buffer stays until both views were unpacked.
   std::vector<unsigned char> out(data.size());
   ASSERT_EQ(f.cache->request(a), Reload::kNeedBuffer);
@@ -197,7 +208,7 @@ TEST(CacheCore, RequestBeforeStoreStartsForwardsAndCancels) {
   EXPECT_EQ(s.step.tensors_forwarded, 1u);
   EXPECT_EQ(s.step.bytes_discarded, 0u);  // a cancelled store writes nothing
   EXPECT_EQ(s.resident_bytes, x.size() + y.size());  // a not yet polled
-  auto done = f.cache->poll();
+  auto done = f.poll();
   ASSERT_EQ(done.size(), 1u);
   EXPECT_EQ(done[0].id, a);
   EXPECT_EQ(f.cache->stats().resident_bytes, y.size());
@@ -214,7 +225,7 @@ TEST(CacheCore, RequestWhileStoringForwardsAndFreesTheFinishedCopy) {
   f.store->open_gate();
   f.cache->drain();
   EXPECT_EQ(f.cache->state(a), EntryState::kForwarded);
-  EXPECT_TRUE(f.cache->poll().empty());
+  EXPECT_TRUE(f.poll().empty());
   EXPECT_EQ(f.cache->stats().store.blobs, 0u);
   EXPECT_EQ(f.cache->stats().step.bytes_offloaded, 0u);
   EXPECT_EQ(f.cache->stats().step.bytes_discarded, x.size());  // written, never read
@@ -237,7 +248,7 @@ TEST(CacheCore, ReleaseWaitsForARunningStore) {
   f.cache->drain();
   EXPECT_FALSE(f.cache->contains(a));
   EXPECT_EQ(f.cache->stats().store.blobs, 0u);
-  EXPECT_TRUE(f.cache->poll().empty() || !f.cache->contains(a));
+  EXPECT_TRUE(f.poll().empty() || !f.cache->contains(a));
 }
 
 std::vector<EntryId> ids_of(const std::vector<Candidate>& v) {
@@ -256,7 +267,7 @@ TEST(CacheCore, PrefetchGoesInReverseForwardOrderWithinTheWindow) {
     f.cache->scope_end(0, i);
   }
   f.cache->drain();
-  f.cache->poll();
+  f.poll();
   auto p = f.cache->prefetch_scope(0, 4);
   EXPECT_EQ(ids_of(p), (std::vector<EntryId>{ids[4], ids[3]}));
   std::vector<std::vector<unsigned char>> outs(5, std::vector<unsigned char>(100));
@@ -290,7 +301,7 @@ TEST(CacheCore, KeptBytesWithoutEntriesCountTowardsThePrefetchDistance) {
   f.cache->note_kept(0, 300);  // blocks 1..3 kept in the glue
   f.cache->scope_end(0, 3);
   f.cache->drain();
-  f.cache->poll();
+  f.poll();
   EXPECT_TRUE(f.cache->prefetch_scope(0, 3).empty()) << "300 kept bytes ahead of it: beyond the window";
   EXPECT_EQ(ids_of(f.cache->prefetch_scope(0, 0)), (std::vector<EntryId>{id}));
 }
@@ -307,7 +318,7 @@ TEST(CacheCore, ResidentEntriesCountTowardsThePrefetchDistance) {
   save(0);
   save(1);
   f.cache->drain();
-  f.cache->poll();  // 0 and 1 stored
+  f.poll();  // 0 and 1 stored
   f.store->close_gate();
   save(2);
   f.store->wait_puts_started(3);  // 2 is storing
@@ -354,7 +365,7 @@ TEST(CacheCore, BackwardCancelsTheMicroBatchsStoresNotYetStarted) {
   EXPECT_EQ(s.step.tensors_offloaded, 2u);
   EXPECT_EQ(s.store.blobs, 2u);
   EXPECT_EQ(s.resident_bytes, 4 * 100u);  // a and d not polled yet; b, c resident
-  f.cache->poll();
+  f.poll();
   // A new forward of micro-batch 0 (say a retained graph's second forward)
   // stores again, and its backward cancels again.
   f.store->close_gate();
@@ -380,7 +391,7 @@ TEST(CacheCore, MicroBatchRecordsAreSeparate) {
   EntryId b0 = f.save(y0, 3, 1), b1 = f.save(y1, 4, 1);
   f.cache->scope_end(1, 0);
   f.cache->drain();
-  f.cache->poll();
+  f.poll();
   EXPECT_EQ(ids_of(f.cache->prefetch_scope(1, 0)), (std::vector<EntryId>{b1, b0}));
   EXPECT_EQ(ids_of(f.cache->prefetch_before(a1)), (std::vector<EntryId>{a0}));
   EXPECT_TRUE(f.cache->prefetch_scope(7, 0).empty());
@@ -398,7 +409,7 @@ TEST(CacheCore, KeptEntriesAreResidentAndCounted) {
   EXPECT_EQ(s.step.peak_resident_bytes, 800u);
   EXPECT_EQ(s.step.tensors_kept, 1u);
   EXPECT_EQ(s.step.saved_bytes_total, 800u);
-  f.cache->poll();
+  f.poll();
   EXPECT_EQ(f.cache->stats().resident_bytes, 300u);
   f.cache->release(o);
   f.cache->release(k);
@@ -418,7 +429,7 @@ TEST(CacheCore, StoreFailureKeepsTheRestOfTheStepResident) {
   f.cache->drain();
   EXPECT_EQ(f.cache->state(a), EntryState::kStored);
   EXPECT_EQ(f.cache->state(b), EntryState::kFailed);
-  auto done = f.cache->poll();
+  auto done = f.poll();
   ASSERT_EQ(done.size(), 2u);
   EXPECT_TRUE(done[0].ok);
   EXPECT_FALSE(done[1].ok);
@@ -439,7 +450,7 @@ TEST(CacheCore, LoadFailureIsRethrownAndTheEntryStaysStored) {
   auto x = test::random_bytes(100, 1);
   EntryId a = f.save(x, 1);
   f.cache->drain();
-  f.cache->poll();
+  f.poll();
   f.store->fail_gets_ = true;
   std::vector<unsigned char> out(100);
   ASSERT_EQ(f.cache->request(a), Reload::kNeedBuffer);
@@ -489,7 +500,7 @@ TEST(CacheCore, ManyEntriesUnderConcurrentWorkersRoundTrip) {
   for (int i = 0; i < 200; ++i) {
     ids.push_back(f.save(bufs[i], 5000 + i, i % 2));
     if (i % 10 == 9) f.cache->scope_end(i % 2, i / 10);
-    if (i % 7 == 0) f.cache->poll();
+    if (i % 7 == 0) f.poll();
   }
   // Backward: walk each micro-batch in reverse, prefetching as we go; entries
   // whose store had not finished are forwarded.
@@ -498,7 +509,7 @@ TEST(CacheCore, ManyEntriesUnderConcurrentWorkersRoundTrip) {
   for (int mb = 0; mb < 2; ++mb) {
     for (int i = 199; i >= 0; --i) {
       if (i % 2 != mb) continue;
-      f.cache->poll();
+      f.poll();
       EntryId id = ids[i];
       Reload r = f.cache->request(id);
       if (r == Reload::kForward || r == Reload::kResident) {
