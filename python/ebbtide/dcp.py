@@ -143,7 +143,19 @@ def _owned_storage(t):
     return t
 
 
-class EbbtideWriter(StorageWriter, BlockingAsyncStager):
+class _DirectoryId:
+    """A checkpoint is identified by its directory, as with FileSystemWriter/Reader."""
+
+    @property
+    def checkpoint_id(self):
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id):
+        return FileSystem.validate_checkpoint_id(checkpoint_id)
+
+
+class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
     """DCP StorageWriter writing through ebbtide's C++ checkpoint writer.
 
     One file per rank, crash-safe: every rank writes into ``PATH.tmp-*``; the
@@ -285,14 +297,6 @@ class EbbtideWriter(StorageWriter, BlockingAsyncStager):
 
     def storage_meta(self):
         return _md.StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
-
-    @property
-    def checkpoint_id(self):
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id):
-        return FileSystem.validate_checkpoint_id(checkpoint_id)
 
 
 def _test_hook(point):
@@ -467,7 +471,7 @@ class _Shard:
         self.file = file
 
 
-class EbbtideReader(StorageReader):
+class EbbtideReader(_DirectoryId, StorageReader):
     """DCP StorageReader reading through ebbtide's C++ reader. Loads
     checkpoints written by EbbtideWriter (checksums verified, compressed or
     not) and by torch's FileSystemWriter.
@@ -517,14 +521,6 @@ class EbbtideReader(StorageReader):
 
     def prepare_global_plan(self, plans):
         return plans
-
-    @property
-    def checkpoint_id(self):
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id):
-        return FileSystem.validate_checkpoint_id(checkpoint_id)
 
     def read_data(self, plan, planner):
         per_file = {}

@@ -331,15 +331,20 @@ def test_hostile_metadata_gives_clear_errors(tmp_path, writer, monkeypatch):
     case(fifo_data, ValueError, "not a regular file")
 
 
-def test_corrupt_plugin_data_fails_its_checksum(tmp_path):
-    sd = _mixed_state()
-    dcp.save(sd, storage_writer=EbbtideWriter(tmp_path / "c"))
-    md = load_metadata(tmp_path / "c")
-    (si,) = [s for k, s in md.storage_data.items() if k.fqn == "w"]
-    f = tmp_path / "c" / "__0_0.distcp"
+def _flip_a_byte_of(path, fqn):
+    """Flips a byte in the middle of entry `fqn`'s data in checkpoint `path`."""
+    md = load_metadata(path)
+    (si,) = [s for k, s in md.storage_data.items() if k.fqn == fqn]
+    f = path / si.relative_path
     raw = bytearray(f.read_bytes())
     raw[si.offset + si.length // 2] ^= 0xFF
     f.write_bytes(raw)
+
+
+def test_corrupt_plugin_data_fails_its_checksum(tmp_path):
+    sd = _mixed_state()
+    dcp.save(sd, storage_writer=EbbtideWriter(tmp_path / "c"))
+    _flip_a_byte_of(tmp_path / "c", "w")
     with pytest.raises(FAILS, match="crc32c mismatch"):
         _load(tmp_path / "c")
 
@@ -361,12 +366,7 @@ def test_cli_inspect_lists_both_writers_and_reports_damage(tmp_path, capsys):
         assert "torch.distributed.checkpoint" in out and writer in out and " w " in out, out
         assert "all chunk checksums and ranges OK" in out
     # A flipped byte in ebbtide's file fails its chunk's checksum.
-    md = load_metadata(tmp_path / "ebb")
-    (si,) = [s for k, s in md.storage_data.items() if k.fqn == "w"]
-    f = tmp_path / "ebb" / "__0_0.distcp"
-    raw = bytearray(f.read_bytes())
-    raw[si.offset + si.length // 2] ^= 0xFF
-    f.write_bytes(raw)
+    _flip_a_byte_of(tmp_path / "ebb", "w")
     rc, out, err = _inspect(capsys, tmp_path / "ebb")
     assert rc == 1 and "BAD FILE:" in err and "__0_0.distcp" in err, err
     # A FileSystemWriter file cut short: its ranges lie past the end.
