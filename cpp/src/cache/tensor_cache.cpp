@@ -922,6 +922,11 @@ void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream, Gl
   EBB_CHECK_STATE(!closed_, "tensor cache: load on a closed cache");
   Entry& e = find(id, "start_load");
   start_load_locked(e, dst, stream);
+  adopt_buffer_locked(e, std::move(owner), stream);
+}
+
+// The glue's buffer `owner` (allocated on `stream`) holds the entry's reload.
+void TensorCache::adopt_buffer_locked(Entry& e, GlueObj owner, mem::cuda::Stream stream) {
   bury_locked(e.buf);
   e.buf = std::move(owner);
   e.buf_host = false;
@@ -948,11 +953,7 @@ void TensorCache::start_loads(const std::vector<EntryId>& ids,
     } else {
       EBB_CHECK(i < buffers.size() && buffers[i].first != 0, "tensor cache: no buffer for device entry ", e.id);
       start_load_locked(e, reinterpret_cast<void*>(buffers[i].first), stream);
-      bury_locked(e.buf);
-      e.buf = buffers[i].second;
-      e.buf_host = false;
-      e.buf_phase = 0;
-      e.buf_stream = stream;
+      adopt_buffer_locked(e, buffers[i].second, stream);
     }
   }
 }

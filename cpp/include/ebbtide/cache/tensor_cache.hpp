@@ -367,6 +367,7 @@ class TensorCache {
   bool count_reuse_locked(Entry& e);  // Note [Originals still alive]: once per entry and step
   void count_reload_locked(Entry& e);
   void start_load_locked(Entry& e, void* dst, mem::cuda::Stream stream);
+  void adopt_buffer_locked(Entry& e, GlueObj owner, mem::cuda::Stream stream);
   void worker_main(unsigned index);
   void run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Stream>& side);
   void run_load(Lock& lock, EntryId id, std::map<int, mem::cuda::Stream>& side);
