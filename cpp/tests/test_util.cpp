@@ -3,6 +3,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <random>
+#include <set>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -37,18 +39,59 @@ TEST(Config, ParseBytesRejectsGarbageNamingTheSetting) {
 }
 
 TEST(Config, EnvValuesAreValidatedNamingTheVariable) {
-  test::ScopedEnv env("EBBTIDE_TEST_INT", "abc");
+  test::ScopedEnv env("EBBTIDE_CACHE_WORKERS", "abc");
   try {
-    config::env_int("EBBTIDE_TEST_INT", 0, 10);
+    config::env_int("EBBTIDE_CACHE_WORKERS");
     FAIL();
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("EBBTIDE_TEST_INT"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("EBBTIDE_CACHE_WORKERS='abc'"), std::string::npos) << e.what();
   }
-  test::ScopedEnv env2("EBBTIDE_TEST_INT", "7");
-  EXPECT_EQ(config::env_int("EBBTIDE_TEST_INT", 0, 10).value(), 7);
-  test::ScopedEnv env3("EBBTIDE_TEST_INT", "11");
-  EXPECT_THROW(config::env_int("EBBTIDE_TEST_INT", 0, 10), InvalidArgument);
-  EXPECT_FALSE(config::env_int("EBBTIDE_TEST_UNSET_VARIABLE", 0, 10).has_value());
+  test::ScopedEnv env2("EBBTIDE_CACHE_WORKERS", "7");
+  EXPECT_EQ(config::env_int("EBBTIDE_CACHE_WORKERS").value(), 7);
+  test::ScopedEnv env3("EBBTIDE_CACHE_WORKERS", "65");  // the table's range is 1-64
+  EXPECT_THROW(config::env_int("EBBTIDE_CACHE_WORKERS"), InvalidArgument);
+  test::ScopedEnv env4("EBBTIDE_CACHE_WORKERS", "");
+  EXPECT_FALSE(config::env_int("EBBTIDE_CACHE_WORKERS").has_value());
+  test::ScopedEnv env5("EBBTIDE_MAX_WRITE_MBPS", "-1");
+  EXPECT_THROW(config::env_float("EBBTIDE_MAX_WRITE_MBPS"), InvalidArgument);
+  test::ScopedEnv env6("EBBTIDE_IO_BACKEND", " IO_URING ");
+  EXPECT_EQ(config::env_choice("EBBTIDE_IO_BACKEND").value(), "io_uring");
+  test::ScopedEnv env7("EBBTIDE_IO_DIRECT", "maybe");
+  EXPECT_THROW(config::env_bool("EBBTIDE_IO_DIRECT"), InvalidArgument);
+}
+
+TEST(Config, OnlyTableRowsCanBeRead) {
+  // A name outside the table, or read as another kind, is a programming error.
+  EXPECT_THROW(config::env_string("EBBTIDE_NOT_A_SETTING"), std::logic_error);
+  EXPECT_THROW(config::env_bytes("EBBTIDE_CACHE_WORKERS"), std::logic_error);
+  EXPECT_THROW(config::env_int("EBBTIDE_CACHE_WORKERS", 0, 10), std::logic_error);
+  std::set<std::string_view> names;
+  for (const auto& s : config::settings()) {
+    EXPECT_TRUE(s.name.starts_with("EBBTIDE_")) << s.name;
+    EXPECT_TRUE(names.insert(s.name).second) << "twice: " << s.name;
+    EXPECT_FALSE(s.meaning.empty()) << s.name;
+    EXPECT_FALSE(s.default_text.empty()) << s.name;
+    if (s.kind == config::Kind::kChoice) EXPECT_FALSE(s.choices.empty()) << s.name;
+    if (s.kind == config::Kind::kInt || s.kind == config::Kind::kFloat) EXPECT_LT(s.min, s.max) << s.name;
+  }
+}
+
+TEST(Config, ArgumentsAreCheckedAgainstTheSameRow) {
+  using V = config::Value;
+  const char* what = "ebbtide.TensorCache: workers";
+  EXPECT_EQ(std::get<int64_t>(config::check_argument("EBBTIDE_CACHE_WORKERS", V(int64_t{4}), what)), 4);
+  try {
+    config::check_argument("EBBTIDE_CACHE_WORKERS", V(int64_t{0}), what);
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("ebbtide.TensorCache: workers=0"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(config::check_argument("EBBTIDE_CACHE_WORKERS", V(true), what), InvalidArgument);
+  EXPECT_THROW(config::check_argument("EBBTIDE_MIN_BYTES", V(int64_t{-1}), "min_bytes"), InvalidArgument);
+  EXPECT_EQ(std::get<int64_t>(config::check_argument("EBBTIDE_MIN_BYTES", V(std::string("1KiB")), "m")), 1024);
+  EXPECT_EQ(std::get<double>(config::check_argument("EBBTIDE_MAX_WRITE_MBPS", V(int64_t{300}), "m")), 300.0);
+  EXPECT_THROW(config::check_argument("EBBTIDE_MAX_WRITE_MBPS", V(-1.0), "m"), InvalidArgument);
+  EXPECT_THROW(config::check_argument("EBBTIDE_IO_BACKEND", V(std::string("spdk")), "backend"), InvalidArgument);
 }
 
 TEST(Crc32c, KnownVectors) {

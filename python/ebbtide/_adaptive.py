@@ -27,14 +27,13 @@ cleaner compute times but an idle-disk bandwidth that training never sees.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from typing import Optional
 
 import torch
 
-from ebbtide import _core, planner
+from ebbtide import _core, _settings, planner
 
 logger = logging.getLogger("ebbtide")
 
@@ -46,23 +45,6 @@ _MIN_MEASURED_BYTES = 1 << 20
 _CUDA_PREFETCH_MODULES = 4
 _PROBE_BYTES = 8 << 20
 _DEFAULT_HOST_FRACTION = 0.25  # of MemAvailable: auto's host tier when training on CUDA
-
-
-def _env_bytes(name: str) -> Optional[int]:
-    v = os.environ.get(name)
-    if not v:
-        return None
-    return _core.parse_bytes(v, f"environment variable {name}")
-
-
-def _env_float(name: str) -> Optional[float]:
-    v = os.environ.get(name)
-    if not v:
-        return None
-    try:
-        return float(v)
-    except ValueError:
-        raise ValueError(f"environment variable {name}: {v!r} is not a number") from None
 
 
 def _available_memory() -> int:
@@ -82,36 +64,23 @@ def _available_memory() -> int:
 def resolve_settings(target, cuda, adaptive, host_budget_bytes, max_write_mbps):
     """(max_write_bps, host_budget_bytes, adaptive) from arguments, then EBBTIDE_* variables."""
     explicit_cap = max_write_mbps is not None
-    source = "ebbtide.TensorCache: max_write_mbps"
-    if max_write_mbps is None:
-        max_write_mbps = _env_float("EBBTIDE_MAX_WRITE_MBPS")
-        source = "environment variable EBBTIDE_MAX_WRITE_MBPS"
-    if max_write_mbps is not None and (isinstance(max_write_mbps, bool)
-                                       or not isinstance(max_write_mbps, (int, float))
-                                       or not math.isfinite(max_write_mbps) or max_write_mbps < 0):
-        raise ValueError(f"{source}={max_write_mbps!r} must be a number >= 0 (MB/s; 0 = no cap)")
+    max_write_mbps = _settings.resolve("EBBTIDE_MAX_WRITE_MBPS", max_write_mbps,
+                                       "ebbtide.TensorCache: max_write_mbps")
     if target == "cpu" and explicit_cap and max_write_mbps:
         raise ValueError("ebbtide.TensorCache: max_write_mbps caps SSD writes; target 'cpu' writes none "
                          "(use target 'auto' or 'ssd')")
     max_write_bps = float(max_write_mbps or 0) * 1e6 if target != "cpu" else 0.0
-    if host_budget_bytes is None:
-        host_budget_bytes = _env_bytes("EBBTIDE_HOST_BUDGET")
+    host_budget_bytes = _settings.resolve("EBBTIDE_HOST_BUDGET", host_budget_bytes,
+                                          "ebbtide.TensorCache: host_budget_bytes")
     if host_budget_bytes is None:
         # On CPU the activations already live in host memory: a host tier saves nothing.
         host_budget_bytes = int(_available_memory() * _DEFAULT_HOST_FRACTION) if cuda else 0
-    if isinstance(host_budget_bytes, bool) or int(host_budget_bytes) < 0:
-        raise ValueError(f"ebbtide.TensorCache: host_budget_bytes={host_budget_bytes!r} must be >= 0")
     host_budget = int(host_budget_bytes) if target == "auto" else 0
+    adaptive = _settings.resolve("EBBTIDE_ADAPTIVE", adaptive, "ebbtide.TensorCache: adaptive")
     if adaptive is None:
-        env = os.environ.get("EBBTIDE_ADAPTIVE")
-        if env:
-            if env.lower() not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-                raise ValueError(f"environment variable EBBTIDE_ADAPTIVE: {env!r} is not a boolean")
-            adaptive = env.lower() in ("1", "true", "yes", "on")
-        else:
-            # On a GPU every target is planned (Note [Release points]): what
-            # the link cannot copy during the forward stays resident.
-            adaptive = target == "auto" or bool(cuda)
+        # On a GPU every target is planned (Note [Release points]): what
+        # the link cannot copy during the forward stays resident.
+        adaptive = target == "auto" or bool(cuda)
     return max_write_bps, host_budget, bool(adaptive)
 
 

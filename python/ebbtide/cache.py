@@ -20,7 +20,6 @@ streams. See docs/tensor-cache.md for the design and its limits.
 from __future__ import annotations
 
 import contextlib
-import math
 import operator
 import os
 import shutil
@@ -33,7 +32,7 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ebbtide import _core
+from ebbtide import _core, _settings
 from ebbtide._adaptive import _CUDA_PREFETCH_MODULES, Adaptive, resolve_settings, tier_name
 
 __all__ = ["TensorCache", "offload", "release_pooled_stores"]
@@ -48,14 +47,8 @@ _ALL_SCOPES = (1 << 63) - 1
 _LINK_PROBE_BYTES = 256 << 20
 _LINK_BANDWIDTH: dict = {}  # CUDA device index -> (d2h, h2d) bytes/s
 _DEFAULT_WINDOW = 512 * 1024 * 1024
+_DEFAULT_WORKERS = 2
 _TARGETS = ("auto", "ssd", "cpu")
-
-
-def _env_bytes(name: str) -> Optional[int]:
-    v = os.environ.get(name)
-    if not v:
-        return None
-    return _core.parse_bytes(v, f"environment variable {name}")
 
 
 class _KeptCounts:
@@ -257,18 +250,14 @@ class TensorCache:
             raise ValueError(f"ebbtide.TensorCache: target {target!r} is not valid (valid: 'auto', 'ssd', 'cpu')")
         if keep_last_modules < 0:
             raise ValueError(f"ebbtide.TensorCache: keep_last_modules={keep_last_modules} must be >= 0")
-        for name, value, low, high in (("capacity_bytes", capacity_bytes, 0, None),
-                                       ("prefetch_window_bytes", prefetch_window_bytes, 0, None),
-                                       ("max_inflight_bytes", max_inflight_bytes, 0, None),
-                                       ("host_budget_bytes", host_budget_bytes, 0, None),
-                                       ("workers", workers, 1, 64)):
-            if value is not None:
-                _check_int(f"ebbtide.TensorCache: {name}", value, low, high)
-        if min_bytes is None:
-            min_bytes = _env_bytes("EBBTIDE_MIN_BYTES")
-        self.min_bytes = _DEFAULT_MIN_BYTES if min_bytes is None else int(min_bytes)
-        if self.min_bytes < 0:
-            raise ValueError(f"ebbtide.TensorCache: min_bytes={min_bytes} must be >= 0")
+        _check_int("ebbtide.TensorCache: capacity_bytes", capacity_bytes, 0, None)
+        min_bytes = _settings.resolve("EBBTIDE_MIN_BYTES", min_bytes, "ebbtide.TensorCache: min_bytes")
+        prefetch_window_bytes = _settings.resolve("EBBTIDE_PREFETCH_WINDOW", prefetch_window_bytes,
+                                                  "ebbtide.TensorCache: prefetch_window_bytes")
+        max_inflight_bytes = _settings.resolve("EBBTIDE_MAX_INFLIGHT", max_inflight_bytes,
+                                               "ebbtide.TensorCache: max_inflight_bytes")
+        workers = _settings.resolve("EBBTIDE_CACHE_WORKERS", workers, "ebbtide.TensorCache: workers")
+        self.min_bytes = _DEFAULT_MIN_BYTES if min_bytes is None else min_bytes
         self.target = target
         self.capacity_bytes = int(capacity_bytes)
         self.keep_last_modules = int(keep_last_modules)
@@ -290,8 +279,6 @@ class TensorCache:
                 paths = [os.fspath(p) for p in path]
             if not paths:
                 raise ValueError("ebbtide.TensorCache: path is an empty list")
-        if prefetch_window_bytes is None:
-            prefetch_window_bytes = _env_bytes("EBBTIDE_PREFETCH_WINDOW")
         # Note [Prefetch window]: unless given, the window is sized after each
         # forward to the largest block's offloaded bytes. Loads stream at tensor
         # granularity (each unpack refills the window), so one block hides the
@@ -305,17 +292,8 @@ class TensorCache:
                                                                max_write_mbps)
         self.host_budget_bytes = host_budget
         try:
-            if workers is None:
-                w = os.environ.get("EBBTIDE_CACHE_WORKERS")
-                try:
-                    workers = int(w) if w else 2
-                except ValueError:
-                    raise ValueError(f"environment variable EBBTIDE_CACHE_WORKERS: {w!r} is not an integer")
-                if not 1 <= workers <= 64:
-                    raise ValueError(f"environment variable EBBTIDE_CACHE_WORKERS: {w!r} is not in 1..64")
-            if max_inflight_bytes is None:
-                max_inflight_bytes = _env_bytes("EBBTIDE_MAX_INFLIGHT") or 0
-            args = (paths, int(capacity_bytes), int(window), int(workers), bool(cuda), int(max_inflight_bytes))
+            args = (paths, int(capacity_bytes), int(window), workers or _DEFAULT_WORKERS, bool(cuda),
+                    max_inflight_bytes or 0)
             try:
                 self._core = _core.CacheCore(target, *args, host_budget_bytes=host_budget,
                                              max_write_bps=max_write_bps, pooled=bool(_pooled))
@@ -475,8 +453,7 @@ class TensorCache:
     @max_write_mbps.setter
     def max_write_mbps(self, value: float) -> None:
         self._check_open()
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"ebbtide.TensorCache: max_write_mbps={value!r} must be a number >= 0 (MB/s)")
+        value = _core.check_setting("EBBTIDE_MAX_WRITE_MBPS", value, "ebbtide.TensorCache: max_write_mbps")
         self._core.set_write_limit(_core.TIER_SSD, float(value) * 1e6)
         if self._adapt is not None:
             self._adapt.max_write_bps = float(value) * 1e6

@@ -302,10 +302,10 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
 def _test_hook(point):
     """Crash tests: EBBTIDE_DCP_TEST_PARK=<point> parks the saving process at
     `point` (after writing a file <tmp>/PARKED) until it is killed."""
-    if os.environ.get("EBBTIDE_DCP_TEST_PARK") == point:
+    if _core.env_setting("EBBTIDE_DCP_TEST_PARK") == point:
         import time
 
-        marker = os.environ["EBBTIDE_DCP_TEST_PARK_MARKER"]
+        marker = _core.env_setting("EBBTIDE_DCP_TEST_PARK_MARKER")
         with open(marker, "w") as f:
             f.write(point)
         while True:

@@ -1,5 +1,7 @@
 // Errors, logging and small utilities shared by every area.
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+#include <nanobind/stl/vector.h>
 
 #include "bind.hpp"
 #include "ebbtide/util/config.hpp"
@@ -31,6 +33,20 @@ void raise_os_error(PyObject* type, const ebbtide::IoError& e) {
   Py_XDECREF(off);
   PyErr_SetObject(type, exc);
   Py_DECREF(exc);
+}
+
+// Python value -> config::Value (bool before int: bool is an int in Python).
+ebbtide::config::Value to_value(nb::handle v) {
+  if (nb::isinstance<nb::bool_>(v)) return nb::cast<bool>(v);
+  if (nb::isinstance<nb::int_>(v)) return nb::cast<int64_t>(v);
+  if (nb::isinstance<nb::float_>(v)) return nb::cast<double>(v);
+  if (nb::isinstance<nb::str>(v)) return nb::cast<std::string>(v);
+  throw ebbtide::InvalidArgument("a setting's value must be a bool, int, float or str, not " +
+                                 nb::cast<std::string>(nb::str(v.type())));
+}
+
+nb::object to_python(const ebbtide::config::Value& v) {
+  return std::visit([](const auto& x) -> nb::object { return nb::cast(x); }, v);
 }
 
 }  // namespace
@@ -70,6 +86,29 @@ EBB_BIND(util, 0) {
     return ebbtide::config::parse_bytes(s, what);
   }, nb::arg("text"), nb::arg("what") = "size");
   m.def("format_bytes", &ebbtide::config::format_bytes);
+
+  using ebbtide::config::Setting;
+  nb::class_<Setting>(m, "Setting", "One EBBTIDE_* setting: a row of the core's settings table.")
+      .def_prop_ro("name", [](const Setting& s) { return std::string(s.name); })
+      .def_prop_ro("kind", [](const Setting& s) { return std::string(ebbtide::config::to_string(s.kind)); })
+      .def_prop_ro("section", [](const Setting& s) { return std::string(s.section); })
+      .def_prop_ro("default", [](const Setting& s) { return std::string(s.default_text); })
+      .def_prop_ro("meaning", [](const Setting& s) { return std::string(s.meaning); })
+      .def_ro("min", &Setting::min)
+      .def_ro("max", &Setting::max)
+      .def_prop_ro("choices", [](const Setting& s) {
+        return std::vector<std::string>(s.choices.begin(), s.choices.end());
+      });
+  m.def("settings", &ebbtide::config::settings, nb::rv_policy::reference,
+        "Every EBBTIDE_* setting, in documentation order.");
+  m.def("env_setting", [](const std::string& name) -> nb::object {
+    auto v = ebbtide::config::env_value(name);
+    return v ? to_python(*v) : nb::none();
+  }, nb::arg("name"), "The variable's value parsed as its kind; None when unset; ValueError naming it when bad.");
+  m.def("check_setting", [](const std::string& name, nb::handle value, const std::string& what) {
+    return to_python(ebbtide::config::check_argument(name, to_value(value), what));
+  }, nb::arg("name"), nb::arg("value"), nb::arg("what"),
+     "An argument backing setting `name`, checked against its row; ValueError naming `what` when bad.");
   m.def("crc32c", [](nb::bytes data, uint32_t crc) {
     return ebbtide::crc32c(data.c_str(), data.size(), crc);
   }, nb::arg("data"), nb::arg("crc") = 0);

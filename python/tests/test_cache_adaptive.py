@@ -258,7 +258,7 @@ def test_auto_without_ssd_degrades_to_host(tmp_path):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(target="nvme"), "valid: 'auto', 'ssd', 'cpu'"),
-    (dict(max_write_mbps=-1), "max_write_mbps=-1 must be a number >= 0"),
+    (dict(max_write_mbps=-1), "ebbtide.TensorCache: max_write_mbps=-1 must be >= 0"),
     (dict(max_write_mbps=float("nan")), "max_write_mbps"),
     (dict(max_write_mbps="fast"), "max_write_mbps='fast' must be a number"),
     (dict(target="cpu", max_write_mbps=10), "caps SSD writes"),
@@ -270,10 +270,12 @@ def test_bad_settings(tmp_path, kwargs, match):
 
 
 @pytest.mark.parametrize("var, value, match", [
-    ("EBBTIDE_MAX_WRITE_MBPS", "fast", "EBBTIDE_MAX_WRITE_MBPS: 'fast' is not a number"),
-    ("EBBTIDE_MAX_WRITE_MBPS", "-3", "variable EBBTIDE_MAX_WRITE_MBPS=-3.0 must be a number >= 0"),
-    ("EBBTIDE_ADAPTIVE", "maybe", "EBBTIDE_ADAPTIVE: 'maybe' is not a boolean"),
-    ("EBBTIDE_HOST_BUDGET", "lots", "EBBTIDE_HOST_BUDGET"),
+    ("EBBTIDE_MAX_WRITE_MBPS", "fast", "variable EBBTIDE_MAX_WRITE_MBPS='fast' is not a number"),
+    ("EBBTIDE_MAX_WRITE_MBPS", "-3", "variable EBBTIDE_MAX_WRITE_MBPS=-3 must be >= 0"),
+    ("EBBTIDE_ADAPTIVE", "maybe", "variable EBBTIDE_ADAPTIVE='maybe' is not a boolean"),
+    ("EBBTIDE_HOST_BUDGET", "lots", "variable EBBTIDE_HOST_BUDGET: 'lots' is not a size"),
+    ("EBBTIDE_CACHE_WORKERS", "0", r"variable EBBTIDE_CACHE_WORKERS=0 is out of range \[1, 64\]"),
+    ("EBBTIDE_MIN_BYTES", "-5", "variable EBBTIDE_MIN_BYTES: '-5' is not a size"),
 ])
 def test_bad_env(tmp_path, monkeypatch, var, value, match):
     monkeypatch.setenv(var, value)

@@ -279,7 +279,7 @@ std::string_view to_string(Reload r) {
 CacheOptions CacheOptions::with_env() const {
   CacheOptions o = *this;
   if (auto v = config::env_bytes("EBBTIDE_PREFETCH_WINDOW")) o.prefetch_window_bytes = *v;
-  if (auto v = config::env_int("EBBTIDE_CACHE_WORKERS", 1, 64)) o.workers = static_cast<unsigned>(*v);
+  if (auto v = config::env_int("EBBTIDE_CACHE_WORKERS")) o.workers = static_cast<unsigned>(*v);
   if (auto v = config::env_bytes("EBBTIDE_MAX_INFLIGHT")) o.max_inflight_bytes = *v;
   if (auto v = config::env_bytes("EBBTIDE_DEVICE_INFLIGHT")) o.device_inflight_bytes = *v;
   if (auto v = config::env_bytes("EBBTIDE_STAGING_BYTES")) o.staging_bytes = *v;

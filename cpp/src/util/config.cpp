@@ -4,7 +4,10 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <cerrno>
 #include <cstdlib>
+#include <sstream>
+#include <stdexcept>
 
 #include "ebbtide/util/error.hpp"
 
@@ -66,52 +69,186 @@ std::string format_bytes(double bytes) {
   return buf;
 }
 
-std::optional<std::string> env_string(const char* name) {
-  const char* v = std::getenv(name);
+namespace {
+
+// The row for `name`, which must have kind `kind` (std::logic_error otherwise).
+const Setting& row(std::string_view name, Kind kind) {
+  const Setting& s = setting(name);
+  if (s.kind != kind)
+    throw std::logic_error("ebbtide: setting " + std::string(name) + " is read as " + std::string(to_string(kind)) +
+                           " but the table says " + std::string(to_string(s.kind)));
+  return s;
+}
+
+std::string variable(std::string_view name) { return "environment variable " + std::string(name); }
+
+int64_t parse_int(const Setting& s, const std::string& text, std::string_view what) {
+  std::string t = trim(text);
+  char* end = nullptr;
+  errno = 0;
+  long long x = std::strtoll(t.c_str(), &end, 10);
+  EBB_CHECK(errno == 0 && !t.empty() && *end == '\0', what, "='", text, "' is not an integer");
+  return x;
+}
+
+void check_range(const Setting& s, double x, std::string_view what, std::string_view shown) {
+  EBB_CHECK(std::isfinite(x), what, "=", shown, " is not a finite number");
+  if (s.max >= 1e18) EBB_CHECK(x >= s.min, what, "=", shown, " must be >= ", s.min);
+  else EBB_CHECK(x >= s.min && x <= s.max, what, "=", shown, " is out of range [", s.min, ", ", s.max, "]");
+}
+
+std::string check_choice(const Setting& s, const std::string& text, std::string_view what) {
+  std::string t = lower(trim(text));
+  for (const auto& c : s.choices)
+    if (t == c) return t;
+  std::string valid;
+  for (const auto& c : s.choices) valid += (valid.empty() ? "" : ", ") + std::string(c);
+  EBB_CHECK(false, what, "='", text, "' is not valid (valid: ", valid, ")");
+  return t;
+}
+
+std::optional<bool> parse_bool(const std::string& text) {
+  std::string t = lower(trim(text));
+  if (t == "1" || t == "true" || t == "yes" || t == "on") return true;
+  if (t == "0" || t == "false" || t == "no" || t == "off") return false;
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<std::string> env_string(std::string_view name) {
+  setting(name);
+  const char* v = std::getenv(std::string(name).c_str());
   if (v == nullptr || *v == '\0') return std::nullopt;
   return std::string(v);
 }
 
-std::optional<uint64_t> env_bytes(const char* name) {
+std::optional<uint64_t> env_bytes(std::string_view name) {
+  row(name, Kind::kBytes);
   auto v = env_string(name);
   if (!v) return std::nullopt;
-  return parse_bytes(*v, std::string("environment variable ") + name);
+  return parse_bytes(*v, variable(name));
 }
 
-std::optional<int64_t> env_int(const char* name, int64_t min_value, int64_t max_value) {
+std::optional<int64_t> env_int(std::string_view name) {
+  const Setting& s = row(name, Kind::kInt);
+  auto v = env_string(name);
+  if (!v) return std::nullopt;
+  int64_t x = parse_int(s, *v, variable(name));
+  check_range(s, static_cast<double>(x), variable(name), std::to_string(x));
+  return x;
+}
+
+std::optional<double> env_float(std::string_view name) {
+  const Setting& s = row(name, Kind::kFloat);
   auto v = env_string(name);
   if (!v) return std::nullopt;
   std::string t = trim(*v);
   char* end = nullptr;
-  errno = 0;
-  long long x = std::strtoll(t.c_str(), &end, 10);
-  EBB_CHECK(errno == 0 && end != t.c_str() && *end == '\0', "environment variable ", name, "='", *v,
-            "' is not an integer");
-  EBB_CHECK(x >= min_value && x <= max_value, "environment variable ", name, "=", x,
-            " is out of range [", min_value, ", ", max_value, "]");
+  double x = std::strtod(t.c_str(), &end);
+  EBB_CHECK(!t.empty() && *end == '\0', variable(name), "='", *v, "' is not a number");
+  check_range(s, x, variable(name), t);
   return x;
 }
 
-std::optional<bool> env_bool(const char* name) {
+std::optional<bool> env_bool(std::string_view name) {
+  row(name, Kind::kBool);
   auto v = env_string(name);
   if (!v) return std::nullopt;
-  std::string t = lower(trim(*v));
-  if (t == "1" || t == "true" || t == "yes" || t == "on") return true;
-  if (t == "0" || t == "false" || t == "no" || t == "off") return false;
-  EBB_CHECK(false, "environment variable ", name, "='", *v, "' is not a boolean (use 1/0, true/false, on/off)");
-  return false;
+  auto b = parse_bool(*v);
+  EBB_CHECK(b.has_value(), variable(name), "='", *v, "' is not a boolean (use 1/0, true/false, on/off)");
+  return b;
 }
 
-std::optional<std::string> env_choice(const char* name, const std::vector<std::string>& choices) {
+std::optional<std::string> env_choice(std::string_view name) {
+  const Setting& s = row(name, Kind::kChoice);
   auto v = env_string(name);
   if (!v) return std::nullopt;
-  std::string t = lower(trim(*v));
-  for (const auto& c : choices)
-    if (t == c) return t;
-  std::string valid;
-  for (const auto& c : choices) valid += (valid.empty() ? "" : ", ") + c;
-  EBB_CHECK(false, "environment variable ", name, "='", *v, "' is not valid (valid: ", valid, ")");
+  return check_choice(s, *v, variable(name));
+}
+
+std::optional<int64_t> env_int(std::string_view name, int64_t min_value, int64_t max_value) {
+  const Setting& s = row(name, Kind::kInt);
+  if (s.min != static_cast<double>(min_value) || s.max != static_cast<double>(max_value))
+    throw std::logic_error("ebbtide: the range of " + std::string(name) + " differs from the table's");
+  return env_int(name);
+}
+
+std::optional<std::string> env_choice(std::string_view name, const std::vector<std::string>& choices) {
+  const Setting& s = row(name, Kind::kChoice);
+  if (choices.size() != s.choices.size() || !std::equal(choices.begin(), choices.end(), s.choices.begin()))
+    throw std::logic_error("ebbtide: the choices of " + std::string(name) + " differ from the table's");
+  return env_choice(name);
+}
+
+std::optional<Value> env_value(std::string_view name) {
+  switch (setting(name).kind) {
+    case Kind::kBytes:
+      if (auto v = env_bytes(name)) return Value(static_cast<int64_t>(*v));
+      return std::nullopt;
+    case Kind::kInt:
+      if (auto v = env_int(name)) return Value(*v);
+      return std::nullopt;
+    case Kind::kFloat:
+      if (auto v = env_float(name)) return Value(*v);
+      return std::nullopt;
+    case Kind::kBool:
+      if (auto v = env_bool(name)) return Value(*v);
+      return std::nullopt;
+    case Kind::kChoice:
+      if (auto v = env_choice(name)) return Value(*v);
+      return std::nullopt;
+    case Kind::kText:
+      if (auto v = env_string(name)) return Value(*v);
+      return std::nullopt;
+  }
   return std::nullopt;
+}
+
+namespace {
+
+// A value as Python would print it, for error messages.
+std::string shown(const Value& value) {
+  if (const auto* b = std::get_if<bool>(&value)) return *b ? "True" : "False";
+  if (const auto* i = std::get_if<int64_t>(&value)) return std::to_string(*i);
+  if (const auto* t = std::get_if<std::string>(&value)) return "'" + *t + "'";
+  std::ostringstream out;
+  out << std::get<double>(value);
+  return out.str();
+}
+
+}  // namespace
+
+Value check_argument(std::string_view name, const Value& value, std::string_view what) {
+  const Setting& s = setting(name);
+  const auto* i = std::get_if<int64_t>(&value);
+  const auto* d = std::get_if<double>(&value);
+  const auto* t = std::get_if<std::string>(&value);
+  const std::string v = shown(value);
+  switch (s.kind) {
+    case Kind::kBytes:
+      if (t) return Value(static_cast<int64_t>(parse_bytes(*t, what)));
+      EBB_CHECK(i != nullptr && *i >= 0, what, "=", v, " must be >= 0 (a whole number of bytes)");
+      return value;
+    case Kind::kInt:
+      EBB_CHECK(i != nullptr, what, "=", v, " must be an integer");
+      check_range(s, static_cast<double>(*i), what, v);
+      return value;
+    case Kind::kFloat:
+      EBB_CHECK(i != nullptr || d != nullptr, what, "=", v, " must be a number");
+      check_range(s, i ? static_cast<double>(*i) : *d, what, v);
+      return Value(i ? static_cast<double>(*i) : *d);
+    case Kind::kBool:
+      EBB_CHECK(std::holds_alternative<bool>(value), what, "=", v, " must be True or False");
+      return value;
+    case Kind::kChoice:
+      EBB_CHECK(t != nullptr, what, "=", v, " must be a string");
+      return Value(check_choice(s, *t, what));
+    case Kind::kText:
+      EBB_CHECK(t != nullptr, what, "=", v, " must be a string");
+      return value;
+  }
+  return value;
 }
 
 }  // namespace ebbtide::config

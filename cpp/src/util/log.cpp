@@ -17,7 +17,7 @@ struct State {
 };
 
 Level parse_env_level() {
-  auto v = config::env_choice("EBBTIDE_LOG_LEVEL", {"error", "warn", "info", "debug"});
+  auto v = config::env_choice("EBBTIDE_LOG_LEVEL");
   if (!v) return Level::kWarn;
   if (*v == "error") return Level::kError;
   if (*v == "info") return Level::kInfo;
