@@ -188,7 +188,7 @@ size_t release_pooled() {
 
 }  // namespace
 
-EBB_BIND(cache, 30) {
+void ebbtide::py::bind_cache(nb::module_& m) {
   nb::dict(m.attr("build_info"))["cache_ssd"] = true;
   // Test hooks for target "ssd" (Note [Fault injection] in io/engine.cpp).
   m.def("cache_inject_write_fault", &ebbtide::io::inject_write_fault, nb::arg("dir"), nb::arg("after_bytes"),

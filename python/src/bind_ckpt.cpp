@@ -34,7 +34,7 @@ nb::dict result_dict(const SaveResult& r) {
 
 }  // namespace
 
-EBB_BIND(ckpt, 30) {
+void ebbtide::py::bind_ckpt(nb::module_& m) {
   m.attr("CKPT_FORMAT_VERSION") = kFormatVersion;
   m.def("ckpt_have_zstd", &have_zstd);
 

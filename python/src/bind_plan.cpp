@@ -305,7 +305,7 @@ std::vector<ModuleProfile> modules_from(const nb::list& items) {
 
 }  // namespace
 
-EBB_BIND(plan, 40) {
+void ebbtide::py::bind_plan(nb::module_& m) {
   m.def("plan_normalize_config", [](const nb::dict& d) { return config_dict(config_from(d)); },
         "Validates a model-config dict and fills the defaults.");
   m.def("plan_activation_bytes", [](const nb::dict& d) { return activation_dict(activation_bytes(config_from(d))); },
