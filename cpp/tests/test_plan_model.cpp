@@ -372,3 +372,26 @@ TEST(PlanModel, LlamaValidation) {
   e = error_of([] { parse_family("bloom"); });
   EXPECT_NE(e.find("valid: gpt2, llama"), std::string::npos) << e;
 }
+
+TEST(PlanModel, NormalizedWritesOutTheDefaultsAndComputesTheSame) {
+  ModelConfig enc_dec = base();
+  enc_dec.arch = Arch::kEncoderDecoder;
+  enc_dec.layers = 12;
+  ModelConfig moe = tiny_llama(2, true);
+  moe.kv_heads = 0;
+  moe.experts = 4;
+  moe.top_k = 2;
+  for (const ModelConfig& c : {base(), enc_dec, tiny_llama(2, true), moe}) {
+    const ModelConfig n = normalized(c);
+    validate(n);
+    EXPECT_EQ(n.ffn_hidden, c.ffn());
+    EXPECT_EQ(n.decoder_layers, c.cross_layers());
+    EXPECT_DOUBLE_EQ(activation_bytes(n).per_step, activation_bytes(c).per_step);
+    EXPECT_DOUBLE_EQ(flops(n).step, flops(c).step);
+    EXPECT_DOUBLE_EQ(parameter_count(n), parameter_count(c));
+  }
+  EXPECT_EQ(normalized(enc_dec).decoder_layers, 12);
+  EXPECT_EQ(normalized(base()).kv_heads, 0);  // a gpt2 setting it is not
+  EXPECT_EQ(normalized(moe).kv_heads, 4);
+  EXPECT_EQ(normalized(moe).expert_ffn_hidden, 96);
+}

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ebbtide import _core
+from ebbtide._records import as_dict, make
 
 __all__ = [
     "activation_bytes",
@@ -32,18 +33,27 @@ __all__ = [
 ]
 
 
-def _config(config: Mapping[str, Any] | None, kwargs: dict) -> dict:
+def _dtype(value: Any) -> tuple[str, int]:
+    if not isinstance(value, str):
+        raise ValueError(f"model setting 'dtype' must be a string, got {value!r}")
+    return "bytes_per_element", _core.plan_dtype_bytes(value)
+
+
+def _config(config: Mapping[str, Any] | None, kwargs: dict):
+    """The validated ``_core.ModelConfig`` of a config dict and keyword overrides."""
     merged = dict(config or {})
     merged.update(kwargs)
     merged.pop("attention_inner", None)  # informational key from config_from_hf
     if "arch" in merged and isinstance(merged["arch"], str):
         merged["arch"] = merged["arch"].replace("_", "-")
-    return merged
+    record = make(_core.ModelConfig, merged, "model", aliases={"dtype": _dtype})
+    record.validate()
+    return record
 
 
 def normalize_config(config: Mapping[str, Any] | None = None, **kwargs) -> dict:
     """The config with defaults filled in; ValueError names a bad setting."""
-    return _core.plan_normalize_config(_config(config, kwargs))
+    return as_dict(_config(config, kwargs).normalized())
 
 
 def activation_bytes(config: Mapping[str, Any] | None = None, **kwargs) -> dict:
@@ -54,12 +64,12 @@ def activation_bytes(config: Mapping[str, Any] | None = None, **kwargs) -> dict:
     ``activation_bytes(layers=24, hidden=2048, heads=16, seq=2048, batch=8,
     flash_attn=False)`` or ``activation_bytes(config_dict, batch=8)``.
     """
-    return _core.plan_activation_bytes(_config(config, kwargs))
+    return as_dict(_core.plan_activation_bytes(_config(config, kwargs)))
 
 
 def flops(config: Mapping[str, Any] | None = None, **kwargs) -> dict:
     """Forward FLOPs per layer and per step (all GPUs together), recompute, step = 3x forward + recompute."""
-    return _core.plan_flops(_config(config, kwargs))
+    return as_dict(_core.plan_flops(_config(config, kwargs)))
 
 
 def parameter_count(config: Mapping[str, Any] | None = None, **kwargs) -> float:
@@ -69,24 +79,31 @@ def parameter_count(config: Mapping[str, Any] | None = None, **kwargs) -> float:
 def plan(config: Mapping[str, Any] | None = None, *, gpu: str = "h100-sxm", ssd: str = "d7-p5620",
          ssds: int = 1, mfu: float = 0.5, write_amplification: float = 1.0, **kwargs) -> dict:
     """Everything ``ebbtide plan`` reports, as a dict (see docs/model.md for each key)."""
-    return _core.plan_report(_config(config, kwargs), gpu, ssd, ssds, mfu, write_amplification)
+    report = _core.plan_report(_config(config, kwargs), gpu, ssd, ssds, mfu, write_amplification)
+    return as_dict(report)
 
 
 def gpus() -> list[dict]:
     """The GPU catalog: name, description, peak_bf16_tflops, peak_tf32_tflops, memory_gb, pcie_gbps."""
-    return _core.plan_gpus()
+    return as_dict(_core.plan_gpus())
 
 
 def ssds() -> list[dict]:
     """The SSD catalog: name, description, capacity_tb, dwpd, warranty_years, pbw,
     seq_write_gbps, seq_read_gbps."""
-    return _core.plan_ssds()
+    return as_dict(_core.plan_ssds())
+
+
+# The config keys a catalog entry shows (seq, batch, dtype and parallelism are the caller's).
+_CATALOG_KEYS = ("family", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
+                 "qkv_bias", "tied_embeddings", "experts", "top_k")
 
 
 def models() -> list[dict]:
     """The model catalog (published shapes): name, description, family, layers, hidden,
     heads, kv_heads, ffn_hidden, vocab, qkv_bias, tied_embeddings, experts, top_k."""
-    return _core.plan_models()
+    return [{"name": m.name, "description": m.description,
+             **{k: getattr(m.config, k) for k in _CATALOG_KEYS}} for m in _core.plan_models()]
 
 
 def catalog_config(name: str) -> dict:

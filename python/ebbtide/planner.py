@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 from ebbtide import _core
+from ebbtide._records import as_dict, make
 
 __all__ = ["plan_offload", "needs_replan", "PLACEMENTS"]
 
@@ -46,9 +47,10 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
         host_budget_bytes = 0
     elif target == "cpu":
         write_bps = read_bps = 0.0
+    # Checked here to name the argument: the core sees max_write_bps, in bytes/s.
     if max_write_mbps is not None and max_write_mbps < 0:
         raise ValueError(f"planner setting 'max_write_mbps' must be >= 0, got {max_write_mbps}")
-    options = {
+    options = make(_core.PlannerOptions, {
         "write_bps": float(write_bps),
         "read_bps": float(read_bps),
         "max_write_bps": float(max_write_mbps) * 1e6 if max_write_mbps else 0.0,
@@ -60,11 +62,19 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
         "prefetch_modules": int(prefetch_modules),
         "stall_tolerance_seconds": float(stall_tolerance_seconds),
         "replan_fraction": float(replan_fraction),
-        "writes_within_forward": int(bool(writes_within_forward)),
-    }
-    if int(host_budget_bytes) < 0:
-        raise ValueError(f"planner setting 'host_budget_bytes' must be >= 0, got {host_budget_bytes}")
-    return _core.plan_offload([dict(m) for m in modules], options)
+        "writes_within_forward": bool(writes_within_forward),
+    }, "planner")
+    profiles = [_module(i, dict(m)) for i, m in enumerate(modules)]
+    return as_dict(_core.plan_offload(profiles, options))
+
+
+def _module(i: int, m: dict):
+    name = str(m["name"]) if "name" in m else f"module{i}"
+    for key in ("forward_seconds", "bytes"):
+        if key not in m:
+            raise ValueError(f"module {i} ('{name}') lacks '{key}'")
+    fields = {"name": name, "forward_seconds": m["forward_seconds"], "bytes": m["bytes"]}
+    return make(_core.ModuleProfile, fields, f"module {i} ('{name}')")
 
 
 def needs_replan(plan: Mapping[str, Any], measured_write_bps: float) -> bool:

@@ -1,28 +1,22 @@
-// Registration of binding areas. Each python/src/bind_<area>.cpp declares
-//   EBB_BIND(area, order) { ... m.def(...) ... }
-// and module.cpp runs them in `order` (lower first: errors before users of
-// them). This keeps areas independent: adding one edits no shared file.
+// Binding areas of ebbtide._core. Each python/src/bind_<area>.cpp defines one
+// bind_<area>(m); module.cpp calls them in a fixed order.
 #pragma once
 
 #include <nanobind/nanobind.h>
-
-#include <functional>
 
 namespace ebbtide::py {
 
 namespace nb = nanobind;
 
-using BindFn = void (*)(nb::module_&);
-struct BindRegistrar {
-  BindRegistrar(const char* name, int order, BindFn fn);
-};
+void bind_util(nb::module_& m);
+void bind_mem(nb::module_& m);
+void bind_io(nb::module_& m);
+void bind_cache(nb::module_& m);
+void bind_ckpt(nb::module_& m);
+void bind_safetensors(nb::module_& m);
+void bind_plan(nb::module_& m);
 
 // Releases the GIL in a scope (blocking C++ calls).
 using gil_release = nb::gil_scoped_release;
 
 }  // namespace ebbtide::py
-
-#define EBB_BIND(area, order)                                                      \
-  static void ebb_bind_##area(::nanobind::module_& m);                             \
-  static ::ebbtide::py::BindRegistrar ebb_bind_registrar_##area(#area, order, &ebb_bind_##area); \
-  static void ebb_bind_##area([[maybe_unused]] ::nanobind::module_& m)

@@ -47,30 +47,6 @@ ebbtide::mem::cuda::Driver* cuda_driver(bool want) {
   return want ? ebbtide::mem::cuda::driver() : nullptr;
 }
 
-std::unique_ptr<Store> make_store(const std::string& target, const std::vector<std::string>& paths,
-                                  uint64_t capacity_bytes, uint64_t host_budget_bytes, double max_write_bps,
-                                  ebbtide::mem::cuda::Driver* drv) {
-  if (target != "cpu" && target != "ssd" && target != "auto")
-    throw ebbtide::InvalidArgument("tensor cache: target '" + target + "' is not valid (valid: auto, ssd, cpu)");
-  TieredStoreOptions t;
-  if (target == "cpu" || target == "auto") {
-    HostStoreOptions o;
-    o.capacity_bytes = target == "cpu" ? capacity_bytes : host_budget_bytes;
-    o.driver = drv;
-    // auto with no host budget: the SSD alone.
-    if (target == "cpu" || host_budget_bytes > 0) t.cpu = make_host_store(o);
-  }
-  if (target == "ssd" || target == "auto") {
-    SsdStoreOptions o;
-    o.dirs = paths;
-    o.capacity_bytes = capacity_bytes;
-    o.cuda = drv != nullptr;  // a CPU-training cache never initialises CUDA
-    t.ssd = make_ssd_store(o);
-    t.ssd_max_write_bps = max_write_bps;
-  }
-  return make_tiered_store(std::move(t));
-}
-
 nb::list tiers_list(const StoreStats& s) {
   nb::list out;
   const char* names[kTiers] = {"cpu", "ssd"};
@@ -188,7 +164,7 @@ size_t release_pooled() {
 
 }  // namespace
 
-EBB_BIND(cache, 30) {
+void ebbtide::py::bind_cache(nb::module_& m) {
   nb::dict(m.attr("build_info"))["cache_ssd"] = true;
   // Test hooks for target "ssd" (Note [Fault injection] in io/engine.cpp).
   m.def("cache_inject_write_fault", &ebbtide::io::inject_write_fault, nb::arg("dir"), nb::arg("after_bytes"),
@@ -221,7 +197,7 @@ EBB_BIND(cache, 30) {
                for (const auto& p : paths) key += "|" + p;
                store = take_pooled(key);
              }
-             if (!store) store = make_store(target, paths, capacity_bytes, host_budget_bytes, max_write_bps, drv);
+             if (!store) store = make_store({target, paths, capacity_bytes, host_budget_bytes, max_write_bps, drv});
              CacheOptions co;
              co.prefetch_window_bytes = prefetch_window_bytes;
              co.workers = workers;

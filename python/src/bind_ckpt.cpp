@@ -9,6 +9,7 @@
 #include "bind.hpp"
 #include "ebbtide/ckpt/codec.hpp"
 #include "ebbtide/ckpt/reader.hpp"
+#include "ebbtide/ckpt/stripes.hpp"
 #include "ebbtide/ckpt/writer.hpp"
 #include "ebbtide/util/error.hpp"
 
@@ -34,7 +35,7 @@ nb::dict result_dict(const SaveResult& r) {
 
 }  // namespace
 
-EBB_BIND(ckpt, 30) {
+void ebbtide::py::bind_ckpt(nb::module_& m) {
   m.attr("CKPT_FORMAT_VERSION") = kFormatVersion;
   m.def("ckpt_have_zstd", &have_zstd);
 
@@ -118,29 +119,17 @@ EBB_BIND(ckpt, 30) {
         nb::list out;
         const auto& h = r.header();
         for (const auto& b : h.blobs) {
+          const BlobExtent e = blob_extent(h, b);
           nb::dict d;
-          uint64_t stored = 0;
-          nb::dict codecs;
-          for (uint32_t k = 0; k < b.chunk_count; ++k) {
-            const auto& c = h.chunks[b.first_chunk + k];
-            stored += c.stored_bytes;
-          }
           d["name"] = b.name;
           d["nbytes"] = b.nbytes;
-          d["stored_bytes"] = stored;
+          d["stored_bytes"] = e.stored_bytes;
           d["codec"] = std::string(to_string(b.codec));
           d["elem_bytes"] = b.elem_bytes;
           d["chunks"] = b.chunk_count;
-          d["offset"] = b.chunk_count ? h.chunks[b.first_chunk].file_offset : 0;
-          d["stripe"] = b.chunk_count ? h.chunks[b.first_chunk].stripe : 0;
-          nb::list stripes;
-          for (uint32_t k = 0; k < b.chunk_count; ++k) {
-            uint16_t sk = h.chunks[b.first_chunk + k].stripe;
-            bool seen = false;
-            for (auto x : stripes) seen = seen || nb::cast<uint16_t>(x) == sk;
-            if (!seen) stripes.append(sk);
-          }
-          d["stripes"] = stripes;
+          d["offset"] = e.first_offset;
+          d["stripe"] = e.first_stripe;
+          d["stripes"] = e.stripes;
           out.append(d);
         }
         return out;

@@ -120,7 +120,7 @@ nb::dict stats_dict(const io::EngineStats& s) {
 
 }  // namespace
 
-EBB_BIND(io, 10) {
+void ebbtide::py::bind_io(nb::module_& m) {
   nb::class_<io::Request>(m, "Request", "Handle to one submitted write or read.")
       .def("wait", [](const io::Request& r) {
         nb::gil_scoped_release nogil;

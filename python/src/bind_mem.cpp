@@ -7,7 +7,7 @@
 
 namespace mem = ebbtide::mem;
 
-EBB_BIND(mem, 5) {
+void ebbtide::py::bind_mem(nb::module_& m) {
   // First calls load libcuda / libcufile (seconds on some machines): no GIL.
   m.def("cuda_available", [] {
     ebbtide::py::gil_release nogil;

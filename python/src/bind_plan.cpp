@@ -1,358 +1,279 @@
-// Performance model and offload planner (cpp/include/ebbtide/plan). Plain
-// dicts in and out; ebbtide/model.py and ebbtide/planner.py shape the API.
+// Performance model and offload planner (cpp/include/ebbtide/plan) as classes:
+// the inputs (ModelConfig, PlannerOptions, ModuleProfile) with writable
+// fields, the results with read-only ones. ebbtide/_records.py fills inputs
+// from settings and turns results into the dicts ebbtide/model.py and
+// ebbtide/planner.py return.
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bind.hpp"
 #include "ebbtide/plan/model.hpp"
 #include "ebbtide/plan/planner.hpp"
-#include "ebbtide/util/error.hpp"
 
 namespace nb = nanobind;
 using namespace ebbtide::plan;
 
 namespace {
 
-constexpr const char* kConfigKeys =
-    "layers, hidden, heads, seq, batch, vocab, ffn_hidden, arch, decoder_layers, flash_attn, tp, "
-    "sp, recompute, bytes_per_element, dtype, family, kv_heads, gated_mlp, norm, bias, qkv_bias, dropout, "
-    "rotary, tied_embeddings, experts, top_k, expert_ffn_hidden, norm_topk, shared_expert_ffn_hidden";
+nb::tuple as_tuple(nb::handle list) { return nb::steal<nb::tuple>(PyList_AsTuple(list.ptr())); }
 
-bool to_bool(nb::handle v, const std::string& key) {
-  if (!PyBool_Check(v.ptr()) && !PyLong_Check(v.ptr()))
-    throw ebbtide::InvalidArgument("model setting '" + key + "' must be true or false, got " +
-                                   nb::cast<std::string>(nb::repr(v)));
-  return PyObject_IsTrue(v.ptr()) == 1;
-}
+// Binds T, listing its fields in binding order as `_fields` (an instance
+// property: a field given `shown` is listed only where shown() holds) and
+// the writable ones as the class attribute `_settings`, once the chain of
+// calls on a temporary Record ends.
+template <class T>
+class Record {
+ public:
+  using Shown = bool (*)(const T&);
 
-int64_t to_int(nb::handle v, const std::string& key) {
-  if (PyBool_Check(v.ptr()) || !PyLong_Check(v.ptr()))
-    throw ebbtide::InvalidArgument("model setting '" + key + "' must be an integer, got " +
-                                   nb::cast<std::string>(nb::repr(v)));
-  return nb::cast<int64_t>(v);
-}
+  Record(nb::module_& m, const char* name, const char* doc) : cls_(m, name, doc) {}
 
-double to_double(nb::handle v, const std::string& key) {
-  if (PyBool_Check(v.ptr()) || !(PyLong_Check(v.ptr()) || PyFloat_Check(v.ptr())))
-    throw ebbtide::InvalidArgument("setting '" + key + "' must be a number, got " +
-                                   nb::cast<std::string>(nb::repr(v)));
-  return nb::cast<double>(v);
-}
-
-std::string to_str(nb::handle v, const std::string& key) {
-  if (!PyUnicode_Check(v.ptr()))
-    throw ebbtide::InvalidArgument("model setting '" + key + "' must be a string, got " +
-                                   nb::cast<std::string>(nb::repr(v)));
-  return nb::cast<std::string>(v);
-}
-
-ModelConfig config_from(const nb::dict& d) {
-  ModelConfig c;
-  for (auto [k, v] : d) {
-    const std::string key = nb::cast<std::string>(nb::str(k));
-    if (v.is_none()) continue;  // "use the default"
-    if (key == "layers") c.layers = to_int(v, key);
-    else if (key == "hidden") c.hidden = to_int(v, key);
-    else if (key == "heads") c.heads = to_int(v, key);
-    else if (key == "seq") c.seq = to_int(v, key);
-    else if (key == "batch") c.batch = to_int(v, key);
-    else if (key == "vocab") c.vocab = to_int(v, key);
-    else if (key == "ffn_hidden") c.ffn_hidden = to_int(v, key);
-    else if (key == "decoder_layers") c.decoder_layers = to_int(v, key);
-    else if (key == "tp") c.tp = to_int(v, key);
-    else if (key == "bytes_per_element") c.bytes_per_element = to_int(v, key);
-    else if (key == "flash_attn") c.flash_attn = PyObject_IsTrue(v.ptr()) == 1;
-    else if (key == "sp") c.sp = PyObject_IsTrue(v.ptr()) == 1;
-    else if (key == "arch") c.arch = parse_arch(to_str(v, key));
-    else if (key == "recompute") c.recompute = parse_recompute(to_str(v, key));
-    else if (key == "dtype") c.bytes_per_element = parse_dtype_bytes(to_str(v, key));
-    else if (key == "family") c.family = parse_family(to_str(v, key));
-    else if (key == "norm") c.norm = parse_norm(to_str(v, key));
-    else if (key == "kv_heads") c.kv_heads = to_int(v, key);
-    else if (key == "experts") c.experts = to_int(v, key);
-    else if (key == "top_k") c.top_k = to_int(v, key);
-    else if (key == "expert_ffn_hidden") c.expert_ffn_hidden = to_int(v, key);
-    else if (key == "shared_expert_ffn_hidden") c.shared_expert_ffn_hidden = to_int(v, key);
-    else if (key == "norm_topk") c.norm_topk = to_bool(v, key);
-    else if (key == "gated_mlp") c.gated_mlp = to_bool(v, key);
-    else if (key == "bias") c.bias = to_bool(v, key);
-    else if (key == "qkv_bias") c.qkv_bias = to_bool(v, key);
-    else if (key == "dropout") c.dropout = to_bool(v, key);
-    else if (key == "rotary") c.rotary = to_bool(v, key);
-    else if (key == "tied_embeddings") c.tied_embeddings = to_bool(v, key);
-    else
-      throw ebbtide::InvalidArgument("unknown model setting '" + key + "' (valid: " + kConfigKeys + ")");
+  Record& init() {
+    cls_.def(nb::init<>());
+    return *this;
   }
-  validate(c);
-  return c;
-}
-
-nb::dict config_dict(const ModelConfig& c) {
-  nb::dict d;
-  d["layers"] = c.layers;
-  d["hidden"] = c.hidden;
-  d["heads"] = c.heads;
-  d["seq"] = c.seq;
-  d["batch"] = c.batch;
-  d["vocab"] = c.vocab;
-  d["ffn_hidden"] = c.ffn();
-  d["arch"] = to_string(c.arch);
-  d["decoder_layers"] = c.cross_layers();
-  d["flash_attn"] = c.flash_attn;
-  d["tp"] = c.tp;
-  d["sp"] = c.sp;
-  d["recompute"] = to_string(c.recompute);
-  d["bytes_per_element"] = c.bytes_per_element;
-  d["family"] = to_string(c.family);
-  if (c.family == Family::kLlama) {
-    d["kv_heads"] = c.kv();
-    d["gated_mlp"] = c.gated_mlp;
-    d["norm"] = to_string(c.norm);
-    d["bias"] = c.bias;
-    d["qkv_bias"] = c.qkv_bias;
-    d["dropout"] = c.dropout;
-    d["rotary"] = c.rotary;
-    d["tied_embeddings"] = c.tied_embeddings;
-    d["experts"] = c.experts;
-    d["top_k"] = c.top_k;
-    d["expert_ffn_hidden"] = c.experts > 0 ? c.expert_ffn() : 0;
-    d["norm_topk"] = c.norm_topk;
-    d["shared_expert_ffn_hidden"] = c.shared_expert_ffn_hidden;
+  template <class V>
+  Record& ro(const char* name, V T::*member) {
+    cls_.def_ro(name, member);
+    return field(name, nullptr);
   }
-  return d;
-}
-
-// A catalog shape: the llama-family keys only (seq, batch, dtype are the caller's).
-nb::dict model_spec_dict(const ModelSpec& m) {
-  nb::dict d;
-  d["name"] = m.name;
-  d["description"] = m.description;
-  const ModelConfig& c = m.config;
-  d["family"] = to_string(c.family);
-  d["layers"] = c.layers;
-  d["hidden"] = c.hidden;
-  d["heads"] = c.heads;
-  d["kv_heads"] = c.kv();
-  d["ffn_hidden"] = c.ffn();
-  d["vocab"] = c.vocab;
-  d["qkv_bias"] = c.qkv_bias;
-  d["tied_embeddings"] = c.tied_embeddings;
-  d["experts"] = c.experts;
-  d["top_k"] = c.top_k;
-  return d;
-}
-
-nb::dict activation_dict(const ActivationBytes& a) {
-  nb::dict d;
-  d["self_layer"] = a.self_layer;
-  d["cross_layer"] = a.cross_layer;
-  d["shared"] = a.shared;
-  d["per_layer"] = a.largest_layer();
-  d["per_step"] = a.per_step;
-  d["last_layer"] = a.last_layer;
-  d["logits"] = a.logits;
-  d["outside"] = a.outside;
-  return d;
-}
-
-nb::dict gpu_dict(const GpuSpec& g) {
-  nb::dict d;
-  d["name"] = g.name;
-  d["description"] = g.description;
-  d["peak_bf16_tflops"] = g.peak_bf16_tflops;
-  d["peak_tf32_tflops"] = g.peak_tf32_tflops;
-  d["memory_gb"] = g.memory_gb;
-  d["pcie_gbps"] = g.pcie_gbps;
-  return d;
-}
-
-nb::dict ssd_dict(const SsdSpec& s) {
-  nb::dict d;
-  d["name"] = s.name;
-  d["description"] = s.description;
-  d["capacity_tb"] = s.capacity_tb;
-  d["dwpd"] = s.dwpd;
-  d["warranty_years"] = s.warranty_years;
-  d["pbw"] = s.pbw;
-  d["seq_write_gbps"] = s.seq_write_gbps;
-  d["seq_read_gbps"] = s.seq_read_gbps;
-  return d;
-}
-
-nb::dict report_dict(const PlanReport& r) {
-  nb::dict d;
-  d["config"] = config_dict(r.config);
-  d["gpu"] = r.gpu.name;
-  d["ssd"] = r.ssd.name;
-  d["ssds"] = r.options.ssds;
-  d["mfu"] = r.options.mfu;
-  d["write_amplification"] = r.options.write_amplification;
-  d["params"] = r.params;
-  d["model_state_bytes"] = r.model_state_bytes;
-  d["activation_bytes_per_layer"] = r.activations.largest_layer();
-  d["activation_bytes_self_layer"] = r.activations.self_layer;
-  d["activation_bytes_cross_layer"] = r.activations.cross_layer;
-  d["activation_bytes_shared"] = r.activations.shared;
-  d["activation_bytes_per_step"] = r.activations.per_step;
-  d["logits_bytes"] = r.activations.logits;
-  d["outside_layers_bytes"] = r.activations.outside;
-  d["offloaded_bytes_per_step"] = r.offloaded_bytes_per_step;
-  d["resident_bytes_with_offload"] = r.resident_bytes_offloaded;
-  d["flops_forward"] = r.flops.forward;
-  d["flops_step"] = r.flops.step;
-  d["flops_per_layer"] = r.flops.cross_layer > r.flops.self_layer ? r.flops.cross_layer : r.flops.self_layer;
-  d["forward_seconds"] = r.forward_seconds;
-  d["step_seconds"] = r.step_seconds;
-  d["required_write_gbps"] = r.required_write_gbps;
-  d["ssd_write_gbps"] = r.ssd_write_gbps;
-  d["ssd_read_gbps"] = r.ssd_read_gbps;
-  d["pcie_gbps"] = r.gpu.pcie_gbps;
-  d["write_gbps_available"] = r.write_gbps_available;
-  d["bandwidth_sufficient"] = r.bandwidth_sufficient;
-  d["step_seconds_with_offload"] = r.step_seconds_with_offload;
-  d["bytes_written_per_second"] = r.bytes_written_per_second;
-  d["ssd_lifetime_years"] = r.ssd_lifetime_years;
-  d["ssd_capacity_bytes"] = r.ssd_capacity_bytes;
-  d["gpu_memory_bytes"] = r.gpu_memory_bytes;
-  d["max_micro_batch"] = r.max_micro_batch;
-  d["max_micro_batch_without_offload"] = r.max_micro_batch_without_offload;
-  return d;
-}
-
-PlannerOptions planner_options_from(const nb::dict& d) {
-  PlannerOptions o;
-  for (auto [k, v] : d) {
-    const std::string key = nb::cast<std::string>(nb::str(k));
-    if (v.is_none()) continue;
-    if (key == "write_bps") o.write_bps = to_double(v, key);
-    else if (key == "read_bps") o.read_bps = to_double(v, key);
-    else if (key == "max_write_bps") o.max_write_bps = to_double(v, key);
-    else if (key == "host_budget_bytes") o.host_budget_bytes = static_cast<uint64_t>(std::max<int64_t>(0, to_int(v, key)));
-    else if (key == "host_write_bps") o.host_write_bps = to_double(v, key);
-    else if (key == "host_read_bps") o.host_read_bps = to_double(v, key);
-    else if (key == "keep_last_modules") o.keep_last_modules = to_int(v, key);
-    else if (key == "backward_factor") o.backward_factor = to_double(v, key);
-    else if (key == "prefetch_modules") o.prefetch_modules = to_int(v, key);
-    else if (key == "stall_tolerance_seconds") o.stall_tolerance_seconds = to_double(v, key);
-    else if (key == "replan_fraction") o.replan_fraction = to_double(v, key);
-    else if (key == "writes_within_forward") o.writes_within_forward = to_int(v, key) != 0;
-    else
-      throw ebbtide::InvalidArgument(
-          "unknown planner setting '" + key +
-          "' (valid: write_bps, read_bps, max_write_bps, host_budget_bytes, host_write_bps, "
-          "host_read_bps, keep_last_modules, backward_factor, prefetch_modules, "
-          "stall_tolerance_seconds, replan_fraction, writes_within_forward)");
+  // A field of a member: `name` reads t.*outer.*inner.
+  template <class S, class V>
+  Record& ro(const char* name, S T::*outer, V S::*inner) {
+    cls_.def_prop_ro(name, [outer, inner](const T& t) { return t.*outer.*inner; });
+    return field(name, nullptr);
   }
-  return o;
+  template <class Get>
+  Record& prop(const char* name, Get get) {
+    cls_.def_prop_ro(name, std::move(get));
+    return field(name, nullptr);
+  }
+  template <class V>
+  Record& rw(const char* name, V T::*member, Shown shown = nullptr) {
+    cls_.def_rw(name, member);
+    settings_.push_back(name);
+    return field(name, shown);
+  }
+  // An enum field, read and written by name (`parse` throws InvalidArgument).
+  template <class E>
+  Record& rw_named(const char* name, E T::*member, E (*parse)(std::string_view), std::string (*str)(E),
+                   Shown shown = nullptr) {
+    cls_.def_prop_rw(
+        name, [member, str](const T& t) { return str(t.*member); },
+        [member, parse](T& t, const std::string& v) { t.*member = parse(v); });
+    settings_.push_back(name);
+    return field(name, shown);
+  }
+  template <class... Args>
+  Record& def(Args&&... args) {
+    cls_.def(std::forward<Args>(args)...);
+    return *this;
+  }
+  ~Record() {
+    cls_.attr("_settings") = as_tuple(nb::cast(settings_));
+    cls_.def_prop_ro("_fields", [fields = std::move(fields_)](const T& t) {
+      nb::list out;
+      for (const auto& [name, shown] : fields)
+        if (shown == nullptr || shown(t)) out.append(name);
+      return as_tuple(out);
+    });
+  }
+
+ private:
+  Record& field(const char* name, Shown shown) {
+    fields_.emplace_back(name, shown);
+    return *this;
+  }
+
+  nb::class_<T> cls_;
+  std::vector<std::pair<std::string, Shown>> fields_;
+  std::vector<std::string> settings_;
+};
+
+bool llama(const ModelConfig& c) { return c.family == Family::kLlama; }
+
+void bind_model_config(nb::module_& m) {
+  Record<ModelConfig>(m, "ModelConfig", "A transformer stack (ebbtide::plan::ModelConfig); llama-family fields "
+                                         "are listed in _fields for that family only.")
+      .init()
+      .rw("layers", &ModelConfig::layers)
+      .rw("hidden", &ModelConfig::hidden)
+      .rw("heads", &ModelConfig::heads)
+      .rw("seq", &ModelConfig::seq)
+      .rw("batch", &ModelConfig::batch)
+      .rw("vocab", &ModelConfig::vocab)
+      .rw("ffn_hidden", &ModelConfig::ffn_hidden)
+      .rw_named("arch", &ModelConfig::arch, parse_arch, to_string)
+      .rw("decoder_layers", &ModelConfig::decoder_layers)
+      .rw("flash_attn", &ModelConfig::flash_attn)
+      .rw("tp", &ModelConfig::tp)
+      .rw("sp", &ModelConfig::sp)
+      .rw_named("recompute", &ModelConfig::recompute, parse_recompute, to_string)
+      .rw("bytes_per_element", &ModelConfig::bytes_per_element)
+      .rw_named("family", &ModelConfig::family, parse_family, to_string)
+      .rw("kv_heads", &ModelConfig::kv_heads, llama)
+      .rw("gated_mlp", &ModelConfig::gated_mlp, llama)
+      .rw_named("norm", &ModelConfig::norm, parse_norm, to_string, llama)
+      .rw("bias", &ModelConfig::bias, llama)
+      .rw("qkv_bias", &ModelConfig::qkv_bias, llama)
+      .rw("dropout", &ModelConfig::dropout, llama)
+      .rw("rotary", &ModelConfig::rotary, llama)
+      .rw("tied_embeddings", &ModelConfig::tied_embeddings, llama)
+      .rw("experts", &ModelConfig::experts, llama)
+      .rw("top_k", &ModelConfig::top_k, llama)
+      .rw("expert_ffn_hidden", &ModelConfig::expert_ffn_hidden, llama)
+      .rw("norm_topk", &ModelConfig::norm_topk, llama)
+      .rw("shared_expert_ffn_hidden", &ModelConfig::shared_expert_ffn_hidden, llama)
+      .def("validate", &validate, "Raises ValueError naming a bad setting.")
+      .def("normalized", &normalized, "A copy with the derived defaults written out.");
 }
 
-nb::dict plan_dict(const Plan& p) {
-  nb::list modules;
-  for (const auto& m : p.modules) {
-    nb::dict d;
-    d["name"] = m.name;
-    d["placement"] = to_string(m.placement);
-    d["bytes"] = m.bytes;
-    d["forward_end_seconds"] = m.forward_end_seconds;
-    d["write_done_seconds"] = m.write_done_seconds;
-    d["read_start_seconds"] = m.read_start_seconds;
-    d["backward_start_seconds"] = m.backward_start_seconds;
-    modules.append(d);
-  }
-  nb::dict d;
-  d["modules"] = modules;
-  d["forward_seconds"] = p.forward_seconds;
-  d["backward_seconds"] = p.backward_seconds;
-  d["predicted_stall_seconds"] = p.predicted_stall_seconds;
-  d["all_resident_bytes"] = p.all_resident_bytes;
-  d["peak_resident_bytes"] = p.peak_resident_bytes;
-  d["peak_resident_fraction"] = p.peak_resident_fraction();
-  d["bytes_keep"] = p.bytes_keep;
-  d["bytes_cpu"] = p.bytes_cpu;
-  d["bytes_ssd"] = p.bytes_ssd;
-  d["planned_write_bps"] = p.planned_write_bps;
-  d["planned_read_bps"] = p.planned_read_bps;
-  d["replan_fraction"] = p.replan_fraction;
-  return d;
+void bind_model_results(nb::module_& m) {
+  Record<ActivationBytes>(m, "ActivationBytes", "Activation bytes saved for backward, per GPU.")
+      .ro("self_layer", &ActivationBytes::self_layer)
+      .ro("cross_layer", &ActivationBytes::cross_layer)
+      .ro("shared", &ActivationBytes::shared)
+      .prop("per_layer", &ActivationBytes::largest_layer)
+      .ro("per_step", &ActivationBytes::per_step)
+      .ro("last_layer", &ActivationBytes::last_layer)
+      .ro("logits", &ActivationBytes::logits)
+      .ro("outside", &ActivationBytes::outside);
+  Record<Flops>(m, "Flops", "Forward FLOPs per layer and per step (all GPUs together).")
+      .ro("self_layer", &Flops::self_layer)
+      .ro("cross_layer", &Flops::cross_layer)
+      .ro("logits", &Flops::logits)
+      .ro("forward", &Flops::forward)
+      .ro("recompute", &Flops::recompute)
+      .ro("step", &Flops::step);
+  Record<GpuSpec>(m, "GpuSpec", "A GPU of the catalog.")
+      .ro("name", &GpuSpec::name)
+      .ro("description", &GpuSpec::description)
+      .ro("peak_bf16_tflops", &GpuSpec::peak_bf16_tflops)
+      .ro("peak_tf32_tflops", &GpuSpec::peak_tf32_tflops)
+      .ro("memory_gb", &GpuSpec::memory_gb)
+      .ro("pcie_gbps", &GpuSpec::pcie_gbps);
+  Record<SsdSpec>(m, "SsdSpec", "An SSD of the catalog.")
+      .ro("name", &SsdSpec::name)
+      .ro("description", &SsdSpec::description)
+      .ro("capacity_tb", &SsdSpec::capacity_tb)
+      .ro("dwpd", &SsdSpec::dwpd)
+      .ro("warranty_years", &SsdSpec::warranty_years)
+      .ro("pbw", &SsdSpec::pbw)
+      .ro("seq_write_gbps", &SsdSpec::seq_write_gbps)
+      .ro("seq_read_gbps", &SsdSpec::seq_read_gbps);
+  Record<ModelSpec>(m, "ModelSpec", "A published model shape; config is normalized.")
+      .ro("name", &ModelSpec::name)
+      .ro("description", &ModelSpec::description)
+      .prop("config", [](const ModelSpec& s) { return normalized(s.config); });
+  // The names are the keys of `ebbtide plan --json` (docs/model.md).
+  Record<PlanReport>(m, "PlanReport", "Everything `ebbtide plan` reports; bytes per GPU, rates in 1e9 bytes/s.")
+      .prop("config", [](const PlanReport& r) { return normalized(r.config); })
+      .ro("gpu", &PlanReport::gpu, &GpuSpec::name)
+      .ro("ssd", &PlanReport::ssd, &SsdSpec::name)
+      .ro("ssds", &PlanReport::options, &PlanOptions::ssds)
+      .ro("mfu", &PlanReport::options, &PlanOptions::mfu)
+      .ro("write_amplification", &PlanReport::options, &PlanOptions::write_amplification)
+      .ro("params", &PlanReport::params)
+      .ro("model_state_bytes", &PlanReport::model_state_bytes)
+      .prop("activation_bytes_per_layer", [](const PlanReport& r) { return r.activations.largest_layer(); })
+      .ro("activation_bytes_self_layer", &PlanReport::activations, &ActivationBytes::self_layer)
+      .ro("activation_bytes_cross_layer", &PlanReport::activations, &ActivationBytes::cross_layer)
+      .ro("activation_bytes_shared", &PlanReport::activations, &ActivationBytes::shared)
+      .ro("activation_bytes_per_step", &PlanReport::activations, &ActivationBytes::per_step)
+      .ro("logits_bytes", &PlanReport::activations, &ActivationBytes::logits)
+      .ro("outside_layers_bytes", &PlanReport::activations, &ActivationBytes::outside)
+      .ro("offloaded_bytes_per_step", &PlanReport::offloaded_bytes_per_step)
+      .ro("resident_bytes_with_offload", &PlanReport::resident_bytes_offloaded)
+      .ro("flops_forward", &PlanReport::flops, &Flops::forward)
+      .ro("flops_step", &PlanReport::flops, &Flops::step)
+      .prop("flops_per_layer", [](const PlanReport& r) { return r.flops.largest_layer(); })
+      .ro("forward_seconds", &PlanReport::forward_seconds)
+      .ro("step_seconds", &PlanReport::step_seconds)
+      .ro("required_write_gbps", &PlanReport::required_write_gbps)
+      .ro("ssd_write_gbps", &PlanReport::ssd_write_gbps)
+      .ro("ssd_read_gbps", &PlanReport::ssd_read_gbps)
+      .ro("pcie_gbps", &PlanReport::gpu, &GpuSpec::pcie_gbps)
+      .ro("write_gbps_available", &PlanReport::write_gbps_available)
+      .ro("bandwidth_sufficient", &PlanReport::bandwidth_sufficient)
+      .ro("step_seconds_with_offload", &PlanReport::step_seconds_with_offload)
+      .ro("bytes_written_per_second", &PlanReport::bytes_written_per_second)
+      .ro("ssd_lifetime_years", &PlanReport::ssd_lifetime_years)
+      .ro("ssd_capacity_bytes", &PlanReport::ssd_capacity_bytes)
+      .ro("gpu_memory_bytes", &PlanReport::gpu_memory_bytes)
+      .ro("max_micro_batch", &PlanReport::max_micro_batch)
+      .ro("max_micro_batch_without_offload", &PlanReport::max_micro_batch_without_offload);
 }
 
-std::vector<ModuleProfile> modules_from(const nb::list& items) {
-  std::vector<ModuleProfile> out;
-  size_t i = 0;
-  for (nb::handle item : items) {
-    if (!PyDict_Check(item.ptr()))
-      throw ebbtide::InvalidArgument("module " + std::to_string(i) +
-                                     " must be a dict with name, forward_seconds, bytes");
-    nb::dict d = nb::borrow<nb::dict>(item);
-    ModuleProfile m;
-    m.name = d.contains("name") ? nb::cast<std::string>(nb::str(d["name"])) : "module" + std::to_string(i);
-    for (const char* key : {"forward_seconds", "bytes"})
-      if (!d.contains(key))
-        throw ebbtide::InvalidArgument("module " + std::to_string(i) + " ('" + m.name + "') lacks '" + key + "'");
-    m.forward_seconds = to_double(d["forward_seconds"], "forward_seconds");
-    const int64_t bytes = to_int(d["bytes"], "bytes");
-    if (bytes < 0)
-      throw ebbtide::InvalidArgument("module " + std::to_string(i) + " ('" + m.name + "'): bytes must be >= 0");
-    m.bytes = static_cast<uint64_t>(bytes);
-    out.push_back(std::move(m));
-    ++i;
-  }
-  return out;
+void bind_planner(nb::module_& m) {
+  Record<ModuleProfile>(m, "ModuleProfile", "One module, in forward order: compute time and saved bytes.")
+      .init()
+      .rw("name", &ModuleProfile::name)
+      .rw("forward_seconds", &ModuleProfile::forward_seconds)
+      .rw("bytes", &ModuleProfile::bytes);
+  Record<PlannerOptions>(m, "PlannerOptions", "Measured bandwidths (bytes/s) and planner settings.")
+      .init()
+      .rw("write_bps", &PlannerOptions::write_bps)
+      .rw("read_bps", &PlannerOptions::read_bps)
+      .rw("max_write_bps", &PlannerOptions::max_write_bps)
+      .rw("host_budget_bytes", &PlannerOptions::host_budget_bytes)
+      .rw("host_write_bps", &PlannerOptions::host_write_bps)
+      .rw("host_read_bps", &PlannerOptions::host_read_bps)
+      .rw("keep_last_modules", &PlannerOptions::keep_last_modules)
+      .rw("backward_factor", &PlannerOptions::backward_factor)
+      .rw("prefetch_modules", &PlannerOptions::prefetch_modules)
+      .rw("stall_tolerance_seconds", &PlannerOptions::stall_tolerance_seconds)
+      .rw("replan_fraction", &PlannerOptions::replan_fraction)
+      .rw("writes_within_forward", &PlannerOptions::writes_within_forward);
+  Record<ModuleDecision>(m, "ModuleDecision", "Where one module's activations go, and when.")
+      .ro("name", &ModuleDecision::name)
+      .prop("placement", [](const ModuleDecision& d) { return to_string(d.placement); })
+      .ro("bytes", &ModuleDecision::bytes)
+      .ro("forward_end_seconds", &ModuleDecision::forward_end_seconds)
+      .ro("write_done_seconds", &ModuleDecision::write_done_seconds)
+      .ro("read_start_seconds", &ModuleDecision::read_start_seconds)
+      .ro("backward_start_seconds", &ModuleDecision::backward_start_seconds);
+  Record<Plan>(m, "Plan", "The planner's decisions and the step it predicts.")
+      .ro("modules", &Plan::modules)
+      .ro("forward_seconds", &Plan::forward_seconds)
+      .ro("backward_seconds", &Plan::backward_seconds)
+      .ro("predicted_stall_seconds", &Plan::predicted_stall_seconds)
+      .ro("all_resident_bytes", &Plan::all_resident_bytes)
+      .ro("peak_resident_bytes", &Plan::peak_resident_bytes)
+      .prop("peak_resident_fraction", &Plan::peak_resident_fraction)
+      .ro("bytes_keep", &Plan::bytes_keep)
+      .ro("bytes_cpu", &Plan::bytes_cpu)
+      .ro("bytes_ssd", &Plan::bytes_ssd)
+      .ro("planned_write_bps", &Plan::planned_write_bps)
+      .ro("planned_read_bps", &Plan::planned_read_bps)
+      .ro("replan_fraction", &Plan::replan_fraction);
 }
 
 }  // namespace
 
-EBB_BIND(plan, 40) {
-  m.def("plan_normalize_config", [](const nb::dict& d) { return config_dict(config_from(d)); },
-        "Validates a model-config dict and fills the defaults.");
-  m.def("plan_activation_bytes", [](const nb::dict& d) { return activation_dict(activation_bytes(config_from(d))); },
-        "Activation bytes per layer and per step for a model-config dict.");
-  m.def("plan_flops", [](const nb::dict& d) {
-    const Flops f = flops(config_from(d));
-    nb::dict out;
-    out["self_layer"] = f.self_layer;
-    out["cross_layer"] = f.cross_layer;
-    out["logits"] = f.logits;
-    out["forward"] = f.forward;
-    out["recompute"] = f.recompute;
-    out["step"] = f.step;
-    return out;
-  });
-  m.def("plan_parameter_count", [](const nb::dict& d) { return parameter_count(config_from(d)); });
-  m.def("plan_gpus", [] {
-    nb::list l;
-    for (const auto& g : gpu_catalog()) l.append(gpu_dict(g));
-    return l;
-  });
-  m.def("plan_models", [] {
-    nb::list l;
-    for (const auto& s : model_catalog()) l.append(model_spec_dict(s));
-    return l;
-  });
-  m.def("plan_ssds", [] {
-    nb::list l;
-    for (const auto& s : ssd_catalog()) l.append(ssd_dict(s));
-    return l;
-  });
+void ebbtide::py::bind_plan(nb::module_& m) {
+  bind_model_config(m);
+  bind_model_results(m);
+  bind_planner(m);
+  m.def("plan_dtype_bytes", &parse_dtype_bytes, nb::arg("dtype"));
+  m.def("plan_activation_bytes", &activation_bytes, nb::arg("config"));
+  m.def("plan_flops", &flops, nb::arg("config"));
+  m.def("plan_parameter_count", &parameter_count, nb::arg("config"));
+  m.def("plan_gpus", &gpu_catalog);
+  m.def("plan_models", &model_catalog);
+  m.def("plan_ssds", &ssd_catalog);
   m.def("plan_report",
-        [](const nb::dict& config, const std::string& gpu, const std::string& ssd, int64_t ssds,
-           double mfu, double write_amplification) {
-          PlanOptions o;
-          o.ssds = ssds;
-          o.mfu = mfu;
-          o.write_amplification = write_amplification;
-          return report_dict(make_plan(config_from(config), find_gpu(gpu), find_ssd(ssd), o));
+        [](const ModelConfig& config, const std::string& gpu, const std::string& ssd, int64_t ssds, double mfu,
+           double write_amplification) {
+          return make_plan(config, find_gpu(gpu), find_ssd(ssd), PlanOptions{mfu, ssds, write_amplification});
         },
         nb::arg("config"), nb::arg("gpu"), nb::arg("ssd"), nb::arg("ssds") = 1, nb::arg("mfu") = 0.5,
         nb::arg("write_amplification") = 1.0);
-  m.def("plan_offload",
-        [](const nb::list& modules, const nb::dict& options) {
-          return plan_dict(plan_offload(modules_from(modules), planner_options_from(options)));
-        },
-        nb::arg("modules"), nb::arg("options"));
+  m.def("plan_offload", &plan_offload, nb::arg("modules"), nb::arg("options"));
   m.def("plan_needs_replan",
         [](uint64_t bytes_ssd, double planned_write_bps, double replan_fraction, double measured) {
           Plan p;

@@ -27,7 +27,7 @@ using ReadTuple = std::tuple<size_t, uintptr_t, bool, uintptr_t, bool>;
 
 }  // namespace
 
-EBB_BIND(safetensors, 31) {
+void ebbtide::py::bind_safetensors(nb::module_& m) {
   m.def("safetensors_dtype_bits", [](const std::string& d) { return st::dtype_bits(d); }, nb::arg("dtype"));
 
   nb::class_<st::Reader>(m, "SafetensorsReader")

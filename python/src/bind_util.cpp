@@ -51,7 +51,7 @@ nb::object to_python(const ebbtide::config::Value& v) {
 
 }  // namespace
 
-EBB_BIND(util, 0) {
+void ebbtide::py::bind_util(nb::module_& m) {
   g_io_error = PyErr_NewExceptionWithDoc(
       "ebbtide._core.IoError",
       "An I/O or system call failed; errno, filename and offset name the cause.", PyExc_OSError,

@@ -145,6 +145,24 @@ def test_plan_dict_and_catalogs():
         model.activation_bytes(layers=2, hidden=64, heads=4, seq=8, batch=0)
 
 
+def test_settings_are_type_checked_and_results_read_only():
+    tiny = dict(layers=2, hidden=64, heads=4, seq=8)
+    for key, value, message in (("layers", "2", "'layers' must be an integer, got '2'"),
+                                ("flash_attn", "yes", "'flash_attn' must be true or false"),
+                                ("arch", 1, "'arch' must be a string, got 1"),
+                                ("dtype", 2, "'dtype' must be a string, got 2"),
+                                ("layers", 2**70, "'layers' must be smaller")):
+        with pytest.raises(ValueError, match=message):
+            model.activation_bytes(tiny, **{key: value})
+    # None keeps the default; dtype sets bytes_per_element; llama keys show for llama only.
+    c = model.normalize_config(tiny, vocab=None, dtype="fp32")
+    assert c["vocab"] == 50257 and c["bytes_per_element"] == 4 and "kv_heads" not in c
+    assert model.normalize_config(tiny, family="llama")["kv_heads"] == 4
+    from ebbtide import _core
+    with pytest.raises(AttributeError):
+        _core.plan_gpus()[0].name = "x"
+
+
 # ---------------------------------------------------------------------------
 # Hugging Face configs
 

@@ -86,6 +86,12 @@ def test_bad_input_names_the_problem():
         planner.plan_offload(uniform(2), 1e9, 1e9, max_write_mbps=-5)
     with pytest.raises(ValueError, match="'keep_last_modules'"):
         planner.plan_offload(uniform(2), 1e9, 1e9, keep_last_modules=-1)
+    with pytest.raises(ValueError, match="'host_budget_bytes' must be >= 0, got -1"):
+        planner.plan_offload(uniform(2), 1e9, 1e9, host_budget_bytes=-1)
+    with pytest.raises(ValueError, match=r"module 1 \('layer1'\) setting 'bytes' must be >= 0, got -1"):
+        planner.plan_offload([uniform(2)[0], {"name": "layer1", "forward_seconds": 1, "bytes": -1}], 1e9, 1e9)
+    with pytest.raises(ValueError, match="'forward_seconds' must be a number, got '1'"):
+        planner.plan_offload([{"name": "x", "forward_seconds": "1", "bytes": 1}], 1e9, 1e9)
 
 
 def test_planner_and_model_do_not_import_torch():

@@ -59,6 +59,17 @@ int64_t ModelConfig::cross_layers() const {
   return decoder_layers > 0 ? decoder_layers : layers;
 }
 
+ModelConfig normalized(const ModelConfig& config) {
+  ModelConfig c = config;
+  c.ffn_hidden = config.ffn();
+  c.decoder_layers = config.cross_layers();
+  if (config.family == Family::kLlama) {  // the others are llama settings (validate())
+    c.kv_heads = config.kv();
+    c.expert_ffn_hidden = config.experts > 0 ? config.expert_ffn() : 0;
+  }
+  return c;
+}
+
 void validate(const ModelConfig& c) {
   auto positive = [](int64_t v, const char* name) {
     EBB_CHECK(v > 0, "model setting '", name, "' must be a positive integer, got ", v);

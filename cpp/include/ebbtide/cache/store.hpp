@@ -124,4 +124,23 @@ struct TieredStoreOptions {
 // describe() of a single-tier store is that tier's.
 std::unique_ptr<Store> make_tiered_store(TieredStoreOptions options);
 
+// The store a tensor cache asks for by target name: "cpu" (host memory of
+// capacity_bytes), "ssd" (slabs in `dirs`, capacity_bytes each) or "auto"
+// (the SSD behind host memory of host_budget_bytes; the SSD alone when that
+// is 0). max_write_bps caps SSD writes (0: no cap). With no driver the store
+// takes host memory only and never initialises CUDA.
+struct StoreSpec {
+  std::string target = "auto";
+  std::vector<std::string> dirs;
+  uint64_t capacity_bytes = 0;
+  uint64_t host_budget_bytes = 0;
+  double max_write_bps = 0;
+  mem::cuda::Driver* driver = nullptr;
+};
+
+// Builds the tiers `spec` names, as a tiered store. Throws InvalidArgument
+// naming an unknown target, IoError naming an SSD directory that cannot be
+// written.
+std::unique_ptr<Store> make_store(const StoreSpec& spec);
+
 }  // namespace ebbtide::cache

@@ -68,6 +68,12 @@ struct ModelConfig {
 // positive, heads divides hidden, tp divides heads, bytes_per_element 2 or 4.
 void validate(const ModelConfig& config);
 
+// `config` with the derived defaults written out: ffn_hidden as used,
+// decoder_layers the number of cross-attention layers (0 unless
+// encoder-decoder) and, for the llama family, kv_heads and expert_ffn_hidden
+// (0 without experts) as used. Valid and computing the same as `config`.
+ModelConfig normalized(const ModelConfig& config);
+
 // Names accepted by the CLI and Python ("decoder", "encoder",
 // "encoder-decoder"/"encoder_decoder"; "gpt2", "llama"; "layernorm",
 // "rmsnorm"; "none", "selective", "full"; "bf16", "fp16", "fp32"). Unknown
@@ -102,6 +108,7 @@ struct Flops {
   double forward = 0;      // whole model, one forward, all GPUs together
   double recompute = 0;    // extra forward work recomputation adds per step
   double step = 0;         // 3 * forward + recompute
+  double largest_layer() const { return cross_layer > self_layer ? cross_layer : self_layer; }
 };
 Flops flops(const ModelConfig& config);
 
