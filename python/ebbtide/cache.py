@@ -294,9 +294,12 @@ class TensorCache:
         try:
             args = (paths, int(capacity_bytes), int(window), workers or _DEFAULT_WORKERS, bool(cuda),
                     max_inflight_bytes or 0)
+            # The GPU path's two bounds have no argument: the variables or the core's defaults.
+            gpu_settings = dict(device_inflight_bytes=_core.env_setting("EBBTIDE_DEVICE_INFLIGHT"),
+                                staging_bytes=_core.env_setting("EBBTIDE_STAGING_BYTES"))
             try:
                 self._core = _core.CacheCore(target, *args, host_budget_bytes=host_budget,
-                                             max_write_bps=max_write_bps, pooled=bool(_pooled))
+                                             max_write_bps=max_write_bps, pooled=bool(_pooled), **gpu_settings)
             except OSError as exc:
                 if target != "auto":
                     raise
@@ -307,7 +310,7 @@ class TensorCache:
                 self._remove_tmpdir()
                 paths = []
                 args = (paths, int(host_budget)) + args[2:]
-                self._core = _core.CacheCore("cpu", *args)
+                self._core = _core.CacheCore("cpu", *args, **gpu_settings)
         except BaseException:
             self._remove_tmpdir()
             raise

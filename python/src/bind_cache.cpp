@@ -5,6 +5,7 @@
 #include <deque>
 #include <mutex>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -13,7 +14,6 @@
 #include "ebbtide/cache/store.hpp"
 #include "ebbtide/cache/tensor_cache.hpp"
 #include "ebbtide/io/engine.hpp"
-#include "ebbtide/util/config.hpp"
 #include "ebbtide/util/error.hpp"
 
 namespace nb = nanobind;
@@ -187,7 +187,8 @@ void ebbtide::py::bind_cache(nb::module_& m) {
       .def("__init__",
            [](TensorCache* self, const std::string& target, const std::vector<std::string>& paths,
               uint64_t capacity_bytes, uint64_t prefetch_window_bytes, unsigned workers, bool cuda,
-              uint64_t max_inflight_bytes, uint64_t host_budget_bytes, double max_write_bps, bool pooled) {
+              uint64_t max_inflight_bytes, uint64_t host_budget_bytes, double max_write_bps, bool pooled,
+              std::optional<uint64_t> device_inflight_bytes, std::optional<uint64_t> staging_bytes) {
              auto* drv = cuda_driver(cuda);
              std::string key;
              std::unique_ptr<Store> store;
@@ -207,16 +208,15 @@ void ebbtide::py::bind_cache(nb::module_& m) {
                co.return_store = [key, max_write_bps](std::unique_ptr<Store> st) {
                  give_pooled(key, max_write_bps, std::move(st));
                };
-             // EBBTIDE_* settings are resolved by the glue (arguments first);
-             // the two GPU-path settings have no argument.
-             if (auto v = ebbtide::config::env_bytes("EBBTIDE_DEVICE_INFLIGHT")) co.device_inflight_bytes = *v;
-             if (auto v = ebbtide::config::env_bytes("EBBTIDE_STAGING_BYTES")) co.staging_bytes = *v;
+             if (device_inflight_bytes) co.device_inflight_bytes = *device_inflight_bytes;
+             if (staging_bytes) co.staging_bytes = *staging_bytes;
              new (self) TensorCache(std::move(store), co);
            },
            nb::arg("target"), nb::arg("paths"), nb::arg("capacity_bytes") = 0,
            nb::arg("prefetch_window_bytes") = 512ull << 20, nb::arg("workers") = 2, nb::arg("cuda") = false,
            nb::arg("max_inflight_bytes") = 0, nb::arg("host_budget_bytes") = 0, nb::arg("max_write_bps") = 0.0,
-           nb::arg("pooled") = false)
+           nb::arg("pooled") = false, nb::arg("device_inflight_bytes") = nb::none(),
+           nb::arg("staging_bytes") = nb::none())
       .def("save",
            [](TensorCache& c, uint64_t key, uint64_t version, uintptr_t ptr, uint64_t nbytes, int device,
               uintptr_t stream, int microbatch, bool offload, int tier, nb::handle live, nb::handle orig) {

@@ -276,16 +276,6 @@ std::string_view to_string(Reload r) {
   return "?";
 }
 
-CacheOptions CacheOptions::with_env() const {
-  CacheOptions o = *this;
-  if (auto v = config::env_bytes("EBBTIDE_PREFETCH_WINDOW")) o.prefetch_window_bytes = *v;
-  if (auto v = config::env_int("EBBTIDE_CACHE_WORKERS")) o.workers = static_cast<unsigned>(*v);
-  if (auto v = config::env_bytes("EBBTIDE_MAX_INFLIGHT")) o.max_inflight_bytes = *v;
-  if (auto v = config::env_bytes("EBBTIDE_DEVICE_INFLIGHT")) o.device_inflight_bytes = *v;
-  if (auto v = config::env_bytes("EBBTIDE_STAGING_BYTES")) o.staging_bytes = *v;
-  return o;
-}
-
 TensorCache::TensorCache(std::unique_ptr<Store> store, CacheOptions options)
     : store_(std::move(store)), opts_(options) {
   EBB_CHECK(store_ != nullptr, "tensor cache: no store");

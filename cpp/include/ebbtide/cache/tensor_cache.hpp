@@ -83,9 +83,6 @@ struct CacheOptions {
   // When set, close() hands the store (every entry's space freed) to this
   // instead of destroying it: a pool of stores for short-lived caches.
   std::function<void(std::unique_ptr<Store>)> return_store;
-  // Copy with EBBTIDE_PREFETCH_WINDOW, EBBTIDE_CACHE_WORKERS, EBBTIDE_MAX_INFLIGHT,
-  // EBBTIDE_DEVICE_INFLIGHT and EBBTIDE_STAGING_BYTES applied.
-  CacheOptions with_env() const;
 };
 
 struct SaveRequest {
