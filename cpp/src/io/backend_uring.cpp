@@ -122,6 +122,9 @@ std::unique_ptr<Backend> make_uring_backend(unsigned depth, const std::vector<io
 #else
 
 std::unique_ptr<Backend> make_uring_backend(unsigned, const std::vector<iovec>&, std::string* why_not) {
+  log::warn_once("no-liburing",
+                 "io: this build of ebbtide has no liburing (install liburing-dev, then reinstall ebbtide): "
+                 "reads and writes run on the POSIX thread pool");
   if (why_not) *why_not = "this build has no liburing (EBBTIDE_HAVE_LIBURING is off)";
   return nullptr;
 }
