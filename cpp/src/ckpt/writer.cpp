@@ -86,9 +86,9 @@ static double seconds_since(Clock::time_point t) {
 WriterOptions WriterOptions::with_env() const {
   WriterOptions o = *this;
   if (auto v = config::env_bytes("EBBTIDE_CKPT_CHUNK")) o.chunk_bytes = *v;
-  if (auto v = config::env_int("EBBTIDE_CKPT_QUEUE_DEPTH", 1, 1024)) o.queue_depth = static_cast<unsigned>(*v);
-  if (auto v = config::env_int("EBBTIDE_CKPT_THREADS", 0, 256)) o.threads = static_cast<unsigned>(*v);
-  if (auto v = config::env_int("EBBTIDE_CKPT_ZSTD_LEVEL", -7, 19)) o.zstd_level = static_cast<int>(*v);
+  if (auto v = config::env_int("EBBTIDE_CKPT_QUEUE_DEPTH")) o.queue_depth = static_cast<unsigned>(*v);
+  if (auto v = config::env_int("EBBTIDE_CKPT_THREADS")) o.threads = static_cast<unsigned>(*v);
+  if (auto v = config::env_int("EBBTIDE_CKPT_ZSTD_LEVEL")) o.zstd_level = static_cast<int>(*v);
   if (auto v = config::env_bool("EBBTIDE_CKPT_DIRECT")) o.direct = *v;
   io::EngineOptions eo;
   eo.backend = o.backend;

@@ -167,20 +167,6 @@ std::optional<std::string> env_choice(std::string_view name) {
   return check_choice(s, *v, variable(name));
 }
 
-std::optional<int64_t> env_int(std::string_view name, int64_t min_value, int64_t max_value) {
-  const Setting& s = row(name, Kind::kInt);
-  if (s.min != static_cast<double>(min_value) || s.max != static_cast<double>(max_value))
-    throw std::logic_error("ebbtide: the range of " + std::string(name) + " differs from the table's");
-  return env_int(name);
-}
-
-std::optional<std::string> env_choice(std::string_view name, const std::vector<std::string>& choices) {
-  const Setting& s = row(name, Kind::kChoice);
-  if (choices.size() != s.choices.size() || !std::equal(choices.begin(), choices.end(), s.choices.begin()))
-    throw std::logic_error("ebbtide: the choices of " + std::string(name) + " differ from the table's");
-  return env_choice(name);
-}
-
 std::optional<Value> env_value(std::string_view name) {
   switch (setting(name).kind) {
     case Kind::kBytes:

@@ -48,9 +48,6 @@ std::optional<int64_t> env_int(std::string_view name);
 std::optional<double> env_float(std::string_view name);
 std::optional<bool> env_bool(std::string_view name);
 std::optional<std::string> env_choice(std::string_view name);  // lower-cased
-// Older spellings with the range or choices at the call; they must agree with the table.
-std::optional<int64_t> env_int(std::string_view name, int64_t min_value, int64_t max_value);
-std::optional<std::string> env_choice(std::string_view name, const std::vector<std::string>& choices);
 
 // A value given as an argument, checked against the row of the setting it
 // backs; `what` names the argument in errors ("ebbtide.TensorCache: workers").
