@@ -82,14 +82,16 @@ def deepspeed_pipeline_engine(layers, loss_fn):
 
 @contextlib.contextmanager
 def local_ray(monkeypatch, results_dir, by_value=()):
-    """Ray on 2 CPUs for one test: no dashboard, its session files in a short
-    temporary directory (they hold Unix sockets, whose paths have at most 107
-    bytes), Ray Train's results in `results_dir`, the modules `by_value`
-    pickled by value (workers cannot import test modules). Shut down on exit."""
+    """Ray on 2 CPUs for one test: no dashboard, no token authentication, its
+    session files in a short temporary directory (they hold Unix sockets,
+    whose paths have at most 107 bytes), Ray Train's results in
+    `results_dir`, the modules `by_value` pickled by value (workers cannot
+    import test modules). Shut down on exit."""
     import ray
     import ray.train.constants
 
     monkeypatch.setattr(ray.train.constants, "DEFAULT_STORAGE_PATH", str(results_dir))
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a local cluster: no token written to ~/.ray
     for m in by_value:
         ray.cloudpickle.register_pickle_by_value(m)
     try:
