@@ -1,4 +1,7 @@
 """Tiny random-init models and data shared by the test_integrations_* files."""
+import contextlib
+import tempfile
+
 import torch
 
 VOCAB = 128
@@ -75,3 +78,30 @@ def deepspeed_pipeline_engine(layers, loss_fn):
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}, "steps_per_print": 10**6}
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
     return engine
+
+
+@contextlib.contextmanager
+def local_ray(monkeypatch, results_dir, by_value=()):
+    """Ray on 2 CPUs for one test: no dashboard, no token authentication, its
+    session files in a short temporary directory (they hold Unix sockets,
+    whose paths have at most 107 bytes), Ray Train's results in
+    `results_dir`, the modules `by_value` pickled by value (workers cannot
+    import test modules). Shut down on exit."""
+    import ray
+    import ray.train.constants
+
+    monkeypatch.setattr(ray.train.constants, "DEFAULT_STORAGE_PATH", str(results_dir))
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a local cluster: no token written to ~/.ray
+    for m in by_value:
+        ray.cloudpickle.register_pickle_by_value(m)
+    try:
+        with tempfile.TemporaryDirectory(prefix="ebbray") as session:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                     _temp_dir=session, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+            try:
+                yield
+            finally:
+                ray.shutdown()
+    finally:
+        for m in by_value:
+            ray.cloudpickle.unregister_pickle_by_value(m)

@@ -1,6 +1,7 @@
 """Each integration imports its framework only when imported itself, and a
 missing framework raises ImportError naming the pip package and the extra."""
 import importlib
+import re
 import sys
 
 import pytest
@@ -8,14 +9,16 @@ import pytest
 import ebbtide.integrations
 
 CASES = [("ebbtide.integrations.hf", "transformers", "transformers", "hf"),
-         ("ebbtide.integrations.lightning", "pytorch_lightning", "pytorch-lightning", "lightning")]
+         ("ebbtide.integrations.lightning", "pytorch_lightning", "pytorch-lightning", "lightning"),
+         ("ebbtide.integrations.ray", "ray.train", "ray[train]", "ray")]
 
 
 @pytest.mark.parametrize("module,framework,package,extra", CASES, ids=[c[3] for c in CASES])
 def test_missing_framework_names_package_and_extra(monkeypatch, module, framework, package, extra):
     monkeypatch.setitem(sys.modules, framework, None)  # `import framework` raises ImportError
     monkeypatch.delitem(sys.modules, module, raising=False)
-    with pytest.raises(ImportError, match=rf"needs the package '{package}'.*pip install 'ebbtide\[{extra}\]'"):
+    message = rf"needs the package '{re.escape(package)}'.*pip install 'ebbtide\[{extra}\]'"
+    with pytest.raises(ImportError, match=message):
         importlib.import_module(module)
     monkeypatch.delitem(sys.modules, module, raising=False)
 

@@ -9,7 +9,8 @@ Stage 0 runs several forwards before their backwards; after 3 optimizer steps
 the parameters are bitwise those of the same schedule without offloading.
 torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B, and a real
 DeepSpeed PipelineEngine through offload_deepspeed_pipeline, run on one
-stage (gloo, world size 1).
+stage (gloo, world size 1); its multi-stage schedules (interleaved 1F1B, zero
+bubble) run both stages on that one rank, sharing one cache.
 """
 import collections
 import gc
@@ -173,26 +174,30 @@ def _torch_pipeline(hinted, schedule_name):
         from ebbtide.integrations.pipeline import hint_torch_pipeline_stage
 
         cache = ebbtide.TensorCache(target="cpu", min_bytes=0, keep_last_modules=0).attach(module)
-        hints = hint_torch_pipeline_stage(stage, cache)
-        for name in ("forward", "backward"):
-            def record(key, _f=getattr(hints, name), _n=name):
-                mb = _f(key)
-                order.append((_n, mb))
-                return mb
-            setattr(hints, name, record)
+        _record_hints(hint_torch_pipeline_stage(stage, cache), order)
+    _run_schedule(getattr(pipelining, schedule_name)(stage, n_microbatches=2, loss_fn=_lm_loss), 2, opt, cache)
+    return module, cache, order
 
-    def loss_fn(logits, ids):
-        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
-    sched = getattr(pipelining, schedule_name)(stage, n_microbatches=2, loss_fn=loss_fn)
-    rows = token_rows(12)
+def _record_hints(hints, order):
+    """Makes `hints` append (kind, key, micro-batch id) to `order` for every hint it gives."""
+    for name in ("forward", "backward"):
+        def record(key, _f=getattr(hints, name), _n=name):
+            mb = _f(key)
+            order.append((_n, key, mb))
+            return mb
+        setattr(hints, name, record)
+
+
+def _run_schedule(sched, n_mb, opt, cache):
+    """3 optimizer steps of `sched` over batches of n_mb micro-batches of 2 rows, each in a cache step."""
+    rows = token_rows(3 * n_mb * 2)
     for step in range(3):
-        batch = rows[step * 4:(step + 1) * 4]
+        batch = rows[step * n_mb * 2:(step + 1) * n_mb * 2]
         with cache.step() if cache is not None else torch.enable_grad():
             sched.step(batch, target=batch)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return module, cache, order
 
 
 @pytest.fixture
@@ -214,11 +219,83 @@ def test_torch_pipelining_hints_bitwise(one_rank_group, schedule_name):
         cache.close()
     assert_same_params(got, ref)
     assert_changed(got, torch.nn.Sequential(*_stages()))
-    fwd = [mb for kind, mb in order if kind == "forward"]
-    bwd = [mb for kind, mb in order if kind == "backward"]
+    fwd = [mb for kind, _, mb in order if kind == "forward"]
+    bwd = [mb for kind, _, mb in order if kind == "backward"]
     assert len(set(fwd)) == 6 and sorted(bwd) == sorted(fwd)
     if schedule_name == "ScheduleGPipe":  # every forward of a step before its backwards
-        assert [k for k, _ in order[:2]] == ["forward", "forward"]
+        assert [k for k, _, _ in order[:2]] == ["forward", "forward"]
+
+
+MULTI_STAGE = ["ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"]
+
+
+def _torch_pipeline_two_stages(hinted, schedule_name, keep_last_modules=0):
+    """3 steps of a multi-stage torch.distributed.pipelining schedule, 4
+    micro-batches each, with both stages of the GPT-2 split on this one rank
+    (gloo, world size 1), sharing one cache when `hinted`."""
+    from torch.distributed import pipelining
+
+    from ebbtide.integrations.pipeline import hint_torch_pipeline_stages
+
+    modules = _stages()
+    opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-2)
+    stages = [pipelining.PipelineStage(m, i, 2, torch.device("cpu")) for i, m in enumerate(modules)]
+    cache, order = None, []
+    if hinted:
+        cache = ebbtide.TensorCache(target="cpu", min_bytes=0, keep_last_modules=keep_last_modules)
+        _record_hints(hint_torch_pipeline_stages(stages, cache), order)
+    _run_schedule(getattr(pipelining, schedule_name)(stages, n_microbatches=4, loss_fn=_lm_loss), 4, opt, cache)
+    return torch.nn.ModuleList(modules), cache, order
+
+
+@pytest.mark.parametrize("schedule_name", MULTI_STAGE)
+def test_torch_pipelining_two_stages_per_rank_share_one_cache_bitwise(one_rank_group, schedule_name):
+    from torch.distributed import pipelining
+
+    if not hasattr(pipelining, schedule_name):
+        pytest.skip(f"this torch has no {schedule_name}")
+    ref, _, _ = _torch_pipeline_two_stages(False, schedule_name)
+    got, cache, order = _torch_pipeline_two_stages(True, schedule_name)
+    try:
+        plan = cache.plan()
+        assert cache.stats()["total"]["bytes_offloaded"] > 0
+    finally:
+        cache.close()
+    assert_same_params(got, ref)
+    assert_changed(got, torch.nn.ModuleList(_stages()))
+    # Each stage forward is a micro-batch of its own, and every backward
+    # (zero bubble: input and weight backward) names its forward's.
+    fwd = {}
+    for kind, key, mb in order:
+        if kind == "forward":
+            fwd[key] = mb
+        else:
+            assert fwd[key] == mb, (key, mb, fwd[key])
+    assert len({mb for kind, _, mb in order if kind == "forward"}) == 3 * 2 * 4
+    assert [(p["scope"], p["module"]) for p in plan] == [(0, "0"), (1, "1")]
+
+
+def test_torch_pipelining_shared_cache_keeps_the_last_stage(one_rank_group):
+    ref, _, _ = _torch_pipeline_two_stages(False, "ScheduleInterleaved1F1B")
+    got, cache, _ = _torch_pipeline_two_stages(True, "ScheduleInterleaved1F1B", keep_last_modules=1)
+    try:
+        plan = cache.plan()
+    finally:
+        cache.close()
+    assert_same_params(got, ref)
+    assert [p["decision"] for p in plan] == ["offload", "keep"]
+    assert plan[0]["bytes_offloaded"] > 0 and plan[1]["bytes_offloaded"] == 0
+
+
+def test_torch_pipelining_shared_cache_must_be_unattached():
+    from ebbtide.integrations.pipeline import hint_torch_pipeline_stages
+
+    with ebbtide.TensorCache(target="cpu") as cache:
+        cache.attach(torch.nn.Linear(2, 2))
+        with pytest.raises(RuntimeError, match="already attached"):
+            hint_torch_pipeline_stages([], cache)
+        with pytest.raises(TypeError, match="not a torch.distributed.pipelining stage"):
+            hint_torch_pipeline_stages([object()], cache)
 
 
 def _lm_loss(logits, ids):

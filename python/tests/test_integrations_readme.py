@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from integration_models import VOCAB, deepspeed_pipeline_engine, one_rank_deepspeed, tiny_llama, token_rows
+from integration_models import VOCAB, deepspeed_pipeline_engine, local_ray, one_rank_deepspeed, tiny_llama, token_rows
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 _SNIPPET = re.compile(r"<!-- snippet: (\S+) -->\n```python\n(.*?)```", re.S)
@@ -21,7 +21,7 @@ def _snippets():
 
 
 def test_readme_has_every_snippet():
-    assert set(_snippets()) == {"hf", "accelerate", "lightning", "torchtune", "deepspeed"}
+    assert set(_snippets()) == {"hf", "accelerate", "lightning", "torchtune", "deepspeed", "ray"}
 
 
 def _caches_in(ns):
@@ -123,8 +123,28 @@ def _deepspeed_ns(tmp_path):
     return dict(engine=deepspeed_pipeline_engine(layers, loss_fn), data_iter=iter([(r, r) for r in rows.split(2)]))
 
 
+def _ray_ns(tmp_path):
+    pytest.importorskip("ray.train.torch")
+
+    def make_model():  # local: pickled by value to the workers
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(),
+                                                         torch.nn.Linear(128, 32)) for _ in range(2)))
+
+    return dict(torch=torch, make_model=make_model, batches=list(torch.randn(2, 4, 32)),
+                nvme_dir=str(tmp_path / "nvme"))
+
+
 _NAMESPACES = {"hf": _hf_ns, "accelerate": _accelerate_ns, "lightning": _lightning_ns, "torchtune": _torchtune_ns,
-               "deepspeed": _deepspeed_ns}
+               "deepspeed": _deepspeed_ns, "ray": _ray_ns}
+
+
+def _context(name, monkeypatch, tmp_path):
+    if name == "deepspeed":
+        return one_rank_deepspeed(monkeypatch)
+    if name == "ray":
+        return local_ray(monkeypatch, tmp_path / "ray_results")
+    return contextlib.nullcontext()
 
 
 @pytest.mark.parametrize("name", sorted(_NAMESPACES))
@@ -132,11 +152,15 @@ def test_readme_snippet_runs_and_offloads(name, tmp_path, monkeypatch):
     code = _snippets()[name]
     monkeypatch.setenv("EBBTIDE_MIN_BYTES", "0")
     monkeypatch.chdir(tmp_path)  # Lightning writes its logs and checkpoints here
-    with one_rank_deepspeed(monkeypatch) if name == "deepspeed" else contextlib.nullcontext():
+    with _context(name, monkeypatch, tmp_path):
         ns = _NAMESPACES[name](tmp_path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             exec(compile(code, f"README.md snippet {name}", "exec"), ns)
+    if name == "ray":  # the caches lived in the workers: rank 0 reported its bytes
+        assert ns["result"].metrics["bytes_offloaded"] > 0
+        assert sorted(os.listdir(ns["nvme_dir"])) == ["rank0", "rank1"]
+        return
     caches = _caches_in(ns)
     assert len(caches) == 1, f"snippet {name}: expected one TensorCache, found {len(caches)}"
     assert caches[0].stats()["total"]["bytes_offloaded"] > 0

@@ -12,6 +12,8 @@ says which package (and which ebbtide extra) is missing when it is not there:
 - ``ebbtide.integrations.pipeline``: micro-batch and phase hints from
   DeepSpeed's pipeline instruction schedules (``ebbtide[deepspeed]``) and
   ``torch.distributed.pipelining`` action lists.
+- ``ebbtide.integrations.ray``: a cache per Ray Train worker, in its own
+  directory (``worker_cache``, ``ebbtide[ray]``).
 
 See docs/integrations.md.
 """

@@ -22,16 +22,19 @@ torch.distributed.pipelining's single-stage schedules (``ScheduleGPipe``,
 ``Schedule1F1B``) work without hints (each stage forward is a forward of the
 attached root module, which starts a micro-batch record); with
 ``hint_torch_pipeline_stage`` a backward starts prefetching its micro-batch
-before its first gradient arrives.
+before its first gradient arrives. Multi-stage schedules (interleaved 1F1B,
+zero bubble) share one cache among the rank's stages:
+``hint_torch_pipeline_stages`` (Note [Stages sharing a cache]).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Hashable
 
 from ebbtide.integrations import require
 
-__all__ = ["PipelineHints", "hint_torch_pipeline_stage", "hinted_instruction_map", "offload_deepspeed_pipeline",
-           "restore_deepspeed_pipeline"]
+__all__ = ["PipelineHints", "hint_torch_pipeline_stage", "hint_torch_pipeline_stages", "hinted_instruction_map",
+           "offload_deepspeed_pipeline", "restore_deepspeed_pipeline"]
 
 _WHAT = "ebbtide.integrations.pipeline"
 
@@ -182,20 +185,124 @@ def hint_torch_pipeline_stage(stage, cache) -> PipelineHints:
     Raises:
         TypeError: `stage` has no forward_one_chunk / backward_one_chunk.
     """
-    if not (hasattr(stage, "forward_one_chunk") and hasattr(stage, "backward_one_chunk")):
-        raise TypeError(f"{_WHAT}.hint_torch_pipeline_stage: {type(stage).__name__} is not a "
-                        "torch.distributed.pipelining stage (no forward_one_chunk / backward_one_chunk)")
+    _check_stage(stage, "hint_torch_pipeline_stage")
     hints = PipelineHints(cache)
+    _hint_chunks(stage, hints, lambda chunk: chunk)
+    return hints
+
+
+def _check_stage(stage, what):
+    if not (hasattr(stage, "forward_one_chunk") and hasattr(stage, "backward_one_chunk")):
+        raise TypeError(f"{_WHAT}.{what}: {type(stage).__name__} is not a torch.distributed.pipelining stage "
+                        "(no forward_one_chunk / backward_one_chunk)")
+
+
+def _hint_chunks(stage, hints, key):
+    """Wraps the stage's per-micro-batch calls so each gives `hints` first, keyed by ``key(chunk id)``.
+    A zero-bubble schedule's weight backward (``backward_weight_one_chunk``) names its micro-batch again."""
     fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
 
     def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
-        hints.forward(fwd_chunk_id)
+        hints.forward(key(fwd_chunk_id))
         return fwd(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(bwd_chunk_id, *args, **kwargs):
-        hints.backward(bwd_chunk_id)
+        hints.backward(key(bwd_chunk_id))
         return bwd(bwd_chunk_id, *args, **kwargs)
 
     stage.forward_one_chunk = forward_one_chunk
     stage.backward_one_chunk = backward_one_chunk
+    bwd_weight = getattr(stage, "backward_weight_one_chunk", None)
+    if bwd_weight is not None:
+        def backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs):
+            hints.backward(key(bwd_chunk_id))
+            return bwd_weight(bwd_chunk_id, *args, **kwargs)
+
+        stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+
+def hint_torch_pipeline_stages(stages, cache) -> PipelineHints:
+    """One TensorCache for all of a rank's ``torch.distributed.pipelining`` stages, with their schedule's hints.
+
+    For the schedules that run several stages per rank
+    (``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``,
+    ``ScheduleZBVZeroBubble``, ``ScheduleLoopedBFS``, ...). Attaches `cache`
+    to a ``ModuleList`` of the stages' modules (each stage is one scoped
+    block, numbered in the order given), makes every stage forward start a
+    micro-batch record of its own, and wraps each stage's
+    ``forward_one_chunk``, ``backward_one_chunk`` and
+    ``backward_weight_one_chunk`` so each gives hints first, keyed by
+    (stage index, micro-batch). Wrap ``schedule.step(...)`` in ``cache.step()``.
+    ``keep_last_modules=k`` keeps the activations of the last k stages given
+    resident. Note [Stages sharing a cache].
+
+    Args:
+        stages: the rank's pipeline stages, first to last.
+        cache: a TensorCache attached to no model.
+
+    Returns:
+        The PipelineHints in use.
+
+    Raises:
+        TypeError: an element of `stages` is not a pipelining stage.
+        RuntimeError: `cache` is already attached to a model.
+
+    Example:
+        >>> cache = ebbtide.TensorCache(target="cpu")
+        >>> hint_torch_pipeline_stages(stages, cache)
+        >>> schedule = ScheduleInterleaved1F1B(stages, n_microbatches=8, loss_fn=loss_fn)
+        >>> with cache.step():
+        ...     schedule.step(x, target=y)
+    """
+    import torch
+
+    stages = list(stages)
+    for stage in stages:
+        _check_stage(stage, "hint_torch_pipeline_stages")
+    if cache._model_ref is not None:
+        raise RuntimeError(f"{_WHAT}.hint_torch_pipeline_stages: the cache is already attached to a model; "
+                           "pass a cache of its own (it attaches to all the rank's stages)")
+    modules = torch.nn.ModuleList([stage.submod for stage in stages])
+    cache.attach(modules)
+    cache._ebbtide_stages = modules  # the ModuleList lives as long as the cache (attach keeps a weak reference)
+    # Note [Stages sharing a cache]: the cache's saved-tensor hooks take every
+    # save of the step, whichever stage makes it, so one cache must serve all
+    # the rank's stages (two caches in step at once would not share them).
+    # Attached to the ModuleList, it scopes by stage; its root-forward hooks,
+    # which start a micro-batch record, go on each stage module (first among
+    # its pre-hooks, last among its post-hooks), and the scope count starts at
+    # the stage's position, so scope i is stage i in plan() and
+    # keep_last_modules counts the rank's stages.
+    for position, module in enumerate(modules):
+        module.register_forward_pre_hook(_stage_forward_pre(cache, position), prepend=True)
+        module.register_forward_hook(_stage_forward_post(cache, len(modules)))
+    hints = PipelineHints(cache)
+    for stage in stages:
+        _hint_chunks(stage, hints, lambda chunk, _i=stage.stage_index: (_i, chunk))
     return hints
+
+
+def _stage_forward_pre(cache, position):
+    from ebbtide.cache import _in_backward
+
+    ref = weakref.ref(cache)
+
+    def hook(module, args):
+        c = ref()
+        if c is not None and c._in_step and not _in_backward():
+            c._on_root_forward_pre(module, args)
+            c._blocks_in_fwd = position
+    return hook
+
+
+def _stage_forward_post(cache, n_stages):
+    from ebbtide.cache import _in_backward
+
+    ref = weakref.ref(cache)
+
+    def hook(module, args, output):
+        c = ref()
+        if c is not None and c._in_step and not _in_backward():
+            c._on_root_forward(module, args, output)
+            c._expected_blocks = n_stages
+    return hook
