@@ -341,6 +341,7 @@ class TensorCache:
         self._param_storages: set = set()
         self._param_refs: list = []
         self._expected_blocks = 0
+        self._stages = None  # attach_stages: the ModuleList of the stage modules
         self._fwd_mb = 0
         self._next_mb = 0
         self._mb_hinted = False
@@ -353,23 +354,59 @@ class TensorCache:
     # ------------------------------------------------------------------ public
     def attach(self, model: torch.nn.Module) -> "TensorCache":
         """Scopes by the model's blocks and records its parameters (never offloaded)."""
+        self._attach(model, _find_blocks(model), "attach")
+        self._hooks.append(model.register_forward_pre_hook(self._on_root_forward_pre))
+        self._hooks.append(model.register_forward_hook(self._on_root_forward))
+        return self
+
+    def _attach(self, model, blocks, what):
+        """Records `model`'s parameters and hooks `blocks` (name, module) as the scoped blocks."""
         self._check_open()
         if self._model_ref is not None:
-            raise RuntimeError("ebbtide.TensorCache.attach: already attached to a model; detach() first")
+            raise RuntimeError(f"ebbtide.TensorCache.{what}: already attached to a model; detach() first")
+        if not blocks:
+            raise ValueError(f"ebbtide.TensorCache.{what}: no modules given")
         self._model_ref = weakref.ref(model)
         self._record_params(model)
         if self._device is None:
             p = next(iter(model.parameters()), None)
             if p is not None:
                 self._use_device(p.device)
-        self._blocks = _find_blocks(model)
-        self._expected_blocks = len(self._blocks)
-        self._hooks.append(model.register_forward_pre_hook(self._on_root_forward_pre))
-        self._hooks.append(model.register_forward_hook(self._on_root_forward))
-        for idx, (name, block) in enumerate(self._blocks):
+        self._blocks = blocks
+        self._expected_blocks = len(blocks)
+        for name, block in blocks:
             self._hooks.append(block.register_forward_pre_hook(self._on_block_pre))
             self._hooks.append(block.register_forward_hook(self._make_block_post(name)))
+
+    def attach_stages(self, modules) -> "TensorCache":
+        """Attaches to several modules whose forwards run separately, such as
+        the pipeline stages one rank holds (interleaved and zero-bubble
+        schedules): each module is one scoped block, numbered in the order
+        given, and each forward of one starts a micro-batch record of its own.
+        ``keep_last_modules`` counts these modules from the end.
+
+        Note [Stages sharing a cache]: the saved-tensor hooks of a step take
+        every save, whichever stage makes it, so one cache serves all of a
+        rank's stages (two caches in step at once would not share them). The
+        cache holds the ModuleList it scopes by; a stage's forward starts at
+        scope (position - 1), so its block is scope `position`.
+        """
+        stages = torch.nn.ModuleList(modules)
+        self._attach(stages, [(str(i), m) for i, m in enumerate(stages)], "attach_stages")
+        self._stages = stages
+        for position, m in enumerate(stages):
+            # First among the module's pre-hooks, so its block hook sees the
+            # stage's record.
+            self._hooks.append(m.register_forward_pre_hook(self._stage_forward_pre(position), prepend=True))
+            self._hooks.append(m.register_forward_hook(self._on_root_forward))
         return self
+
+    def _stage_forward_pre(self, position):
+        def hook(module, args):
+            self._on_root_forward_pre(module, args)
+            if self._in_step and not _in_backward():
+                self._blocks_in_fwd = position
+        return hook
 
     def detach(self) -> None:
         """Removes the module hooks (the cache stays usable)."""
@@ -377,6 +414,7 @@ class TensorCache:
             h.remove()
         self._hooks = []
         self._blocks = []
+        self._stages = None
         self._model_ref = None
         self._param_storages = set()
         self._param_refs = []
@@ -1007,7 +1045,7 @@ class TensorCache:
                 return
             self._flush_kept_locked()
             self._core.scope_end(self._fwd_mb, max(self._scope, 0))
-            if self._blocks_in_fwd:
+            if self._blocks_in_fwd and self._stages is None:
                 self._expected_blocks = self._blocks_in_fwd
             if self._auto_window:
                 biggest = max((p["bytes_offloaded"] for p in self._plan.values()), default=0)

@@ -24,7 +24,7 @@ attached root module, which starts a micro-batch record); with
 ``hint_torch_pipeline_stage`` a backward starts prefetching its micro-batch
 before its first gradient arrives. Multi-stage schedules (interleaved 1F1B,
 zero bubble) share one cache among the rank's stages:
-``hint_torch_pipeline_stages`` (Note [Stages sharing a cache]).
+``hint_torch_pipeline_stages`` (Note [Stages sharing a cache] in ebbtide/cache.py).
 """
 from __future__ import annotations
 
@@ -234,7 +234,7 @@ def hint_torch_pipeline_stages(stages, cache) -> PipelineHints:
     ``backward_weight_one_chunk`` so each gives hints first, keyed by
     (stage index, micro-batch). Wrap ``schedule.step(...)`` in ``cache.step()``.
     ``keep_last_modules=k`` keeps the activations of the last k stages given
-    resident. Note [Stages sharing a cache].
+    resident (Note [Stages sharing a cache] in ebbtide/cache.py).
 
     Args:
         stages: the rank's pipeline stages, first to last.
@@ -254,55 +254,13 @@ def hint_torch_pipeline_stages(stages, cache) -> PipelineHints:
         >>> with cache.step():
         ...     schedule.step(x, target=y)
     """
-    import torch
-
     stages = list(stages)
     for stage in stages:
         _check_stage(stage, "hint_torch_pipeline_stages")
-    if cache._model_ref is not None:
-        raise RuntimeError(f"{_WHAT}.hint_torch_pipeline_stages: the cache is already attached to a model; "
-                           "pass a cache of its own (it attaches to all the rank's stages)")
-    modules = torch.nn.ModuleList([stage.submod for stage in stages])
-    cache.attach(modules)
-    cache._ebbtide_stages = modules  # the ModuleList lives as long as the cache (attach keeps a weak reference)
-    # Note [Stages sharing a cache]: the cache's saved-tensor hooks take every
-    # save of the step, whichever stage makes it, so one cache must serve all
-    # the rank's stages (two caches in step at once would not share them).
-    # Attached to the ModuleList, it scopes by stage; its root-forward hooks,
-    # which start a micro-batch record, go on each stage module (first among
-    # its pre-hooks, last among its post-hooks), and the scope count starts at
-    # the stage's position, so scope i is stage i in plan() and
-    # keep_last_modules counts the rank's stages.
-    for position, module in enumerate(modules):
-        module.register_forward_pre_hook(_stage_forward_pre(cache, position), prepend=True)
-        module.register_forward_hook(_stage_forward_post(cache, len(modules)))
+    cache.attach_stages([stage.submod for stage in stages])
     hints = PipelineHints(cache)
     for stage in stages:
         _hint_chunks(stage, hints, lambda chunk, _i=stage.stage_index: (_i, chunk))
     return hints
 
 
-def _stage_forward_pre(cache, position):
-    from ebbtide.cache import _in_backward
-
-    ref = weakref.ref(cache)
-
-    def hook(module, args):
-        c = ref()
-        if c is not None and c._in_step and not _in_backward():
-            c._on_root_forward_pre(module, args)
-            c._blocks_in_fwd = position
-    return hook
-
-
-def _stage_forward_post(cache, n_stages):
-    from ebbtide.cache import _in_backward
-
-    ref = weakref.ref(cache)
-
-    def hook(module, args, output):
-        c = ref()
-        if c is not None and c._in_step and not _in_backward():
-            c._on_root_forward(module, args, output)
-            c._expected_blocks = n_stages
-    return hook
