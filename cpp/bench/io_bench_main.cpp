@@ -2,7 +2,7 @@
 // engine and print GB/s (a table, or JSON with --json).
 //   ebbtide-bench-io --dir D [--dir D ...] [--size 1GiB] [--chunk 1MiB] [--qd 16]
 //                    [--request 64MiB] [--backend auto|uring|posix] [--checksum]
-//                    [--no-device] [--no-verify] [--json]
+//                    [--no-device] [--no-verify] [--small-pages] [--json]
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -17,7 +17,7 @@ void usage(FILE* f) {
   std::fprintf(f,
                "usage: ebbtide-bench-io --dir D [--dir D ...] [--size 1GiB] [--chunk 1MiB] [--qd 16]\n"
                "                        [--request 64MiB] [--backend auto|uring|posix] [--checksum]\n"
-               "                        [--no-device] [--no-verify] [--json]\n");
+               "                        [--no-device] [--no-verify] [--small-pages] [--json]\n");
 }
 
 std::string json_escape(const std::string& s) {
@@ -56,6 +56,7 @@ int main(int argc, char** argv) {
       } else if (a == "--backend") o.backend = io::parse_backend(value());
       else if (a == "--checksum") o.checksum = true;
       else if (a == "--no-device") o.device = false;
+      else if (a == "--small-pages") o.huge_pages = false;
       else if (a == "--no-verify") o.verify = false;
       else if (a == "--json") json = true;
       else if (a == "-h" || a == "--help") {
@@ -71,14 +72,17 @@ int main(int argc, char** argv) {
       std::printf("{\"backend\": \"%s\", \"describe\": \"%s\", \"bytes\": %llu, \"direct\": %s, "
                   "\"alignment\": %llu, \"write_seconds\": %.6f, \"read_seconds\": %.6f, "
                   "\"write_gbps\": %.4f, \"read_gbps\": %.4f, \"device_measured\": %s, "
-                  "\"device_write_gbps\": %.4f, \"device_read_gbps\": %.4f, \"verified\": %s}\n",
+                  "\"device_write_gbps\": %.4f, \"device_read_gbps\": %.4f, \"verified\": %s, "
+                  "\"huge_pages\": %s}\n",
                   r.backend.c_str(), json_escape(r.describe).c_str(), static_cast<unsigned long long>(r.bytes),
                   r.direct ? "true" : "false", static_cast<unsigned long long>(r.alignment), r.write_seconds,
                   r.read_seconds, r.write_gbps, r.read_gbps, r.device_measured ? "true" : "false",
-                  r.device_write_gbps, r.device_read_gbps, r.verified ? "true" : "false");
+                  r.device_write_gbps, r.device_read_gbps, r.verified ? "true" : "false",
+                  r.huge_pages ? "true" : "false");
     } else {
       std::printf("%s\n", r.describe.c_str());
-      std::printf("  size %s, O_DIRECT %s%s\n", config::format_bytes(static_cast<double>(r.bytes)).c_str(),
+      std::printf("  size %s, buffers on %s pages, O_DIRECT %s%s\n",
+                  config::format_bytes(static_cast<double>(r.bytes)).c_str(), r.huge_pages ? "huge" : "small",
                   r.direct ? "yes" : "no (page cache: read numbers may be flattered)",
                   o.verify ? (r.verified ? ", data verified" : ", DATA MISMATCH") : "");
       std::printf("  %-14s %10s %10s\n", "transfer", "GB/s", "seconds");

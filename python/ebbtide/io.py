@@ -47,11 +47,11 @@ StateError.__doc__ = ("An operation is not valid in the slot's or engine's state
 
 
 def bench_io(dirs, size, chunk=1 << 20, qd=16, backend="auto", request=64 << 20, checksum=False,
-             device=True, verify=True):
+             device=True, verify=True, huge_pages=True):
     """Writes then reads back ``size`` bytes through the engine; returns a dict of
-    GB/s (10^9 bytes/s), seconds, the backend, whether O_DIRECT was used and
-    whether the data verified."""
-    return _bench_io(dirs, size, chunk, qd, backend, request, checksum, device, verify)
+    GB/s (10^9 bytes/s), seconds, the backend, whether O_DIRECT was used, whether
+    the data verified and whether the buffers got huge pages (``huge_pages``)."""
+    return _bench_io(dirs, size, chunk, qd, backend, request, checksum, device, verify, huge_pages)
 
 
 __all__ = ["Engine", "Request", "IoError", "ChecksumError", "StateError", "bench_io"]

@@ -183,7 +183,7 @@ void ebbtide::py::bind_io(nb::module_& m) {
 
   m.def("bench_io",
         [](std::vector<std::string> dirs, uint64_t size, uint64_t chunk, unsigned qd, const std::string& backend,
-           uint64_t request, bool checksum, bool device, bool verify) {
+           uint64_t request, bool checksum, bool device, bool verify, bool huge_pages) {
           io::BenchOptions o;
           o.dirs = std::move(dirs);
           o.total_bytes = size;
@@ -194,6 +194,7 @@ void ebbtide::py::bind_io(nb::module_& m) {
           o.checksum = checksum;
           o.device = device;
           o.verify = verify;
+          o.huge_pages = huge_pages;
           io::BenchResult r;
           {
             nb::gil_scoped_release nogil;
@@ -212,10 +213,11 @@ void ebbtide::py::bind_io(nb::module_& m) {
           d["device_read_gbps"] = r.device_read_gbps;
           d["direct"] = r.direct;
           d["verified"] = r.verified;
+          d["huge_pages"] = r.huge_pages;
           return d;
         },
         nb::arg("dirs"), nb::arg("size"), nb::arg("chunk") = 1u << 20, nb::arg("qd") = 16,
         nb::arg("backend") = "auto", nb::arg("request") = 64u << 20, nb::arg("checksum") = false,
-        nb::arg("device") = true, nb::arg("verify") = true,
+        nb::arg("device") = true, nb::arg("verify") = true, nb::arg("huge_pages") = true,
         "Writes then reads back `size` bytes through the engine; returns GB/s and what was used.");
 }

@@ -2,8 +2,9 @@
 
 Writes --size bytes through the engine and reads them back (data verified),
 then, with --vs-fio, runs fio with the equivalent settings (O_DIRECT, same
-block size and queue depth, same directories and size) in the same run and
-prints our/fio ratios.
+block size, same queue depth per block device, same directories and size,
+buffers on the same kind of pages) in the same run and prints our/fio ratios.
+Both sides flush the written data (untimed) before reading it back.
 """
 import json
 import os
@@ -30,6 +31,8 @@ def register(subparsers):
     io.add_argument("--backend", default="auto", choices=["auto", "uring", "posix"])
     io.add_argument("--checksum", action="store_true", help="crc32c per chunk")
     io.add_argument("--no-device", action="store_true", help="skip GPU transfers")
+    io.add_argument("--small-pages", action="store_true",
+                    help="buffers on 4 KiB pages instead of transparent huge pages (for both ebbtide and fio)")
     io.add_argument("--vs-fio", action="store_true", help="also run fio with equivalent settings")
     io.add_argument("--repeat", type=int, default=1,
                     help="runs of each (ebbtide and fio alternating); medians are reported")
@@ -37,40 +40,88 @@ def register(subparsers):
     io.set_defaults(func=run_io)
 
 
-def _fio_job_args(dirs, size, chunk, qd, rw, backend):
+# fio's buffers come from glibc's malloc; this tunable makes malloc advise
+# MADV_HUGEPAGE on them, the same memory as the engine's bench buffers
+# (Note [Bench buffers] in cpp/src/io/bench.cpp).
+_FIO_HUGE_PAGES_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+
+
+def _fio_job_args(dirs, size, chunk, qd, rw, backend, huge_pages=True, devices=None):
+    """fio arguments for one pass (rw "write" or "read") matching the engine's.
+
+    Args:
+        dirs: target directories, one fio job each.
+        size: total bytes, split evenly over the directories.
+        chunk: block size.
+        qd: queue depth per block device, as the engine's; directories on one
+            device share it.
+        rw: "write" or "read".
+        backend: the engine backend ("auto", "uring" or "posix").
+        huge_pages: align the buffers to 2 MiB so that huge pages back them.
+        devices: st_dev of each directory (default: os.stat of each).
+
+    Returns:
+        The argument list, without the fio executable.
+    """
     engine = "io_uring" if backend in ("auto", "uring") else "psync"
     per_dir = size // len(dirs)
+    if devices is None:
+        devices = [os.stat(d).st_dev for d in dirs]
     args = ["--output-format=json", "--group_reporting"]
     for i, d in enumerate(dirs):
+        depth = max(1, qd // devices.count(devices[i]))
         args += [f"--name=ebbtide-fio-{i}", f"--directory={d}", f"--rw={rw}", f"--bs={chunk}",
-                 f"--iodepth={qd}", f"--ioengine={engine}", "--direct=1", f"--size={per_dir}",
-                 "--numjobs=1", "--end_fsync=1" if rw == "write" else "--invalidate=1"]
+                 f"--iodepth={depth}", f"--ioengine={engine}", "--direct=1", f"--size={per_dir}",
+                 "--numjobs=1", "--end_fsync=0" if rw == "write" else "--invalidate=1"]
         if engine == "io_uring":
             args += ["--fixedbufs=1", "--registerfiles=1"]
+        if huge_pages:
+            args += ["--iomem=malloc", "--iomem_align=2M"]
     return args
 
 
-def run_fio(dirs, size, chunk, qd, backend):
-    """Sequential write then read with fio; returns (write_gbps, read_gbps)."""
+def _fio_files(dirs):
+    for i, d in enumerate(dirs):
+        for name in os.listdir(d):
+            if name.startswith(f"ebbtide-fio-{i}."):
+                yield os.path.join(d, name)
+
+
+def _flush(paths):
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def run_fio(dirs, size, chunk, qd, backend, huge_pages=True):
+    """Sequential write, an untimed fsync, a read and an untimed second read
+    with fio; returns (write_gbps, read_gbps)."""
     fio = shutil.which("fio")
     if fio is None:
         raise RuntimeError("--vs-fio: fio is not installed (apt-get install fio)")
+    env = dict(os.environ, **_FIO_HUGE_PAGES_ENV) if huge_pages else None
     out = {}
     try:
-        for rw in ("write", "read"):
-            proc = subprocess.run([fio] + _fio_job_args(dirs, size, chunk, qd, rw, backend),
-                                  capture_output=True, text=True, check=False)
+        # "verify" is an untimed second read standing for the engine's
+        # verifying read, so that each side's write follows as much of the
+        # other side's I/O (a host's write-back of the last write can take
+        # seconds and slows whatever comes next).
+        for name, rw in (("write", "write"), ("read", "read"), ("verify", "read")):
+            if name == "read":
+                _flush(_fio_files(dirs))
+            proc = subprocess.run([fio] + _fio_job_args(dirs, size, chunk, qd, rw, backend, huge_pages),
+                                  capture_output=True, text=True, check=False, env=env)
             if proc.returncode != 0:
-                raise RuntimeError(f"fio {rw} failed: {proc.stderr.strip() or proc.stdout[-500:]}")
+                raise RuntimeError(f"fio {name} failed: {proc.stderr.strip() or proc.stdout[-500:]}")
             text = proc.stdout[proc.stdout.find("{"):]
-            job = json.loads(text)["jobs"][0]
-            side = job["write" if rw == "write" else "read"]
-            out[rw] = side["io_bytes"] / (side["runtime"] / 1e3) / 1e9 if side["runtime"] else 0.0
+            side = json.loads(text)["jobs"][0][rw]
+            out[name] = side["io_bytes"] / (side["runtime"] / 1e3) / 1e9 if side["runtime"] else 0.0
     finally:
-        for i, d in enumerate(dirs):
-            for name in os.listdir(d):
-                if name.startswith(f"ebbtide-fio-{i}."):
-                    os.unlink(os.path.join(d, name))
+        for path in list(_fio_files(dirs)):
+            os.unlink(path)
     return out["write"], out["read"]
 
 
@@ -96,13 +147,16 @@ def run_io(args):
             runs.append(dict(_core.bench_io(dirs=dirs, size=size, chunk=chunk, qd=args.qd,
                                             backend=args.backend, request=request,
                                             checksum=args.checksum,
-                                            device=not args.no_device)))
+                                            device=not args.no_device,
+                                            huge_pages=not args.small_pages)))
             if args.vs_fio:
-                fio_runs.append(run_fio(dirs, size, chunk, args.qd, args.backend))
+                fio_runs.append(run_fio(dirs, size, chunk, args.qd, args.backend,
+                                        huge_pages=not args.small_pages))
         result = dict(runs[-1])
         for key in ("write_gbps", "read_gbps", "device_write_gbps", "device_read_gbps"):
             result[key] = statistics.median(r[key] for r in runs)
         result["verified"] = all(r["verified"] for r in runs)
+        result["huge_pages"] = all(r["huge_pages"] for r in runs)
         result.update(dirs=dirs, size=size, chunk=chunk, qd=args.qd, repeat=args.repeat)
         if args.repeat > 1:
             result["runs"] = [{k: r[k] for k in ("write_gbps", "read_gbps")} for r in runs]
@@ -128,7 +182,8 @@ def run_io(args):
 def print_table(r):
     print(f"ebbtide bench io: {r['describe']}")
     print(f"  dirs={','.join(r['dirs'])} size={_core.format_bytes(r['size'])} "
-          f"chunk={_core.format_bytes(r['chunk'])} qd={r['qd']} O_DIRECT={r['direct']}"
+          f"chunk={_core.format_bytes(r['chunk'])} qd={r['qd']} O_DIRECT={r['direct']} "
+          f"huge_pages={r['huge_pages']}"
           + (f" (median of {r['repeat']} runs each)" if r["repeat"] > 1 else ""))
     rows = [("host write", r["write_gbps"], r.get("fio_write_gbps")),
             ("host read", r["read_gbps"], r.get("fio_read_gbps"))]

@@ -1,7 +1,9 @@
 // The I/O benchmark behind `ebbtide bench io` and ebbtide-bench-io: writes
 // `total_bytes` through the engine in `request_bytes` requests, then reads them
-// back, and reports GB/s (10^9 bytes per second). With a CUDA device present
-// and `device` set, also measures device->file and file->device.
+// back, and reports GB/s (10^9 bytes per second). The slabs are flushed
+// (syncfs, untimed) between the write and the read, so the read does not
+// overlap the device's write-back. With a CUDA device present and `device`
+// set, also measures device->file and file->device.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +24,7 @@ struct BenchOptions {
   bool checksum = false;
   bool device = true;  // also run device-pointer transfers when a GPU is present
   bool verify = true;  // compare read-back data with what was written
+  bool huge_pages = true;  // ask for transparent huge pages for the buffers (Note [Bench buffers])
 };
 
 struct BenchResult {
@@ -35,6 +38,7 @@ struct BenchResult {
   bool verified = false;
   bool direct = false;  // O_DIRECT on every slab (else the page cache may flatter reads)
   uint64_t alignment = 0;
+  bool huge_pages = false;  // every buffer is backed by huge pages (what the kernel gave)
 };
 
 BenchResult run_io_bench(const BenchOptions& options);
