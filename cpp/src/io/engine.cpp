@@ -1,12 +1,12 @@
 // The storage engine. Layout:
-//  - Slab files (slab.cpp), one per directory, form one logical space striped
+//  - Slab files (anonymous DirectFiles), one per directory, form one logical space striped
 //    RAID0-style in chunk_bytes units: logical offset L lives in slab
 //    (L / chunk) % N at file offset ((L / chunk) / N) * chunk + L % chunk.
 //  - SlotAllocator hands out aligned extents of that logical space.
 //  - A request is split at stripe boundaries into chunks; each chunk goes to
 //    the worker of the block device holding its slab. A worker keeps up to
-//    queue_depth chunks in flight on its backend (io_uring ring or POSIX
-//    threads), taking loads before stores.
+//    queue_depth chunks in flight on its TransferLoop (io_uring ring or POSIX
+//    threads; Note [Transfer loop] in transfer.cpp), taking loads before stores.
 //
 // Note [Slot lifecycle]
 //   allocate() -> EMPTY --write--> WRITING --ok--> STORED --read--> READING -> STORED
@@ -38,12 +38,6 @@
 //   padded with the extent's own slack; otherwise everything is staged as
 //   before. The cut depends only on the slot, so per-chunk checksums of a
 //   write line up with any later read.
-//
-// Note [Fault injection]
-//   inject_write_fault() arms a per-directory fault consumed by the worker just
-//   before it would submit a data write at or beyond `after_bytes` in that
-//   directory's slab: the chunk completes with the given errno exactly as if
-//   the device had returned it, so every error path above the backend runs.
 #include "ebbtide/io/engine.hpp"
 
 #include <algorithm>
@@ -57,9 +51,9 @@
 #include <thread>
 #include <unordered_map>
 
-#include "backend.hpp"
 #include "ebbtide/io/detail/engine_testing.hpp"
 #include "ebbtide/io/detail/slot_allocator.hpp"
+#include "ebbtide/io/direct_file.hpp"
 #include "ebbtide/mem/cuda_shim.hpp"
 #include "ebbtide/mem/cufile_shim.hpp"
 #include "ebbtide/mem/pinned_pool.hpp"
@@ -67,7 +61,6 @@
 #include "ebbtide/util/crc32c.hpp"
 #include "ebbtide/util/error.hpp"
 #include "ebbtide/util/log.hpp"
-#include "slab.hpp"
 
 namespace ebbtide::io {
 
@@ -131,25 +124,6 @@ bool Request::is_write() const { return s_ && s_->write; }
 
 // ---------------------------------------------------------------- options
 
-std::string_view to_string(BackendKind kind) {
-  switch (kind) {
-    case BackendKind::kAuto: return "auto";
-    case BackendKind::kUring: return "uring";
-    case BackendKind::kPosix: return "posix";
-  }
-  return "?";
-}
-
-BackendKind parse_backend(std::string_view text) {
-  std::string t(text);
-  std::transform(t.begin(), t.end(), t.begin(), [](unsigned char c) { return std::tolower(c); });
-  if (t == "auto") return BackendKind::kAuto;
-  if (t == "uring" || t == "io_uring") return BackendKind::kUring;
-  if (t == "posix") return BackendKind::kPosix;
-  EBB_CHECK(false, "I/O backend '", text, "' is not valid (valid: auto, uring, posix)");
-  return BackendKind::kAuto;
-}
-
 EngineOptions EngineOptions::with_env() const {
   EngineOptions o = *this;
   if (auto v = config::env_choice("EBBTIDE_IO_BACKEND"))
@@ -159,55 +133,6 @@ EngineOptions EngineOptions::with_env() const {
   if (auto v = config::env_bool("EBBTIDE_IO_CHECKSUM")) o.checksum = *v;
   if (auto v = config::env_bool("EBBTIDE_IO_DIRECT")) o.direct = *v;
   return o;
-}
-
-// ---------------------------------------------------------------- faults
-
-namespace {
-
-struct Fault {
-  std::string dir;
-  uint64_t after;
-  int err;
-  int count;
-};
-std::mutex g_fault_mu;
-std::vector<Fault> g_faults;
-std::atomic<bool> g_faults_armed{false};
-
-std::string canonical_or_same(const std::string& dir) {
-  std::error_code ec;
-  auto c = std::filesystem::canonical(dir, ec);
-  return ec ? dir : c.string();
-}
-
-int take_fault(const std::string& dir, uint64_t offset) {
-  if (!g_faults_armed.load(std::memory_order_relaxed)) return 0;
-  std::lock_guard lock(g_fault_mu);
-  for (auto it = g_faults.begin(); it != g_faults.end(); ++it) {
-    if (it->dir == dir && offset >= it->after && it->count > 0) {
-      int e = it->err;
-      if (--it->count == 0) g_faults.erase(it);
-      g_faults_armed = !g_faults.empty();
-      return e;
-    }
-  }
-  return 0;
-}
-
-}  // namespace
-
-void inject_write_fault(const std::string& dir, uint64_t after_bytes, int err, int count) {
-  EBB_CHECK(err > 0 && count > 0, "inject_write_fault: errno and count must be positive");
-  std::lock_guard lock(g_fault_mu);
-  g_faults.push_back({canonical_or_same(dir), after_bytes, err, count});
-  g_faults_armed = true;
-}
-
-void clear_faults() {
-  std::lock_guard lock(g_fault_mu);
-  g_faults.clear();
-  g_faults_armed = false;
 }
 
 // ---------------------------------------------------------------- engine
@@ -220,8 +145,8 @@ using ReqPtr = std::shared_ptr<RequestState>;
 struct Chunk;
 struct Device {
   dev_t dev = 0;
-  std::vector<detail::SlabFile*> slabs;
-  std::unique_ptr<detail::Backend> backend;
+  std::vector<DirectFile*> slabs;
+  std::unique_ptr<TransferLoop> loop;
   std::mutex mu;
   std::condition_variable cv;
   std::deque<Chunk*> loads, stores;
@@ -232,7 +157,7 @@ struct Device {
 struct Chunk {
   ReqPtr req;
   uint32_t index = 0;
-  detail::SlabFile* slab = nullptr;
+  DirectFile* slab = nullptr;
   size_t slab_index = 0;
   Device* dev = nullptr;
   uint64_t file_off = 0;
@@ -244,7 +169,6 @@ struct Chunk {
   mem::PinnedPool::Lease lease;
   char* io_buf = nullptr;
   bool device = false;  // `user` is a CUDA device address
-  uint64_t done = 0;
 };
 
 struct SlotMeta {
@@ -265,7 +189,7 @@ bool aligned_to(const void* p, uint64_t a) { return reinterpret_cast<uintptr_t>(
 struct Engine::Impl {
   EngineOptions opt;
   BackendKind kind = BackendKind::kPosix;
-  std::vector<std::unique_ptr<detail::SlabFile>> slabs;
+  std::vector<std::unique_ptr<DirectFile>> slabs;
   std::vector<std::unique_ptr<Device>> devices;
   std::vector<Device*> slab_device;
   std::unique_ptr<mem::PinnedPool> staging;
@@ -297,15 +221,14 @@ struct Engine::Impl {
   ReqPtr submit(SlotId slot, const Buffer& b, Callback cb, bool write);
   void run_device(Device& d);
   enum class Start { kSubmitted, kDone, kNoStaging };
-  Start start(Device& d, Chunk* c, unsigned inflight);
-  void submit_op(Device& d, Chunk* c);
+  Start start(Device& d, Chunk* c);
   static void pad_staging(Chunk* c) {  // zero what the staged block holds besides the data
     std::memset(c->io_buf, 0, c->delta);
     std::memset(c->io_buf + c->delta + c->len, 0, c->io_len - c->delta - c->len);
   }
   void copy_device(Chunk* c, bool to_device);
   bool try_cufile(Chunk* c);
-  bool on_completion(Device& d, const detail::IoCompletion& comp);  // true when the chunk left flight
+  void on_transferred(Chunk* c, std::exception_ptr err);
   void complete_chunk(Chunk* c, std::exception_ptr err);
   void finalize(const ReqPtr& req);
   void release_slot(std::unordered_map<SlotId, SlotMeta>::iterator it);
@@ -323,7 +246,7 @@ Engine::Impl::Impl(EngineOptions o) : opt(std::move(o)) {
   EBB_CHECK(opt.staging_bytes > 0, "staging_bytes must be positive");
 
   for (const auto& dir : opt.dirs) {
-    slabs.push_back(std::make_unique<detail::SlabFile>(dir, opt.direct));
+    slabs.push_back(DirectFile::create_anonymous(dir, opt.direct));
     const auto& s = *slabs.back();
     align = std::max({align, s.mem_align(), s.offset_align()});
     if (s.direct()) {
@@ -360,30 +283,21 @@ Engine::Impl::Impl(EngineOptions o) : opt(std::move(o)) {
     slab_device.push_back(it->second);
   }
 
-  // Backend choice: uring when asked or in AUTO when it works; POSIX otherwise.
-  std::string why;
-  if (opt.backend != BackendKind::kPosix) {
-    std::vector<iovec> iov(staging->count());
-    for (size_t i = 0; i < iov.size(); ++i) iov[i] = {staging->buffer(i), staging->buffer_bytes()};
-    bool ok = true;
+  // One backend kind for every device: what AUTO picks for the first holds
+  // for all, and a device refusing it sends all of them to POSIX.
+  std::vector<iovec> fixed(staging->count());
+  for (size_t i = 0; i < fixed.size(); ++i) fixed[i] = {staging->buffer(i), staging->buffer_bytes()};
+  try {
     for (auto& d : devices) {
-      d->backend = detail::make_uring_backend(opt.queue_depth, iov, &why);
-      if (!d->backend) {
-        ok = false;
-        break;
-      }
+      const BackendKind k = &d == &devices.front() ? opt.backend : devices.front()->loop->backend();
+      d->loop = std::make_unique<TransferLoop>(opt.queue_depth, fixed, k, "io");
     }
-    if (ok) {
-      kind = BackendKind::kUring;
-      if (opt.backend == BackendKind::kAuto) log::info("io: backend auto -> uring (io_uring available)");
-    } else if (opt.backend == BackendKind::kUring) {
-      throw Unsupported("io: backend 'uring' was requested but is unavailable: " + why);
-    } else {
-      log::info("io: backend auto -> posix (", why, ")");
-    }
+  } catch (const Unsupported&) {
+    if (opt.backend != BackendKind::kAuto) throw;
+    log::info("io: backend auto -> posix (io_uring refused on a second device)");
+    for (auto& d : devices) d->loop = std::make_unique<TransferLoop>(opt.queue_depth, fixed, BackendKind::kPosix, "io");
   }
-  if (kind == BackendKind::kPosix)
-    for (auto& d : devices) d->backend = detail::make_posix_backend(opt.queue_depth);
+  kind = devices.front()->loop->backend();
   st.backend = std::string(to_string(kind));
   st.alignment = dio_align ? dio_align : align;
   st.direct = all_direct;
@@ -497,7 +411,7 @@ void Engine::Impl::shutdown() {
 }
 
 std::string Engine::Impl::describe() const {
-  std::string b = devices.empty() || !devices[0]->backend ? "?" : devices[0]->backend->describe();
+  std::string b = devices.empty() || !devices[0]->loop ? "?" : devices[0]->loop->describe();
   return ebbtide::detail::concat("ebbtide io engine: ", b, ", ", slabs.size(), " dir(s) on ", devices.size(),
                         " device(s), chunk ", config::format_bytes(static_cast<double>(opt.chunk_bytes)),
                         ", ", all_direct ? "O_DIRECT" : "buffered I/O on some dirs", " (align ",
@@ -540,7 +454,7 @@ void Engine::Impl::grow_for(uint64_t nbytes) {
   alloc.grow(slab_size * n);
 }
 
-Engine::Impl::Start Engine::Impl::start(Device& d, Chunk* c, unsigned inflight) {
+Engine::Impl::Start Engine::Impl::start(Device& d, Chunk* c) {
   RequestState& rq = *c->req;
   if (rq.write) {
     int expected = detail::kQueued;
@@ -561,7 +475,7 @@ Engine::Impl::Start Engine::Impl::start(Device& d, Chunk* c, unsigned inflight) 
     c->io_len = c->len;
     c->delta = 0;
   } else {
-    if (inflight > 0) {
+    if (d.loop->in_flight() > 0) {
       auto lease = staging->try_acquire();
       if (!lease) return Start::kNoStaging;
       c->lease = std::move(*lease);
@@ -587,55 +501,19 @@ Engine::Impl::Start Engine::Impl::start(Device& d, Chunk* c, unsigned inflight) 
       pad_staging(c);
     }
     if (opt.checksum) rq.crcs[c->index] = crc32c(c->io_buf + c->delta, c->len);
-    if (int e = take_fault(slab.dir(), c->file_off)) {
-      complete_chunk(c, std::make_exception_ptr(IoError(e, slab.label(), static_cast<int64_t>(c->file_off),
-                                                        "write failed (injected fault)")));
-      return Start::kDone;
-    }
   }
-  submit_op(d, c);
+  d.loop->start(*c->slab, rq.write, c->io_buf, c->io_len, c->file_off - c->delta, c->staging,
+                [this, c](std::exception_ptr err) { on_transferred(c, std::move(err)); });
   return Start::kSubmitted;
 }
 
-void Engine::Impl::submit_op(Device& d, Chunk* c) {
-  detail::IoOp op;
-  op.tag = reinterpret_cast<uint64_t>(c);
-  op.fd = c->slab->fd();
-  op.write = c->req->write;
-  op.buf = c->io_buf + c->done;
-  op.len = c->io_len - c->done;
-  op.offset = c->file_off - c->delta + c->done;
-  op.buf_index = c->staging;
-  d.backend->submit(op);
-}
-
-bool Engine::Impl::on_completion(Device& d, const detail::IoCompletion& comp) {
-  auto* c = reinterpret_cast<Chunk*>(comp.tag);
+// The chunk's disk transfer has ended: verify and copy out what was read.
+void Engine::Impl::on_transferred(Chunk* c, std::exception_ptr err) {
+  if (err) {
+    complete_chunk(c, std::move(err));
+    return;
+  }
   const bool write = c->req->write;
-  const auto at = static_cast<int64_t>(c->file_off - c->delta + c->done);
-  if (comp.res == -EAGAIN || comp.res == -EINTR) {
-    submit_op(d, c);
-    return false;
-  }
-  if (comp.res < 0) {
-    int e = static_cast<int>(-comp.res);
-    complete_chunk(c, std::make_exception_ptr(
-                          IoError(e, c->slab->label(), at, ebbtide::detail::concat(write ? "write" : "read", " of ",
-                                                                         c->io_len - c->done, " bytes failed"))));
-    return true;
-  }
-  if (comp.res == 0) {
-    complete_chunk(c, std::make_exception_ptr(IoError(EIO, c->slab->label(), at,
-                                                      ebbtide::detail::concat(write ? "write" : "read",
-                                                                     " moved 0 of ", c->io_len - c->done,
-                                                                     " bytes (unexpected end of file)"))));
-    return true;
-  }
-  c->done += static_cast<uint64_t>(comp.res);
-  if (c->done < c->io_len) {  // short transfer: resubmit the remainder
-    submit_op(d, c);
-    return false;
-  }
   if (!write) {
     if (opt.checksum) {
       uint32_t expected = c->req->crcs[c->index];
@@ -643,7 +521,7 @@ bool Engine::Impl::on_completion(Device& d, const detail::IoCompletion& comp) {
       if (actual != expected) {
         complete_chunk(c, std::make_exception_ptr(ChecksumError(c->slab->label(),
                                                                 static_cast<int64_t>(c->file_off), expected, actual)));
-        return true;
+        return;
       }
     }
     if (c->device) {  // pinned staging -> device on the caller's stream
@@ -651,14 +529,13 @@ bool Engine::Impl::on_completion(Device& d, const detail::IoCompletion& comp) {
         copy_device(c, true);
       } catch (...) {
         complete_chunk(c, std::current_exception());
-        return true;
+        return;
       }
     } else if (c->staging >= 0) {
       std::memcpy(c->user, c->io_buf + c->delta, c->len);
     }
   }
   complete_chunk(c, nullptr);
-  return true;
 }
 
 void Engine::Impl::complete_chunk(Chunk* c, std::exception_ptr err) {
@@ -746,18 +623,17 @@ void Engine::Impl::finalize(const ReqPtr& req) {
 }
 
 void Engine::Impl::run_device(Device& d) {
-  std::vector<detail::IoCompletion> comps;
   std::vector<Chunk*> batch;
-  unsigned inflight = 0;
+  TransferLoop& loop = *d.loop;
   const unsigned qd = opt.queue_depth;
   for (;;) {
     batch.clear();
     {
       std::unique_lock lock(d.mu);
-      if (inflight == 0)
+      if (loop.in_flight() == 0)
         d.cv.wait(lock, [&] { return d.stop || !d.loads.empty() || !d.stores.empty(); });
-      if (inflight == 0 && d.stop && d.loads.empty() && d.stores.empty()) return;
-      while (inflight + batch.size() < qd) {  // loads first: backward waits on them
+      if (loop.in_flight() == 0 && d.stop && d.loads.empty() && d.stores.empty()) return;
+      while (loop.in_flight() + batch.size() < qd) {  // loads first: backward waits on them
         auto& q = !d.loads.empty() ? d.loads : d.stores;
         if (q.empty()) break;
         batch.push_back(q.front());
@@ -765,10 +641,7 @@ void Engine::Impl::run_device(Device& d) {
       }
     }
     for (size_t i = 0; i < batch.size(); ++i) {
-      Start r = start(d, batch[i], inflight);
-      if (r == Start::kSubmitted) {
-        ++inflight;
-      } else if (r == Start::kNoStaging) {  // give the rest back, in order
+      if (start(d, batch[i]) == Start::kNoStaging) {  // give the rest back, in order
         std::lock_guard lock(d.mu);
         for (size_t j = batch.size(); j-- > i;) {
           Chunk* c = batch[j];
@@ -778,21 +651,18 @@ void Engine::Impl::run_device(Device& d) {
       }
     }
     try {
-      d.backend->flush();
+      loop.flush();
     } catch (const std::exception& e) {
-      log::error("io: submitting to ", d.backend->name(), " failed: ", e.what(), "; retrying");
+      log::error("io: submitting to ", loop.name(), " failed: ", e.what(), "; retrying");
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
-    if (inflight > 0) {
-      comps.clear();
+    if (loop.in_flight() > 0) {
       try {
-        d.backend->reap(comps, true);
+        loop.reap(true);
       } catch (const std::exception& e) {
         log::error("io: waiting for completions failed: ", e.what(), "; retrying");
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
-      for (const auto& c : comps)
-        if (on_completion(d, c)) --inflight;
     }
   }
 }

@@ -17,12 +17,10 @@
 #include <string_view>
 #include <vector>
 
-namespace ebbtide::io {
+#include "ebbtide/io/faults.hpp"
+#include "ebbtide/io/transfer.hpp"
 
-enum class BackendKind { kAuto, kUring, kPosix };
-std::string_view to_string(BackendKind kind);
-// "auto" | "uring" | "posix" (case-insensitive); InvalidArgument otherwise.
-BackendKind parse_backend(std::string_view text);
+namespace ebbtide::io {
 
 struct EngineOptions {
   std::vector<std::string> dirs;        // >= 1 directory; one slab file each
@@ -160,11 +158,5 @@ class Engine {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
-
-// Fault injection for tests (Note [Fault injection] in engine.cpp): the next
-// `count` data writes at or after `after_bytes` into directory `dir` fail with
-// errno `err` (e.g. ENOSPC) as if the device said so. Process-wide.
-void inject_write_fault(const std::string& dir, uint64_t after_bytes, int err, int count = 1);
-void clear_faults();
 
 }  // namespace ebbtide::io
