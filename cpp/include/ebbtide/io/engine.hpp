@@ -6,7 +6,7 @@
 // directories are given; one worker (ring or thread pool) per block device.
 // Requests complete asynchronously; every completion carries a status.
 // Thread safe: any thread may allocate, submit, wait and cancel.
-// See Note [Slot lifecycle] in engine.cpp for the states a slot goes through.
+// See Note [Slot lifecycle] in engine_slots.cpp for the states a slot goes through.
 #pragma once
 
 #include <cstdint>
@@ -118,7 +118,7 @@ class Engine {
 
   // Reserves space for `nbytes` (> 0) in the slabs. With `like`, the slot is
   // laid out so that host buffers at the same address modulo io_alignment()
-  // move in place under O_DIRECT (Note [Slot phase] in engine.cpp); any buffer
+  // move in place under O_DIRECT (Note [Slot phase] in striping.cpp); any buffer
   // still works. IoError(ENOSPC) when the disk or `capacity_bytes` is exhausted.
   SlotId allocate(uint64_t nbytes, const void* like = nullptr);
   // Returns the slot's space. A slot with a request in flight is freed when the
