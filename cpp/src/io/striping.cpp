@@ -9,8 +9,8 @@
 //   to the first boundary, an aligned middle, a tail piece after the last.
 //   When the buffer shares the slot's phase, the middle moves in place with
 //   O_DIRECT and only the head and tail (< io_align bytes each) are staged,
-//   padded with the extent's own slack; otherwise everything is staged as
-//   before. The cut depends only on the slot, so per-chunk checksums of a
+//   padded with the extent's own slack; otherwise everything is staged.
+//   The cut depends only on the slot, so per-chunk checksums of a
 //   write line up with any later read.
 #include "engine_impl.hpp"
 
