@@ -1,7 +1,7 @@
 // Checkpoint shards crafted by an attacker, with valid checksums: the reader
 // refuses each with InvalidArgument naming the file and the bad entry
 // (Note [Hostile headers] in cpp/src/ckpt/format.cpp, Note [Regular files
-// only] in cpp/src/ckpt/shard_io.cpp).
+// only] in cpp/src/io/direct_file.cpp).
 #include <sys/stat.h>
 #include <unistd.h>
 

@@ -27,7 +27,7 @@ class SsdStore final : public Store {
   Location put(const Span& src) override {
     EBB_CHECK(src.nbytes > 0, "ssd store: empty put");
     // Host data: lay the slot out after the source's address, so that O_DIRECT
-    // writes it in place (Note [Slot phase] in engine.cpp).
+    // writes it in place (Note [Slot phase] in io/striping.cpp).
     io::SlotId slot = engine_.allocate(src.nbytes, src.device < 0 ? src.ptr : nullptr);
     try {
       engine_.write(slot, buffer(src)).wait();

@@ -15,26 +15,28 @@
 namespace ebbtide::ckpt {
 
 FileProbe probe_file(const std::string& path) {
-  detail::ShardFile f(path, false, false);
+  const auto file = detail::open_shard(path, false, false);
+  const io::DirectFile& f = *file;
   FileProbe p;
   p.size = f.size();
   if (p.size >= kSuperBytes) {
     char magic[sizeof kSuperMagic];
-    detail::read_exact(f, magic, sizeof magic, 0);
+    io::read_exact(f, magic, sizeof magic, 0);
     p.shard = std::memcmp(magic, kSuperMagic, sizeof magic) == 0;
   }
   return p;
 }
 
 void read_file_ranges(const std::string& path, const std::vector<FileRange>& ranges) {
-  detail::ShardFile f(path, false, false);
+  const auto file = detail::open_shard(path, false, false);
+  const io::DirectFile& f = *file;
   const uint64_t size = f.size();
   for (const auto& r : ranges)
     EBB_CHECK(fits_within(r.offset, r.len, size), path, ": byte range [", r.offset, ", ", r.offset, " + ", r.len,
               ") lies outside the file (", size, " bytes)");
   for (const auto& r : ranges) {
     EBB_CHECK(r.dst != nullptr || r.len == 0, path, ": null destination for ", r.len, " bytes");
-    detail::read_exact(f, r.dst, r.len, r.offset);
+    io::read_exact(f, r.dst, r.len, r.offset);
   }
 }
 

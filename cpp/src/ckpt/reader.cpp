@@ -43,13 +43,13 @@ std::string tensor_at(const std::string& path, const std::string& blob) {
 }  // namespace
 
 struct ShardReader::Impl {
-  std::unique_ptr<detail::ShardFile> file;
+  std::unique_ptr<io::DirectFile> file;
   Superblock sb;
   Header h;
   uint64_t size = 0;
   // Stripe k (0 = the shard file): file, size, and why it is unusable ("" = fine).
-  std::vector<const detail::ShardFile*> files;
-  std::vector<std::unique_ptr<detail::ShardFile>> stripes;
+  std::vector<const io::DirectFile*> files;
+  std::vector<std::unique_ptr<io::DirectFile>> stripes;
   std::vector<std::string> stripe_paths;
   std::vector<uint64_t> sizes;
   std::vector<std::string> stripe_error;
@@ -96,12 +96,12 @@ struct ShardReader::Impl {
     for (size_t k = 1; k < n; ++k) {
       const std::string& p = stripe_paths[k - 1];
       try {
-        stripes[k] = std::make_unique<detail::ShardFile>(p, false, direct);
+        stripes[k] = detail::open_shard(p, false, direct);
         files[k] = stripes[k].get();
         sizes[k] = stripes[k]->size();
         if (sizes[k] < kBlockBytes)
           throw InvalidArgument(ebbtide::detail::concat("truncated stripe file (", sizes[k], " bytes)"));
-        detail::read_exact(*stripes[k], blk.get(), kBlockBytes, 0);
+        io::read_exact(*stripes[k], blk.get(), kBlockBytes, 0);
         Superblock s = decode_superblock(reinterpret_cast<const unsigned char*>(blk.get()), p);
         if (!(s.flags & kFlagStripeFile) || s.stripe_index != k || s.stripe_count != n)
           throw InvalidArgument(ebbtide::detail::concat("not stripe ", k, " of ", n, " (its superblock says stripe ",
@@ -122,14 +122,14 @@ struct ShardReader::Impl {
 ShardReader::ShardReader(const std::string& path, bool direct, std::vector<std::string> stripe_paths)
     : impl_(std::make_unique<Impl>()) {
   auto& I = *impl_;
-  I.file = std::make_unique<detail::ShardFile>(path, false, direct);
+  I.file = detail::open_shard(path, false, direct);
   I.size = I.file->size();
   if (I.size < kBlockBytes) {
     throw InvalidArgument(ebbtide::detail::concat(path, ": truncated checkpoint shard (", I.size,
                                          " bytes, smaller than the 4096-byte superblock)"));
   }
   auto blk = aligned_buf(kBlockBytes);
-  detail::read_exact(*I.file, blk.get(), kBlockBytes, 0);
+  io::read_exact(*I.file, blk.get(), kBlockBytes, 0);
   I.sb = decode_superblock(reinterpret_cast<const unsigned char*>(blk.get()), path);
   EBB_CHECK(!(I.sb.flags & kFlagStripeFile) && I.sb.stripe_index == 0, path,
             ": this is a stripe data file of a striped shard, not the shard file (rankR.ebt in the checkpoint directory)");
@@ -141,7 +141,7 @@ ShardReader::ShardReader(const std::string& path, bool direct, std::vector<std::
             ": corrupt superblock (header offset ", I.sb.header_offset, ")");
   uint64_t hlen = align_up(I.sb.header_bytes, kBlockBytes);
   auto hb = aligned_buf(hlen);
-  detail::read_exact(*I.file, hb.get(), std::min(hlen, I.size - I.sb.header_offset), I.sb.header_offset);
+  io::read_exact(*I.file, hb.get(), std::min(hlen, I.size - I.sb.header_offset), I.sb.header_offset);
   uint32_t crc = crc32c(hb.get(), I.sb.header_bytes);
   if (crc != I.sb.header_crc) throw ChecksumError(path + " (header)", static_cast<int64_t>(I.sb.header_offset), I.sb.header_crc, crc);
   I.h = decode_header(std::string_view(hb.get(), I.sb.header_bytes), path);
@@ -200,7 +200,7 @@ void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks,
   std::vector<iovec> fixed;
   for (size_t i = 0; i < staging.count(); ++i)
     fixed.push_back({static_cast<char*>(staging.base()) + i * staging.buffer_bytes(), staging.buffer_bytes()});
-  detail::TransferLoop loop(depth, fixed, io::BackendKind::kAuto);
+  io::TransferLoop loop(depth, fixed, io::BackendKind::kAuto, "checkpoint");
   std::mutex mu;
   std::condition_variable cv;
   std::vector<int> free_slots;
@@ -241,7 +241,7 @@ void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks,
       for (size_t i = 0; i < chunks.size(); ++i) {
         const ChunkEntry& c = *chunks[i];
         check_stripe(c);
-        const detail::ShardFile& f = *files[c.stripe];
+        const io::DirectFile& f = *files[c.stripe];
         uint64_t len = align_up(c.stored_bytes, kBlockBytes);
         if (!fits_within(c.file_offset, len, sizes[c.stripe])) {
           throw IoError(ENODATA, tensor_at(f.path(), h.blobs[c.blob].name), static_cast<int64_t>(c.file_offset),

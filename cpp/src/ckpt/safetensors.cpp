@@ -1,6 +1,6 @@
 // safetensors files: header parsing and validation (Note [Hostile
 // safetensors]), reads (Note [Reading in place]) and writes (Note
-// [Safetensors save]) through the checkpoint I/O path (shard_io.hpp).
+// [Safetensors save]) through the I/O path (io::TransferLoop).
 #include "ebbtide/ckpt/safetensors.hpp"
 
 #include <unistd.h>
@@ -517,7 +517,7 @@ std::vector<iovec> buffers_of(const mem::PinnedPool& pool) {
 }  // namespace
 
 struct Reader::Impl {
-  std::unique_ptr<detail::ShardFile> file;
+  std::unique_ptr<io::DirectFile> file;
   Header h;
   uint64_t size = 0;
   IoOptions opt;
@@ -527,14 +527,14 @@ Reader::Reader(const std::string& path, const IoOptions& options) : impl_(std::m
   auto& I = *impl_;
   I.opt = options;
   // Buffered while the header is read (exact lengths at any offset), O_DIRECT after.
-  I.file = std::make_unique<detail::ShardFile>(path, false, false);
+  I.file = detail::open_shard(path, false, false);
   I.size = I.file->size();
   auto bad = [&](auto&&... what) {
     return InvalidArgument(ebbtide::detail::concat(path, ": invalid safetensors file (", what..., ")"));
   };
   if (I.size < 8) throw bad("the file has ", I.size, " bytes, fewer than the 8-byte header length");
   unsigned char len8[8];
-  detail::read_exact(*I.file, len8, 8, 0);
+  io::read_exact(*I.file, len8, 8, 0);
   uint64_t n = 0;
   std::memcpy(&n, len8, 8);
   if (n > kMaxHeaderBytes || n > I.size - 8) {
@@ -546,9 +546,9 @@ Reader::Reader(const std::string& path, const IoOptions& options) : impl_(std::m
     throw bad("header length ", n, " runs past the end of the file (", I.size, " bytes)", hint);
   }
   std::string json(n, '\0');
-  detail::read_exact(*I.file, json.data(), n, 8);
+  io::read_exact(*I.file, json.data(), n, 8);
   I.h = parse_header(json, I.size, path);
-  if (options.direct) I.file->enable_direct();
+  if (options.direct) detail::enable_direct(*I.file);
 }
 
 Reader::~Reader() = default;
@@ -659,7 +659,8 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
       drv->stream_synchronize(t.stream);  // before the staging buffer is reused
     }
   };
-  detail::TransferLoop loop(depth, any_staged ? buffers_of(*staging) : std::vector<iovec>{}, I.opt.backend);
+  io::TransferLoop loop(depth, any_staged ? buffers_of(*staging) : std::vector<iovec>{}, I.opt.backend,
+                       "checkpoint");
   std::vector<std::pair<char*, uint64_t>> fresh;
   for (const auto& p : pieces)
     if (p.owned) fresh.emplace_back(p.dst, p.len);
@@ -782,7 +783,8 @@ SaveResult save(const std::string& path, const std::vector<SaveTensor>& tensors,
       if (!keep) ::unlink(tmp.c_str());
     }
   } remove_tmp{tmp};
-  detail::ShardFile file(tmp, true, opt.direct);
+  const auto file_ptr = detail::open_shard(tmp, true, opt.direct);
+  const io::DirectFile& file = *file_ptr;
   const bool direct = file.direct();
   const uint64_t npieces = (total + kPieceBytes - 1) / kPieceBytes;
   const unsigned depth = std::max(1u, opt.queue_depth);
@@ -828,7 +830,7 @@ SaveResult save(const std::string& path, const std::vector<SaveTensor>& tensors,
         cv.wait(lock, [&] { return finished == posted; });
       }
     } join{mu, cv};
-    detail::TransferLoop loop(depth, buffers_of(ring), opt.backend);
+    io::TransferLoop loop(depth, buffers_of(ring), opt.backend, "checkpoint");
     uint64_t next_fill = 0;
     for (uint64_t k = 0; k < npieces; ++k) {
       // Keep the copies ahead of the writes: piece j uses buffer j % nbuf once its last write is done.

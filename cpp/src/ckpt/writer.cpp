@@ -210,7 +210,7 @@ struct CheckpointWriter::Impl {
   detail::Workers workers;
   std::unique_ptr<mem::PinnedPool> arena;    // snapshot image
   std::unique_ptr<mem::PinnedPool> staging;  // compressed chunk ring
-  std::unique_ptr<detail::TransferLoop> loop;
+  std::unique_ptr<io::TransferLoop> loop;
   unsigned loop_depth = 0;
   std::mutex mu;
   std::thread bg;
@@ -351,7 +351,7 @@ struct CheckpointWriter::Impl {
     auto* sbase = static_cast<char*>(staging->base());
     for (size_t i = 0; i < staging->count(); ++i)
       fixed.push_back({sbase + i * staging->buffer_bytes(), staging->buffer_bytes()});
-    loop = std::make_unique<detail::TransferLoop>(depth, fixed, opt.backend);
+    loop = std::make_unique<io::TransferLoop>(depth, fixed, opt.backend, "checkpoint");
     loop_depth = depth;
   }
 
@@ -360,9 +360,9 @@ struct CheckpointWriter::Impl {
     auto t0 = Clock::now();
     const size_t nfiles = 1 + req.stripe_files.size();
     ensure_loop(opt.queue_depth * static_cast<unsigned>(nfiles));
-    std::vector<std::unique_ptr<detail::ShardFile>> files;
-    files.push_back(std::make_unique<detail::ShardFile>(req.file, true, opt.direct));
-    for (const auto& f : req.stripe_files) files.push_back(std::make_unique<detail::ShardFile>(f, true, opt.direct));
+    std::vector<std::unique_ptr<io::DirectFile>> files;
+    files.push_back(detail::open_shard(req.file, true, opt.direct));
+    for (const auto& f : req.stripe_files) files.push_back(detail::open_shard(f, true, opt.direct));
     Header h;
     h.meta = req.meta;
     std::vector<ChunkJob> jobs;
@@ -644,7 +644,7 @@ struct CheckpointWriter::Impl {
   }
 
   // fdatasync of files [first, n), in parallel (one flush per device).
-  void sync_all(const std::vector<std::unique_ptr<detail::ShardFile>>& files, size_t first = 0) {
+  void sync_all(const std::vector<std::unique_ptr<io::DirectFile>>& files, size_t first = 0) {
     if (files.size() - first <= 1) {
       for (size_t f = first; f < files.size(); ++f) files[f]->sync();
       return;

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "dio_align.hpp"
+
 namespace ebbtide::io::detail {
 
 bool query_dio_align(int fd, uint32_t* mem_align, uint32_t* offset_align) {

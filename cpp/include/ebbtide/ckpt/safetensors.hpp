@@ -72,7 +72,7 @@ struct IoOptions {
 
 class Reader {
  public:
-  // Opens `path` (a regular file, Note [Regular files only] in shard_io.cpp)
+  // Opens `path` (a regular file, Note [Regular files only] in io/direct_file.cpp)
   // and validates its header. InvalidArgument (not a valid safetensors file,
   // naming the file and the tensor), IoError (cannot read it).
   explicit Reader(const std::string& path, const IoOptions& options = IoOptions::from_env());

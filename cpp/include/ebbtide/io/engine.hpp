@@ -6,7 +6,7 @@
 // directories are given; one worker (ring or thread pool) per block device.
 // Requests complete asynchronously; every completion carries a status.
 // Thread safe: any thread may allocate, submit, wait and cancel.
-// See Note [Slot lifecycle] in engine.cpp for the states a slot goes through.
+// See Note [Slot lifecycle] in engine_slots.cpp for the states a slot goes through.
 #pragma once
 
 #include <cstdint>
@@ -17,12 +17,10 @@
 #include <string_view>
 #include <vector>
 
-namespace ebbtide::io {
+#include "ebbtide/io/faults.hpp"
+#include "ebbtide/io/transfer.hpp"
 
-enum class BackendKind { kAuto, kUring, kPosix };
-std::string_view to_string(BackendKind kind);
-// "auto" | "uring" | "posix" (case-insensitive); InvalidArgument otherwise.
-BackendKind parse_backend(std::string_view text);
+namespace ebbtide::io {
 
 struct EngineOptions {
   std::vector<std::string> dirs;        // >= 1 directory; one slab file each
@@ -120,7 +118,7 @@ class Engine {
 
   // Reserves space for `nbytes` (> 0) in the slabs. With `like`, the slot is
   // laid out so that host buffers at the same address modulo io_alignment()
-  // move in place under O_DIRECT (Note [Slot phase] in engine.cpp); any buffer
+  // move in place under O_DIRECT (Note [Slot phase] in striping.cpp); any buffer
   // still works. IoError(ENOSPC) when the disk or `capacity_bytes` is exhausted.
   SlotId allocate(uint64_t nbytes, const void* like = nullptr);
   // Returns the slot's space. A slot with a request in flight is freed when the
@@ -160,11 +158,5 @@ class Engine {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
-
-// Fault injection for tests (Note [Fault injection] in engine.cpp): the next
-// `count` data writes at or after `after_bytes` into directory `dir` fail with
-// errno `err` (e.g. ENOSPC) as if the device said so. Process-wide.
-void inject_write_fault(const std::string& dir, uint64_t after_bytes, int err, int count = 1);
-void clear_faults();
 
 }  // namespace ebbtide::io

@@ -19,9 +19,9 @@ struct SlotByteLocation {
 struct EngineTesting {
   // Where byte `byte` of `slot` is stored. StateError for an unknown slot.
   static SlotByteLocation locate(const Engine& engine, SlotId slot, uint64_t byte);
-  // Makes new slabs behave as if O_DIRECT were refused (EINVAL).
+  // Makes new DirectFiles (slabs, checkpoint files) behave as if O_DIRECT were refused (EINVAL).
   static void refuse_direct(bool refuse);
-  // Makes slabs grow with ftruncate (sparse) as if fallocate were unsupported.
+  // Makes DirectFiles grow with ftruncate (sparse) as if fallocate were unsupported.
   static void refuse_fallocate(bool refuse);
 };
 
