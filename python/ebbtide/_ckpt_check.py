@@ -31,7 +31,7 @@ def is_int(x, lo=0, hi=MAX_INT):
 
 def read_regular_file(path, what, limit=MAX_INDEX_BYTES):
     """Reads `path` if it is a regular file (Note [Regular files only] in
-    cpp/src/ckpt/shard_io.cpp): a symlink as the last component, a FIFO, a
+    cpp/src/io/direct_file.cpp): a symlink as the last component, a FIFO, a
     device or a directory raises ValueError at once instead of being followed
     or blocking. FileNotFoundError when it does not exist; ValueError when it
     is larger than `limit` bytes."""

@@ -950,7 +950,7 @@ void TensorCache::start_loads(const std::vector<EntryId>& ids,
 
 // A host pool buffer for `e`'s reload, its bytes starting at the saved
 // storage's address modulo the store's I/O alignment (Note [Slot phase] in
-// engine.cpp: O_DIRECT reads land in place), unless a 16-byte element could
+// io/striping.cpp: O_DIRECT reads land in place), unless a 16-byte element could
 // not start there.
 void TensorCache::host_buffer_locked(Entry& e) {
   uint64_t phase = reinterpret_cast<uintptr_t>(e.src) % std::max<uint64_t>(1, store_->io_alignment());
