@@ -352,11 +352,11 @@ def _committed_index(path):
         return None
 
 
-def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_dirs=None, snapshot="blocking"):
+def _check_save_args(async_, compress, base, snapshot):
+    """Rejects bad save() arguments before anything is written."""
     if snapshot not in ("blocking", "background"):
         raise ValueError(f"checkpoint.save: snapshot={snapshot!r} is not valid (valid: 'blocking', 'background')")
-    background = snapshot == "background"
-    if background and not async_:
+    if snapshot == "background" and not async_:
         raise ValueError("checkpoint.save: snapshot='background' needs async_=True (a synchronous save "
                          "returns when the checkpoint is durable anyway)")
     if compress not in (None, "none", "lossless", "delta"):
@@ -366,217 +366,293 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_d
         raise ValueError("checkpoint.save: compress='delta' needs base=PATH of the previous checkpoint")
     if compress in ("lossless", "delta") and not _core.ckpt_have_zstd():
         raise NotImplementedError("checkpoint.save: compression needs libzstd, and this build has none")
-    if w._pending is not None and not w._pending._done and not block and not w._pending.done():
-        raise StateError(f"checkpoint.save: a save to {w._pending._path} is still in flight on this "
+
+
+def _finish_pending(w, block):
+    """One save in flight per writer: refuses a second one (StateError), or
+    with `block` waits for the first (its error stays with its handle). The
+    Python handle covers a background snapshot not yet handed to the core."""
+    pending = w._pending
+    if pending is None or pending._done:
+        return
+    if not block and not pending.done():
+        raise StateError(f"checkpoint.save: a save to {pending._path} is still in flight on this "
                          "writer; call wait() on its handle first, or pass block=True")
-    if w._pending is not None and not w._pending._done:
-        try:  # finish the previous save; its error stays with its handle
-            w._pending.wait()
-        except Exception:  # noqa: BLE001
-            pass
-    path = os.path.abspath(os.fspath(path))
-    stripe_dirs = _check_stripe_dirs(stripe_dirs, path)
-    dist, rank, world = _dist()
-    t_start = time.perf_counter()
+    try:
+        pending.wait()
+    except Exception:  # noqa: BLE001
+        pass
 
-    lossy_error = None
-    delta = None
-    original_bytes = None
-    if compress == "delta":
-        original_bytes = _state_bytes(state_dict)
-        from ebbtide import _ckpt_lossy
-        base_abs = os.path.abspath(os.fspath(base))
-        base_state = load(base_abs, device="cpu", rank=rank if world > 1 else None)
-        state_dict, lossy_error = _ckpt_lossy.encode(state_dict, base_state, lossy)
-        delta = {"base": os.path.relpath(base_abs, os.path.dirname(path)), "base_id": _read_index(base_abs)["id"]}
 
-    fl = tree.Flattener(compress in ("lossless", "delta"))
-    root = fl.tree(state_dict)
-    ckpt_id = uuid.uuid4().hex
-    version = 2 if stripe_dirs else 1  # unstriped checkpoints stay readable by version-1 readers
-    meta = {"format": "ebbtide-checkpoint", "format_version": version, "id": ckpt_id, "rank": rank,
-            "world_size": world, "tree": root, "tensors": fl.tensors, "storages": fl.storages,
-            "compress": compress or "none", "torch": torch.__version__}
-    if delta:
-        meta["delta"] = delta
-    if lossy_error is not None:
-        meta["lossy_error"] = lossy_error
-    blobs = []
-    for name, st, nbytes, device, elem, codec in fl.blobs:
-        on_dev = device.type == "cuda"
-        stream = 0
-        if on_dev:
-            stream = (_snapshot_stream(device) if background else torch.cuda.current_stream(device)).cuda_stream
-        blobs.append((name, st.data_ptr() if nbytes else 0, nbytes, on_dev, stream, elem, codec))
+def _discard(tmp, stripes):
+    """Removes an uncommitted checkpoint's temporary and stripe directories."""
+    _rmtree(tmp)
+    for sd in stripes:
+        _rmtree(sd)
 
-    # One temporary directory (and one stripe directory per stripe_dirs entry)
-    # for all ranks, named by rank 0.
-    old_stripes = []
-    stripes = []
-    if rank == 0:
+
+class _Save:
+    """One checkpoint save, in the order its steps run (Note [Save pipeline]
+    in cpp/src/ckpt/writer.cpp for the core's part): encode() flattens the
+    state, reserve_directories() makes the temporary and stripe directories
+    (rank 0) and shares them, start() hands the blobs to the core writer
+    (stage() on a thread for background snapshots), finish() waits, commits
+    and describes the result. The commit itself is commit_checkpoint in
+    cpp/src/ckpt/commit.cpp: run by the writer for a single process, by
+    rank 0 once every rank is durable under torch.distributed.
+
+    finish() is kept by the SaveHandle, so nothing here references the
+    handle, and the state and blobs are dropped once the snapshot holds them."""
+
+    def __init__(self, w, path, *, async_, compress, block, background, stripe_dirs):
+        self.w = w
+        self.path = os.path.abspath(os.fspath(path))
+        self.stripe_dirs = _check_stripe_dirs(stripe_dirs, self.path)
+        self.dist, self.rank, self.world = _dist()
+        self.single = self.dist is None
+        self.t_start = time.perf_counter()
+        self.compress = compress
+        self.block = block
+        self.background = background
+        self.pipelined = not async_  # the caller waits: the snapshot overlaps the writes
+        self.lossy_error = self.delta = self.original_bytes = None
+        self.stripes, self.old_stripes, self.tmp = [], [], None
+        self.native = self.stage_error = self.keep = None
+        self.staged = threading.Event() if background else None
+        self.shard = f"rank{self.rank}.ebt"
+
+    def encode(self, state_dict, base, lossy):
+        """Delta-encodes against `base` (compress="delta"), flattens the state
+        into blobs and builds the shard's metadata."""
+        if self.compress == "delta":
+            self.original_bytes = _state_bytes(state_dict)
+            from ebbtide import _ckpt_lossy
+            base_abs = os.path.abspath(os.fspath(base))
+            base_state = load(base_abs, device="cpu", rank=self.rank if self.world > 1 else None)
+            state_dict, self.lossy_error = _ckpt_lossy.encode(state_dict, base_state, lossy)
+            self.delta = {"base": os.path.relpath(base_abs, os.path.dirname(self.path)),
+                          "base_id": _read_index(base_abs)["id"]}
+        fl = tree.Flattener(self.compress in ("lossless", "delta"))
+        root = fl.tree(state_dict)
+        self.ckpt_id = uuid.uuid4().hex
+        self.version = 2 if self.stripe_dirs else 1  # unstriped checkpoints stay readable by version-1 readers
+        meta = {"format": "ebbtide-checkpoint", "format_version": self.version, "id": self.ckpt_id,
+                "rank": self.rank, "world_size": self.world, "tree": root, "tensors": fl.tensors,
+                "storages": fl.storages, "compress": self.compress or "none", "torch": torch.__version__}
+        if self.delta:
+            meta["delta"] = self.delta
+        if self.lossy_error is not None:
+            meta["lossy_error"] = self.lossy_error
+        blobs = []
+        for name, st, nbytes, device, elem, codec in fl.blobs:
+            on_dev = device.type == "cuda"
+            stream = 0
+            if on_dev:
+                stream = (_snapshot_stream(device) if self.background
+                          else torch.cuda.current_stream(device)).cuda_stream
+            blobs.append((name, st.data_ptr() if nbytes else 0, nbytes, on_dev, stream, elem, codec))
+        self.meta, self.blobs, self.fl, self.state_dict = meta, blobs, fl, state_dict
+        self.versions = fl.versions
+
+    def reserve_directories(self):
+        """Rank 0 clears what killed saves left, notes the committed
+        checkpoint's stripes and makes the temporary directory and one stripe
+        directory per stripe_dirs entry; every rank gets their names."""
+        if self.rank == 0:
+            self._clear_leftovers()
+            self._make_directories()
+        if self.dist is not None:
+            box = [(self.tmp, self.ckpt_id, self.stripes)]
+            self.dist.broadcast_object_list(box, src=0)
+            self.tmp, self.ckpt_id, self.stripes = box[0]
+            self.meta["id"] = self.ckpt_id
+        if self.stripes:
+            self.meta["stripes"] = self.stripes
+
+    def _clear_leftovers(self):
+        path = self.path
         os.makedirs(os.path.dirname(path), exist_ok=True)
         _core.ckpt_remove_stale_temps(path)
         old = _committed_index(path)
         listed = list(old.get("stripes", [])) if old else []
-        old_stripes = [sd for sd in listed if _owned_stripe_dir(sd, path, old["id"])]
-        if stripe_dirs or old_stripes:
-            _remove_stale_stripes(path, set(stripe_dirs) | {os.path.dirname(s) for s in old_stripes},
+        self.old_stripes = [sd for sd in listed if _owned_stripe_dir(sd, path, old["id"])]
+        if self.stripe_dirs or self.old_stripes:
+            _remove_stale_stripes(path, set(self.stripe_dirs) | {os.path.dirname(s) for s in self.old_stripes},
                                   set(listed))
-        tmp = _core.ckpt_make_temp_dir(path)
-        try:
-            for d in stripe_dirs:
-                sd = _stripe_dir(d, path, ckpt_id)
-                os.mkdir(sd)
-                stripes.append(sd)
-                _core.ckpt_write_file_durably(os.path.join(sd, STRIPE_OWNER),
-                                              json.dumps({"checkpoint": path, "id": ckpt_id}))
-        except BaseException:
-            for sd in stripes:
-                _rmtree(sd)
-            _rmtree(tmp)
-            raise
-    else:
-        tmp = None
-    if dist is not None:
-        box = [(tmp, ckpt_id, stripes)]
-        dist.broadcast_object_list(box, src=0)
-        tmp, ckpt_id, stripes = box[0]
-        meta["id"] = ckpt_id
-    shard = f"rank{rank}.ebt"
-    index = {"format": "ebbtide-checkpoint", "format_version": version, "id": ckpt_id,
-             "world_size": world, "shards": [f"rank{r}.ebt" for r in range(world)],
-             "compress": compress or "none", "created": time.time()}
-    if stripes:
-        index["stripes"] = meta["stripes"] = stripes
-    if delta:
-        index["delta"] = delta
-    single = dist is None
-    pipelined = not async_  # the caller waits: the snapshot overlaps the writes
-    stage_error = None
 
-    def start():  # the snapshot, then the background write (Note [Save pipeline])
+    def _make_directories(self):
+        self.tmp = _core.ckpt_make_temp_dir(self.path)
         try:
-            return w._native.save(os.path.join(tmp, shard), blobs, json.dumps(meta),
-                                  commit_dir=tmp if single else "", commit_path=path if single else "",
-                                  extra_files=[(INDEX_NAME, json.dumps(index, indent=1))] if single else [],
-                                  block=block, stripe_files=[os.path.join(sd, shard) for sd in stripes],
-                                  pipelined=pipelined, gated=background)
+            for d in self.stripe_dirs:
+                sd = _stripe_dir(d, self.path, self.ckpt_id)
+                os.mkdir(sd)
+                self.stripes.append(sd)
+                _core.ckpt_write_file_durably(os.path.join(sd, STRIPE_OWNER),
+                                              json.dumps({"checkpoint": self.path, "id": self.ckpt_id}))
+        except BaseException:
+            _discard(self.tmp, self.stripes)
+            raise
+
+    def index_json(self):
+        index = {"format": "ebbtide-checkpoint", "format_version": self.version, "id": self.ckpt_id,
+                 "world_size": self.world, "shards": [f"rank{r}.ebt" for r in range(self.world)],
+                 "compress": self.compress or "none", "created": self.created}
+        if self.stripes:
+            index["stripes"] = self.stripes
+        if self.delta:
+            index["delta"] = self.delta
+        return json.dumps(index, indent=1)
+
+    def start(self):
+        """The snapshot, then the background write; a single process's
+        writer also commits (Note [Save pipeline])."""
+        single = self.single
+        try:
+            return self.w._native.save(
+                os.path.join(self.tmp, self.shard), self.blobs, json.dumps(self.meta),
+                commit_dir=self.tmp if single else "", commit_path=self.path if single else "",
+                extra_files=[(INDEX_NAME, self.index)] if single else [], block=self.block,
+                stripe_files=[os.path.join(sd, self.shard) for sd in self.stripes],
+                pipelined=self.pipelined, gated=self.background)
         except BaseException:
             if single:
-                _rmtree(tmp)
-                for sd in stripes:
-                    _rmtree(sd)
+                _discard(self.tmp, self.stripes)
             raise
 
-    versions = fl.versions
-    staged = threading.Event() if background else None  # not the handle: finish() must not reference it
-    if background:
-        native = None
+    def start_blocking(self):
+        self.native = self.start()
+        # Async: the snapshot holds the data now. Pipelined: the writer still reads the tensors.
+        self.keep = (self.fl, self.blobs, self.state_dict) if self.pipelined else None
+        self._drop_inputs()
 
+    def _drop_inputs(self):
+        self.fl = self.blobs = self.state_dict = self.meta = self.versions = None
+
+    def stage(self, handle, cuda_device):
+        """Background snapshot (Note [Background snapshot]), on its own
+        thread: starts the save, then approves its commit unless a saved
+        tensor changed meanwhile."""
+        self.keep = (self.fl, self.blobs, self.state_dict)
+        try:
+            if cuda_device is not None:
+                torch.cuda.set_device(cuda_device)
+            n = self.start()
+        except BaseException as e:  # noqa: BLE001 - raised by wait()
+            self.stage_error = e
+        else:
+            changed = [p for t, v, p in self.versions if t._version != v]
+            if changed:
+                n.reject(f"checkpoint.save to {self.path}: tensor {changed[0]!r}"
+                         f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''} was changed in "
+                         "place while its background snapshot was taken, so the copy may be torn; nothing "
+                         "was committed. Wait for handle.wait_staged() (every torch.optim step does) "
+                         "before changing saved tensors")
+            else:
+                n.approve()
+            self.native = n
+            handle._native = n
+        finally:
+            self.keep = None  # the snapshot holds the data now
+            self._drop_inputs()
+            handle.snapshot_seconds = time.perf_counter() - self.t_start
+            self.staged.set()
+            _background.discard(handle)
+
+    def wait_native(self):
+        """The core's result for this rank, or the error that stopped it."""
+        try:
+            if self.background:
+                self.staged.wait()
+                if self.stage_error is not None:
+                    raise self.stage_error
+            return self.native.wait(), None
+        except BaseException as e:  # noqa: BLE001 - reported to every rank
+            return None, e
+        finally:
+            self.keep = None
+
+    def commit_across_ranks(self, err):
+        """Under torch.distributed: rank 0 commits once every rank's shard is
+        durable; every rank learns the outcome. Raises on failure anywhere,
+        after rank 0 discarded the new directories."""
+        dist, rank = self.dist, self.rank
+        errs = [None] * self.world
+        dist.all_gather_object(errs, None if err is None else f"rank {rank}: {err}")
+        failed = [e for e in errs if e]
+        if not failed and rank == 0:
+            try:
+                _core.ckpt_commit_directory(self.tmp, self.path, extra_files=[(INDEX_NAME, self.index)])
+            except BaseException as e:  # noqa: BLE001
+                failed = [f"rank 0 commit: {e}"]
+                err = e
+        status = [failed if rank == 0 else None]
+        dist.broadcast_object_list(status, src=0)
+        failed = status[0]
+        if failed:
+            if rank == 0:
+                _discard(self.tmp, self.stripes)
+            if err is not None:
+                raise err
+            raise OSError(f"checkpoint.save to {self.path} failed on another rank: {'; '.join(failed)}")
+
+    def finish(self):
+        """SaveHandle.wait(): the checkpoint committed, the replaced one's
+        stripes removed; returns the SaveInfo."""
+        r, err = self.wait_native()
+        if self.dist is not None:
+            self.commit_across_ranks(err)
+        elif err is not None:  # the writer removed the temporary directory and the stripe files
+            for sd in self.stripes:
+                _rmtree(sd)
+            raise err
+        if self.rank == 0:  # committed: the previous checkpoint's stripes go
+            for sd in self.old_stripes:
+                if sd not in self.stripes:
+                    _rmtree(sd)
+        return self.info(r)
+
+    def info(self, r):
+        info = SaveInfo(r)
+        path, shard = self.path, self.shard
+        files = [os.path.join(path, shard)] + [os.path.join(sd, shard) for sd in self.stripes]
+        original = self.original_bytes or info["raw_bytes"]
+        info.update(path=path, file=os.path.join(path, shard), files=files, stripes=self.stripes, rank=self.rank,
+                    world_size=self.world, compress=self.compress or "none", original_bytes=original,
+                    ratio=(original / info["stored_bytes"]) if info["stored_bytes"] else 1.0,
+                    wall_seconds=time.perf_counter() - self.t_start)
+        if self.lossy_error is not None:
+            info["error"] = self.lossy_error
+        return info
+
+
+def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_dirs=None, snapshot="blocking"):
+    _check_save_args(async_, compress, base, snapshot)
+    _finish_pending(w, block)
+    background = snapshot == "background"
+    s = _Save(w, path, async_=async_, compress=compress, block=block, background=background,
+              stripe_dirs=stripe_dirs)
+    s.encode(state_dict, base, lossy)
+    del state_dict
+    s.reserve_directories()
+    s.created = time.time()
+    s.index = s.index_json()
+    if not background:
+        s.start_blocking()
+    handle = SaveHandle(s.finish)
+    handle._native = s.native
+    handle._path = s.path
+    w._pending = handle
+    if background:
+        handle._staged = s.staged
+        _install_optimizer_hook()
+        _background.add(handle)
         # The thread makes CUDA calls (pinned buffers, device copies): give it
         # the caller's device, not the driver's default of device 0.
         cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-
-        def stage():
-            nonlocal native, stage_error, keep
-            try:
-                if cuda_device is not None:
-                    torch.cuda.set_device(cuda_device)
-                n = start()
-            except BaseException as e:  # noqa: BLE001 - raised by wait()
-                stage_error = e
-            else:
-                changed = [p for t, v, p in versions if t._version != v]
-                if changed:
-                    n.reject(f"checkpoint.save to {path}: tensor {changed[0]!r}"
-                             f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''} was changed in "
-                             "place while its background snapshot was taken, so the copy may be torn; nothing "
-                             "was committed. Wait for handle.wait_staged() (every torch.optim step does) "
-                             "before changing saved tensors")
-                else:
-                    n.approve()
-                native = n
-                handle._native = n
-            finally:
-                keep = None  # the snapshot holds the data now
-                handle.snapshot_seconds = time.perf_counter() - t_start
-                staged.set()
-                _background.discard(handle)
-        keep = (fl, blobs, state_dict)
-    else:
-        native = start()
-        # Async: the snapshot holds the data now. Pipelined: the writer still reads the tensors.
-        keep = (fl, blobs, state_dict) if pipelined else None
-        del fl, blobs
-
-    def finish():
-        nonlocal keep
-        err = None
-        try:
-            if background:
-                staged.wait()
-                if stage_error is not None:
-                    raise stage_error
-            r = native.wait()
-        except BaseException as e:  # noqa: BLE001 - reported to every rank below
-            err = e
-            r = None
-        keep = None
-        if dist is not None:
-            errs = [None] * world
-            dist.all_gather_object(errs, None if err is None else f"rank {rank}: {err}")
-            failed = [e for e in errs if e]
-            if not failed and rank == 0:
-                try:
-                    _core.ckpt_write_file_durably(os.path.join(tmp, INDEX_NAME), json.dumps(index, indent=1))
-                    _core.ckpt_commit_directory(tmp, path)
-                except BaseException as e:  # noqa: BLE001
-                    failed = [f"rank 0 commit: {e}"]
-                    err = e
-            status = [None]
-            if rank == 0:
-                status = [failed]
-            dist.broadcast_object_list(status, src=0)
-            failed = status[0]
-            if failed:
-                if rank == 0:
-                    _rmtree(tmp)
-                    for sd in stripes:
-                        _rmtree(sd)
-                if err is not None:
-                    raise err
-                raise OSError(f"checkpoint.save to {path} failed on another rank: {'; '.join(failed)}")
-        elif err is not None:
-            _rmtree(tmp)
-            for sd in stripes:
-                _rmtree(sd)
-            raise err
-        if rank == 0:  # committed: the previous checkpoint's stripes go
-            for sd in old_stripes:
-                if sd not in stripes:
-                    _rmtree(sd)
-        info = SaveInfo(r)
-        files = [os.path.join(path, shard)] + [os.path.join(sd, shard) for sd in stripes]
-        info.update(path=path, file=os.path.join(path, shard), files=files, stripes=stripes, rank=rank, world_size=world,
-                    compress=compress or "none",
-                    original_bytes=original_bytes or info["raw_bytes"],
-                    ratio=((original_bytes or info["raw_bytes"]) / info["stored_bytes"]) if info["stored_bytes"] else 1.0,
-                    wall_seconds=time.perf_counter() - t_start)
-        if lossy_error is not None:
-            info["error"] = lossy_error
-        return info
-
-    handle = SaveHandle(finish)
-    handle._native = native
-    handle._path = path
-    w._pending = handle
-    if background:
-        handle._staged = staged
-        _install_optimizer_hook()
-        _background.add(handle)
         # The thread holds the writer (and so its C++ half) until the snapshot is
         # decided: a writer is never destroyed with a gated save waiting on it.
-        threading.Thread(target=lambda: (w, stage()), name="ebbtide-ckpt-snapshot", daemon=False).start()
+        threading.Thread(target=lambda: (w, s.stage(handle, cuda_device)), name="ebbtide-ckpt-snapshot",
+                         daemon=False).start()
     if async_:
         return handle
     return handle.wait()

@@ -355,142 +355,168 @@ struct CheckpointWriter::Impl {
     loop_depth = depth;
   }
 
-  SaveResult write(const SaveRequest& req, const std::vector<BlobPlan>& plan, bool pipelined,
-                   detail::SaveState& state) {
-    auto t0 = Clock::now();
-    const size_t nfiles = 1 + req.stripe_files.size();
-    ensure_loop(opt.queue_depth * static_cast<unsigned>(nfiles));
-    std::vector<std::unique_ptr<io::DirectFile>> files;
-    files.push_back(detail::open_shard(req.file, true, opt.direct));
-    for (const auto& f : req.stripe_files) files.push_back(detail::open_shard(f, true, opt.direct));
-    Header h;
-    h.meta = req.meta;
-    std::vector<ChunkJob> jobs;
-    for (uint32_t i = 0; i < req.blobs.size(); ++i) {
-      const auto& b = req.blobs[i];
-      const uint64_t nbytes = b.stored_nbytes();
-      BlobEntry be{b.name, nbytes, static_cast<uint32_t>(jobs.size()), 0, b.codec, b.elem_bytes};
-      for (uint64_t o = 0; o < nbytes; o += opt.chunk_bytes) {
-        ChunkJob j;
-        j.blob = i;
-        j.arena_offset = plan[i].arena_offset + o;
-        j.raw_offset = o;
-        j.raw = static_cast<uint32_t>(std::min<uint64_t>(opt.chunk_bytes, nbytes - o));
-        j.codec = b.codec;
-        j.elem = b.elem_bytes;
-        j.stripe = static_cast<uint16_t>(jobs.size() % nfiles);
-        if (pipelined) {
-          j.src = static_cast<const char*>(b.ptr) + o;
-          j.pad = o + j.raw == nbytes ? static_cast<uint32_t>(align_up(j.raw, kBlockBytes) - j.raw) : 0;
-        }
-        jobs.push_back(j);
-      }
-      be.chunk_count = static_cast<uint32_t>(jobs.size()) - be.first_chunk;
-      h.blobs.push_back(std::move(be));
-    }
-    h.chunks.resize(jobs.size());
+  // One shard being written (Note [Save pipeline]): its files and their
+  // cursors, the chunk jobs and the header's chunk table, the raw runs being
+  // coalesced and the ring of staging buffers. Worker tasks reference it, so
+  // the destructor waits for every task posted.
+  struct ShardWrite {
+    // Adjacent raw chunks coalesced into one write (contiguous in arena and file).
+    struct Run {
+      uint64_t arena = 0, len = 0, file = 0;
+    };
 
-    auto* abase = static_cast<char*>(arena->base());
-    const uint64_t arena_segs = arena->count();
-    const size_t nstage = staging->count();
-    const uint64_t sbytes = staging->buffer_bytes();
-    auto* sbase = static_cast<char*>(staging->base());
+    Impl& w;
+    const SaveRequest& req;
+    const size_t nfiles;
+    std::vector<std::unique_ptr<io::DirectFile>> files;
+    Header h;
+    std::vector<ChunkJob> jobs;
+    char* const abase;
+    const uint64_t arena_segs;
+    const size_t nstage;
+    const uint64_t sbytes;
+    char* const sbase;
     std::mutex jmu;
     std::condition_variable jcv;
-    size_t posted = 0, finished = 0;  // worker tasks referencing this frame
-    std::vector<int> stage_busy(nstage, 0);  // 1 while a write from the buffer is in flight
-    std::vector<uint64_t> cursor(nfiles, kDataStart);
+    size_t posted = 0, finished = 0;  // worker tasks referencing this write
+    std::vector<int> stage_busy;      // 1 while a write from the staging buffer is in flight
+    std::vector<uint64_t> cursor;     // next data offset, per file
+    std::vector<Run> runs;            // one per file
+    size_t next_dispatch = 0;         // next chunk to hand to a compression worker
     uint64_t stored_total = 0;
-    double snapshot_done = 0;
+    std::string hdr;
+    uint64_t hdr_off = 0, file_bytes = 0, total_file_bytes = 0;
 
-    auto finish_job = [&](ChunkJob* j) {
+    // Creates the shard file and the stripe files; the caller has set up the
+    // transfer loop (ensure_loop).
+    ShardWrite(Impl& impl, const SaveRequest& r)
+        : w(impl),
+          req(r),
+          nfiles(1 + r.stripe_files.size()),
+          abase(static_cast<char*>(impl.arena->base())),
+          arena_segs(impl.arena->count()),
+          nstage(impl.staging->count()),
+          sbytes(impl.staging->buffer_bytes()),
+          sbase(static_cast<char*>(impl.staging->base())),
+          stage_busy(nstage, 0),
+          cursor(nfiles, kDataStart),
+          runs(nfiles) {
+      files.push_back(detail::open_shard(req.file, true, w.opt.direct));
+      for (const auto& f : req.stripe_files) files.push_back(detail::open_shard(f, true, w.opt.direct));
+      h.meta = req.meta;
+    }
+    ShardWrite(const ShardWrite&) = delete;
+    ShardWrite& operator=(const ShardWrite&) = delete;
+    ~ShardWrite() {
+      std::unique_lock lock(jmu);
+      jcv.wait(lock, [&] { return finished == posted; });
+    }
+
+    // Splits every blob into chunk jobs, round-robin over the files, and
+    // enters the blobs in the header.
+    void plan_chunks(const std::vector<BlobPlan>& plan, bool pipelined) {
+      for (uint32_t i = 0; i < req.blobs.size(); ++i) {
+        const auto& b = req.blobs[i];
+        const uint64_t nbytes = b.stored_nbytes();
+        BlobEntry be{b.name, nbytes, static_cast<uint32_t>(jobs.size()), 0, b.codec, b.elem_bytes};
+        for (uint64_t o = 0; o < nbytes; o += w.opt.chunk_bytes) {
+          ChunkJob j;
+          j.blob = i;
+          j.arena_offset = plan[i].arena_offset + o;
+          j.raw_offset = o;
+          j.raw = static_cast<uint32_t>(std::min<uint64_t>(w.opt.chunk_bytes, nbytes - o));
+          j.codec = b.codec;
+          j.elem = b.elem_bytes;
+          j.stripe = static_cast<uint16_t>(jobs.size() % nfiles);
+          if (pipelined) {
+            j.src = static_cast<const char*>(b.ptr) + o;
+            j.pad = o + j.raw == nbytes ? static_cast<uint32_t>(align_up(j.raw, kBlockBytes) - j.raw) : 0;
+          }
+          jobs.push_back(j);
+        }
+        be.chunk_count = static_cast<uint32_t>(jobs.size()) - be.first_chunk;
+        h.blobs.push_back(std::move(be));
+      }
+      h.chunks.resize(jobs.size());
+    }
+
+    void finish_job(ChunkJob* j) {
       std::lock_guard lock(jmu);
       j->ready = true;
       ++finished;
       jcv.notify_all();
-    };
-    auto post = [&](std::function<void()> fn) {
+    }
+
+    void post(std::function<void()> fn) {
       {
         std::lock_guard lock(jmu);
         ++posted;
       }
-      workers.post(std::move(fn));
-    };
-    // Worker tasks reference this frame: every exit waits for them.
-    struct Join {
-      std::mutex& mu;
-      std::condition_variable& cv;
-      size_t& posted;
-      size_t& finished;
-      ~Join() {
-        std::unique_lock lock(mu);
-        cv.wait(lock, [&] { return finished == posted; });
-      }
-    } join{jmu, jcv, posted, finished};
-
-    // Raw chunks: copy (pipelined) and crc32c on the workers, all queued up
-    // front in chunk order; the loop below consumes them in the same order.
-    for (auto& j : jobs) {
-      if (j.codec != Codec::kNone) continue;
-      ChunkJob* jp = &j;
-      post([jp, abase, &finish_job] {
-        char* dst = abase + jp->arena_offset;
-        try {
-          if (jp->src != nullptr) {
-            // Copy and checksum in cache-sized pieces: the crc reads bytes still in cache.
-            constexpr uint64_t kStep = 256 << 10;
-            uint32_t crc = 0;
-            for (uint64_t o = 0; o < jp->raw; o += kStep) {
-              uint64_t n = std::min<uint64_t>(kStep, jp->raw - o);
-              std::memcpy(dst + o, jp->src + o, n);
-              crc = crc32c(dst + o, n, crc);
-            }
-            if (jp->pad) std::memset(dst + jp->raw, 0, jp->pad);
-            jp->crc = crc;
-          } else {
-            jp->crc = crc32c(dst, jp->raw);
-          }
-        } catch (...) {
-          jp->error = std::current_exception();
-        }
-        finish_job(jp);
-      });
+      w.workers.post(std::move(fn));
     }
 
-    // Raw runs, one per file: adjacent raw chunks coalesced (contiguous in arena and file).
-    struct Run {
-      uint64_t arena = 0, len = 0, file = 0;
-    };
-    std::vector<Run> runs(nfiles);
-    auto flush_run = [&](size_t f) {
+    // Raw chunks: copy (pipelined) and crc32c on the workers, all queued up
+    // front in chunk order; write_chunks consumes them in the same order.
+    void post_raw_checksums() {
+      for (auto& j : jobs) {
+        if (j.codec != Codec::kNone) continue;
+        ChunkJob* jp = &j;
+        post([this, jp, abase = abase] {
+          char* dst = abase + jp->arena_offset;
+          try {
+            if (jp->src != nullptr) {
+              // Copy and checksum in cache-sized pieces: the crc reads bytes still in cache.
+              constexpr uint64_t kStep = 256 << 10;
+              uint32_t crc = 0;
+              for (uint64_t o = 0; o < jp->raw; o += kStep) {
+                uint64_t n = std::min<uint64_t>(kStep, jp->raw - o);
+                std::memcpy(dst + o, jp->src + o, n);
+                crc = crc32c(dst + o, n, crc);
+              }
+              if (jp->pad) std::memset(dst + jp->raw, 0, jp->pad);
+              jp->crc = crc;
+            } else {
+              jp->crc = crc32c(dst, jp->raw);
+            }
+          } catch (...) {
+            jp->error = std::current_exception();
+          }
+          finish_job(jp);
+        });
+      }
+    }
+
+    void flush_run(size_t f) {
       Run& r = runs[f];
       if (r.len == 0) return;
       for (auto& p : detail::split_by_segment(r.arena, r.len, kSegmentBytes, true))
-        loop->submit(*files[f], true, abase + p.offset, p.len, r.file + (p.offset - r.arena), p.buf_index);
+        w.loop->submit(*files[f], true, abase + p.offset, p.len, r.file + (p.offset - r.arena), p.buf_index);
       r.len = 0;
-    };
-    auto flush_runs = [&] {
+    }
+
+    void flush_runs() {
       for (size_t f = 0; f < nfiles; ++f) flush_run(f);
-    };
-    auto submit_raw = [&](size_t f, uint64_t aoff, uint64_t len) {
+    }
+
+    void submit_raw(size_t f, uint64_t aoff, uint64_t len) {
       Run& r = runs[f];
-      if (r.len > 0 && (r.arena + r.len != aoff || cursor[f] != r.file + r.len || r.len >= opt.chunk_bytes))
+      if (r.len > 0 && (r.arena + r.len != aoff || cursor[f] != r.file + r.len || r.len >= w.opt.chunk_bytes))
         flush_run(f);
       if (r.len == 0) {
         r.arena = aoff;
         r.file = cursor[f];
       }
       r.len += len;
-    };
+    }
 
-    size_t next_dispatch = 0;
-    auto dispatch = [&](size_t i) {
+    // Compresses chunk i on a worker into staging buffer i % nstage.
+    void dispatch_compression(size_t i) {
       ChunkJob* j = &jobs[i];
       char* out = sbase + (i % nstage) * sbytes;
       const char* in = abase + j->arena_offset;
       uint64_t bound = sbytes;
-      int level = opt.zstd_level;
-      post([j, out, in, bound, level, &finish_job, chunk = opt.chunk_bytes] {
+      int level = w.opt.zstd_level;
+      post([this, j, out, in, bound, level, chunk = w.opt.chunk_bytes] {
         thread_local std::vector<char> scratch;
         if (scratch.size() < chunk) scratch.resize(chunk);
         try {
@@ -511,63 +537,167 @@ struct CheckpointWriter::Impl {
         }
         finish_job(j);
       });
-    };
-    try {
+    }
+
+    // Keeps the ring full: chunk k may use buffer k % nstage once the write from it is done.
+    void fill_compression_ring(size_t i) {
+      while (next_dispatch < jobs.size() && next_dispatch < i + nstage) {
+        if (jobs[next_dispatch].codec == Codec::kNone) {
+          ++next_dispatch;
+          continue;
+        }
+        if (stage_busy[next_dispatch % nstage]) {
+          flush_runs();
+          w.loop->poll(true);
+          continue;
+        }
+        dispatch_compression(next_dispatch++);
+      }
+    }
+
+    void wait_until_ready(ChunkJob& j) {
+      std::unique_lock lock(jmu);
+      if (j.ready) return;
+      lock.unlock();
+      flush_runs();  // the disk works while we wait for the workers
+      w.loop->poll(false);
+      lock.lock();
+      jcv.wait(lock, [&] { return j.ready; });
+    }
+
+    // Enters chunk i (ready) in the chunk table and submits its write.
+    void submit_chunk(size_t i) {
+      ChunkJob& j = jobs[i];
+      const size_t f = j.stripe;
+      ChunkEntry& ce = h.chunks[i];
+      ce.raw_offset = j.raw_offset;
+      ce.raw_bytes = j.raw;
+      ce.blob = j.blob;
+      ce.stripe = j.stripe;
+      ce.file_offset = cursor[f];
+      if (j.codec == Codec::kNone || j.used == Codec::kNone) {
+        ce.codec = Codec::kNone;
+        ce.stored_bytes = j.raw;
+        ce.crc = j.crc;
+        submit_raw(f, j.arena_offset, align_up(j.raw, kBlockBytes));
+      } else {
+        flush_run(f);
+        ce.codec = j.used;
+        ce.stored_bytes = j.stored;
+        ce.crc = j.crc;
+        size_t slot = i % nstage;
+        stage_busy[slot] = 1;
+        w.loop->submit(*files[f], true, sbase + slot * sbytes, align_up(j.stored, kBlockBytes), cursor[f],
+                       static_cast<int>(arena_segs + slot), [this, slot] { stage_busy[slot] = 0; });
+      }
+      stored_total += ce.stored_bytes;
+      cursor[f] += align_up(ce.stored_bytes, kBlockBytes);
+    }
+
+    // Submits every chunk in order; returns once the last one is submitted
+    // (the snapshot is complete then), writes possibly still in flight.
+    void submit_chunks() {
       for (size_t i = 0; i < jobs.size(); ++i) {
         ChunkJob& j = jobs[i];
-        const size_t f = j.stripe;
-        if (j.codec != Codec::kNone) {
-          // Keep the ring full: chunk k may use buffer k % nstage once the write from it is done.
-          while (next_dispatch < jobs.size() && next_dispatch < i + nstage) {
-            if (jobs[next_dispatch].codec == Codec::kNone) {
-              ++next_dispatch;
-              continue;
-            }
-            if (stage_busy[next_dispatch % nstage]) {
-              flush_runs();
-              loop->poll(true);
-              continue;
-            }
-            dispatch(next_dispatch++);
-          }
-        }
-        {
-          std::unique_lock lock(jmu);
-          if (!j.ready) {
-            lock.unlock();
-            flush_runs();  // the disk works while we wait for the workers
-            loop->poll(false);
-            lock.lock();
-            jcv.wait(lock, [&] { return j.ready; });
-          }
-        }
+        if (j.codec != Codec::kNone) fill_compression_ring(i);
+        wait_until_ready(j);
         if (j.error) std::rethrow_exception(j.error);
-        ChunkEntry& ce = h.chunks[i];
-        ce.raw_offset = j.raw_offset;
-        ce.raw_bytes = j.raw;
-        ce.blob = j.blob;
-        ce.stripe = j.stripe;
-        ce.file_offset = cursor[f];
-        if (j.codec == Codec::kNone || j.used == Codec::kNone) {
-          ce.codec = Codec::kNone;
-          ce.stored_bytes = j.raw;
-          ce.crc = j.crc;
-          submit_raw(f, j.arena_offset, align_up(j.raw, kBlockBytes));
-        } else {
-          flush_run(f);
-          ce.codec = j.used;
-          ce.stored_bytes = j.stored;
-          ce.crc = j.crc;
-          size_t slot = i % nstage;
-          stage_busy[slot] = 1;
-          loop->submit(*files[f], true, sbase + slot * sbytes, align_up(j.stored, kBlockBytes), cursor[f],
-                       static_cast<int>(arena_segs + slot), [&stage_busy, slot] { stage_busy[slot] = 0; });
-        }
-        stored_total += ce.stored_bytes;
-        cursor[f] += align_up(ce.stored_bytes, kBlockBytes);
+        submit_chunk(i);
       }
+    }
+
+    // Header into the shard file after the data, through staging buffer 0
+    // (free: all writes drained) in pieces; then fdatasync of every file.
+    void write_header() {
+      hdr = encode_header(h);
+      hdr_off = cursor[0];
+      const uint64_t hdr_padded = align_up(hdr.size(), kBlockBytes);
+      file_bytes = hdr_off + hdr_padded;
+      for (uint64_t o = 0; o < hdr_padded; o += sbytes) {
+        uint64_t n = std::min<uint64_t>(sbytes, hdr_padded - o);
+        std::memset(sbase, 0, n);
+        std::memcpy(sbase, hdr.data() + o, std::min<uint64_t>(n, hdr.size() - std::min<uint64_t>(o, hdr.size())));
+        w.loop->submit(*files[0], true, sbase, n, hdr_off + o, static_cast<int>(arena_segs));
+        w.loop->drain();
+      }
+      sync_all();
+    }
+
+    // Superblocks: the stripe files' first (durable), the shard file's last of all.
+    void write_superblocks() {
+      total_file_bytes = file_bytes;
+      EBB_CHECK(nfiles * kBlockBytes <= sbytes, "too many stripe files (", nfiles - 1, ")");
+      for (size_t f = nfiles; f-- > 0;) {
+        Superblock sb;
+        sb.format_version = nfiles > 1 ? kFormatVersion : kFormatVersionUnstriped;
+        sb.stripe_count = static_cast<uint16_t>(nfiles);
+        sb.stripe_index = static_cast<uint16_t>(f);
+        if (f == 0) {
+          sb.header_offset = hdr_off;
+          sb.header_bytes = hdr.size();
+          sb.file_bytes = file_bytes;
+          sb.header_crc = crc32c(hdr.data(), hdr.size());
+          w.loop->drain();
+          sync_all(1);
+        } else {
+          sb.flags = kFlagStripeFile;
+          sb.file_bytes = cursor[f];
+          total_file_bytes += cursor[f];
+        }
+        char* blk = sbase + f * kBlockBytes;
+        std::memset(blk, 0, kBlockBytes);
+        encode_superblock(sb, reinterpret_cast<unsigned char*>(blk));
+        w.loop->submit(*files[f], true, blk, kBlockBytes, 0, static_cast<int>(arena_segs));
+      }
+      w.loop->drain();
+      files[0]->sync();
+    }
+
+    // Stripe directories: their new entries durable before the commit.
+    void sync_stripe_directories() {
+      for (size_t f = 1; f < nfiles; ++f) {
+        std::filesystem::path d = std::filesystem::path(req.stripe_files[f - 1]).parent_path();
+        fsync_directory(d.empty() ? "." : d.string());
+        if (d.has_parent_path()) fsync_directory(d.parent_path().string());
+      }
+    }
+
+    // fdatasync of files [first, n), in parallel (one flush per device).
+    void sync_all(size_t first = 0) {
+      if (files.size() - first <= 1) {
+        for (size_t f = first; f < files.size(); ++f) files[f]->sync();
+        return;
+      }
+      std::vector<std::exception_ptr> errs(files.size());
+      std::vector<std::thread> ts;
+      for (size_t f = first; f < files.size(); ++f)
+        ts.emplace_back([&, f] {
+          try {
+            files[f]->sync();
+          } catch (...) {
+            errs[f] = std::current_exception();
+          }
+        });
+      for (auto& t : ts) t.join();
+      for (auto& e : errs)
+        if (e) std::rethrow_exception(e);
+    }
+  };
+
+  // Writes the shard (data, header, superblocks, all durable), waits for a
+  // gated save's decision, then commits when the request names a commit path.
+  SaveResult write(const SaveRequest& req, const std::vector<BlobPlan>& plan, bool pipelined,
+                   detail::SaveState& state) {
+    auto t0 = Clock::now();
+    ensure_loop(opt.queue_depth * static_cast<unsigned>(1 + req.stripe_files.size()));
+    ShardWrite sw(*this, req);
+    sw.plan_chunks(plan, pipelined);
+    sw.post_raw_checksums();
+    double snapshot_done = 0;
+    try {
+      sw.submit_chunks();
       snapshot_done = seconds_since(t0);
-      flush_runs();
+      sw.flush_runs();
       loop->drain();
     } catch (...) {
       try {
@@ -576,92 +706,23 @@ struct CheckpointWriter::Impl {
       }
       throw;
     }
-
-    // Header into the shard file, then the superblocks last.
-    std::string hdr = encode_header(h);
-    uint64_t hdr_off = cursor[0], hdr_padded = align_up(hdr.size(), kBlockBytes);
-    uint64_t file_bytes = hdr_off + hdr_padded;
-    {
-      // The header goes through staging buffer 0 (free: all writes drained) in pieces.
-      for (uint64_t o = 0; o < hdr_padded; o += sbytes) {
-        uint64_t n = std::min<uint64_t>(sbytes, hdr_padded - o);
-        std::memset(sbase, 0, n);
-        std::memcpy(sbase, hdr.data() + o, std::min<uint64_t>(n, hdr.size() - std::min<uint64_t>(o, hdr.size())));
-        loop->submit(*files[0], true, sbase, n, hdr_off + o, static_cast<int>(arena_segs));
-        loop->drain();
-      }
-    }
-    sync_all(files);
-    uint64_t total_file_bytes = file_bytes;
-    // Superblocks: the stripe files' first (durable), the shard file's last of all.
-    EBB_CHECK(nfiles * kBlockBytes <= sbytes, "too many stripe files (", nfiles - 1, ")");
-    for (size_t f = nfiles; f-- > 0;) {
-      Superblock sb;
-      sb.format_version = nfiles > 1 ? kFormatVersion : kFormatVersionUnstriped;
-      sb.stripe_count = static_cast<uint16_t>(nfiles);
-      sb.stripe_index = static_cast<uint16_t>(f);
-      if (f == 0) {
-        sb.header_offset = hdr_off;
-        sb.header_bytes = hdr.size();
-        sb.file_bytes = file_bytes;
-        sb.header_crc = crc32c(hdr.data(), hdr.size());
-        loop->drain();
-        sync_all(files, 1);
-      } else {
-        sb.flags = kFlagStripeFile;
-        sb.file_bytes = cursor[f];
-        total_file_bytes += cursor[f];
-      }
-      char* blk = sbase + f * kBlockBytes;
-      std::memset(blk, 0, kBlockBytes);
-      encode_superblock(sb, reinterpret_cast<unsigned char*>(blk));
-      loop->submit(*files[f], true, blk, kBlockBytes, 0, static_cast<int>(arena_segs));
-    }
-    loop->drain();
-    files[0]->sync();
-    for (size_t f = 1; f < nfiles; ++f) {  // stripe directories: new entries durable before the commit
-      std::filesystem::path d = std::filesystem::path(req.stripe_files[f - 1]).parent_path();
-      fsync_directory(d.empty() ? "." : d.string());
-      if (d.has_parent_path()) fsync_directory(d.parent_path().string());
-    }
+    sw.write_header();
+    sw.write_superblocks();
+    sw.sync_stripe_directories();
     state.wait_gate();
 
     SaveResult r;
     r.file = req.file;
     for (const auto& b : req.blobs) r.raw_bytes += b.stored_nbytes();
-    r.stored_bytes = stored_total;
-    r.file_bytes = total_file_bytes;
-    r.backend = loop->describe() + (files[0]->direct() ? " O_DIRECT" : " buffered") +
-                (nfiles > 1 ? ebbtide::detail::concat(", striped over ", nfiles, " files") : std::string()) +
+    r.stored_bytes = sw.stored_total;
+    r.file_bytes = sw.total_file_bytes;
+    r.backend = loop->describe() + (sw.files[0]->direct() ? " O_DIRECT" : " buffered") +
+                (sw.nfiles > 1 ? ebbtide::detail::concat(", striped over ", sw.nfiles, " files") : std::string()) +
                 (pipelined ? ", pipelined snapshot" : "");
     if (pipelined) r.snapshot_seconds = snapshot_done;
-    if (!req.commit_path.empty()) {
-      for (const auto& [name, content] : req.extra_files) write_file_durably(req.commit_dir + "/" + name, content);
-      replaced = commit_directory_keep_old(req.commit_dir, req.commit_path);
-    }
+    if (!req.commit_path.empty()) replaced = commit_checkpoint(req.commit_dir, req.commit_path, req.extra_files);
     r.total_seconds = seconds_since(t0);
     return r;
-  }
-
-  // fdatasync of files [first, n), in parallel (one flush per device).
-  void sync_all(const std::vector<std::unique_ptr<io::DirectFile>>& files, size_t first = 0) {
-    if (files.size() - first <= 1) {
-      for (size_t f = first; f < files.size(); ++f) files[f]->sync();
-      return;
-    }
-    std::vector<std::exception_ptr> errs(files.size());
-    std::vector<std::thread> ts;
-    for (size_t f = first; f < files.size(); ++f)
-      ts.emplace_back([&, f] {
-        try {
-          files[f]->sync();
-        } catch (...) {
-          errs[f] = std::current_exception();
-        }
-      });
-    for (auto& t : ts) t.join();
-    for (auto& e : errs)
-      if (e) std::rethrow_exception(e);
   }
 };
 

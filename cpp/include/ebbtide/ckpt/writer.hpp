@@ -61,9 +61,9 @@ struct SaveRequest {
   // The write waits before its commit until approve() or reject() is called
   // on the handle (Note [Gated commit] in writer.cpp).
   bool gated = false;
-  // When commit_path is set: after the shard is durable, write `extra_files`
-  // (name, content) into commit_dir (the directory holding `file`), fsync it
-  // and commit it to commit_path (commit_directory()).
+  // When commit_path is set: after the shard is durable, commit commit_dir
+  // (the directory holding `file`) to commit_path with `extra_files` written
+  // into it (commit_checkpoint()).
   std::string commit_dir, commit_path;
   std::vector<std::pair<std::string, std::string>> extra_files;
 };
@@ -128,14 +128,19 @@ class CheckpointWriter {
 // Durable directory commit (Note [Commit by rename] in commit.cpp).
 // Creates an empty PATH.tmp-XXXXXX beside `path` (the parent must exist).
 std::string make_temp_dir(const std::string& path);
-// fsyncs `tmp_dir` and its files, then atomically replaces `path` by it
-// (renameat2 RENAME_EXCHANGE, or rename when `path` does not exist), fsyncs
-// the parent and removes the previous contents. IoError naming the paths.
-void commit_directory(const std::string& tmp_dir, const std::string& path);
-// Same, but leaves the previous contents for the caller to remove: returns
-// their directory (named PATH.tmp-* or PATH.old-*, so a crash before the
-// removal leaves them to remove_stale_temps), or "" when `path` was new.
-std::string commit_directory_keep_old(const std::string& tmp_dir, const std::string& path);
+// The commit of a checkpoint directory, the one place it happens: writes
+// `files` (name, content) into `tmp_dir` durably, fsyncs `tmp_dir` and its
+// files, then atomically replaces `path` by it (renameat2 RENAME_EXCHANGE, or
+// rename when `path` does not exist) and fsyncs the parent. Leaves the
+// previous contents for the caller to remove: returns their directory (named
+// PATH.tmp-* or PATH.old-*, so a crash before the removal leaves them to
+// remove_stale_temps), or "" when `path` was new. IoError naming the paths.
+using NamedContent = std::pair<std::string, std::string>;
+std::string commit_checkpoint(const std::string& tmp_dir, const std::string& path,
+                              const std::vector<NamedContent>& files = {});
+// commit_checkpoint, then removes the previous contents.
+void commit_directory(const std::string& tmp_dir, const std::string& path,
+                      const std::vector<NamedContent>& files = {});
 // fsyncs a directory (its entries become durable). IoError naming it.
 void fsync_directory(const std::string& dir);
 // Writes a small file durably (write + fsync). IoError naming it.
