@@ -1,7 +1,7 @@
 """Ray Train's TorchTrainer with 2 CPU workers (a data-parallel job over
-gloo): each worker trains a small MLP for 3 steps without offloading and then
-with worker_cache(target="ssd") in its own directory, and its parameters are
-bitwise those without offloading."""
+gloo): each worker trains a tiny Llama for 3 optimizer steps with gradient
+accumulation 2 without offloading and then with worker_cache(target="ssd") in
+its own directory, and its parameters are bitwise those without offloading."""
 import os
 import sys
 
@@ -11,19 +11,19 @@ import torch
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.train.torch")
 
-from integration_models import local_ray  # noqa: E402
+import integration_models  # noqa: E402
+from integration_models import SEQ, local_ray, tiny_llama, token_rows  # noqa: E402
 
-WIDTH = 64
+STEPS, ACCUMULATE, ROWS = 3, 2, 2
 
 
 def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.GELU(),
-                                                     torch.nn.Linear(4 * WIDTH, WIDTH)) for _ in range(3)))
+    return tiny_llama()
 
 
 def _train(rank, path=None):
-    """3 steps of the worker's DDP model (rows differ per rank); under worker_cache in `path` when given."""
+    """3 optimizer steps of 2 micro-batches each of the worker's DDP model (rows differ per rank); under
+    worker_cache in `path` when given."""
     import ray.train.torch
 
     from ebbtide.integrations.ray import worker_cache
@@ -31,12 +31,14 @@ def _train(rank, path=None):
     model = ray.train.torch.prepare_model(_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cache = worker_cache(model, target="ssd", path=path, min_bytes=0, keep_last_modules=0) if path else None
-    for x in torch.randn(3, 8, WIDTH, generator=torch.Generator().manual_seed(1 + rank)):
-        with cache.step() if cache is not None else torch.enable_grad():
-            loss = model(x).square().mean()
-            if cache is not None:
-                cache.drain()  # every store done before backward: offloaded bytes do not depend on timing
-            loss.backward()
+    batches = token_rows(STEPS * ACCUMULATE * ROWS, seed=1 + rank).view(STEPS, ACCUMULATE, ROWS, SEQ)
+    for micro_batches in batches:
+        for ids in micro_batches:
+            with cache.step() if cache is not None else torch.enable_grad():
+                loss = model(input_ids=ids, labels=ids).loss / ACCUMULATE
+                if cache is not None:
+                    cache.drain()  # every store done before backward: offloaded bytes do not depend on timing
+                loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
@@ -63,14 +65,14 @@ def test_torch_trainer_two_workers_offload_in_their_own_directories(monkeypatch,
 
     root, out = tmp_path / "offload", tmp_path / "out"
     out.mkdir()
-    with local_ray(monkeypatch, tmp_path / "results", by_value=[sys.modules[__name__]]):
+    with local_ray(monkeypatch, tmp_path / "results", by_value=[sys.modules[__name__], integration_models]):
         TorchTrainer(_train_loop, train_loop_config=dict(path=str(root), out=str(out)),
                      scaling_config=ScalingConfig(num_workers=2, use_gpu=False)).fit()
     results = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     for rank, r in enumerate(results):
         diff = [n for n in r["ref"] if not torch.equal(r["ref"][n], r["got"][n])]
         assert not diff, f"worker {rank}: parameters differ from the run without offloading: {diff}"
-        assert r["steps"] == 3 and r["bytes_offloaded"] > 0, (rank, r["steps"], r["bytes_offloaded"])
+        assert r["steps"] == STEPS * ACCUMULATE and r["bytes_offloaded"] > 0, (rank, r["steps"], r["bytes_offloaded"])
         assert r["paths"] == [str(root / f"rank{rank}")]
     assert not any(torch.equal(results[0]["ref"][n], _model().state_dict()[n]) for n in results[0]["ref"])
     assert sorted(os.listdir(root)) == ["rank0", "rank1"]
