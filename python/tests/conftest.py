@@ -25,11 +25,21 @@ def cli():
 
 
 @pytest.fixture
-def run_bench(tmp_path):
+def stores_before_backward(monkeypatch):
+    """EBBTIDE_MAX_INFLIGHT=1: each pack waits for the stores queued before it,
+    so every offloaded tensor of a forward but the last is stored before
+    backward however loaded the machine is, and a test may assert offloaded
+    bytes. Not for tests that hold stores at a gate (the pack would wait)."""
+    monkeypatch.setenv("EBBTIDE_MAX_INFLIGHT", "1")
+
+
+@pytest.fixture
+def run_bench(tmp_path, stores_before_backward):
     """run_bench(SCRIPT, *ARGS, launcher=(), env=None, timeout=300) runs
     bench/SCRIPT ARGS --json FILE with this Python (after LAUNCHER, e.g. the
     torchrun module), fails the test with its output unless it exits 0, and
-    returns (CompletedProcess, the JSON it wrote)."""
+    returns (CompletedProcess, the JSON it wrote). The stores of its caches
+    finish before backward (stores_before_backward)."""
     def run(script, *args, launcher=(), env=None, timeout=300):
         out = tmp_path / f"{script}.json"
         p = subprocess.run([sys.executable, *launcher, os.path.join(BENCH_DIR, script), *args, "--json", str(out)],

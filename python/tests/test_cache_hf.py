@@ -12,6 +12,10 @@ import ebbtide  # noqa: E402
 from ebbtide import _core  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
+# Offloaded bytes are asserted: stores finish before backward whatever the load.
+pytestmark = pytest.mark.usefixtures("stores_before_backward")
+
+
 VOCAB = 128
 
 

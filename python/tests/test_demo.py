@@ -5,6 +5,8 @@ import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
+# Offloaded bytes are asserted: stores finish before backward whatever the load.
+pytestmark = pytest.mark.usefixtures("stores_before_backward")
 
 
 @pytest.mark.parametrize("model", ["llama", "mixtral", "gpt2", "bert", "t5"])

@@ -13,6 +13,10 @@ from integration_models import assert_changed, assert_same_params, tiny_llama, t
 from ebbtide.integrations.hf import OffloadCallback  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
+# Offloaded bytes are asserted: stores finish before backward whatever the load.
+pytestmark = pytest.mark.usefixtures("stores_before_backward")
+
+
 CACHE = dict(target="cpu", min_bytes=0)
 
 

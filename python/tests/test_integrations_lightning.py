@@ -17,6 +17,10 @@ logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
 
+# Offloaded bytes are asserted: stores finish before backward whatever the load.
+pytestmark = pytest.mark.usefixtures("stores_before_backward")
+
+
 class LitLlama(pl.LightningModule):
     def __init__(self, call_submodule=False):
         super().__init__()

@@ -29,6 +29,10 @@ import ebbtide  # noqa: E402
 from ebbtide.integrations.pipeline import PipelineHints, hinted_instruction_map  # noqa: E402
 
 
+# Offloaded bytes are asserted: stores finish before backward whatever the load.
+pytestmark = pytest.mark.usefixtures("stores_before_backward")
+
+
 def _stages():
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64,

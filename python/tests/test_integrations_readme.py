@@ -148,12 +148,9 @@ def _context(name, monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(_NAMESPACES))
-def test_readme_snippet_runs_and_offloads(name, tmp_path, monkeypatch):
+def test_readme_snippet_runs_and_offloads(name, tmp_path, monkeypatch, stores_before_backward):
     code = _snippets()[name]
     monkeypatch.setenv("EBBTIDE_MIN_BYTES", "0")
-    # Each pack waits for the stores before it, so every offloaded tensor but
-    # the last is stored before backward however slow the machine is.
-    monkeypatch.setenv("EBBTIDE_MAX_INFLIGHT", "1")
     monkeypatch.chdir(tmp_path)  # Lightning writes its logs and checkpoints here
     with _context(name, monkeypatch, tmp_path):
         ns = _NAMESPACES[name](tmp_path)

@@ -13,6 +13,10 @@ from integration_models import VOCAB, assert_changed, assert_same_params, token_
 from ebbtide.integrations import torchtune as ebb_tt  # noqa: E402
 
 
+# Offloaded bytes are asserted: stores finish before backward whatever the load.
+pytestmark = pytest.mark.usefixtures("stores_before_backward")
+
+
 def _model():
     torch.manual_seed(0)
     return llama2(vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, max_seq_len=64,
