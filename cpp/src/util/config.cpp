@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <sstream>
 #include <stdexcept>
+#include <type_traits>
 
 #include "ebbtide/util/error.hpp"
 
@@ -82,7 +83,7 @@ const Setting& row(std::string_view name, Kind kind) {
 
 std::string variable(std::string_view name) { return "environment variable " + std::string(name); }
 
-int64_t parse_int(const Setting& s, const std::string& text, std::string_view what) {
+int64_t parse_int(const std::string& text, std::string_view what) {
   std::string t = trim(text);
   char* end = nullptr;
   errno = 0;
@@ -134,7 +135,7 @@ std::optional<int64_t> env_int(std::string_view name) {
   const Setting& s = row(name, Kind::kInt);
   auto v = env_string(name);
   if (!v) return std::nullopt;
-  int64_t x = parse_int(s, *v, variable(name));
+  int64_t x = parse_int(*v, variable(name));
   check_range(s, static_cast<double>(x), variable(name), std::to_string(x));
   return x;
 }
@@ -167,26 +168,25 @@ std::optional<std::string> env_choice(std::string_view name) {
   return check_choice(s, *v, variable(name));
 }
 
+namespace {
+
+template <class T>
+std::optional<Value> as_value(const std::optional<T>& v) {
+  if (!v) return std::nullopt;
+  if constexpr (std::is_same_v<T, uint64_t>) return Value(static_cast<int64_t>(*v));
+  else return Value(*v);
+}
+
+}  // namespace
+
 std::optional<Value> env_value(std::string_view name) {
   switch (setting(name).kind) {
-    case Kind::kBytes:
-      if (auto v = env_bytes(name)) return Value(static_cast<int64_t>(*v));
-      return std::nullopt;
-    case Kind::kInt:
-      if (auto v = env_int(name)) return Value(*v);
-      return std::nullopt;
-    case Kind::kFloat:
-      if (auto v = env_float(name)) return Value(*v);
-      return std::nullopt;
-    case Kind::kBool:
-      if (auto v = env_bool(name)) return Value(*v);
-      return std::nullopt;
-    case Kind::kChoice:
-      if (auto v = env_choice(name)) return Value(*v);
-      return std::nullopt;
-    case Kind::kText:
-      if (auto v = env_string(name)) return Value(*v);
-      return std::nullopt;
+    case Kind::kBytes: return as_value(env_bytes(name));
+    case Kind::kInt: return as_value(env_int(name));
+    case Kind::kFloat: return as_value(env_float(name));
+    case Kind::kBool: return as_value(env_bool(name));
+    case Kind::kChoice: return as_value(env_choice(name));
+    case Kind::kText: return as_value(env_string(name));
   }
   return std::nullopt;
 }
