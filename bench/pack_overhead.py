@@ -13,7 +13,13 @@ is answered at unpack from the caller's tensor instead of a reload).
 Methods:
   none                 no hooks
   identity             saved_tensors_hooks(lambda t: t, lambda t: t)
-  save_on_cpu          torch.autograd.graph.save_on_cpu (copies; pinned on cuda)
+  save_on_cpu          torch.autograd.graph.save_on_cpu; on cuda with pin_memory=True
+                       (copies to pinned memory), on cpu its default, which
+                       copies nothing (tensor.cpu() of a host tensor is itself)
+  save_on_cpu-copy     cpu only: save_on_cpu(pin_memory=True), which on a
+                       machine without CUDA copies each tensor once, at pack
+                       (the like-for-like comparison for ebbtide-cpu, which
+                       copies at pack and again at unpack)
   ebbtide-kept         long-lived TensorCache(target="cpu"), min_bytes above
                        every tensor: nothing offloaded, the hooks' own cost
   ebbtide-cpu          long-lived TensorCache(target="cpu", min_bytes=0)
@@ -50,7 +56,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 from bench_common import write_result  # noqa: E402
 
-ALL_METHODS = ("none", "identity", "save_on_cpu", "ebbtide-kept", "ebbtide-cpu", "ebbtide-ssd",
+ALL_METHODS = ("none", "identity", "save_on_cpu", "save_on_cpu-copy", "ebbtide-kept", "ebbtide-cpu", "ebbtide-ssd",
                "ebbtide-offload-ctx")
 CTX_SAMPLES = 5  # empty offload() contexts timed per repeat
 
@@ -151,8 +157,9 @@ class Runner:
         elif method == "identity":
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 forward_backward(x0, ws)
-        elif method == "save_on_cpu":
-            with torch.autograd.graph.save_on_cpu(pin_memory=self.device.startswith("cuda")):
+        elif method in ("save_on_cpu", "save_on_cpu-copy"):
+            pin = self.device.startswith("cuda") or method == "save_on_cpu-copy"
+            with torch.autograd.graph.save_on_cpu(pin_memory=pin):
                 forward_backward(x0, ws)
         elif method == "ebbtide-offload-ctx":
             with self.ebbtide.offload(None, target="cpu", min_bytes=0, device=self.device) as c:
@@ -209,6 +216,8 @@ def main():
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error("--device cuda: CUDA is not available")
     dev = args.device
+    if dev.startswith("cuda") and "save_on_cpu-copy" in methods:
+        methods.remove("save_on_cpu-copy")  # on cuda save_on_cpu itself copies (pinned)
     threads = args.threads if args.threads is not None else (0 if dev.startswith("cuda") else 1)
     if threads:
         # OpenMP workers spin-wait for each other: on a busy machine a
@@ -280,6 +289,9 @@ def main():
     if "ebbtide-cpu" in methods and "save_on_cpu" in methods:
         v = us["ebbtide-cpu"] / us["save_on_cpu"] if us["save_on_cpu"] > 0 else None
         checks.append(("ebbtide-cpu us/tensor / save_on_cpu us/tensor < 1", v, 1.0, "<"))
+    if "ebbtide-cpu" in methods and "save_on_cpu-copy" in methods:
+        v = us["ebbtide-cpu"] / us["save_on_cpu-copy"] if us["save_on_cpu-copy"] > 0 else None
+        checks.append(("ebbtide-cpu us/tensor / save_on_cpu-copy us/tensor < 1", v, 1.0, "<"))
     if ctx is not None and ctx["median_seconds"] is not None:
         checks.append(("offload() enter+leave, median after the first (ms) < 1",
                        ctx["median_seconds"] * 1e3, 1.0, "<"))

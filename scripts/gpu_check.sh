@@ -90,9 +90,9 @@ fi
 
 # The module the tests and benchmarks import must be the one just built.
 module_is_fresh() {
-  step import import.log 60 "$py" -c "import ebbtide._core as c, sys; f = c.__file__; print(f)
+  step import import.log 60 "$py" -c "import torch, ebbtide._core as c, ebbtide._torch as t, sys; f = c.__file__; print(f, t.__file__)
 print('cuda driver', c.cuda_driver_available(), c.cuda_unavailable_reason())
-sys.exit(0 if f.startswith('$build/') else 'ebbtide._core is not the module built in $build')"
+sys.exit(0 if f.startswith('$build/') and t.__file__.startswith('$build/') else 'ebbtide._core or ebbtide._torch is not the module built in $build')"
 }
 
 for stage in "${stages[@]}"; do

@@ -33,6 +33,12 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ebbtide import _core, _settings
+
+try:  # Note [Two modules] (python/src/glue_api.hpp): the hooks need libtorch
+    from ebbtide import _torch
+except ImportError as _exc:  # built without torch's headers, or for another torch
+    _torch = None
+    _TORCH_MISSING = str(_exc)
 from ebbtide._adaptive import _CUDA_PREFETCH_MODULES, Adaptive, resolve_settings, tier_name
 
 __all__ = ["TensorCache", "offload", "release_pooled_stores"]
@@ -51,27 +57,14 @@ _DEFAULT_WORKERS = 2
 _TARGETS = ("auto", "ssd", "cpu")
 
 
-class _KeptCounts:
-    """Per step (or in all) counts of resident saves the core never sees."""
-
-    __slots__ = ("saved", "new", "deduped", "bytes", "peak")
-
-    def __init__(self):
-        self.saved = self.new = self.deduped = self.bytes = self.peak = 0
-
-    def fold(self, step):
-        self.saved += step.saved
-        self.new += step.new
-        self.deduped += step.deduped
-        self.bytes += step.bytes
-        self.peak = max(self.peak, step.peak)
-
-    def add_to(self, d):
-        d["tensors_saved"] += self.saved
-        d["tensors_kept"] += self.new
-        d["tensors_deduped"] += self.deduped
-        d["saved_bytes_total"] += self.bytes
-        d["peak_resident_bytes"] += self.peak
+def _add_kept(d, counts):
+    """Adds the hooks' counts of kept tensors (Note [Kept tensors]) to a stats dict of the core."""
+    saved, kept, deduped, nbytes, peak = counts
+    d["tensors_saved"] += saved
+    d["tensors_kept"] += kept
+    d["tensors_deduped"] += deduped
+    d["saved_bytes_total"] += nbytes
+    d["peak_resident_bytes"] += peak
 
 
 def _check_int(what: str, value, low: int, high: Optional[int]) -> int:
@@ -112,46 +105,6 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class _Handle:
-    """What autograd keeps for an offloaded or kept saved tensor.
-
-    Its death (autograd freeing the graph) releases the entry and its space.
-    """
-
-    __slots__ = ("cache", "eid", "hid", "dtype", "shape", "stride", "offset", "version", "tref", "key",
-                 "nbytes", "whole", "__weakref__")
-
-    def __init__(self, cache, eid, hid, t, version, tref, key, nbytes):
-        self.cache = cache
-        self.eid = eid
-        self.hid = hid
-        self.dtype = t.dtype
-        self.shape = t.shape
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
-        self.version = version
-        self.tref = tref  # the saved tensor, while something outside autograd keeps it
-        self.key = key    # its storage's identity at pack
-        self.nbytes = nbytes
-        # The tensor is its whole storage, contiguous: a reload can be an
-        # empty tensor of its shape.
-        self.whole = self.offset == 0 and t.is_contiguous() and t.numel() * t.element_size() == nbytes
-
-    def __del__(self):
-        c = getattr(self, "cache", None)  # None when __init__ did not finish
-        if c is None:
-            return
-        # Note [Interrupted release] (tensor_cache.cpp): a KeyboardInterrupt
-        # landing here must not leak the entry; releasing a handle twice is
-        # harmless, so try once more.
-        for _ in range(2):
-            try:
-                c._release(self.eid, self.hid)
-                return
-            except BaseException:  # interrupt; interpreter shutdown, closed core
-                pass
-
-
 def _check_version(dtype, shape, saved, current):
     """The RuntimeError autograd raises when a saved tensor changed in place."""
     if current != saved:
@@ -159,29 +112,6 @@ def _check_version(dtype, shape, saved, current):
             "one of the variables needed for gradient computation has been modified by an inplace "
             f"operation: [{dtype} {list(shape)}] is at version {current}; expected version "
             f"{saved} instead. (reported by ebbtide's saved-tensor hooks)")
-
-
-class _Kept:
-    """What autograd keeps for a saved tensor that stays resident (Note [Kept
-    tensors]): the tensor and its version at pack. No core entry, no lock on
-    unpack; the version check is the one identity hooks would lose."""
-
-    __slots__ = ("cache", "t", "version", "key", "nbytes", "__weakref__")
-
-    def __init__(self, cache, t, version, key, nbytes):
-        self.cache = cache
-        self.t = t
-        self.version = version
-        self.key = key
-        self.nbytes = nbytes
-
-    def __del__(self):
-        c = self.cache
-        if c is not None:
-            try:
-                c._kept_gone(self.key, self.nbytes)
-            except BaseException:  # interpreter shutdown
-                pass
 
 
 def _first_grad_tensor(obj, depth=0):
@@ -246,6 +176,10 @@ class TensorCache:
                  device: Union[None, str, torch.device] = None, adaptive: Optional[bool] = None,
                  host_budget_bytes: Optional[int] = None, max_write_mbps: Optional[float] = None,
                  _pooled: bool = False):
+        if _torch is None:
+            raise RuntimeError("ebbtide.TensorCache: ebbtide._torch, the cache's saved-tensor hooks, is not "
+                               f"available ({_TORCH_MISSING}); it is built against the installed torch: "
+                               "install torch first, then ebbtide with `pip install --no-build-isolation`")
         if target not in _TARGETS:
             raise ValueError(f"ebbtide.TensorCache: target {target!r} is not valid (valid: 'auto', 'ssd', 'cpu')")
         if keep_last_modules < 0:
@@ -257,10 +191,10 @@ class TensorCache:
         max_inflight_bytes = _settings.resolve("EBBTIDE_MAX_INFLIGHT", max_inflight_bytes,
                                                "ebbtide.TensorCache: max_inflight_bytes")
         workers = _settings.resolve("EBBTIDE_CACHE_WORKERS", workers, "ebbtide.TensorCache: workers")
-        self.min_bytes = _DEFAULT_MIN_BYTES if min_bytes is None else min_bytes
+        self._native = None
         self.target = target
         self.capacity_bytes = int(capacity_bytes)
-        self.keep_last_modules = int(keep_last_modules)
+        self._keep_last = int(keep_last_modules)
         self._device = None
         self._device_is_cpu = False
         if device is not None:
@@ -322,18 +256,19 @@ class TensorCache:
         self._inline_bytes = int(self._core.inline_copy_bytes) if target != "ssd" else 0
         self.paths = paths
         self._lock = threading.RLock()
-        self._closed = False
-        self._close_pending = False  # close once the last entry goes (Note [Lifetime after the block])
-        # Note [Kept tensors]: resident saves, counted here (the core never sees them).
-        self._kept_refs: dict = {}   # (storage key, version) -> live _Kept handles
-        self._kept_live = 0          # bytes of those storages
-        self._kept_step = _KeptCounts()
-        self._kept_total = _KeptCounts()
-        self._kept_unflushed = 0     # CUDA: bytes not yet told to the core (note_kept)
-        self._kept_handles: list = []  # weak references to this step's _Kept handles (Note [Kept cycles])
+        # Note [Hooks in C++] (python/src/torch/hooks.cpp): the saved-tensor
+        # hooks, their handles and the books they keep (kept tensors, the
+        # step's plan); the glue tells them the device, scope, micro-batch,
+        # parameters and placement. Their closed and close_pending flags
+        # (close once the last entry goes, Note [Lifetime after the block])
+        # are the cache's.
+        self._native = _torch.Hooks(self, self._core, self._inline_bytes)
+        self._native.min_bytes = _DEFAULT_MIN_BYTES if min_bytes is None else int(min_bytes)
+        self._native.cuda_ok = self._cuda_ok
+        if self._device is not None:
+            self._use_device(self._device)
         self._in_step = False
         self._last_stats = None
-        self._warned_store = False
         # Module scoping (attach).
         self._model_ref = None
         self._hooks: list = []
@@ -342,14 +277,64 @@ class TensorCache:
         self._param_refs: list = []
         self._expected_blocks = 0
         self._stages = None  # attach_stages: the ModuleList of the stage modules
-        self._fwd_mb = 0
         self._next_mb = 0
         self._mb_hinted = False
-        self._scope = -1
         self._blocks_in_fwd = 0
         self._phase = "forward"
-        self._plan: dict = {}
         self._adapt = Adaptive(self, max_write_bps=max_write_bps, host_budget_bytes=host_budget) if adaptive else None
+
+    # State the hooks read on every save (Note [Hooks in C++]).
+    @property
+    def min_bytes(self) -> int:
+        """Storages below this many bytes stay resident."""
+        return self._native.min_bytes
+
+    @min_bytes.setter
+    def min_bytes(self, value: int) -> None:
+        self._native.min_bytes = _check_int("ebbtide.TensorCache: min_bytes", value, 0, None)
+
+    @property
+    def keep_last_modules(self) -> int:
+        return self._keep_last
+
+    @keep_last_modules.setter
+    def keep_last_modules(self, value: int) -> None:
+        self._keep_last = _check_int("ebbtide.TensorCache: keep_last_modules", value, 0, None)
+        self._native.invalidate_placement()
+
+    @property
+    def _closed(self) -> bool:
+        n = self._native
+        return n is None or n.closed
+
+    @property
+    def _close_pending(self) -> bool:
+        return self._native.close_pending
+
+    @property
+    def _fwd_mb(self) -> int:
+        return self._native.fwd_mb
+
+    @_fwd_mb.setter
+    def _fwd_mb(self, mb: int) -> None:
+        self._native.fwd_mb = mb
+
+    @property
+    def _scope(self) -> int:
+        return self._native.scope
+
+    @_scope.setter
+    def _scope(self, scope: int) -> None:
+        n = self._native
+        n.scope = scope
+        n.invalidate_placement()
+
+    @property
+    def _plan(self) -> dict:
+        """Per scope of the step: what was saved, and kept or offloaded."""
+        return {s: dict(scope=s, module=self._scope_name(s), decision="offload" if offload else "keep",
+                        tier=tier_name(tier) if offload else None, tensors=n, bytes=b, bytes_offloaded=off)
+                for s, offload, tier, n, b, off in self._native.plan_rows()}
 
     # ------------------------------------------------------------------ public
     def attach(self, model: torch.nn.Module) -> "TensorCache":
@@ -418,6 +403,9 @@ class TensorCache:
         self._model_ref = None
         self._param_storages = set()
         self._param_refs = []
+        if self._native is not None:
+            self._native.set_params([])
+            self._native.invalidate_placement()
 
     @contextlib.contextmanager
     def step(self):
@@ -430,13 +418,10 @@ class TensorCache:
         if model is not None:
             self._record_params(model)
         self._core.begin_step()
-        with self._lock:
-            self._kept_step = _KeptCounts()
-            self._kept_step.peak = self._kept_live
-            self._kept_unflushed = 0
-            self._kept_handles = []
         if self._adapt is not None:
             self._adapt.begin_step(self._core.stats())
+        with self._lock:
+            self._native.begin_step()
         step_no = self._core.current_step
         self._in_step = True
         # Micro-batch ids keep counting across steps: a graph retained past
@@ -446,10 +431,9 @@ class TensorCache:
         self._scope = -1
         self._blocks_in_fwd = 0
         self._phase = "forward"
-        self._plan = {}
         ok = False
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self._native.pack, self._native.unpack):
                 yield self
             ok = True
         finally:
@@ -459,11 +443,10 @@ class TensorCache:
             with self._lock:
                 if ok:
                     self._break_cycles_locked(step_no)
-                self._kept_handles = []
                 if not self._closed:
                     self._poll_locked()
                     self._core.end_step()
-                    self._kept_total.fold(self._kept_step)
+                    self._native.fold_step()
                     if ok and self._adapt is not None:
                         self._adapt.end_step(self._core.stats())
                     self._last_stats = self._make_stats()
@@ -552,7 +535,7 @@ class TensorCache:
                 except Exception:
                     pass
             self.detach()
-            self._closed = True
+            self._native.closed = True
             self._core.close()
         self._remove_tmpdir()
 
@@ -576,6 +559,8 @@ class TensorCache:
     def _use_device(self, device):
         self._device = d = self._normalize_device(device)
         self._device_is_cpu = d.type == "cpu"
+        if self._native is not None:
+            self._native.device = -1 if self._device_is_cpu else d.index if d.type == "cuda" else -3
 
     @staticmethod
     def _normalize_device(device):
@@ -612,6 +597,7 @@ class TensorCache:
             refs.append(StorageWeakRef(st))
         self._param_storages = keys
         self._param_refs = refs
+        self._native.set_params(list(keys))
 
     def _base_is_param(self, b) -> bool:
         """Whether `b` (a view's base) or its bases are, or share storage with, a parameter or buffer."""
@@ -670,6 +656,8 @@ class TensorCache:
         return k > 0 and self._model_ref is not None and self._scope >= self._expected_blocks - k
 
     def _pack(self, t):
+        # The Python path of the pack hook (Note [Hooks in C++]): tensors of a
+        # CUDA cache, and the first one of a cache whose device is not known.
         if self._closed:
             return t
         st = self._eligible(t)
@@ -679,8 +667,14 @@ class TensorCache:
         if nbytes == 0:
             return t
         decision, tier = self._scope_placement()
+        native = self._native
         if nbytes < self.min_bytes or decision != "offload":
-            return self._keep(t, st, nbytes, decision, tier)
+            # Note [Kept tensors]: a save that stays resident needs no core
+            # entry: the handle holds the tensor (as autograd would) and its
+            # version, and the hooks count it once per storage and version,
+            # like the core's dedup. On a GPU the core learns the bytes per
+            # block, for the prefetch distance (note_kept).
+            return native.keep(t, nbytes, decision == "offload", tier)
         if t.is_cuda:
             dev = t.device.index
             stream = torch.cuda.current_stream(t.device).cuda_stream
@@ -689,10 +683,6 @@ class TensorCache:
             stream = 0
         version = t._version
         key = st._cdata
-        try:
-            tref = weakref.ref(t)
-        except TypeError:
-            tref = None
         # Note [Glue objects] (tensor_cache.cpp): the core holds `t` only while
         # the entry needs it resident; the storage's weak reference comes back
         # with prefetch candidates and keeps its key unique meanwhile.
@@ -700,62 +690,21 @@ class TensorCache:
         # the released tensors go before the next allocation).
         try:
             eid, is_new, off, hid, done = self._core.save(key, version, st.data_ptr(), nbytes, dev, stream,
-                                                          self._fwd_mb, True, tier, t, StorageWeakRef(st))
+                                                          self._fwd_mb, True, tier, t, native.storage_ref(t))
         except _StateError:
             if self._closed:
                 return t  # closed meanwhile: autograd keeps it
             raise
         if done is not None:
-            self._ack(done)
+            native.ack(done)
         if is_new:
-            self._note_plan(nbytes, off, decision, tier)
-        return _Handle(self, eid, hid, t, version, tref, key, nbytes)
-
-    def _keep(self, t, st, nbytes, decision, tier):
-        # Note [Kept tensors]: a save that stays resident needs no core entry:
-        # the handle holds the tensor (as autograd would) and its version. The
-        # counts keep stats() as they were: one per storage and version, like
-        # the core's dedup, and the key is unique while a handle holds the
-        # storage. On a GPU the core learns the bytes per block, for the
-        # prefetch distance.
-        version = t._version
-        key = (st._cdata, version)
-        with self._lock:
-            c = self._kept_step
-            c.saved += 1
-            n = self._kept_refs.get(key)
-            if n is None:
-                self._kept_refs[key] = 1
-                c.new += 1
-                c.bytes += nbytes
-                self._kept_live += nbytes
-                if self._kept_live > c.peak:
-                    c.peak = self._kept_live
-                self._note_plan(nbytes, False, decision, tier)
-                if t.is_cuda:
-                    self._kept_unflushed += nbytes
-            else:
-                self._kept_refs[key] = n + 1
-                c.deduped += 1
-        k = _Kept(self, t, version, key, nbytes)
-        self._kept_handles.append(weakref.ref(k))
-        return k
-
-    def _kept_gone(self, key, nbytes):
-        with self._lock:
-            n = self._kept_refs.get(key)
-            if n is None:
-                return
-            if n > 1:
-                self._kept_refs[key] = n - 1
-            else:
-                del self._kept_refs[key]
-                self._kept_live -= nbytes
+            native.note_plan(nbytes, off, decision == "offload", tier)
+        return native.handle(t, eid, hid, version, key, nbytes)
 
     def _flush_kept_locked(self):
-        if self._kept_unflushed:
-            self._core.note_kept(self._fwd_mb, self._kept_unflushed)
-            self._kept_unflushed = 0
+        n = self._native.take_unflushed()
+        if n:
+            self._core.note_kept(self._fwd_mb, n)
 
     def _scope_placement(self):
         """("keep" | "offload", store tier hint) for the current scope: keep_last_modules, then the plan."""
@@ -770,18 +719,6 @@ class TensorCache:
         return self._blocks[s][0] if 0 <= s < len(self._blocks) else ("<before blocks>" if s < 0 else
                                                                       f"<scope {s}>")
 
-    def _note_plan(self, nbytes, offloaded, decision="offload", tier=-1):
-        s = self._scope
-        p = self._plan.get(s)
-        if p is None:
-            p = self._plan[s] = dict(scope=s, module=self._scope_name(s), decision=decision,
-                                     tier=tier_name(tier) if decision == "offload" else None,
-                                     tensors=0, bytes=0, bytes_offloaded=0)
-        p["tensors"] += 1
-        p["bytes"] += nbytes
-        if offloaded:
-            p["bytes_offloaded"] += nbytes
-
     def _poll_locked(self):
         done = self._core.poll()
         if done:
@@ -789,16 +726,7 @@ class TensorCache:
 
     def _ack(self, done):
         """Completions: (id, ok, live tensor the core stopped holding, saved version)."""
-        for eid, ok, live, version in done:
-            if ok:
-                if live is not None and live._version != version:
-                    # Note [Torn snapshots]: written while the store copied it;
-                    # the core answers unpacks from it, which then report the change.
-                    self._core.hold_live(eid, live)
-            elif not self._warned_store:
-                self._warned_store = True
-                warnings.warn("ebbtide: storing an activation failed (disk full or I/O error); the rest "
-                              "of this step's activations stay in memory", RuntimeWarning, stacklevel=4)
+        self._native.ack(done)
 
     @staticmethod
     def _check_version(h, current):
@@ -814,27 +742,12 @@ class TensorCache:
         out.set_(storage, h.offset + byte_off // itemsize, h.shape, h.stride)
         return out
 
-    def _unpack(self, h):
-        tp = type(h)
-        if tp is _Kept:
-            t = h.t
-            if t is None:
-                raise RuntimeError("ebbtide.TensorCache: a saved tensor was unpacked after its step was "
-                                   "aborted (the step raised)")
-            if t._version != h.version:
-                _check_version(t.dtype, t.shape, h.version, t._version)
-            return t
-        if tp is not _Handle:
-            return h
-        return h.cache._reload(h)
-
     def _reload(self, h):
-        # Note [One call per unpack] (tensor_cache.cpp).
+        # The Python path of the unpack hook for the entries of a CUDA cache
+        # (Note [Hooks in C++]); Note [One call per unpack] (tensor_cache.cpp).
         if self._closed:
             raise RuntimeError("ebbtide.TensorCache: a saved tensor was unpacked after the cache was closed")
-        t = h.tref() if h.tref is not None else None
-        if t is not None and t.untyped_storage()._cdata != h.key:
-            t = None
+        t = h.original()
         if t is not None and t._version != h.version:
             # Note [Originals still alive]: no reload, and an in-place change
             # since the save is caught.
@@ -932,13 +845,12 @@ class TensorCache:
             if cands is not None:
                 self._prefetch(cands, self._stream())
 
-    def _release(self, eid, hid):
-        if self._closed:
-            return
-        if self._core.release_handle(hid, eid) and self._close_pending:
-            with self._lock:
-                if not self._closed and self._core.entry_count() == 0:
-                    self._finish_deferred_close()
+    def _entry_gone(self):
+        # A handle's entry went while a close waits for the last one (the
+        # hooks call this; Note [Lifetime after the block]).
+        with self._lock:
+            if not self._closed and self._core.entry_count() == 0:
+                self._finish_deferred_close()
 
     def _close_when_released(self):
         # Note [Lifetime after the block]: ebbtide.offload() leaves its block
@@ -950,7 +862,7 @@ class TensorCache:
             if self._closed:
                 return
             self.detach()
-            self._close_pending = True
+            self._native.close_pending = True
             if self._core.entry_count() == 0:  # after the flag: a release racing with us sees one or the other
                 self.close()
 
@@ -972,13 +884,7 @@ class TensorCache:
             self._core.release_step(step_no)
             # Note [Kept cycles]: the failed step's kept handles let go of
             # their tensors (unpacking one now raises).
-            handles, self._kept_handles = self._kept_handles, []
-            for ref in handles:
-                k = ref()
-                if k is not None and k.cache is not None:
-                    k.cache = None
-                    self._kept_gone(k.key, k.nbytes)
-                    k.t = None
+            self._native.abort_kept()
 
     def _break_cycles_locked(self, step_no):
         # Note [Kept cycles]
@@ -992,10 +898,7 @@ class TensorCache:
         # ones: the same storage and version counter without the grad_fn
         # (autograd gives the unpacked tensor its grad_fn back). Only the
         # survivors pay for it.
-        for ref in self._kept_handles:
-            k = ref()
-            if k is not None and k.t is not None:
-                k.t = k.t.detach()
+        self._native.detach_kept()
         if not self._closed:
             for eid, live in self._core.held_lives(step_no):
                 self._core.hold_live(eid, live.detach())
@@ -1003,11 +906,11 @@ class TensorCache:
     def _make_stats(self) -> dict:
         s = self._core.stats()
         out = dict(s["step"])
-        self._kept_step.add_to(out)  # Note [Kept tensors]
+        _add_kept(out, self._native.kept_counts(False))  # Note [Kept tensors]
         out["total"] = dict(s["total"])
-        self._kept_total.add_to(out["total"])
+        _add_kept(out["total"], self._native.kept_counts(True))
         out["steps"] = s["steps"]
-        out["resident_bytes"] = s["resident_bytes"] + self._kept_live
+        out["resident_bytes"] = s["resident_bytes"] + self._native.kept_live
         out["entries"] = s["entries"]
         out["store_bytes_held"] = s["store_bytes_held"]
         out["store_bytes_staged"] = s["store_bytes_staged"]
@@ -1047,6 +950,7 @@ class TensorCache:
             self._core.scope_end(self._fwd_mb, max(self._scope, 0))
             if self._blocks_in_fwd and self._stages is None:
                 self._expected_blocks = self._blocks_in_fwd
+                self._native.invalidate_placement()
             if self._auto_window:
                 biggest = max((p["bytes_offloaded"] for p in self._plan.values()), default=0)
                 if biggest:

@@ -4,6 +4,8 @@
 
 #include <nanobind/nanobind.h>
 
+#include <exception>
+
 namespace ebbtide::py {
 
 namespace nb = nanobind;
@@ -15,6 +17,13 @@ void bind_cache(nb::module_& m);
 void bind_ckpt(nb::module_& m);
 void bind_safetensors(nb::module_& m);
 void bind_plan(nb::module_& m);
+
+// Sets the Python exception for the exception `p` holds: the core's error
+// types as nanobind translates them; with `others`, any other exception too
+// (a RuntimeError), else it is rethrown.
+void translate_error(const std::exception_ptr& p, bool others);
+// ebbtide._core.StateError.
+PyObject* state_error_type();
 
 // Releases the GIL in a scope (blocking C++ calls).
 using gil_release = nb::gil_scoped_release;

@@ -11,6 +11,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "bind.hpp"
+#include "glue_api.hpp"
 #include "ebbtide/cache/store.hpp"
 #include "ebbtide/cache/tensor_cache.hpp"
 #include "ebbtide/io/engine.hpp"
@@ -162,10 +163,72 @@ size_t release_pooled() {
   return drop.size();
 }
 
+// The table of Note [Two modules] (glue_api.hpp).
+template <class F>
+bool guarded(F&& f) noexcept {
+  try {
+    f();
+    return true;
+  } catch (...) {
+    ebbtide::py::translate_error(std::current_exception(), true);
+    return false;
+  }
+}
+
+ebbtide::py::GlueApi make_glue_api() {
+  ebbtide::py::GlueApi a;
+  a.core_of = [](PyObject* obj) noexcept -> TensorCache* {
+    TensorCache* c = nullptr;
+    if (!nb::try_cast<TensorCache*>(nb::handle(obj), c) || c == nullptr) {
+      PyErr_SetString(PyExc_TypeError, "ebbtide._torch: expected an ebbtide._core.CacheCore");
+      return nullptr;
+    }
+    return c;
+  };
+  a.glue_obj = [](PyObject* obj) noexcept { return glue_obj(nb::handle(obj)); };
+  a.save = [](TensorCache* c, SaveRequest& r, SaveResult* out) noexcept {
+    bool ok = guarded([&] {
+      nb::gil_scoped_release unlocked;
+      *out = c->save(r);
+    });
+    r = SaveRequest{};  // its glue objects, dropped with the interpreter's lock held
+    return ok;
+  };
+  a.unpack = [](TensorCache* c, EntryId id, uintptr_t stream, int64_t task, bool have_original, void* into,
+                Unpacked* out) noexcept {
+    return guarded([&] {
+      nb::gil_scoped_release unlocked;
+      *out = c->unpack(id, stream, task, have_original, into);
+    });
+  };
+  a.release_handle = [](TensorCache* c, HandleId h, EntryId id) noexcept {
+    int gone = -1;
+    guarded([&] {
+      nb::gil_scoped_release unlocked;
+      gone = c->release_handle(h, id) ? 1 : 0;
+    });
+    return gone;
+  };
+  a.start_loads = [](TensorCache* c, const std::vector<EntryId>& ids, uintptr_t stream) noexcept {
+    return guarded([&] {
+      nb::gil_scoped_release unlocked;
+      c->start_loads(ids, {}, stream);
+    });
+  };
+  a.reuse = [](TensorCache* c, EntryId id) noexcept { return guarded([&] { c->reuse(id); }); };
+  a.hold_live = [](TensorCache* c, EntryId id, PyObject* live) noexcept {
+    return guarded([&] { c->hold_live(id, glue_obj(nb::handle(live))); });
+  };
+  a.state_error = ebbtide::py::state_error_type();
+  return a;
+}
+
 }  // namespace
 
 void ebbtide::py::bind_cache(nb::module_& m) {
   nb::dict(m.attr("build_info"))["cache_ssd"] = true;
+  static const ebbtide::py::GlueApi api = make_glue_api();
+  m.attr("_glue_api") = nb::capsule(&api, "ebbtide._core._glue_api");
   // Test hooks for target "ssd" (Note [Fault injection] in io/engine.cpp).
   m.def("cache_inject_write_fault", &ebbtide::io::inject_write_fault, nb::arg("dir"), nb::arg("after_bytes"),
         nb::arg("err"), nb::arg("count") = 1);

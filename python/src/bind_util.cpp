@@ -35,6 +35,36 @@ void raise_os_error(PyObject* type, const ebbtide::IoError& e) {
   Py_DECREF(exc);
 }
 
+}  // namespace
+
+// The Python exception for a core error; `others` also turns any other C++
+// exception into a RuntimeError (callers outside nanobind's own translation).
+void ebbtide::py::translate_error(const std::exception_ptr& p, bool others) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const ebbtide::ChecksumError& e) {
+    raise_os_error(g_checksum_error, e);
+  } catch (const ebbtide::IoError& e) {
+    raise_os_error(g_io_error, e);
+  } catch (const ebbtide::InvalidArgument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const ebbtide::StateError& e) {
+    PyErr_SetString(g_state_error, e.what());
+  } catch (const ebbtide::Unsupported& e) {
+    PyErr_SetString(PyExc_NotImplementedError, e.what());
+  } catch (nb::python_error& e) {
+    if (!others) throw;
+    e.restore();
+  } catch (const std::exception& e) {
+    if (!others) throw;
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+}
+
+PyObject* ebbtide::py::state_error_type() { return g_state_error; }
+
+namespace {
+
 // Python value -> config::Value (bool before int: bool is an int in Python).
 ebbtide::config::Value to_value(nb::handle v) {
   if (nb::isinstance<nb::bool_>(v)) return nb::cast<bool>(v);
@@ -66,21 +96,7 @@ void ebbtide::py::bind_util(nb::module_& m) {
   m.attr("ChecksumError") = nb::handle(g_checksum_error);
   m.attr("StateError") = nb::handle(g_state_error);
 
-  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
-    try {
-      std::rethrow_exception(p);
-    } catch (const ebbtide::ChecksumError& e) {
-      raise_os_error(g_checksum_error, e);
-    } catch (const ebbtide::IoError& e) {
-      raise_os_error(g_io_error, e);
-    } catch (const ebbtide::InvalidArgument& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
-    } catch (const ebbtide::StateError& e) {
-      PyErr_SetString(g_state_error, e.what());
-    } catch (const ebbtide::Unsupported& e) {
-      PyErr_SetString(PyExc_NotImplementedError, e.what());
-    }
-  });
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) { translate_error(p, false); });
 
   m.def("parse_bytes", [](const std::string& s, const std::string& what) {
     return ebbtide::config::parse_bytes(s, what);

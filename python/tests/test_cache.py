@@ -904,22 +904,23 @@ def test_offload_per_step_reuses_a_pooled_store(tmp_path):
 
 
 def test_a_handle_released_twice_frees_nothing_another_handle_needs():
-    # Note [Interrupted release]: __del__ retries a release an interrupt cut
-    # short; a second release of one handle must not count as another's.
+    # Note [Interrupted release]: releasing a handle is idempotent; a second
+    # release of one handle must not count as another's.
     cache = ebbtide.TensorCache(target="cpu", min_bytes=0)
     t = torch.randn(128, 128)
     with cache.step():
-        h1 = cache._pack(t)
-        h2 = cache._pack(t)  # the same storage and version: one entry, two handles
-        assert h1.eid == h2.eid and h1.hid != h2.hid
-        h1.__del__()
-        h1.__del__()
+        h1 = cache._native.pack(t)  # the device is learnt here (the glue's Python path)
+        h2 = cache._native.pack(t)  # the same storage and version: one entry, two handles
+        assert type(h1) is type(h2) and h1.eid == h2.eid and h1.hid != h2.hid
+        cache._core.release_handle(h1.hid, h1.eid)
+        cache._core.release_handle(h1.hid, h1.eid)
         assert cache._core.contains(h2.eid), "the second release of one handle freed the entry"
-        assert torch.equal(cache._unpack(h2), t)
+        del h1  # the handle's own release, the third
+        assert cache._core.contains(h2.eid), "the third release of one handle freed the entry"
+        assert torch.equal(cache._native.unpack(h2), t)
         eid = h2.eid
         del h2
         assert not cache._core.contains(eid)
-        h1.cache = None  # already released: nothing left for its __del__ to do
     cache.close()
 
 
@@ -949,3 +950,71 @@ def test_kept_tensors_take_no_core_entry_and_keep_the_inplace_check():
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             c.sum().backward()
     cache.close()
+
+
+# ---------------------------------------------------------------- Note [Hooks in C++]
+def test_views_of_a_parameter_not_attached_are_never_offloaded():
+    # The C++ pack hook walks the view's bases to the Parameter itself.
+    cache = ebbtide.TensorCache(target="cpu", min_bytes=0, device="cpu", adaptive=False)
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    x = torch.randn(8, 64, requires_grad=True)
+    with cache.step():
+        (x @ p.t()).sum().backward()  # saves x and p.t(), a view of the parameter
+    s = cache.stats()
+    assert s["tensors_saved"] == 1 and s["saved_bytes_total"] == 8 * 64 * 4, s
+    cache.close()
+
+
+def test_packing_makes_nothing_the_garbage_collector_tracks():
+    # Handles hold a weak reference to the TensorImpl, not a Python weakref:
+    # a forward of many saves does not drive the collector.
+    import gc
+    cache = ebbtide.TensorCache(target="cpu", min_bytes=0, device="cpu", adaptive=False)
+    ts = [torch.randn(256) for _ in range(200)]
+    hs = [None] * len(ts)
+    kept = [None] * len(ts)
+    with cache.step():
+        gc.disable()
+        try:
+            before = gc.get_count()[0]
+            for i in range(len(ts)):
+                hs[i] = cache._native.pack(ts[i])
+            cache.min_bytes = 1 << 30
+            for i in range(len(ts)):
+                kept[i] = cache._native.pack(ts[i] * 2)
+            after = gc.get_count()[0]
+        finally:
+            gc.enable()
+        assert type(hs[0]).__name__ == "Handle" and type(kept[0]).__name__ == "KeptHandle"
+        # The kept loop makes one tensor per save (ts[i] * 2), held by its handle.
+        assert after - before <= len(ts) + 5, (before, after)
+        assert all(torch.equal(cache._native.unpack(h), t) for h, t in zip(hs, ts))
+        del hs, kept
+    cache.close()
+
+
+def test_the_first_save_learns_the_device_and_both_paths_share_the_books():
+    # The glue's Python path takes the first save of a cache that does not
+    # know its device; the C++ hooks take the rest, and stats() counts both.
+    cache = ebbtide.TensorCache(target="cpu", min_bytes=4096, adaptive=False)
+    assert cache._native.device == -2
+    x = torch.randn(32, 64, requires_grad=True)
+    v = torch.randn(16, requires_grad=True)
+    with cache.step():
+        y = x.exp()              # saves its output (8 KiB): the Python path
+        assert cache._native.device == -1
+        z = (y.sin() * 2).sum()  # y again (dedup) through the C++ path
+        small = (v * v).sum()    # a 64-byte storage: kept, through C++
+        (z + small).backward()
+    s = cache.stats()
+    assert s["tensors_offloaded"] >= 1 and s["tensors_kept"] >= 1 and s["tensors_deduped"] >= 1, s
+    assert s["entries"] == 0 and s["resident_bytes"] == 0, s
+    cache.close()
+
+
+def test_a_build_without_the_torch_hooks_says_how_to_rebuild(monkeypatch):
+    import ebbtide.cache as cache_mod
+    monkeypatch.setattr(cache_mod, "_torch", None)
+    monkeypatch.setattr(cache_mod, "_TORCH_MISSING", "No module named 'ebbtide._torch'", raising=False)
+    with pytest.raises(RuntimeError, match="no-build-isolation"):
+        ebbtide.TensorCache(target="cpu")

@@ -61,9 +61,9 @@ def _tick(model, phase):
 
 
 class _Interrupting:
-    """A CacheCore whose n-th call (counted over all methods) is cut short by
-    KeyboardInterrupt, before or after the call: what an interrupt landing in
-    the glue between two bytecodes does."""
+    """A CacheCore whose n-th call from the Python glue (counted over all
+    methods) is cut short by KeyboardInterrupt, before or after the call: what
+    an interrupt landing in the glue between two bytecodes does."""
 
     SPARED = {"close", "release_step", "stats", "entry_count", "describe", "contains"}
 
@@ -104,7 +104,7 @@ def _assert_nothing_left(cache, where, collect=True):
         gc.collect()  # a graph kept by the exception's traceback goes here
     s = cache._core.stats()
     assert s["entries"] == 0 and s["store_blobs"] == 0 and s["resident_bytes"] == 0, (where, s)
-    assert cache._kept_live == 0 and not cache._kept_refs, (where, cache._kept_live)
+    assert cache._native.kept_live == 0 and cache._native.kept_storages == 0, (where, cache._native.kept_live)
 
 
 def _setup(target, tmp_path):
@@ -129,7 +129,9 @@ def test_an_interrupt_around_any_core_call_leaves_nothing(target, tmp_path):
     cache._core = probe
     assert all(torch.equal(a, b) for a, b in zip(_step(cache, model, x), ref))
     calls = probe.calls
-    assert calls >= 20, calls
+    # The glue's per-block and per-step calls; the per-tensor ones are the C++
+    # hooks' (Note [Hooks in C++]), where no interrupt lands between two calls.
+    assert calls >= 10, calls
     try:
         for after in (False, True):
             for at in range(1, calls + 1):
@@ -176,7 +178,7 @@ def test_a_forward_without_backward_leaks_nothing(target, min_bytes, tmp_path):
         cache._core.pause_stores(True)  # the core holds the offloaded tensors too
         with cache.step():
             y = (x * 2).exp().relu().sum()  # an evaluation forward, grad enabled, no backward
-        assert cache._core.stats()["entries"] + len(cache._kept_refs) > 0
+        assert cache._core.stats()["entries"] + cache._native.kept_storages > 0
         del y
         cache._core.pause_stores(False)
         cache.drain()

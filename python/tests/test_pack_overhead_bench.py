@@ -2,7 +2,7 @@
 method leaves the gradients bitwise unchanged, and its JSON is complete."""
 import pytest
 
-METHODS = ["none", "identity", "save_on_cpu", "ebbtide-kept", "ebbtide-cpu", "ebbtide-ssd",
+METHODS = ["none", "identity", "save_on_cpu", "save_on_cpu-copy", "ebbtide-kept", "ebbtide-cpu", "ebbtide-ssd",
            "ebbtide-offload-ctx"]
 
 
@@ -24,5 +24,6 @@ def test_pack_overhead_bench_small(tmp_path, run_bench, weights):
     assert len(ctx["samples_seconds"]) == 3 * 5 and ctx["median_seconds"] > 0
     names = {t["name"].split(" ")[0] for t in r["targets"]}
     assert names == {"ebbtide-kept", "ebbtide-cpu", "offload()"}
+    assert len(r["targets"]) == 5  # kept vs identity, cpu vs both save_on_cpu rows, offload() twice
     assert r["date"] and r["torch"] and "gpu" not in r
     assert "targets:" in p.stdout

@@ -382,7 +382,13 @@ class TensorCache {
   // Released device entries whose (forwarded) store still runs on a worker:
   // the worker frees their space and drops them (Note [Abandoned stores]).
   std::unordered_map<EntryId, std::unique_ptr<Entry>> abandoned_;
-  std::map<std::pair<uint64_t, uint64_t>, EntryId> by_key_;  // (key, version)
+  // (storage key, version) -> entry: the dedup of save(), looked up once per pack.
+  struct KeyHash {
+    size_t operator()(const std::pair<uint64_t, uint64_t>& k) const noexcept {
+      return std::hash<uint64_t>()(k.first * 0x9E3779B97F4A7C15ull ^ k.second);
+    }
+  };
+  std::unordered_map<std::pair<uint64_t, uint64_t>, EntryId, KeyHash> by_key_;
   std::unordered_map<HandleId, EntryId> handles_;             // handles not yet released
   HandleId next_handle_ = 1;
   std::map<int, MicroBatch> microbatches_;

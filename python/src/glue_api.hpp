@@ -1,0 +1,47 @@
+// The tensor cache's C entry points for the torch hooks module (ebbtide._torch).
+//
+// Note [Two modules]
+// ebbtide._core holds the core and imports without torch (checkpoints, the
+// I/O bench and the planner need none). The saved-tensor hooks run once per
+// saved tensor and must not pay for Python calls, so they are C++ against
+// libtorch, in a second module, ebbtide._torch, built only where torch's
+// headers are. It links no core code (two copies would mean two of every
+// process-wide pool): it reaches the core of a CacheCore object through this
+// table, which _core publishes as the capsule `_core._glue_api`.
+// Every function is called with the interpreter's lock held, releases it
+// where the core may block, and reports an error as a Python exception set
+// (the same translation _core's bindings make) and a false/empty result:
+// no C++ exception crosses between the modules.
+#pragma once
+#include <Python.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "ebbtide/cache/tensor_cache.hpp"
+
+namespace ebbtide::py {
+
+struct GlueApi {
+  static constexpr uint32_t kVersion = 1;
+  uint32_t version = kVersion;
+  uint32_t size = sizeof(GlueApi);
+  // The core of a CacheCore object; nullptr and TypeError otherwise.
+  cache::TensorCache* (*core_of)(PyObject* obj);
+  // A Python object as a glue object of the core (Note [Glue objects]); a
+  // reference is taken.
+  cache::GlueObj (*glue_obj)(PyObject* obj);
+  bool (*save)(cache::TensorCache* c, cache::SaveRequest& r, cache::SaveResult* out);
+  bool (*unpack)(cache::TensorCache* c, cache::EntryId id, uintptr_t stream, int64_t task, bool have_original,
+                 void* into, cache::Unpacked* out);
+  // Returns 1 when the entry is gone, 0 when not, -1 on error.
+  int (*release_handle)(cache::TensorCache* c, cache::HandleId handle, cache::EntryId id);
+  bool (*start_loads)(cache::TensorCache* c, const std::vector<cache::EntryId>& ids, uintptr_t stream);
+  bool (*reuse)(cache::TensorCache* c, cache::EntryId id);
+  bool (*hold_live)(cache::TensorCache* c, cache::EntryId id, PyObject* live);
+  // The exception type the core's StateError becomes (closed cache, unknown entry).
+  PyObject* state_error;
+};
+
+
+}  // namespace ebbtide::py

@@ -1,0 +1,672 @@
+// ebbtide._torch: the tensor cache's saved-tensor hooks, in C++ against libtorch.
+//
+// Note [Hooks in C++]
+// Autograd calls the pack hook for every tensor a forward saves and the
+// unpack hook for every use in backward, on the training thread; on a GPU that
+// time delays kernel launches. Written in Python, eligibility, storage
+// identity, the bookkeeping and the handle cost several times what identity
+// hooks do (bench/pack_overhead.py). Here they are one C++ call each: the
+// checks read the at::Tensor directly, host entries go to the core through
+// the table of Note [Two modules] (glue_api.hpp), and reloads are allocated
+// with ATen. The glue (python/ebbtide/cache.py) keeps what is per block or
+// per step (module hooks, plans, stats, CUDA streams) and tells the hooks what
+// they need (device, scope, micro-batch, parameters, placement).
+// Three cases take the glue's Python path, which keeps its books here too
+// (keep(), note_plan(), handle()), so there is one set of books whichever
+// path a tensor took: the first tensor of a cache whose device is not known
+// yet and CUDA tensors without the driver shim (`_pack`), and the unpack of a
+// CUDA cache's entries (`_reload`: reload buffers from torch's allocator on
+// the compute stream, record_stream).
+// Everything here runs with the interpreter's lock held, which guards the
+// state; the core's table releases it where the core may block.
+#include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "glue_api.hpp"
+
+namespace nb = nanobind;
+using namespace ebbtide::cache;
+using ebbtide::py::GlueApi;
+
+namespace {
+
+constexpr int kDeviceUnknown = -2;
+constexpr int kDeviceCpu = -1;
+
+const GlueApi* g_api = nullptr;
+
+// The storage's identity, as Python's untyped_storage()._cdata.
+uint64_t storage_key(const at::TensorBase& t) {
+  return reinterpret_cast<uint64_t>(t.storage().unsafeGetStorageImpl());
+}
+
+bool functorch_wrapped(const at::Tensor& t) {
+  static const c10::DispatchKeySet wrapped({c10::DispatchKey::FuncTorchGradWrapper,
+                                            c10::DispatchKey::FuncTorchBatched});
+  return !(t.unsafeGetTensorImpl()->key_set() & wrapped).empty();
+}
+
+nb::object wrap(const at::TensorBase& t) { return nb::steal(THPVariable_Wrap(t)); }
+
+// The error Python's glue raises for a saved tensor changed in place (the
+// message autograd gives); made there so both paths word it alike.
+[[noreturn]] void raise_version_error(const at::Tensor& t, uint64_t saved) {
+  nb::module_::import_("ebbtide.cache").attr("_check_version")(
+      nb::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()))),
+      nb::cast(std::vector<int64_t>(t.sizes().begin(), t.sizes().end())), saved, t._version());
+  throw nb::python_error();  // _check_version always raises on a mismatch
+}
+
+[[noreturn]] void raise_runtime(const char* msg) {
+  PyErr_SetString(PyExc_RuntimeError, msg);
+  throw nb::python_error();
+}
+
+// Candidate::orig: a weak reference to the saved storage. Its unpack uses
+// the original when the storage is still alive (Note [Originals still alive]).
+struct StorageRef {
+  c10::weak_intrusive_ptr<c10::StorageImpl> ref;
+  bool expired() const { return ref.expired(); }
+};
+
+struct Hooks;
+
+// Counts of resident saves the core never sees (Note [Kept tensors]).
+struct KeptCounts {
+  uint64_t saved = 0, fresh = 0, deduped = 0, bytes = 0, peak = 0;
+  void fold(const KeptCounts& s) {
+    saved += s.saved;
+    fresh += s.fresh;
+    deduped += s.deduped;
+    bytes += s.bytes;
+    peak = std::max(peak, s.peak);
+  }
+  nb::tuple py() const { return nb::make_tuple(saved, fresh, deduped, bytes, peak); }
+};
+
+// What autograd keeps for a saved tensor that stays resident: the tensor and
+// its version at pack. Listed while its step runs (Note [Kept cycles]).
+struct Kept {
+  nb::object glue;   // the TensorCache
+  nb::object hooks;  // its Hooks; None once counted out (aborted step)
+  nb::object t;      // None once its step was aborted
+  uint64_t version = 0;
+  uint64_t key = 0;
+  uint64_t nbytes = 0;
+  Kept* prev = nullptr;
+  Kept* next = nullptr;
+  bool listed = false;
+  Kept() = default;
+  Kept(const Kept&) = delete;
+  ~Kept();
+};
+
+// What autograd keeps for an entry of the core.
+struct Handle {
+  nb::object glue;   // the TensorCache: alive while autograd holds this
+  nb::object hooks;  // its Hooks
+  EntryId eid = 0;
+  HandleId hid = 0;
+  at::ScalarType dtype = at::kByte;
+  c10::SmallVector<int64_t, 5> sizes, strides;
+  int64_t offset = 0;
+  uint64_t version = 0;
+  // The saved tensor, while something outside autograd keeps it (Note
+  // [Originals still alive]). A weak reference to the TensorImpl, not to
+  // the Python object: it costs no object the garbage collector tracks.
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> tref{c10::intrusive_ptr<c10::TensorImpl,
+                                                                          c10::UndefinedTensorImpl>()};
+  // The saved tensor if it is still alive with the storage it was saved from.
+  std::optional<at::Tensor> original() const {
+    auto p = tref.lock();
+    if (!p || !p->has_storage() || reinterpret_cast<uint64_t>(p->storage().unsafeGetStorageImpl()) != key)
+      return std::nullopt;
+    return at::Tensor(std::move(p));
+  }
+  uint64_t key = 0;
+  uint64_t nbytes = 0;
+  bool whole = false;  // the tensor is its whole storage, contiguous
+  Handle() = default;
+  Handle(const Handle&) = delete;
+  ~Handle();
+};
+
+struct PlanRow {
+  bool offload = true;
+  int tier = -1;
+  uint64_t tensors = 0, bytes = 0, bytes_offloaded = 0;
+};
+
+struct Hooks {
+  nb::object glue_ref;  // weakref.ref to the TensorCache (it holds us)
+  nb::object core_obj;
+  TensorCache* core = nullptr;
+  // Told by the glue.
+  int device = kDeviceUnknown;  // -1 host, >= 0 CUDA ordinal
+  bool cuda_ok = false;          // the core has the CUDA driver shim
+  bool closed = false;
+  bool close_pending = false;
+  uint64_t min_bytes = 0;
+  uint64_t inline_bytes = 0;
+  int fwd_mb = 0;
+  int64_t scope = -1;
+  std::unordered_set<uint64_t> params;
+  bool placement_valid = false;
+  bool place_offload = true;
+  int place_tier = -1;
+  bool warned_store = false;
+  // Note [Kept tensors]
+  std::unordered_map<uint64_t, std::unordered_map<uint64_t, uint64_t>> kept_refs;  // key -> version -> handles
+  uint64_t kept_live = 0;
+  uint64_t unflushed = 0;  // CUDA kept bytes not yet told to the core (note_kept)
+  KeptCounts step, total;
+  Kept* listed = nullptr;  // this step's kept handles
+  std::map<int64_t, PlanRow> plan;
+
+  nb::object glue() const {
+    nb::object g = glue_ref();
+    if (g.is_none()) raise_runtime("ebbtide.TensorCache: the cache object is gone");
+    return g;
+  }
+
+  // ------------------------------------------------------------ bookkeeping
+  void note_plan(uint64_t nbytes, bool offloaded, bool offload, int tier) {
+    auto [it, fresh] = plan.try_emplace(scope);
+    PlanRow& p = it->second;
+    if (fresh) {
+      p.offload = offload;
+      p.tier = tier;
+    }
+    p.tensors += 1;
+    p.bytes += nbytes;
+    if (offloaded) p.bytes_offloaded += nbytes;
+  }
+
+  void placement() {
+    if (placement_valid) return;
+    nb::tuple pl = nb::cast<nb::tuple>(glue().attr("_scope_placement")());
+    place_offload = nb::cast<std::string>(pl[0]) == "offload";
+    place_tier = nb::cast<int>(pl[1]);
+    placement_valid = true;
+  }
+
+  void link(Kept* k) {
+    k->next = listed;
+    if (listed) listed->prev = k;
+    listed = k;
+    k->listed = true;
+  }
+
+  void unlink(Kept* k) {
+    if (!k->listed) return;
+    if (k->prev) k->prev->next = k->next;
+    else listed = k->next;
+    if (k->next) k->next->prev = k->prev;
+    k->prev = k->next = nullptr;
+    k->listed = false;
+  }
+
+  void kept_gone(uint64_t key, uint64_t version, uint64_t nbytes) {
+    auto it = kept_refs.find(key);
+    if (it == kept_refs.end()) return;
+    auto v = it->second.find(version);
+    if (v == it->second.end()) return;
+    if (--v->second == 0) {
+      it->second.erase(v);
+      if (it->second.empty()) kept_refs.erase(it);
+      kept_live -= nbytes;
+    }
+  }
+
+  // A handle instance made in place (no copy, no Python call), tied to this
+  // cache: it keeps the TensorCache and these hooks alive.
+  template <class H>
+  std::pair<nb::object, H*> new_handle(nb::handle self) {
+    nb::object h = nb::inst_alloc(nb::type<H>());
+    H* p = nb::inst_ptr<H>(h);
+    new (p) H();
+    nb::inst_mark_ready(h);
+    p->glue = glue();
+    p->hooks = nb::borrow(self);
+    return {std::move(h), p};
+  }
+
+  nb::object keep(nb::handle self, PyObject* obj, const at::Tensor& t, uint64_t key, uint64_t nbytes, bool offload,
+                  int tier) {
+    uint64_t version = t._version();
+    step.saved += 1;
+    uint64_t& n = kept_refs[key][version];
+    if (n++ == 0) {
+      step.fresh += 1;
+      step.bytes += nbytes;
+      kept_live += nbytes;
+      step.peak = std::max(step.peak, kept_live);
+      note_plan(nbytes, false, offload, tier);
+      if (t.is_cuda()) unflushed += nbytes;
+    } else {
+      step.deduped += 1;
+    }
+    auto [h, k] = new_handle<Kept>(self);
+    k->t = nb::borrow(obj);
+    k->version = version;
+    k->key = key;
+    k->nbytes = nbytes;
+    link(k);
+    return h;
+  }
+
+  nb::object make_handle(nb::handle self, PyObject* obj, const at::Tensor& t, EntryId eid, HandleId hid,
+                         uint64_t version, uint64_t key, uint64_t nbytes) {
+    auto [h, p] = new_handle<Handle>(self);
+    p->eid = eid;
+    p->hid = hid;
+    p->dtype = t.scalar_type();
+    p->sizes.assign(t.sizes().begin(), t.sizes().end());
+    p->strides.assign(t.strides().begin(), t.strides().end());
+    p->offset = t.storage_offset();
+    p->version = version;
+    p->tref = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr());
+    p->key = key;
+    p->nbytes = nbytes;
+    p->whole = p->offset == 0 && t.is_contiguous() &&
+               static_cast<uint64_t>(t.numel()) * t.element_size() == nbytes;
+    return h;
+  }
+
+  // Completions that came back with a call: a tensor written in place while
+  // its store ran goes back to the core (Note [Torn snapshots]); a failed
+  // store is said once.
+  void ack(std::vector<Completion>& done) {
+    for (auto& c : done) {
+      if (c.ok) {
+        auto* live = static_cast<PyObject*>(c.live.get());
+        if (live && THPVariable_Check(live) && THPVariable_Unpack(live)._version() != c.version) {
+          if (!g_api->hold_live(core, c.id, live)) throw nb::python_error();
+        }
+      } else if (!warned_store) {
+        warned_store = true;
+        if (PyErr_WarnEx(PyExc_RuntimeWarning,
+                         "ebbtide: storing an activation failed (disk full or I/O error); the rest of this "
+                         "step's activations stay in memory",
+                         1) < 0)
+          throw nb::python_error();
+      }
+    }
+    done.clear();
+  }
+
+  void prefetch(std::vector<Candidate>& cands, uintptr_t stream) {
+    std::vector<EntryId> ids;
+    for (auto& c : cands) {
+      auto* orig = static_cast<PyObject*>(c.orig.get());
+      StorageRef* r = nullptr;
+      if (orig && nb::try_cast<StorageRef*>(nb::handle(orig), r) && r && !r->expired()) {
+        if (!g_api->reuse(core, c.id)) throw nb::python_error();
+        continue;
+      }
+      ids.push_back(c.id);
+    }
+    cands.clear();
+    if (!ids.empty() && !g_api->start_loads(core, ids, stream)) PyErr_Clear();  // unpack loads on demand
+  }
+
+  // --------------------------------------------------------------- the hooks
+  bool base_is_param(const at::TensorBase& t) const {
+    // Note [What is never offloaded]: a view of a parameter, recorded or not.
+    at::TensorBase b = t._base();
+    for (int i = 0; i < 8; ++i) {
+      nb::object bo = wrap(b);
+      if (Py_TYPE(bo.ptr()) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) {
+        int is = PyObject_IsInstance(bo.ptr(), ParameterClass);
+        if (is != 0) {
+          PyErr_Clear();
+          return true;
+        }
+      }
+      if (!b.has_storage() || params.count(storage_key(b))) return true;
+      if (!b.is_view()) return false;
+      b = b._base();
+    }
+    return true;
+  }
+
+  nb::object pack(nb::handle self, nb::handle th) {
+    PyObject* obj = th.ptr();
+    if (closed || Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(THPVariableClass) ||
+        torch::autograd::get_current_graph_task_id() != -1)
+      return nb::borrow(th);
+    // Note [Hooks in C++]: a cache whose device is not known yet, or whose
+    // CUDA tensors stay resident (no driver shim: the glue warns), takes the
+    // Python path.
+    if (device == kDeviceUnknown || (device >= 0 && !cuda_ok)) return glue().attr("_pack")(th);
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (device == kDeviceCpu ? !t.is_cpu() : !t.is_cuda() || t.get_device() != device) return nb::borrow(th);
+    if (t.layout() != at::kStrided || t.is_quantized() || t.is_nested() || t.is_conj() ||
+        t.is_neg() || functorch_wrapped(t) || !t.has_storage())
+      return nb::borrow(th);
+    uint64_t key = storage_key(t);
+    if (params.count(key) || (t.is_view() && base_is_param(t))) return nb::borrow(th);
+    uint64_t nbytes = t.storage().nbytes();
+    if (nbytes == 0) return nb::borrow(th);
+    placement();
+    if (nbytes < min_bytes || !place_offload) return keep(self, obj, t, key, nbytes, place_offload, place_tier);
+    uint64_t version = t._version();
+    SaveRequest r;
+    r.key = key;
+    r.version = version;
+    r.ptr = t.storage().data();
+    r.nbytes = nbytes;
+    r.device = device;
+    if (device >= 0) {
+      // The copy is ordered after the stream that produced the tensor: the current one.
+      c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+      r.stream = reinterpret_cast<uintptr_t>(guard.getStream(t.device()).native_handle());
+    }
+    r.microbatch = fwd_mb;
+    r.offload = true;
+    r.tier = place_tier;
+    r.live = g_api->glue_obj(obj);
+    nb::object sref = nb::cast(StorageRef{t.storage().getWeakStorageImpl()});
+    r.orig = g_api->glue_obj(sref.ptr());
+    SaveResult res;
+    if (!g_api->save(core, r, &res)) {
+      if (closed && PyErr_ExceptionMatches(g_api->state_error)) {  // closed meanwhile: autograd keeps it
+        PyErr_Clear();
+        return nb::borrow(th);
+      }
+      throw nb::python_error();
+    }
+    ack(res.done);
+    if (res.is_new) note_plan(nbytes, res.offloaded, true, place_tier);
+    return make_handle(self, obj, t, res.id, res.handle, version, key, nbytes);
+  }
+
+  // A reload's tensor: the saved shape and strides over `storage`.
+  static at::Tensor view(const Handle& h, const c10::Storage& storage, const at::TensorOptions& opts) {
+    at::Tensor out = at::empty({0}, opts.dtype(h.dtype));
+    out.set_(storage, h.offset, h.sizes, h.strides);
+    return out;
+  }
+
+  bool core_unpack(const Handle& h, uintptr_t stream, int64_t task, bool have_original, void* into, Unpacked* u) {
+    if (g_api->unpack(core, h.eid, stream, task, have_original, into, u)) return true;
+    if (PyErr_ExceptionMatches(g_api->state_error)) {
+      PyErr_Clear();
+      raise_runtime(closed ? "ebbtide.TensorCache: a saved tensor was unpacked after the cache was closed"
+                           : "ebbtide.TensorCache: a saved tensor was unpacked after its step was aborted (the "
+                             "step raised) or the cache released it");
+    }
+    throw nb::python_error();
+  }
+
+  // Note [One call per unpack] (tensor_cache.cpp), for host entries.
+  nb::object reload(nb::handle hobj, Handle& h) {
+    if (closed) raise_runtime("ebbtide.TensorCache: a saved tensor was unpacked after the cache was closed");
+    if (device != kDeviceCpu) return glue().attr("_reload")(hobj);
+    std::optional<at::Tensor> orig = h.original();
+    if (orig && static_cast<uint64_t>(orig->_version()) != h.version)
+      raise_version_error(*orig, h.version);  // Note [Originals still alive]: no reload, and a change is caught
+    int64_t task = torch::autograd::get_current_graph_task_id();
+    Unpacked u;
+    if (!orig && h.nbytes <= inline_bytes) {
+      // Note [Host copies on the caller]: straight into a tensor of the saved shape.
+      at::Tensor out = h.whole ? at::empty(h.sizes, at::TensorOptions().dtype(h.dtype))
+                               : at::empty({static_cast<int64_t>(h.nbytes)}, at::TensorOptions().dtype(at::kByte));
+      core_unpack(h, 0, task, false, out.data_ptr(), &u);
+      finish_call(u);
+      if (u.kind == Unpacked::Kind::kBuffer && !u.obj)
+        return h.whole ? wrap(out) : wrap(view(h, out.storage(), out.options()));
+    } else {
+      core_unpack(h, 0, task, orig.has_value(), nullptr, &u);
+      finish_call(u);
+    }
+    if (u.kind == Unpacked::Kind::kLive) {
+      if (orig) return wrap(*orig);
+      auto* live = static_cast<PyObject*>(u.obj.get());
+      if (!live || !THPVariable_Check(live)) raise_runtime("ebbtide.TensorCache: the core answered without a tensor");
+      const at::Tensor& t = THPVariable_Unpack(live);
+      if (static_cast<uint64_t>(t._version()) != h.version) raise_version_error(t, h.version);
+      return wrap(view(h, t.storage(), t.options()));
+    }
+    if (u.kind != Unpacked::Kind::kBuffer || !u.host_buffer)
+      raise_runtime("ebbtide.TensorCache: no reload buffer for a host entry");
+    // The pool buffer lives as long as the storage made over it.
+    auto* owner = new GlueObj(std::move(u.obj));
+    at::Tensor buf = at::from_blob(
+        u.data, {static_cast<int64_t>(u.nbytes)}, [owner](void*) { delete owner; },
+        at::TensorOptions().dtype(at::kByte));
+    return wrap(view(h, buf.storage(), buf.options()));
+  }
+
+  void finish_call(Unpacked& u) {
+    if (!u.done.empty()) ack(u.done);
+    if (!u.prefetch.empty()) prefetch(u.prefetch, 0);
+  }
+
+  nb::object unpack(nb::handle hobj) {
+    PyTypeObject* tp = Py_TYPE(hobj.ptr());
+    if (tp == reinterpret_cast<PyTypeObject*>(nb::type<Kept>().ptr())) {
+      Kept* k = nb::inst_ptr<Kept>(hobj);
+      if (k->t.is_none())
+        raise_runtime("ebbtide.TensorCache: a saved tensor was unpacked after its step was aborted (the step "
+                      "raised)");
+      const at::Tensor& t = THPVariable_Unpack(k->t.ptr());
+      if (static_cast<uint64_t>(t._version()) != k->version) raise_version_error(t, k->version);
+      return k->t;
+    }
+    if (tp == reinterpret_cast<PyTypeObject*>(nb::type<Handle>().ptr())) {
+      Handle* h = nb::inst_ptr<Handle>(hobj);
+      return nb::cast<Hooks&>(h->hooks).reload(hobj, *h);
+    }
+    return nb::borrow(hobj);
+  }
+
+  // ------------------------------------------------------------------ steps
+  void begin_step() {
+    step = KeptCounts{};
+    step.peak = kept_live;
+    unflushed = 0;
+    unlist_all();
+    plan.clear();
+    placement_valid = false;
+  }
+
+  void unlist_all() {
+    while (listed) unlink(listed);
+  }
+
+  // Note [Kept cycles] (cache.py): the step's surviving kept handles hold
+  // detached tensors from now on.
+  // Dropping a tensor may free a graph and with it kept handles, this list's
+  // included, so the old tensors go only once the walk is over.
+  void detach_kept() {
+    std::vector<nb::object> old;
+    for (Kept* k = listed; k; k = k->next) {
+      if (k->t.is_none()) continue;
+      nb::object d = wrap(THPVariable_Unpack(k->t.ptr()).detach());
+      old.push_back(std::exchange(k->t, std::move(d)));
+    }
+    unlist_all();
+  }
+
+  // A failed step: its kept handles let go of their tensors (unpacking one raises).
+  void abort_kept() {
+    std::vector<nb::object> old;
+    while (Kept* k = listed) {
+      unlink(k);
+      kept_gone(k->key, k->version, k->nbytes);
+      old.push_back(std::exchange(k->hooks, nb::none()));
+      old.push_back(std::exchange(k->t, nb::none()));
+    }
+  }
+};
+
+Kept::~Kept() {
+  if (!hooks.is_valid() || hooks.is_none()) return;
+  Hooks& s = nb::cast<Hooks&>(hooks);
+  s.unlink(this);
+  s.kept_gone(key, version, nbytes);
+}
+
+Handle::~Handle() {
+  if (!hooks.is_valid()) return;
+  Hooks& s = nb::cast<Hooks&>(hooks);
+  if (s.closed) return;
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);  // a handle may die while an exception is being raised
+  int gone = g_api->release_handle(s.core, hid, eid);
+  if (gone < 0) PyErr_Clear();
+  if (gone == 1 && s.close_pending) {
+    // Note [Lifetime after the block] (cache.py).
+    PyObject* r = PyObject_CallMethod(glue.ptr(), "_entry_gone", nullptr);
+    if (r) Py_DECREF(r);
+    else PyErr_Clear();
+  }
+  PyErr_Restore(type, value, tb);
+}
+
+at::Tensor tensor_arg(nb::handle t) {
+  if (!THPVariable_Check(t.ptr())) throw nb::type_error("ebbtide._torch: expected a torch.Tensor");
+  return THPVariable_Unpack(t.ptr());
+}
+
+nb::tuple int_tuple(c10::ArrayRef<int64_t> v) {
+  nb::list l;
+  for (int64_t x : v) l.append(x);
+  return nb::tuple(l);
+}
+
+}  // namespace
+
+NB_MODULE(_torch, m) {
+  nb::module_ core_mod = nb::module_::import_("ebbtide._core");
+  nb::capsule cap = nb::cast<nb::capsule>(core_mod.attr("_glue_api"));
+  g_api = static_cast<const GlueApi*>(PyCapsule_GetPointer(cap.ptr(), "ebbtide._core._glue_api"));
+  if (!g_api) throw nb::python_error();
+  if (g_api->version != GlueApi::kVersion || g_api->size != sizeof(GlueApi))
+    throw std::runtime_error("ebbtide._torch was built for another ebbtide._core (rebuild both)");
+
+  nb::class_<StorageRef>(m, "StorageRef", "A weak reference to a saved tensor's storage.")
+      .def("expired", &StorageRef::expired);
+
+  nb::class_<Kept>(m, "KeptHandle", "A saved tensor kept resident (Note [Kept tensors]).")
+      .def_prop_ro("t", [](const Kept& k) { return k.t; })
+      .def_ro("version", &Kept::version)
+      .def_ro("nbytes", &Kept::nbytes);
+
+  nb::class_<Handle>(m, "Handle", "What autograd keeps for an entry of the tensor cache.")
+      .def_prop_ro("cache", [](const Handle& h) { return h.glue; })
+      .def_ro("eid", &Handle::eid)
+      .def_ro("hid", &Handle::hid)
+      .def_prop_ro("dtype", [](const Handle& h) {
+        return nb::borrow(reinterpret_cast<PyObject*>(torch::getTHPDtype(h.dtype)));
+      })
+      .def_prop_ro("shape", [](const Handle& h) { return int_tuple(h.sizes); })
+      .def_prop_ro("stride", [](const Handle& h) { return int_tuple(h.strides); })
+      .def_ro("offset", &Handle::offset)
+      .def_ro("version", &Handle::version)
+      .def("original", [](const Handle& h) -> nb::object {
+        auto t = h.original();
+        return t ? wrap(*t) : nb::none();
+      }, "The saved tensor while it is alive outside autograd with its storage, else None.")
+      .def_ro("key", &Handle::key)
+      .def_ro("nbytes", &Handle::nbytes)
+      .def_ro("whole", &Handle::whole);
+
+  nb::class_<Hooks>(m, "Hooks", "The tensor cache's saved-tensor hooks (Note [Hooks in C++]).")
+      .def("__init__",
+           [](Hooks* self, nb::handle glue, nb::handle core, uint64_t inline_bytes) {
+             new (self) Hooks();
+             self->glue_ref = nb::module_::import_("weakref").attr("ref")(glue);
+             self->core = g_api->core_of(core.ptr());
+             if (!self->core) throw nb::python_error();
+             self->core_obj = nb::borrow(core);
+             self->inline_bytes = inline_bytes;
+           },
+           nb::arg("glue"), nb::arg("core"), nb::arg("inline_bytes"))
+      .def("pack", [](nb::handle self, nb::handle t) { return nb::cast<Hooks&>(self).pack(self, t); })
+      .def("unpack", [](Hooks& s, nb::handle h) { return s.unpack(h); })
+      .def_rw("closed", &Hooks::closed)
+      .def_rw("close_pending", &Hooks::close_pending)
+      .def_rw("min_bytes", &Hooks::min_bytes)
+      .def_rw("fwd_mb", &Hooks::fwd_mb)
+      .def_rw("scope", &Hooks::scope)
+      .def_rw("device", &Hooks::device)
+      .def_rw("cuda_ok", &Hooks::cuda_ok)
+      .def_rw("warned_store", &Hooks::warned_store)
+      .def_ro("kept_live", &Hooks::kept_live)
+      .def_prop_ro("kept_storages",
+                   [](const Hooks& s) {
+                     size_t n = 0;
+                     for (const auto& [key, versions] : s.kept_refs) n += versions.size();
+                     return n;
+                   },
+                   "Storage versions kept tensors hold now.")
+      .def("set_params", [](Hooks& s, const std::vector<uint64_t>& keys) {
+        s.params = std::unordered_set<uint64_t>(keys.begin(), keys.end());
+      })
+      .def("invalidate_placement", [](Hooks& s) { s.placement_valid = false; })
+      .def("keep",
+           [](nb::handle self, nb::handle t, uint64_t nbytes, bool offload, int tier) {
+             const at::Tensor& x = tensor_arg(t);
+             return nb::cast<Hooks&>(self).keep(self, t.ptr(), x, storage_key(x), nbytes, offload, tier);
+           },
+           nb::arg("t"), nb::arg("nbytes"), nb::arg("offload"), nb::arg("tier"),
+           "Note [Kept tensors]: the handle of a save that stays resident (the glue's Python path).")
+      .def("handle",
+           [](nb::handle self, nb::handle t, EntryId eid, HandleId hid, uint64_t version, uint64_t key,
+              uint64_t nbytes) {
+             return nb::cast<Hooks&>(self).make_handle(self, t.ptr(), tensor_arg(t), eid, hid, version, key, nbytes);
+           },
+           nb::arg("t"), nb::arg("eid"), nb::arg("hid"), nb::arg("version"), nb::arg("key"), nb::arg("nbytes"))
+      .def("storage_ref",
+           [](Hooks&, nb::handle t) { return StorageRef{tensor_arg(t).storage().getWeakStorageImpl()}; }, nb::arg("t"))
+      .def("note_plan", &Hooks::note_plan, nb::arg("nbytes"), nb::arg("offloaded"), nb::arg("offload"),
+           nb::arg("tier"))
+      .def("ack",
+           [](Hooks& s, nb::handle done) {
+             std::vector<Completion> v;
+             for (nb::handle d : done) {
+               nb::tuple c = nb::borrow<nb::tuple>(d);
+               Completion x;
+               x.id = nb::cast<EntryId>(c[0]);
+               x.ok = nb::cast<bool>(c[1]);
+               if (!c[2].is_none()) x.live = g_api->glue_obj(c[2].ptr());
+               x.version = nb::cast<uint64_t>(c[3]);
+               v.push_back(std::move(x));
+             }
+             s.ack(v);
+           },
+           nb::arg("done"), "Completions from the core's poll(): (id, ok, live tensor, saved version).")
+      .def("take_unflushed", [](Hooks& s) { return std::exchange(s.unflushed, 0); })
+      .def("begin_step", &Hooks::begin_step)
+      .def("detach_kept", &Hooks::detach_kept)
+      .def("abort_kept", &Hooks::abort_kept)
+      .def("fold_step", [](Hooks& s) { s.total.fold(s.step); })
+      .def("kept_counts", [](const Hooks& s, bool total) { return (total ? s.total : s.step).py(); },
+           nb::arg("total"), "(saved, kept, deduped, bytes, peak) of the step or of all steps.")
+      .def("plan_rows",
+           [](const Hooks& s) {
+             nb::list out;
+             for (const auto& [scope, p] : s.plan)
+               out.append(nb::make_tuple(scope, p.offload, p.tier, p.tensors, p.bytes, p.bytes_offloaded));
+             return out;
+           },
+           "(scope, offload, tier, tensors, bytes, bytes_offloaded) per scope of the step, in scope order.");
+}
