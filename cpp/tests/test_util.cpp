@@ -12,6 +12,7 @@
 #include "ebbtide/util/crc32c.hpp"
 #include "ebbtide/util/detail/crc32c_testing.hpp"
 #include "ebbtide/util/error.hpp"
+#include "ebbtide/util/log.hpp"
 #include "test_utils.hpp"
 
 namespace ebbtide {
@@ -91,6 +92,25 @@ TEST(Config, ArgumentsAreCheckedAgainstTheSameRow) {
   EXPECT_EQ(std::get<double>(config::check_argument("EBBTIDE_MAX_WRITE_MBPS", V(int64_t{300}), "m")), 300.0);
   EXPECT_THROW(config::check_argument("EBBTIDE_MAX_WRITE_MBPS", V(-1.0), "m"), InvalidArgument);
   EXPECT_THROW(config::check_argument("EBBTIDE_IO_BACKEND", V(std::string("spdk")), "backend"), InvalidArgument);
+}
+
+TEST(Log, LevelsAreTheChoicesOfTheSettingsRow) {
+  using ebbtide::log::Level;
+  using ebbtide::log::parse_level;
+  EXPECT_EQ(parse_level("error", "t"), Level::kError);
+  EXPECT_EQ(parse_level("warn", "t"), Level::kWarn);
+  EXPECT_EQ(parse_level("warning", "t"), Level::kWarn);
+  EXPECT_EQ(parse_level("info", "t"), Level::kInfo);
+  EXPECT_EQ(parse_level("debug", "t"), Level::kDebug);
+  try {
+    parse_level("loud", "ebbtide.set_log_level");
+    FAIL() << "an unknown level was accepted";
+  } catch (const ebbtide::InvalidArgument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("ebbtide.set_log_level"), std::string::npos) << what;
+    EXPECT_NE(what.find("loud"), std::string::npos) << what;
+    EXPECT_NE(what.find("debug"), std::string::npos) << what;  // the valid choices are listed
+  }
 }
 
 TEST(Crc32c, KnownVectors) {

@@ -129,13 +129,8 @@ void ebbtide::py::bind_util(nb::module_& m) {
     return ebbtide::crc32c(data.c_str(), data.size(), crc);
   }, nb::arg("data"), nb::arg("crc") = 0);
   m.def("set_log_level", [](const std::string& level) {
-    using L = ebbtide::log::Level;
-    if (level == "error") ebbtide::log::set_level(L::kError);
-    else if (level == "warn" || level == "warning") ebbtide::log::set_level(L::kWarn);
-    else if (level == "info") ebbtide::log::set_level(L::kInfo);
-    else if (level == "debug") ebbtide::log::set_level(L::kDebug);
-    else throw ebbtide::InvalidArgument("log level '" + level + "' is not valid (valid: error, warn, info, debug)");
-  });
+    ebbtide::log::set_level(ebbtide::log::parse_level(level, "ebbtide.set_log_level"));
+  }, nb::arg("level"), "error, warn, info or debug (the choices of EBBTIDE_LOG_LEVEL).");
 
   nb::dict build;
 #ifdef EBBTIDE_HAVE_LIBURING

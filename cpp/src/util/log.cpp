@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <mutex>
 #include <unordered_set>
+#include <variant>
 
 #include "ebbtide/util/config.hpp"
 
@@ -17,12 +18,8 @@ struct State {
 };
 
 Level parse_env_level() {
-  auto v = config::env_choice("EBBTIDE_LOG_LEVEL");
-  if (!v) return Level::kWarn;
-  if (*v == "error") return Level::kError;
-  if (*v == "info") return Level::kInfo;
-  if (*v == "debug") return Level::kDebug;
-  return Level::kWarn;
+  auto v = config::env_choice("EBBTIDE_LOG_LEVEL");  // checked against the row's choices
+  return v ? parse_level(*v, "EBBTIDE_LOG_LEVEL") : Level::kWarn;
 }
 
 State& state() {
@@ -47,6 +44,16 @@ const char* level_name(Level l) {
 }  // namespace
 
 Level level() { return state().level; }
+
+Level parse_level(std::string_view name, std::string_view what) {
+  // The row's choices are the levels in order, most severe first.
+  const std::string v = std::get<std::string>(
+      config::check_argument("EBBTIDE_LOG_LEVEL", std::string(name == "warning" ? "warn" : name), what));
+  const auto& choices = config::setting("EBBTIDE_LOG_LEVEL").choices;
+  for (size_t i = 0; i < choices.size(); ++i)
+    if (choices[i] == v) return static_cast<Level>(i);
+  return Level::kWarn;
+}
 
 void set_level(Level level) {
   std::lock_guard lock(state().mu);

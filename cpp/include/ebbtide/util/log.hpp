@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <string>
+#include <string_view>
 
 #include "ebbtide/util/error.hpp"
 
@@ -14,6 +15,9 @@ enum class Level { kError = 0, kWarn = 1, kInfo = 2, kDebug = 3 };
 
 Level level();
 void set_level(Level level);
+// A level by name: a choice of the EBBTIDE_LOG_LEVEL row of the settings
+// table ("warning" too), else InvalidArgument naming `what` and the value.
+Level parse_level(std::string_view name, std::string_view what);
 void write(Level level, const std::string& msg);
 // Returns true the first time `key` is seen, and logs msg at kWarn then.
 bool warn_once(const std::string& key, const std::string& msg);
