@@ -1,9 +1,13 @@
-// make_store: which tiers each target name builds, the SSD write cap, bad targets.
+// make_store: which tiers each target name builds, the SSD write cap, bad targets;
+// the pool of idle stores (Note [Store pool]).
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "ebbtide/cache/store.hpp"
+#include "ebbtide/cache/store_pool.hpp"
 #include "ebbtide/util/error.hpp"
 #include "test_utils.hpp"
 
@@ -48,6 +52,38 @@ TEST(MakeStore, AutoPutsHostMemoryInFrontOnlyWithABudget) {
   auto both = make_store(s);
   EXPECT_TRUE(both->has_tier(kTierCpu));
   EXPECT_TRUE(both->has_tier(kTierSsd));
+}
+
+TEST(StorePool, AStoreGivenBackServesTheNextCacheOfTheSameSettingsOnly) {
+  release_pooled_stores();
+  test::TempDir dir;
+  StoreSpec s = spec("ssd", dir);
+  s.max_write_bps = 5e6;
+  std::function<void(std::unique_ptr<Store>)> give_back;
+  auto first = take_pooled_store(s, &give_back);
+  Store* raw = first.get();
+  first->set_write_limit(kTierSsd, 1e6);  // changed while in use: restored on return
+  give_back(std::move(first));
+  StoreSpec other = spec("cpu", dir);
+  std::function<void(std::unique_ptr<Store>)> give_other;
+  auto cpu = take_pooled_store(other, &give_other);
+  EXPECT_NE(cpu.get(), raw) << "another setting got the idle store";
+  std::function<void(std::unique_ptr<Store>)> give_again;
+  auto again = take_pooled_store(s, &give_again);
+  EXPECT_EQ(again.get(), raw) << "the idle store of the same settings was not reused";
+  EXPECT_DOUBLE_EQ(again->stats().tiers[kTierSsd].write_limit_bps, 5e6);
+  // A store that still holds blobs is not pooled.
+  std::vector<char> bytes(4096, 'x');
+  Location loc = again->put(Span{bytes.data(), bytes.size()});
+  give_again(std::move(again));
+  std::function<void(std::unique_ptr<Store>)> give_third;
+  auto third = take_pooled_store(s, &give_third);
+  EXPECT_EQ(third->stats().blobs, 0u);
+  (void)loc;
+  give_third(std::move(third));
+  give_other(std::move(cpu));
+  EXPECT_EQ(release_pooled_stores(), 2u);
+  EXPECT_EQ(release_pooled_stores(), 0u);
 }
 
 TEST(MakeStore, UnknownTargetNamesItAndTheValidOnes) {

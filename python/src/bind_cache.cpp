@@ -2,8 +2,6 @@
 // lives in python/ebbtide/cache.py; this only converts arguments and releases
 // the GIL where the core may block (release, wait, drain, close).
 #include <nanobind/ndarray.h>
-#include <deque>
-#include <mutex>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -13,6 +11,7 @@
 #include "bind.hpp"
 #include "glue_api.hpp"
 #include "ebbtide/cache/store.hpp"
+#include "ebbtide/cache/store_pool.hpp"
 #include "ebbtide/cache/tensor_cache.hpp"
 #include "ebbtide/io/engine.hpp"
 #include "ebbtide/util/error.hpp"
@@ -105,64 +104,6 @@ nb::object candidates_py(const std::vector<Candidate>& cands) {
   return out;
 }
 
-// Note [Store pool]
-// ebbtide.offload() makes a cache per step, as save_on_cpu is used; building
-// its store each time costs a slab file, its fallocate and the engine's
-// threads (tens of ms). Such caches borrow an idle store of the same settings
-// from this pool and give it back at close(), every entry's space freed, so
-// that after the first step entering and leaving costs well under a
-// millisecond. At most kPoolIdle idle stores are kept in all, the most
-// recently returned (their files and threads live on while idle:
-// ebbtide.release_pooled_stores() drops them). Never destroyed (leaked like
-// the CUDA shim): static destructors at exit would run after the
-// interpreter, in an unspecified order.
-constexpr size_t kPoolIdle = 2;
-struct StorePool {
-  std::mutex mu;
-  std::deque<std::pair<std::string, std::unique_ptr<Store>>> idle;  // oldest first
-};
-StorePool& store_pool() {
-  static auto* pool = new StorePool();
-  return *pool;
-}
-
-std::unique_ptr<Store> take_pooled(const std::string& key) {
-  auto& pool = store_pool();
-  std::lock_guard<std::mutex> lock(pool.mu);
-  for (auto it = pool.idle.rbegin(); it != pool.idle.rend(); ++it) {
-    if (it->first != key) continue;
-    auto store = std::move(it->second);
-    pool.idle.erase(std::next(it).base());
-    return store;
-  }
-  return nullptr;
-}
-
-void give_pooled(const std::string& key, double max_write_bps, std::unique_ptr<Store> store) {
-  if (store->stats().blobs != 0) return;  // not clean: destroyed here
-  if (store->has_tier(kTierSsd)) store->set_write_limit(kTierSsd, max_write_bps);
-  auto& pool = store_pool();
-  std::unique_ptr<Store> evicted;  // destroyed outside the lock (joins its threads)
-  {
-    std::lock_guard<std::mutex> lock(pool.mu);
-    pool.idle.emplace_back(key, std::move(store));
-    if (pool.idle.size() > kPoolIdle) {
-      evicted = std::move(pool.idle.front().second);
-      pool.idle.pop_front();
-    }
-  }
-}
-
-size_t release_pooled() {
-  auto& pool = store_pool();
-  std::deque<std::pair<std::string, std::unique_ptr<Store>>> drop;
-  {
-    std::lock_guard<std::mutex> lock(pool.mu);
-    drop.swap(pool.idle);
-  }
-  return drop.size();
-}
-
 // The table of Note [Two modules] (glue_api.hpp).
 template <class F>
 bool guarded(F&& f) noexcept {
@@ -234,7 +175,7 @@ void ebbtide::py::bind_cache(nb::module_& m) {
         nb::arg("err"), nb::arg("count") = 1);
   m.def("cache_clear_faults", &ebbtide::io::clear_faults);
   m.def("cuda_driver_available", [] { return cuda_driver(true) != nullptr; });
-  m.def("release_pooled_stores", &release_pooled, nb::call_guard<nb::gil_scoped_release>(),
+  m.def("release_pooled_stores", &release_pooled_stores, nb::call_guard<nb::gil_scoped_release>(),
         "Drops the idle stores kept for ebbtide.offload() (Note [Store pool]); returns how many.");
   m.attr("RELOAD_RESIDENT") = static_cast<int>(Reload::kResident);
   m.attr("RELOAD_FORWARD") = static_cast<int>(Reload::kForward);
@@ -253,24 +194,14 @@ void ebbtide::py::bind_cache(nb::module_& m) {
               uint64_t max_inflight_bytes, uint64_t host_budget_bytes, double max_write_bps, bool pooled,
               std::optional<uint64_t> device_inflight_bytes, std::optional<uint64_t> staging_bytes) {
              auto* drv = cuda_driver(cuda);
-             std::string key;
-             std::unique_ptr<Store> store;
-             if (pooled) {  // Note [Store pool]
-               key = ebbtide::detail::concat(target, '|', capacity_bytes, '|', host_budget_bytes, '|',
-                                             max_write_bps, '|', drv != nullptr);
-               for (const auto& p : paths) key += "|" + p;
-               store = take_pooled(key);
-             }
-             if (!store) store = make_store({target, paths, capacity_bytes, host_budget_bytes, max_write_bps, drv});
+             const StoreSpec spec{target, paths, capacity_bytes, host_budget_bytes, max_write_bps, drv};
              CacheOptions co;
+             // Note [Store pool] (cache/store_pool.cpp).
+             auto store = pooled ? take_pooled_store(spec, &co.return_store) : make_store(spec);
              co.prefetch_window_bytes = prefetch_window_bytes;
              co.workers = workers;
              co.max_inflight_bytes = max_inflight_bytes;
              co.driver = drv;
-             if (pooled)
-               co.return_store = [key, max_write_bps](std::unique_ptr<Store> st) {
-                 give_pooled(key, max_write_bps, std::move(st));
-               };
              if (device_inflight_bytes) co.device_inflight_bytes = *device_inflight_bytes;
              if (staging_bytes) co.staging_bytes = *staging_bytes;
              new (self) TensorCache(std::move(store), co);
