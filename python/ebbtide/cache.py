@@ -43,9 +43,6 @@ from ebbtide._adaptive import _CUDA_PREFETCH_MODULES, Adaptive, resolve_settings
 
 __all__ = ["TensorCache", "offload", "release_pooled_stores"]
 
-_U_LIVE = _core.UNPACK_LIVE
-_U_BUFFER = _core.UNPACK_BUFFER
-_U_NEED = _core.UNPACK_NEED_BUFFER
 _StateError = _core.StateError
 
 _DEFAULT_MIN_BYTES = 64 * 1024
@@ -728,110 +725,11 @@ class TensorCache:
         """Completions: (id, ok, live tensor the core stopped holding, saved version)."""
         self._native.ack(done)
 
-    @staticmethod
-    def _check_version(h, current):
-        _check_version(h.dtype, h.shape, h.version, current)
-
-    @staticmethod
-    def _view(h, storage, device, byte_off=0):
-        out = torch.empty(0, dtype=h.dtype, device=device)
-        itemsize = h.dtype.itemsize
-        if byte_off % itemsize:
-            raise RuntimeError(f"ebbtide.TensorCache: reload buffer offset {byte_off} is not a multiple of "
-                               f"the {h.dtype} element size")
-        out.set_(storage, h.offset + byte_off // itemsize, h.shape, h.stride)
-        return out
-
-    def _reload(self, h):
-        # The Python path of the unpack hook for the entries of a CUDA cache
-        # (Note [Hooks in C++]); Note [One call per unpack] (tensor_cache.cpp).
-        if self._closed:
-            raise RuntimeError("ebbtide.TensorCache: a saved tensor was unpacked after the cache was closed")
-        t = h.original()
-        if t is not None and t._version != h.version:
-            # Note [Originals still alive]: no reload, and an in-place change
-            # since the save is caught.
-            self._check_version(h, t._version)
-        task = _graph_task_id()
-        if self._device_is_cpu and t is None and h.nbytes <= self._inline_bytes:
-            # Note [Host copies on the caller]: a host-tier entry is copied
-            # straight into a tensor of the saved shape when it can be.
-            out = torch.empty(h.shape, dtype=h.dtype) if h.whole else torch.empty(h.nbytes, dtype=torch.uint8)
-            kind, obj, nbytes, buf_stream = self._unpack_core(h, 0, task, False, out.data_ptr())
-            if kind == _U_BUFFER and obj is None:
-                return out if h.whole else self._view(h, out.untyped_storage(), out.device)
-            stream = 0
-        else:
-            stream = self._stream()
-            kind, obj, nbytes, buf_stream = self._unpack_core(h, stream, task, t is not None)
-        if kind == _U_NEED:
-            # Note [Reload buffers]: allocated on the current (compute)
-            # stream, so the caching allocator never hands their memory to
-            # another stream before the compute stream's later work; the copy
-            # waits on an event recorded at start_load and the next unpack
-            # makes the compute stream wait on its end.
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-            self._core.start_load(h.eid, buf.data_ptr(), stream, buf)
-            del buf
-            kind, obj, nbytes, buf_stream = self._unpack_core(h, stream, task, False)
-        if kind == _U_LIVE:
-            if t is not None:
-                return t
-            if obj._version != h.version:
-                self._check_version(h, obj._version)
-            return self._view(h, obj.untyped_storage(), obj.device)
-        if kind != _U_BUFFER:
-            raise RuntimeError(f"ebbtide.TensorCache: no reload buffer for entry {h.eid}")
-        if obj.is_cuda and buf_stream != stream:
-            obj.record_stream(torch.cuda.current_stream(obj.device))
-        return self._view(h, obj.untyped_storage(), obj.device)
-
-    def _unpack_core(self, h, stream, task, have_original, into=0):
-        try:
-            kind, obj, nbytes, buf_stream, cands, done = self._core.unpack(h.eid, stream, task, have_original, into)
-        except _StateError:
-            if self._closed:
-                raise RuntimeError("ebbtide.TensorCache: a saved tensor was unpacked after the cache was "
-                                   "closed") from None
-            raise RuntimeError("ebbtide.TensorCache: a saved tensor was unpacked after its step was "
-                               "aborted (the step raised) or the cache released it") from None
-        if done is not None:
-            self._ack(done)
-        if cands is not None:
-            self._prefetch(cands, stream)
-        return kind, obj, nbytes, buf_stream
-
     def _stream(self):
         d = self._device
         if d is not None and d.type == "cuda":
             return torch.cuda.current_stream(d).cuda_stream
         return 0
-
-    def _prefetch(self, candidates, stream):
-        """Starts the loads of prefetch candidates (id, nbytes, (tensor ref, storage ref)); the core
-        allocates host buffers, device ones come from torch's allocator. Best effort."""
-        cuda = self._on_cuda()
-        ids = []
-        bufs = [] if cuda else None
-        for eid, nbytes, sref in candidates:
-            if sref is not None and not sref.expired():
-                # Its storage is still alive outside autograd: its unpack will
-                # use the original (Note [Originals still alive]): counted now,
-                # and the core offers it to no later prefetch of this step.
-                self._core.reuse(eid)
-                continue
-            if cuda:
-                try:
-                    buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-                except torch.OutOfMemoryError:
-                    break  # unpack loads on demand
-                bufs.append((buf.data_ptr(), buf))
-            ids.append(eid)
-        if ids:
-            try:
-                self._core.start_loads(ids, bufs, stream)
-            except (RuntimeError, OSError):
-                pass  # e.g. host memory exhausted: unpack loads on demand
 
     def _prefetch_scope(self, mb, scope):
         with self._lock:
@@ -841,9 +739,7 @@ class TensorCache:
                 # Note [Release points]: backward of the micro-batch begins.
                 self._core.release_copies(mb, _ALL_SCOPES, self._stream())
             self._poll_locked()
-            cands = self._core.prefetch_scope(mb, scope, _graph_task_id())
-            if cands is not None:
-                self._prefetch(cands, self._stream())
+            self._native.prefetch_scope(mb, scope, _graph_task_id())
 
     def _entry_gone(self):
         # A handle's entry went while a close waits for the last one (the

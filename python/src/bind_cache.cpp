@@ -150,13 +150,24 @@ ebbtide::py::GlueApi make_glue_api() {
     });
     return gone;
   };
-  a.start_loads = [](TensorCache* c, const std::vector<EntryId>& ids, uintptr_t stream) noexcept {
-    return guarded([&] {
+  a.start_loads = [](TensorCache* c, const std::vector<EntryId>& ids,
+                     const std::vector<std::pair<uintptr_t, PyObject*>>& buffers, uintptr_t stream) noexcept {
+    std::vector<std::pair<uintptr_t, GlueObj>> bufs;
+    for (const auto& [ptr, owner] : buffers) bufs.emplace_back(ptr, glue_obj(nb::handle(owner)));
+    bool ok = guarded([&] {
       nb::gil_scoped_release unlocked;
-      c->start_loads(ids, {}, stream);
+      c->start_loads(ids, bufs, stream);
     });
+    bufs.clear();  // the owners the core did not keep, dropped with the lock held
+    return ok;
+  };
+  a.start_load = [](TensorCache* c, EntryId id, void* dst, uintptr_t stream, PyObject* owner) noexcept {
+    return guarded([&] { c->start_load(id, dst, stream, glue_obj(nb::handle(owner))); });
   };
   a.reuse = [](TensorCache* c, EntryId id) noexcept { return guarded([&] { c->reuse(id); }); };
+  a.prefetch_scope = [](TensorCache* c, int mb, int64_t scope, int64_t task, std::vector<Candidate>* out) noexcept {
+    return guarded([&] { *out = c->prefetch_scope(mb, scope, task); });
+  };
   a.hold_live = [](TensorCache* c, EntryId id, PyObject* live) noexcept {
     return guarded([&] { c->hold_live(id, glue_obj(nb::handle(live))); });
   };

@@ -16,6 +16,7 @@
 #include <Python.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "ebbtide/cache/tensor_cache.hpp"
@@ -36,8 +37,13 @@ struct GlueApi {
                  void* into, cache::Unpacked* out);
   // Returns 1 when the entry is gone, 0 when not, -1 on error.
   int (*release_handle)(cache::TensorCache* c, cache::HandleId handle, cache::EntryId id);
-  bool (*start_loads)(cache::TensorCache* c, const std::vector<cache::EntryId>& ids, uintptr_t stream);
+  // Device entries load into `buffers` (address, owner), host ones into the core's.
+  bool (*start_loads)(cache::TensorCache* c, const std::vector<cache::EntryId>& ids,
+                      const std::vector<std::pair<uintptr_t, PyObject*>>& buffers, uintptr_t stream);
+  bool (*start_load)(cache::TensorCache* c, cache::EntryId id, void* dst, uintptr_t stream, PyObject* owner);
   bool (*reuse)(cache::TensorCache* c, cache::EntryId id);
+  bool (*prefetch_scope)(cache::TensorCache* c, int microbatch, int64_t scope, int64_t task,
+                         std::vector<cache::Candidate>* out);
   bool (*hold_live)(cache::TensorCache* c, cache::EntryId id, PyObject* live);
   // The exception type the core's StateError becomes (closed cache, unknown entry).
   PyObject* state_error;

@@ -11,12 +11,13 @@
 // with ATen. The glue (python/ebbtide/cache.py) keeps what is per block or
 // per step (module hooks, plans, stats, CUDA streams) and tells the hooks what
 // they need (device, scope, micro-batch, parameters, placement).
-// Three cases take the glue's Python path, which keeps its books here too
-// (keep(), note_plan(), handle()), so there is one set of books whichever
-// path a tensor took: the first tensor of a cache whose device is not known
-// yet and CUDA tensors without the driver shim (`_pack`), and the unpack of a
-// CUDA cache's entries (`_reload`: reload buffers from torch's allocator on
-// the compute stream, record_stream).
+// Two cases take the glue's Python pack (`_pack`), which keeps its books
+// here too (keep(), note_plan(), handle()), so there is one set of books
+// whichever path a tensor took: the first tensor of a cache whose device is
+// not known yet, and CUDA tensors without the driver shim (which the glue
+// warns about). On a GPU the hooks read the compute stream from c10's
+// virtual device guard and allocate reload buffers with ATen on it (Note
+// [Reload buffers]).
 // Everything here runs with the interpreter's lock held, which guards the
 // state; the core's table releases it where the core may block.
 #include <ATen/ATen.h>
@@ -311,19 +312,42 @@ struct Hooks {
     done.clear();
   }
 
+  // Starts the loads of prefetch candidates, best effort: host entries into
+  // the core's pool buffers, device entries into buffers from torch's
+  // allocator on the compute stream `stream` (Note [Reload buffers]).
   void prefetch(std::vector<Candidate>& cands, uintptr_t stream) {
     std::vector<EntryId> ids;
+    std::vector<nb::object> owners;
+    std::vector<std::pair<uintptr_t, PyObject*>> bufs;
     for (auto& c : cands) {
       auto* orig = static_cast<PyObject*>(c.orig.get());
       StorageRef* r = nullptr;
       if (orig && nb::try_cast<StorageRef*>(nb::handle(orig), r) && r && !r->expired()) {
+        // Its storage is still alive outside autograd: its unpack will use
+        // the original (Note [Originals still alive]): counted now, and the
+        // core offers it to no later prefetch of this step.
         if (!g_api->reuse(core, c.id)) throw nb::python_error();
         continue;
+      }
+      if (device >= 0) {
+        at::Tensor b;
+        try {
+          b = at::empty({static_cast<int64_t>(c.nbytes)}, device_bytes());
+        } catch (const c10::OutOfMemoryError&) {
+          break;  // unpack loads on demand
+        }
+        owners.push_back(wrap(b));
+        bufs.emplace_back(reinterpret_cast<uintptr_t>(b.data_ptr()), owners.back().ptr());
       }
       ids.push_back(c.id);
     }
     cands.clear();
-    if (!ids.empty() && !g_api->start_loads(core, ids, stream)) PyErr_Clear();  // unpack loads on demand
+    // e.g. host memory exhausted: unpack loads on demand
+    if (!ids.empty() && !g_api->start_loads(core, ids, bufs, stream)) PyErr_Clear();
+  }
+
+  at::TensorOptions device_bytes() const {
+    return at::TensorOptions().dtype(at::kByte).device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
   }
 
   // --------------------------------------------------------------- the hooks
@@ -404,8 +428,15 @@ struct Hooks {
     return out;
   }
 
-  bool core_unpack(const Handle& h, uintptr_t stream, int64_t task, bool have_original, void* into, Unpacked* u) {
-    if (g_api->unpack(core, h.eid, stream, task, have_original, into, u)) return true;
+  // One unpack() of the core; then its completions and its prefetch
+  // candidates (loads started on `compute`).
+  void core_unpack(const Handle& h, uintptr_t stream, int64_t task, bool have_original, void* into, Unpacked* u,
+                   uintptr_t compute) {
+    if (g_api->unpack(core, h.eid, stream, task, have_original, into, u)) {
+      if (!u->done.empty()) ack(u->done);
+      if (!u->prefetch.empty()) prefetch(u->prefetch, compute);
+      return;
+    }
     if (PyErr_ExceptionMatches(g_api->state_error)) {
       PyErr_Clear();
       raise_runtime(closed ? "ebbtide.TensorCache: a saved tensor was unpacked after the cache was closed"
@@ -416,25 +447,37 @@ struct Hooks {
   }
 
   // Note [One call per unpack] (tensor_cache.cpp), for host entries.
-  nb::object reload(nb::handle hobj, Handle& h) {
+  nb::object reload(Handle& h) {
     if (closed) raise_runtime("ebbtide.TensorCache: a saved tensor was unpacked after the cache was closed");
-    if (device != kDeviceCpu) return glue().attr("_reload")(hobj);
     std::optional<at::Tensor> orig = h.original();
     if (orig && static_cast<uint64_t>(orig->_version()) != h.version)
       raise_version_error(*orig, h.version);  // Note [Originals still alive]: no reload, and a change is caught
-    int64_t task = torch::autograd::get_current_graph_task_id();
+    const int64_t task = torch::autograd::get_current_graph_task_id();
+    const uintptr_t stream = device >= 0 ? compute_stream_handle() : 0;
     Unpacked u;
-    if (!orig && h.nbytes <= inline_bytes) {
+    if (device < 0 && !orig && h.nbytes <= inline_bytes) {
       // Note [Host copies on the caller]: straight into a tensor of the saved shape.
       at::Tensor out = h.whole ? at::empty(h.sizes, at::TensorOptions().dtype(h.dtype))
                                : at::empty({static_cast<int64_t>(h.nbytes)}, at::TensorOptions().dtype(at::kByte));
-      core_unpack(h, 0, task, false, out.data_ptr(), &u);
-      finish_call(u);
+      core_unpack(h, 0, task, false, out.data_ptr(), &u, stream);
       if (u.kind == Unpacked::Kind::kBuffer && !u.obj)
         return h.whole ? wrap(out) : wrap(view(h, out.storage(), out.options()));
     } else {
-      core_unpack(h, 0, task, orig.has_value(), nullptr, &u);
-      finish_call(u);
+      core_unpack(h, stream, task, orig.has_value(), nullptr, &u, stream);
+    }
+    if (u.kind == Unpacked::Kind::kNeedBuffer) {
+      // Note [Reload buffers]: allocated on the current (compute) stream, so
+      // the caching allocator never hands their memory to another stream
+      // before the compute stream's later work; the copy waits on an event
+      // recorded at start_load and the next unpack makes the compute stream
+      // wait on its end.
+      {
+        nb::object owner = wrap(at::empty({static_cast<int64_t>(u.nbytes)}, device_bytes()));
+        void* dst = THPVariable_Unpack(owner.ptr()).data_ptr();
+        if (!g_api->start_load(core, h.eid, dst, stream, owner.ptr())) throw nb::python_error();
+      }
+      u = Unpacked{};
+      core_unpack(h, stream, task, false, nullptr, &u, stream);
     }
     if (u.kind == Unpacked::Kind::kLive) {
       if (orig) return wrap(*orig);
@@ -444,9 +487,16 @@ struct Hooks {
       if (static_cast<uint64_t>(t._version()) != h.version) raise_version_error(t, h.version);
       return wrap(view(h, t.storage(), t.options()));
     }
-    if (u.kind != Unpacked::Kind::kBuffer || !u.host_buffer)
-      raise_runtime("ebbtide.TensorCache: no reload buffer for a host entry");
-    // The pool buffer lives as long as the storage made over it.
+    if (u.kind != Unpacked::Kind::kBuffer) raise_runtime("ebbtide.TensorCache: no reload buffer for an entry");
+    if (!u.host_buffer) {
+      // The glue's device buffer (start_load's owner).
+      auto* b = static_cast<PyObject*>(u.obj.get());
+      if (!b || !THPVariable_Check(b)) raise_runtime("ebbtide.TensorCache: the core answered without a buffer");
+      const at::Tensor& buf = THPVariable_Unpack(b);
+      if (buf.is_cuda() && u.buffer_stream != stream) buf.record_stream(compute_stream());
+      return wrap(view(h, buf.storage(), buf.options()));
+    }
+    // A host pool buffer: it lives as long as the storage made over it.
     auto* owner = new GlueObj(std::move(u.obj));
     at::Tensor buf = at::from_blob(
         u.data, {static_cast<int64_t>(u.nbytes)}, [owner](void*) { delete owner; },
@@ -454,9 +504,18 @@ struct Hooks {
     return wrap(view(h, buf.storage(), buf.options()));
   }
 
-  void finish_call(Unpacked& u) {
-    if (!u.done.empty()) ack(u.done);
-    if (!u.prefetch.empty()) prefetch(u.prefetch, 0);
+  // The current stream of the cache's CUDA device: what its kernels run on.
+  c10::Stream compute_stream() const {
+    c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+    return guard.getStream(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+  }
+  uintptr_t compute_stream_handle() const { return reinterpret_cast<uintptr_t>(compute_stream().native_handle()); }
+
+  // The candidates behind a block whose backward begins (the glue's block hooks).
+  void prefetch_scope(int mb, int64_t scope, int64_t task) {
+    std::vector<Candidate> cands;
+    if (!g_api->prefetch_scope(core, mb, scope, task, &cands)) throw nb::python_error();
+    if (!cands.empty()) prefetch(cands, device >= 0 ? compute_stream_handle() : 0);
   }
 
   nb::object unpack(nb::handle hobj) {
@@ -472,7 +531,7 @@ struct Hooks {
     }
     if (tp == reinterpret_cast<PyTypeObject*>(nb::type<Handle>().ptr())) {
       Handle* h = nb::inst_ptr<Handle>(hobj);
-      return nb::cast<Hooks&>(h->hooks).reload(hobj, *h);
+      return nb::cast<Hooks&>(h->hooks).reload(*h);
     }
     return nb::borrow(hobj);
   }
@@ -654,6 +713,8 @@ NB_MODULE(_torch, m) {
              s.ack(v);
            },
            nb::arg("done"), "Completions from the core's poll(): (id, ok, live tensor, saved version).")
+      .def("prefetch_scope", &Hooks::prefetch_scope, nb::arg("microbatch"), nb::arg("scope"), nb::arg("task"),
+           "Starts the loads behind a block whose backward begins (Note [Prefetch window]).")
       .def("take_unflushed", [](Hooks& s) { return std::exchange(s.unflushed, 0); })
       .def("begin_step", &Hooks::begin_step)
       .def("detach_kept", &Hooks::detach_kept)
