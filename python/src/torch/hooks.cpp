@@ -104,8 +104,9 @@ struct KeptCounts {
 // What autograd keeps for a saved tensor that stays resident: the tensor and
 // its version at pack. Listed while its step runs (Note [Kept cycles]).
 struct Kept {
-  nb::object glue;   // the TensorCache
-  nb::object hooks;  // its Hooks; None once counted out (aborted step)
+  nb::object glue;         // the TensorCache
+  nb::object hooks;        // its Hooks, kept alive
+  Hooks* owner = nullptr;  // the same; null once counted out (aborted step)
   nb::object t;      // None once its step was aborted
   uint64_t version = 0;
   uint64_t key = 0;
@@ -120,8 +121,9 @@ struct Kept {
 
 // What autograd keeps for an entry of the core.
 struct Handle {
-  nb::object glue;   // the TensorCache: alive while autograd holds this
-  nb::object hooks;  // its Hooks
+  nb::object glue;         // the TensorCache: alive while autograd holds this
+  nb::object hooks;        // its Hooks, kept alive
+  Hooks* owner = nullptr;  // the same, used without a cast (destructors too)
   EntryId eid = 0;
   HandleId hid = 0;
   at::ScalarType dtype = at::kByte;
@@ -173,7 +175,13 @@ struct Hooks {
   int place_tier = -1;
   bool warned_store = false;
   // Note [Kept tensors]
-  std::unordered_map<uint64_t, std::unordered_map<uint64_t, uint64_t>> kept_refs;  // key -> version -> handles
+  struct KeyHash {
+    size_t operator()(const std::pair<uint64_t, uint64_t>& k) const noexcept {
+      return std::hash<uint64_t>()(k.first * 0x9E3779B97F4A7C15ull ^ k.second);
+    }
+  };
+  // (storage key, version) -> live kept handles
+  std::unordered_map<std::pair<uint64_t, uint64_t>, uint64_t, KeyHash> kept_refs;
   uint64_t kept_live = 0;
   uint64_t unflushed = 0;  // CUDA kept bytes not yet told to the core (note_kept)
   KeptCounts step, total;
@@ -224,13 +232,10 @@ struct Hooks {
   }
 
   void kept_gone(uint64_t key, uint64_t version, uint64_t nbytes) {
-    auto it = kept_refs.find(key);
+    auto it = kept_refs.find({key, version});
     if (it == kept_refs.end()) return;
-    auto v = it->second.find(version);
-    if (v == it->second.end()) return;
-    if (--v->second == 0) {
-      it->second.erase(v);
-      if (it->second.empty()) kept_refs.erase(it);
+    if (--it->second == 0) {
+      kept_refs.erase(it);
       kept_live -= nbytes;
     }
   }
@@ -245,6 +250,7 @@ struct Hooks {
     nb::inst_mark_ready(h);
     p->glue = glue();
     p->hooks = nb::borrow(self);
+    p->owner = this;
     return {std::move(h), p};
   }
 
@@ -252,7 +258,7 @@ struct Hooks {
                   int tier) {
     uint64_t version = t._version();
     step.saved += 1;
-    uint64_t& n = kept_refs[key][version];
+    uint64_t& n = kept_refs[{key, version}];
     if (n++ == 0) {
       step.fresh += 1;
       step.bytes += nbytes;
@@ -531,7 +537,7 @@ struct Hooks {
     }
     if (tp == reinterpret_cast<PyTypeObject*>(nb::type<Handle>().ptr())) {
       Handle* h = nb::inst_ptr<Handle>(hobj);
-      return nb::cast<Hooks&>(h->hooks).reload(*h);
+      return h->owner->reload(*h);
     }
     return nb::borrow(hobj);
   }
@@ -570,6 +576,7 @@ struct Hooks {
     while (Kept* k = listed) {
       unlink(k);
       kept_gone(k->key, k->version, k->nbytes);
+      k->owner = nullptr;
       old.push_back(std::exchange(k->hooks, nb::none()));
       old.push_back(std::exchange(k->t, nb::none()));
     }
@@ -577,16 +584,14 @@ struct Hooks {
 };
 
 Kept::~Kept() {
-  if (!hooks.is_valid() || hooks.is_none()) return;
-  Hooks& s = nb::cast<Hooks&>(hooks);
-  s.unlink(this);
-  s.kept_gone(key, version, nbytes);
+  if (!owner) return;
+  owner->unlink(this);
+  owner->kept_gone(key, version, nbytes);
 }
 
 Handle::~Handle() {
-  if (!hooks.is_valid()) return;
-  Hooks& s = nb::cast<Hooks&>(hooks);
-  if (s.closed) return;
+  if (!owner || owner->closed) return;
+  Hooks& s = *owner;
   PyObject *type, *value, *tb;
   PyErr_Fetch(&type, &value, &tb);  // a handle may die while an exception is being raised
   int gone = g_api->release_handle(s.core, hid, eid);
@@ -671,11 +676,7 @@ NB_MODULE(_torch, m) {
       .def_rw("warned_store", &Hooks::warned_store)
       .def_ro("kept_live", &Hooks::kept_live)
       .def_prop_ro("kept_storages",
-                   [](const Hooks& s) {
-                     size_t n = 0;
-                     for (const auto& [key, versions] : s.kept_refs) n += versions.size();
-                     return n;
-                   },
+                   [](const Hooks& s) { return s.kept_refs.size(); },
                    "Storage versions kept tensors hold now.")
       .def("set_params", [](Hooks& s, const std::vector<uint64_t>& keys) {
         s.params = std::unordered_set<uint64_t>(keys.begin(), keys.end());
