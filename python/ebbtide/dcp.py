@@ -46,7 +46,9 @@ import math
 import os
 import pathlib
 import pickle
+import re
 import uuid
+import warnings
 
 import torch
 from torch.futures import Future
@@ -177,9 +179,12 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
             state for the next async_save (faster staging, one state of
             host memory held).
 
+    With ``use_collectives=False`` (each rank saves on its own, Note [DCP
+    without collectives]) the ranks share PATH: rank r writes a data file of
+    its own and ``__r.metadata``, the layout FileSystemWriter uses then.
+
     Raises:
-        ValueError: a bad option, or DCP asked for per-rank metadata
-            (use_collectives=False), which this writer does not do.
+        ValueError: a bad option.
 
     Example:
         >>> w = EbbtideWriter("/ckpt/step100")
@@ -202,6 +207,7 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         self._frames = {}
         self.rank = 0
         self.is_coordinator = True
+        self.use_collectives = True
 
     # -- AsyncStager ----------------------------------------------------------------
     def stage(self, state_dict):
@@ -224,14 +230,14 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
     def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank") or 0
-        if not kwargs.get("use_collectives", True):
-            raise ValueError("EbbtideWriter needs use_collectives=True: one .metadata per checkpoint, "
-                             "committed by renaming the checkpoint directory")
+        self.use_collectives = bool(kwargs.get("use_collectives", True))
 
     def prepare_local_plan(self, plan):
         return plan
 
     def prepare_global_plan(self, plans):
+        if not self.use_collectives:
+            return self._rank_plans(plans)
         path = os.path.abspath(self.path)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         _core.ckpt_remove_stale_temps(path)
@@ -288,6 +294,9 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         metadata.version = DCP_VERSION
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
+        if not self.use_collectives:
+            self._commit_rank(metadata)
+            return
         with open(os.path.join(self._tmp, METADATA_NAME), "xb") as f:
             pickle.dump(metadata, f)
             f.flush()
@@ -297,6 +306,45 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
 
     def storage_meta(self):
         return _md.StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    # Note [DCP without collectives]
+    # dcp.save(..., use_collectives=False) plans, writes and finishes on each
+    # rank alone, so no rank can commit the directory for all. The ranks share
+    # PATH; rank r writes its data under a name new to this save
+    # (__r_<save id>_0.distcp), then __r.metadata by write, fsync and rename,
+    # and only then removes its older data files. A save killed at any point
+    # leaves that rank's previous metadata and the data it names in place; a
+    # data file no metadata names is removed by the rank's next save.
+    def _rank_plans(self, plans):
+        path = os.path.abspath(self.path)
+        os.makedirs(path, exist_ok=True)
+        prefix = f"__{self.rank}_{self.save_id[:8]}_"
+        return [dataclasses.replace(p, storage_data=_SavePlanData(prefix, path)) for p in plans]
+
+    def _commit_rank(self, metadata):
+        path = os.path.abspath(self.path)
+        final = os.path.join(path, f"__{self.rank}{METADATA_NAME}")
+        tmp = f"{final}.tmp-{self.save_id[:8]}"
+        with open(tmp, "wb") as f:
+            pickle.dump(metadata, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _test_hook("before-commit")
+        os.replace(tmp, final)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        named = {si.relative_path for si in metadata.storage_data.values()}
+        mine = re.compile(rf"__{self.rank}_[0-9a-f]{{8}}_\d+\.distcp$|__{self.rank}{re.escape(METADATA_NAME)}\.tmp-")
+        for name in os.listdir(path):
+            if mine.match(name) and name not in named:
+                try:
+                    os.remove(os.path.join(path, name))
+                except OSError as e:
+                    warnings.warn(f"ebbtide.dcp: {os.path.join(path, name)}, left by an earlier save, could not "
+                                  f"be removed ({e})", RuntimeWarning, stacklevel=2)
 
 
 def _test_hook(point):
@@ -391,12 +439,29 @@ def _check_metadata(md, where):
             bad(f"storage_data[{idx.fqn!r}]: transform_descriptors {d!r} is not a list of strings")
 
 
-def load_metadata(path):
+def rank_metadata_ranks(path):
+    """The ranks with a ``__<rank>.metadata`` in `path` (a save without
+    collectives), in order."""
+    ranks = []
+    for name in os.listdir(path):
+        m = re.fullmatch(r"__(\d+)" + re.escape(METADATA_NAME), name)
+        if m:
+            ranks.append(int(m.group(1)))
+    return sorted(ranks)
+
+
+def _metadata_name(rank=None):
+    return METADATA_NAME if rank is None else f"__{int(rank)}{METADATA_NAME}"
+
+
+def load_metadata(path, rank=None):
     """Reads and checks the ``.metadata`` of DCP checkpoint directory `path`
     (Note [DCP metadata safety]).
 
     Args:
         path: checkpoint directory.
+        rank: read rank `rank`'s ``__<rank>.metadata`` instead, written by a
+            save without collectives (Note [DCP without collectives]).
 
     Returns:
         torch.distributed.checkpoint.metadata.Metadata
@@ -406,7 +471,7 @@ def load_metadata(path):
             was killed before its commit).
         ValueError: the file is not valid, safe DCP metadata.
     """
-    mp = os.path.join(os.fspath(path), METADATA_NAME)
+    mp = os.path.join(os.fspath(path), _metadata_name(rank))
     try:
         raw = check.read_regular_file(mp, "DCP metadata", limit=MAX_METADATA_BYTES)
     except FileNotFoundError:
@@ -506,14 +571,18 @@ class EbbtideReader(_DirectoryId, StorageReader):
         self.load_id = str(uuid.uuid4())
 
     def read_metadata(self, *args, **kwargs):
-        md = load_metadata(self.path)
+        # rank: the rank-local metadata of a save without collectives (Note
+        # [DCP without collectives]); DCP asks for it when .metadata is missing.
+        rank = kwargs.get("rank")
+        self._metadata_file = os.path.join(self.path, _metadata_name(rank))
+        md = load_metadata(self.path, rank=rank)
         if md.storage_meta is None:
             md.storage_meta = _md.StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
-        _check_metadata(metadata, os.path.join(self.path, METADATA_NAME))
+        _check_metadata(metadata, getattr(self, "_metadata_file", os.path.join(self.path, METADATA_NAME)))
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan):
@@ -649,8 +718,10 @@ class EbbtideReader(_DirectoryId, StorageReader):
 
 
 # -- inspection ------------------------------------------------------------------------------
-def inspect(path, verify=True):
-    """What `ebbtide ckpt inspect` shows of DCP checkpoint directory `path`.
+def inspect(path, verify=True, rank=None):
+    """What `ebbtide ckpt inspect` shows of DCP checkpoint directory `path`
+    (with `rank`: of that rank's part of a save without collectives, Note
+    [DCP without collectives]).
 
     Returns a dict: ``path``, ``items`` (one per state-dict entry: ``fqn``,
     ``kind`` "tensor" | "bytes", ``dtype``, ``size``, ``chunks``, ``bytes``),
@@ -663,7 +734,7 @@ def inspect(path, verify=True):
         FileNotFoundError, ValueError: no or unusable ``.metadata`` (load_metadata).
     """
     path = os.fspath(path)
-    md = load_metadata(path)
+    md = load_metadata(path, rank=rank)
     items = []
     for fqn, m in md.state_dict_metadata.items():
         if isinstance(m, _md.TensorStorageMetadata):

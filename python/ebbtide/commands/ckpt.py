@@ -9,7 +9,8 @@ PATH may also be a safetensors file, an HF model.safetensors.index.json or a
 directory holding either: its tensors are listed (name, dtype, shape, bytes)
 and each validation error is one `BAD FILE: FILE: why` line (exit 1). Or a
 torch.distributed.checkpoint directory (one with a `.metadata`, written by
-ebbtide.dcp or torch's FileSystemWriter): its entries and data files are
+ebbtide.dcp or torch's FileSystemWriter, or one `__<rank>.metadata` per rank
+from a save without collectives, each shown in turn): its entries and data files are
 listed, the metadata checked as the loader does, the byte ranges against the
 files and, for ebbtide's files, every chunk's checksum (one `BAD FILE:` line
 each, exit 1)."""
@@ -42,8 +43,13 @@ def _inspect(args):
     from ebbtide import _safetensors, checkpoint
     if _safetensors.looks_like_safetensors(args.path):
         return _inspect_safetensors(args)
-    if os.path.isdir(args.path) and os.path.lexists(os.path.join(args.path, ".metadata")):
-        return _inspect_dcp(args)
+    if os.path.isdir(args.path):
+        if os.path.lexists(os.path.join(args.path, ".metadata")):
+            return _inspect_dcp(args)
+        from ebbtide import dcp
+        ranks = dcp.rank_metadata_ranks(args.path)
+        if ranks:  # saved without collectives: one metadata per rank
+            return max(_inspect_dcp(args, rank) for rank in ranks)
     try:
         info = checkpoint.inspect(args.path, verify=not args.no_verify)
     except (OSError, ValueError, NotImplementedError) as e:
@@ -121,17 +127,18 @@ def _inspect_safetensors(args):
     return 0
 
 
-def _inspect_dcp(args):
+def _inspect_dcp(args, rank=None):
     from ebbtide import dcp
     try:
-        info = dcp.inspect(args.path, verify=not args.no_verify)
+        info = dcp.inspect(args.path, verify=not args.no_verify, rank=rank)
     except (OSError, ValueError) as e:
         print(f"ebbtide ckpt inspect: error: {_one_line(e)}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(info, indent=1, default=str))
         return 1 if info["errors"] else 0
-    print(f"{info['path']}: torch.distributed.checkpoint, {len(info['items'])} entries, "
+    whose = "" if rank is None else f" (rank {rank}'s, saved without collectives)"
+    print(f"{info['path']}: torch.distributed.checkpoint{whose}, {len(info['items'])} entries, "
           f"{len(info['files'])} data file(s)")
     print(f"\n  {'entry':<56} {'dtype':<12} {'shape':<18} {'bytes':>10} chunks")
     for it in info["items"]:
