@@ -412,6 +412,53 @@ TEST_P(CkptWriterTest, StripedAndPipelinedRoundTrip) {
   EXPECT_FALSE(rd.verify().empty());
 }
 
+// Note [Framed blobs]: a framed blob is stored as head + data + tail whether
+// it is snapshotted first or pipelined; chunk boundaries here fall inside the
+// head, the data and the tail, and one blob is all frame and no data.
+TEST_P(CkptWriterTest, FramedBlobsPipelinedMatchSnapshot) {
+  TempDir d;
+  auto data = test::random_bytes(300007, 7);
+  auto head = test::random_bytes(100000, 8), tail = test::random_bytes(70001, 9);
+  auto plain = test::random_bytes(5000, 10);
+  auto framed = [](std::string name, const void* p, uint64_t n, const std::vector<unsigned char>& h,
+                   const std::vector<unsigned char>& t) {
+    BlobSource b{std::move(name), p, n, false, 0, 1, Codec::kNone};
+    b.head.assign(h.begin(), h.end());
+    b.tail.assign(t.begin(), t.end());
+    return b;
+  };
+  std::vector<unsigned char> want(head);
+  want.insert(want.end(), data.begin(), data.end());
+  want.insert(want.end(), tail.begin(), tail.end());
+  std::vector<unsigned char> want_empty(head.begin(), head.begin() + 123);
+  want_empty.insert(want_empty.end(), tail.begin(), tail.begin() + 45);
+  for (bool pipelined : {false, true}) {
+    WriterOptions o;
+    o.chunk_bytes = 64 << 10;
+    o.threads = 2;
+    o.backend = GetParam();
+    CheckpointWriter w(o);
+    SaveRequest r;
+    r.file = d.path() + (pipelined ? "/p.ebt" : "/s.ebt");
+    r.blobs = {framed("t", data.data(), data.size(), head, tail),
+               {"plain", plain.data(), plain.size(), false, 0, 1, Codec::kNone},
+               framed("empty", nullptr, 0, {head.begin(), head.begin() + 123}, {tail.begin(), tail.begin() + 45})};
+    r.meta = "{}";
+    r.pipelined = pipelined;
+    auto res = w.save(std::move(r)).wait();
+    EXPECT_EQ(res.backend.find("pipelined") != std::string::npos, pipelined) << res.backend;
+    ShardReader rd(d.path() + (pipelined ? "/p.ebt" : "/s.ebt"));
+    ASSERT_EQ(rd.header().blobs.size(), 3u);
+    ASSERT_EQ(rd.header().blobs[0].nbytes, want.size());
+    std::vector<unsigned char> got(want.size()), got_plain(plain.size()), got_empty(want_empty.size());
+    rd.read({{0, got.data()}, {1, got_plain.data()}, {2, got_empty.data()}});
+    EXPECT_EQ(got, want);
+    EXPECT_EQ(got_plain, plain);
+    EXPECT_EQ(got_empty, want_empty);
+    EXPECT_TRUE(rd.verify().empty());
+  }
+}
+
 TEST(CkptFormat, UnstripedSuperblockStaysVersion1) {
   Superblock sb;
   sb.format_version = kFormatVersionUnstriped;

@@ -275,7 +275,11 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
             layout.append({"kind": "tensor", "head": len(head), "dtype": tree.dtype_name(t.dtype),
                            "size": list(t.shape), "stride": list(t.stride())})
         meta = json.dumps({"layout": LAYOUT, "version": LAYOUT_VERSION, "items": layout})
-        h = self._native.save(file, blobs, meta, block=True, frames=frames)
+        # `keep` holds every blob's memory unchanged until wait() returns (the
+        # caller's tensors during dcp.save, or DCP's staged copy during
+        # async_save), so the writer copies chunk k while chunk k-1 is being
+        # written instead of snapshotting everything first (Note [Pipelined save]).
+        h = self._native.save(file, blobs, meta, block=True, pipelined=True, frames=frames)
         h.wait()
         del keep
         written = _core.CkptReader(file).blobs

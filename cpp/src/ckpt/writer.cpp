@@ -37,9 +37,10 @@
 // contiguously, as one blob: the DCP storage plugin (python/ebbtide/dcp.py)
 // frames each tensor's storage with the bytes torch.save writes around it, so
 // that an uncompressed item is a torch.load-able byte range of the shard file
-// (Note [DCP layout] there). Framing happens in the snapshot copy; the write
-// path sees ordinary blobs of stored_nbytes(). Framed blobs are never
-// pipelined (their chunks do not map onto the caller's memory).
+// (Note [DCP layout] there). The write path sees ordinary blobs of
+// stored_nbytes(); copy_stored() gathers any byte range of that stored form
+// from head, data and tail, so a framed blob is snapshotted or pipelined like
+// any other (a chunk may begin in the head or end in the tail).
 //
 // Note [Striping]
 // With stripe files, chunk i goes to file i % (1 + stripes) (file 0 is the
@@ -180,7 +181,19 @@ void copy_snapshot(char* dst, const char* src, uint64_t n) {
 #endif
   std::memcpy(dst, src, n);
 }
-  // arena segment = one registered io buffer
+
+// Bytes [off, off + n) of blob `b` as stored: head, then the data at b.ptr,
+// then tail (Note [Framed blobs]). The range must lie within stored_nbytes().
+void copy_stored(const BlobSource& b, uint64_t off, uint64_t n, char* dst) {
+  const std::pair<const char*, uint64_t> parts[] = {
+      {b.head.data(), b.head.size()}, {static_cast<const char*>(b.ptr), b.nbytes}, {b.tail.data(), b.tail.size()}};
+  uint64_t start = 0;
+  for (const auto& [src, len] : parts) {
+    const uint64_t lo = std::max(off, start), hi = std::min(off + n, start + len);
+    if (lo < hi) std::memcpy(dst + (lo - off), src + (lo - start), hi - lo);
+    start += len;
+  }
+}
 
 struct BlobPlan {
   uint64_t arena_offset = 0;
@@ -194,7 +207,7 @@ struct ChunkJob {
   Codec codec = Codec::kNone;
   uint16_t elem = 1;
   uint16_t stripe = 0;
-  const char* src = nullptr;  // pipelined: caller memory copied into the arena by the job
+  const BlobSource* src = nullptr;  // pipelined: the blob the job copies its range of into the arena
   uint32_t pad = 0;           // pipelined: zero bytes after the blob's last chunk
   // results
   uint32_t stored = 0;
@@ -247,7 +260,7 @@ struct CheckpointWriter::Impl {
   static bool can_pipeline(const SaveRequest& req) {
     if (!req.pipelined) return false;
     for (const auto& b : req.blobs)
-      if (b.device || b.codec != Codec::kNone || !b.head.empty() || !b.tail.empty()) return false;
+      if (b.device || b.codec != Codec::kNone) return false;
     return true;
   }
 
@@ -326,8 +339,8 @@ struct CheckpointWriter::Impl {
       char* dst = base + plan[i].arena_offset;
       const uint64_t stored = b.stored_nbytes(), padded = align_up(stored, kBlockBytes);
       if (padded > stored) std::memset(dst + stored, 0, padded - stored);
-      if (!b.head.empty()) std::memcpy(dst, b.head.data(), b.head.size());
-      if (!b.tail.empty()) std::memcpy(dst + b.head.size() + b.nbytes, b.tail.data(), b.tail.size());
+      copy_stored(b, 0, b.head.size(), dst);  // Note [Framed blobs]
+      copy_stored(b, b.head.size() + b.nbytes, b.tail.size(), dst + b.head.size() + b.nbytes);
       dst += b.head.size();
       if (b.device) continue;
       for (uint64_t o = 0; o < b.nbytes; o += kPiece)
@@ -429,7 +442,7 @@ struct CheckpointWriter::Impl {
           j.elem = b.elem_bytes;
           j.stripe = static_cast<uint16_t>(jobs.size() % nfiles);
           if (pipelined) {
-            j.src = static_cast<const char*>(b.ptr) + o;
+            j.src = &b;
             j.pad = o + j.raw == nbytes ? static_cast<uint32_t>(align_up(j.raw, kBlockBytes) - j.raw) : 0;
           }
           jobs.push_back(j);
@@ -470,7 +483,7 @@ struct CheckpointWriter::Impl {
               uint32_t crc = 0;
               for (uint64_t o = 0; o < jp->raw; o += kStep) {
                 uint64_t n = std::min<uint64_t>(kStep, jp->raw - o);
-                std::memcpy(dst + o, jp->src + o, n);
+                copy_stored(*jp->src, jp->raw_offset + o, n, dst + o);
                 crc = crc32c(dst + o, n, crc);
               }
               if (jp->pad) std::memset(dst + jp->raw, 0, jp->pad);
