@@ -341,14 +341,18 @@ TEST(CkptReader, TruncatedAndGarbageFiles) {
 TEST(CkptCommit, ReplacesExistingDirectoryAtomically) {
   TempDir d;
   std::string path = d.path() + "/ck";
+  CheckpointWriter w;
   for (int gen = 0; gen < 3; ++gen) {
     std::string tmp = make_temp_dir(path);
     write_file_durably(tmp + "/gen", std::to_string(gen));
-    commit_directory(tmp, path);
-    std::ifstream in(path + "/gen");
-    std::string s;
+    w.commit_directory(tmp, path, {{"extra", "x" + std::to_string(gen)}});
+    std::ifstream in(path + "/gen"), extra(path + "/extra");
+    std::string s, x;
     in >> s;
+    extra >> x;
     EXPECT_EQ(s, std::to_string(gen));
+    EXPECT_EQ(x, "x" + std::to_string(gen));
+    w.join();  // the replaced checkpoint goes on the writer's thread (Note [Deferred removal])
     EXPECT_EQ(d.entries(), 1u);
   }
   std::filesystem::create_directory(path + ".tmp-abcdef");

@@ -581,7 +581,7 @@ class _Save:
         failed = [e for e in errs if e]
         if not failed and rank == 0:
             try:
-                _core.ckpt_commit_directory(self.tmp, self.path, extra_files=[(INDEX_NAME, self.index)])
+                self.w._native.commit_directory(self.tmp, self.path, extra_files=[(INDEX_NAME, self.index)])
             except BaseException as e:  # noqa: BLE001
                 failed = [f"rank 0 commit: {e}"]
                 err = e

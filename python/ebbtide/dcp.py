@@ -306,7 +306,9 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
             f.flush()
             os.fsync(f.fileno())
         _test_hook("before-commit")
-        _core.ckpt_commit_directory(self._tmp, os.path.abspath(self.path))  # fsyncs, renames, fsyncs the parent
+        # fsyncs, renames, fsyncs the parent; the replaced checkpoint is removed
+        # on the writer's thread (Note [Deferred removal] in cpp/src/ckpt/writer.cpp)
+        self._native.commit_directory(self._tmp, os.path.abspath(self.path))
 
     def storage_meta(self):
         return _md.StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

@@ -104,6 +104,14 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
         ebbtide::py::gil_release g;
         w.join();
       })
+      .def("commit_directory",
+           [](CheckpointWriter& w, const std::string& tmp, const std::string& path,
+              const std::vector<std::pair<std::string, std::string>>& extra_files) {
+             ebbtide::py::gil_release g;
+             w.commit_directory(tmp, path, extra_files);
+           },
+           nb::arg("tmp_dir"), nb::arg("path"),
+           nb::arg("extra_files") = std::vector<std::pair<std::string, std::string>>{})
       .def_prop_ro("snapshot_capacity", &CheckpointWriter::snapshot_capacity)
       .def_prop_ro("chunk_bytes", [](const CheckpointWriter& w) { return w.options().chunk_bytes; });
 
@@ -156,11 +164,6 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
       });
 
   m.def("ckpt_make_temp_dir", &make_temp_dir, nb::arg("path"));
-  m.def("ckpt_commit_directory", [](const std::string& tmp, const std::string& path,
-                                    const std::vector<NamedContent>& extra_files) {
-    ebbtide::py::gil_release g;
-    commit_directory(tmp, path, extra_files);
-  }, nb::arg("tmp_dir"), nb::arg("path"), nb::arg("extra_files") = std::vector<NamedContent>{});
   m.def("ckpt_write_file_durably", &write_file_durably, nb::arg("path"), nb::arg("content"));
   m.def("ckpt_remove_stale_temps", &remove_stale_temps, nb::arg("path"));
   m.def("ckpt_probe_file", [](const std::string& path) {

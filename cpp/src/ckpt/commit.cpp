@@ -94,14 +94,6 @@ void write_file_durably(const std::string& path, const std::string& content) {
   if (rc != 0) throw_io_error(e, path, -1, "fsync");
 }
 
-void commit_directory(const std::string& tmp_in, const std::string& path_in, const std::vector<NamedContent>& files) {
-  std::string old = commit_checkpoint(tmp_in, path_in, files);
-  if (old.empty()) return;
-  std::error_code ec;
-  fs::remove_all(old, ec);
-  if (ec) log::warn("checkpoint committed to ", path_in, " but the previous one at ", old, " could not be removed: ", ec.message());
-}
-
 std::string commit_checkpoint(const std::string& tmp_in, const std::string& path_in,
                               const std::vector<NamedContent>& files) {
   std::string tmp = strip_slashes(tmp_in), path = strip_slashes(path_in);

@@ -752,6 +752,12 @@ CheckpointWriter::~CheckpointWriter() {
   impl_->join_bg();
 }
 
+void CheckpointWriter::commit_directory(const std::string& tmp_dir, const std::string& path,
+                                        const std::vector<std::pair<std::string, std::string>>& files) {
+  std::string old = commit_checkpoint(tmp_dir, path, files);
+  if (!old.empty()) impl_->reaper.remove(std::move(old));  // Note [Deferred removal]
+}
+
 void CheckpointWriter::join() {
   std::lock_guard lock(impl_->mu);
   impl_->join_bg();

@@ -116,6 +116,12 @@ class CheckpointWriter {
   // Waits until the background thread is idle: the save in flight is done
   // and the previous checkpoint it replaced is removed (Note [Deferred removal]).
   void join();
+  // commit_checkpoint() for a directory its caller wrote (a distributed
+  // save's rank 0, the DCP plugin's coordinator); the checkpoint it replaces
+  // is removed on this writer's thread, as after save() (Note [Deferred
+  // removal]), so the caller does not wait for the filesystem to free it.
+  void commit_directory(const std::string& tmp_dir, const std::string& path,
+                        const std::vector<std::pair<std::string, std::string>>& files = {});
   const WriterOptions& options() const { return options_; }
   uint64_t snapshot_capacity() const;  // bytes of reusable snapshot buffers held
 
@@ -138,9 +144,6 @@ std::string make_temp_dir(const std::string& path);
 using NamedContent = std::pair<std::string, std::string>;
 std::string commit_checkpoint(const std::string& tmp_dir, const std::string& path,
                               const std::vector<NamedContent>& files = {});
-// commit_checkpoint, then removes the previous contents.
-void commit_directory(const std::string& tmp_dir, const std::string& path,
-                      const std::vector<NamedContent>& files = {});
 // fsyncs a directory (its entries become durable). IoError naming it.
 void fsync_directory(const std::string& dir);
 // Writes a small file durably (write + fsync). IoError naming it.
