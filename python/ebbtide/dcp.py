@@ -209,6 +209,13 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         self.is_coordinator = True
         self.use_collectives = True
 
+    def join(self):
+        """Waits until the checkpoint the last save replaced is removed: the
+        save returns once the new one is committed, and the writer removes
+        the old one after (Note [Deferred removal] in cpp/src/ckpt/writer.cpp;
+        also done when the writer is destroyed)."""
+        self._native.join()
+
     # -- AsyncStager ----------------------------------------------------------------
     def stage(self, state_dict):
         """async_save's staging: a CPU copy of `state_dict` (kept for the next

@@ -247,11 +247,14 @@ def test_kill_9_during_save_keeps_previous_checkpoint(tmp_path, stage):
     if stage == "data":
         with pytest.raises(FileNotFoundError, match="not a committed checkpoint"):
             load_metadata(tmp_path / tmps[0])
-    # The next save of the same path commits and removes the leftovers.
-    dcp.save({"w": torch.full((512, 512), 3.0)}, storage_writer=EbbtideWriter(path))
+    # The next save of the same path commits and removes the leftovers, and
+    # the checkpoint it replaced once join() returns.
+    w = EbbtideWriter(path)
+    dcp.save({"w": torch.full((512, 512), 3.0)}, storage_writer=w)
     out = {"w": torch.zeros(512, 512)}
     dcp.load(out, storage_reader=EbbtideReader(path))
     assert torch.equal(out["w"], torch.full((512, 512), 3.0))
+    w.join()
     assert not [d for d in os.listdir(tmp_path) if d.startswith("ck.tmp-")]
 
 
