@@ -181,3 +181,59 @@ def test_cuda_backward_after_the_offload_block():
     import gc
     gc.collect()
     assert c.closed
+
+
+def _llama_step(model, ids, ctx=None):
+    """One training step of an HF causal LM under `ctx` (a cache step or
+    None), attention on SDPA's math kernel: its backward is deterministic,
+    which the flash and memory-efficient kernels' are not guaranteed to be."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    model.zero_grad(set_to_none=True)
+    with sdpa_kernel([SDPBackend.MATH]), (ctx if ctx is not None else contextlib.nullcontext()):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _llama(device, attn):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+                                   use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=1)
+    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=attn).to(device, torch.bfloat16)
+    model.train()
+    ids = torch.randint(2, cfg.vocab_size, (2, 512), device=device)
+    return model, ids
+
+
+# The saved-tensor hooks in C++ (Note [Hooks in C++]) on a real HF model: a
+# Llama with grouped-query attention, rotary positions and RMSNorm in bf16,
+# through every target, everything offloaded (adaptive=False: reloads are
+# certain) and planned (the plan may keep everything at this size).
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("target,adaptive", [("cpu", False), ("ssd", False), ("auto", True)])
+def test_cuda_hf_llama_bitwise(target, adaptive, attn, tmp_path):
+    model, ids = _llama("cuda", attn)
+    ref = _llama_step(model, ids)
+    again = _llama_step(model, ids)
+    assert torch.equal(ref[0], again[0]) and all(torch.equal(a, b) for a, b in zip(ref[1], again[1])), \
+        "the step without offloading is not deterministic here, so bitwise comparison means nothing"
+    names = [n for n, _ in model.named_parameters()]
+    cache = ebbtide.TensorCache(target=target, path=None if target == "cpu" else str(tmp_path),
+                                adaptive=adaptive).attach(model)
+    try:
+        for i in range(3):
+            got = _llama_step(model, ids, cache.step())
+            assert torch.equal(ref[0], got[0]), f"step {i}: loss {got[0]} != {ref[0]}"
+            bad = [n for n, a, b in zip(names, ref[1], got[1]) if not torch.equal(a, b)]
+            assert not bad, f"step {i}: gradients differ for {bad[:4]} ({len(bad)} parameters)"
+        s = cache.stats()
+        if not adaptive:
+            assert s["tensors_offloaded"] > 0 and s["bytes_reloaded"] + s["bytes_reused"] == s["bytes_offloaded"], s
+    finally:
+        cache.close()
