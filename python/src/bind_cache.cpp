@@ -230,10 +230,7 @@ void ebbtide::py::bind_cache(nb::module_& m) {
              r.orig = glue_obj(orig);
              r.key = key;
              r.version = version;
-             r.ptr = reinterpret_cast<const void*>(ptr);
-             r.nbytes = nbytes;
-             r.device = device;
-             r.stream = stream;
+             r.src = {reinterpret_cast<void*>(ptr), nbytes, device, stream};
              r.microbatch = microbatch;
              r.offload = offload;
              r.tier = tier;

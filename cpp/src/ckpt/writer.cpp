@@ -247,7 +247,7 @@ struct CheckpointWriter::Impl {
   static bool can_pipeline(const SaveRequest& req) {
     if (!req.pipelined) return false;
     for (const auto& b : req.blobs)
-      if (b.device || b.codec != Codec::kNone || !b.head.empty() || !b.tail.empty()) return false;
+      if (b.data.on_device() || b.codec != Codec::kNone || !b.head.empty() || !b.tail.empty()) return false;
     return true;
   }
 
@@ -258,7 +258,8 @@ struct CheckpointWriter::Impl {
     uint64_t off = 0;
     for (size_t i = 0; i < req.blobs.size(); ++i) {
       const auto& b = req.blobs[i];
-      EBB_CHECK(b.ptr != nullptr || b.nbytes == 0, "blob '", b.name, "' has a null pointer and ", b.nbytes, " bytes");
+      EBB_CHECK(b.data.ptr != nullptr || b.data.nbytes == 0, "blob '", b.name, "' has a null pointer and ", b.data.nbytes,
+                " bytes");
       EBB_CHECK(b.elem_bytes > 0, "blob '", b.name, "' has element size 0");
       EBB_CHECK(b.codec == Codec::kNone || have_zstd(), "blob '", b.name, "': codec ", to_string(b.codec),
                 " needs zstd, and this build has no libzstd");
@@ -297,7 +298,7 @@ struct CheckpointWriter::Impl {
     } copies;
     for (size_t i = 0; i < req.blobs.size(); ++i) {
       const auto& b = req.blobs[i];
-      if (!b.device || b.nbytes == 0) continue;
+      if (!b.data.on_device() || b.data.nbytes == 0) continue;
       if (drv == nullptr) {
         drv = mem::cuda::driver();
         EBB_CHECK(drv != nullptr, "blob '", b.name, "' is in CUDA device memory but no CUDA driver is usable: ",
@@ -305,11 +306,11 @@ struct CheckpointWriter::Impl {
         copies.caller = drv->current_context();
         copies.drv = drv;
       }
-      drv->bind_context_of(reinterpret_cast<mem::cuda::DevicePtr>(b.ptr));
+      drv->bind_context_of(reinterpret_cast<mem::cuda::DevicePtr>(b.data.ptr));
       arena->ensure_registered();  // async device copies need page-locked memory
-      const std::pair<mem::cuda::Context, mem::cuda::Stream> key{drv->current_context(), b.stream};
-      drv->memcpy_dtoh_async(base + plan[i].arena_offset + b.head.size(), reinterpret_cast<mem::cuda::DevicePtr>(b.ptr), b.nbytes,
-                             b.stream);
+      const std::pair<mem::cuda::Context, mem::cuda::Stream> key{drv->current_context(), b.data.stream};
+      drv->memcpy_dtoh_async(base + plan[i].arena_offset + b.head.size(), reinterpret_cast<mem::cuda::DevicePtr>(b.data.ptr),
+                             b.data.nbytes, b.data.stream);
       if (std::find(copies.streams.begin(), copies.streams.end(), key) == copies.streams.end())
         copies.streams.push_back(key);
     }
@@ -327,11 +328,11 @@ struct CheckpointWriter::Impl {
       const uint64_t stored = b.stored_nbytes(), padded = align_up(stored, kBlockBytes);
       if (padded > stored) std::memset(dst + stored, 0, padded - stored);
       if (!b.head.empty()) std::memcpy(dst, b.head.data(), b.head.size());
-      if (!b.tail.empty()) std::memcpy(dst + b.head.size() + b.nbytes, b.tail.data(), b.tail.size());
+      if (!b.tail.empty()) std::memcpy(dst + b.head.size() + b.data.nbytes, b.tail.data(), b.tail.size());
       dst += b.head.size();
-      if (b.device) continue;
-      for (uint64_t o = 0; o < b.nbytes; o += kPiece)
-        pieces.push_back({static_cast<const char*>(b.ptr) + o, dst + o, std::min(kPiece, b.nbytes - o)});
+      if (b.data.on_device()) continue;
+      for (uint64_t o = 0; o < b.data.nbytes; o += kPiece)
+        pieces.push_back({static_cast<const char*>(b.data.ptr) + o, dst + o, std::min(kPiece, b.data.nbytes - o)});
     }
     workers.parallel_for(pieces.size(), [&](size_t k) { copy_snapshot(pieces[k].dst, pieces[k].src, pieces[k].n); });
     if (copies.drv != nullptr) {
@@ -429,7 +430,7 @@ struct CheckpointWriter::Impl {
           j.elem = b.elem_bytes;
           j.stripe = static_cast<uint16_t>(jobs.size() % nfiles);
           if (pipelined) {
-            j.src = static_cast<const char*>(b.ptr) + o;
+            j.src = static_cast<const char*>(b.data.ptr) + o;
             j.pad = o + j.raw == nbytes ? static_cast<uint32_t>(align_up(j.raw, kBlockBytes) - j.raw) : 0;
           }
           jobs.push_back(j);
