@@ -672,3 +672,35 @@ TEST(HostBufferPool, AlignedReusedAndBounded) {
 
 }  // namespace
 }  // namespace ebbtide::cache
+
+namespace ebbtide::cache {
+namespace {
+
+const StatField* field(const StatRecord& r, std::string_view name) {
+  for (const auto& f : r)
+    if (f.name == name) return &f;
+  return nullptr;
+}
+
+TEST(CacheStats, RecordNamesEveryFieldAndOnlyPresentTiers) {
+  CacheStats s;
+  s.step.bytes_offloaded = 7;
+  s.total.stall_seconds = 0.5;
+  s.store.bytes_staged = 3;
+  s.store.tiers[kTierSsd].present = true;
+  s.store.tiers[kTierSsd].bytes_written = 11;
+  const StatRecord r = stat_record(s);
+  ASSERT_NE(field(r, "step"), nullptr);
+  const auto& step = std::get<StatRecord>(field(r, "step")->value);
+  EXPECT_EQ(std::get<uint64_t>(field(step, "bytes_offloaded")->value), 7u);
+  const auto& total = std::get<StatRecord>(field(r, "total")->value);
+  EXPECT_EQ(std::get<double>(field(total, "stall_seconds")->value), 0.5);
+  EXPECT_EQ(std::get<uint64_t>(field(r, "store_bytes_staged")->value), 3u);
+  const auto& tiers = std::get<std::vector<StatRecord>>(field(r, "tiers")->value);
+  ASSERT_EQ(tiers.size(), 1u);
+  EXPECT_EQ(std::get<std::string_view>(field(tiers[0], "tier")->value), "ssd");
+  EXPECT_EQ(std::get<uint64_t>(field(tiers[0], "bytes_written")->value), 11u);
+}
+
+}  // namespace
+}  // namespace ebbtide::cache

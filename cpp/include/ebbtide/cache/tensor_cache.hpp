@@ -29,6 +29,7 @@
 #include <thread>
 #include <unordered_map>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "ebbtide/cache/store.hpp"
@@ -172,6 +173,19 @@ struct CacheStats {
   uint64_t queued_loads = 0;
   StoreStats store;
 };
+
+// Statistics as named values in the shape the Python API's stats() returns
+// (python/tests/test_cache*.py check the names): a record is a list of fields,
+// a field holds a number, a name, a record or a list of records. Bindings
+// convert records to dicts without naming any field.
+struct StatField;
+using StatRecord = std::vector<StatField>;
+struct StatField {
+  std::string_view name;  // static storage
+  std::variant<uint64_t, double, std::string_view, StatRecord, std::vector<StatRecord>> value;
+};
+// step and total counters, the gauges, the store's (store_*) and its tiers'.
+StatRecord stat_record(const CacheStats& s);
 
 class TensorCache {
  public:
