@@ -19,9 +19,9 @@ constexpr int kHost = -1;  // Buffer::device of host memory
 // device >= 0: `ptr` is a CUDA device pointer on that ordinal, copied on
 // `stream` after the work already queued there (the caller orders the stream
 // after the data's producer). The tensor cache uses the ordinal (one copy
-// stream per device); io::Engine and the checkpoint writer and reader find the
-// device from the pointer and test only on_device(), so their callers that
-// know no ordinal pass 0. Host memory: any alignment; `stream` unused.
+// stream per device); io::Engine and the checkpoint writer find the device
+// from the pointer and test only on_device(), so their callers that know no
+// ordinal pass 0. Host memory: any alignment; `stream` unused.
 struct Buffer {
   void* ptr = nullptr;
   uint64_t nbytes = 0;
