@@ -20,11 +20,11 @@ namespace {
 class GatedStore final : public Store {
  public:
   explicit GatedStore(uint64_t capacity = 0) : inner_(make_host_store(HostStoreOptions{capacity})) {}
-  Location put(const Span& src) override {
+  Location put(const mem::Buffer& src, int tier) override {
     gate_.pass();
-    return inner_->put(src);
+    return inner_->put(src, tier);
   }
-  void get(Location loc, const Span& dst) override {
+  void get(Location loc, const mem::Buffer& dst) override {
     if (fail_gets_) throw IoError(EIO, "gated", 0, "injected read error");
     inner_->get(loc, dst);
   }
@@ -55,8 +55,7 @@ struct Fixture {
   EntryId save(const std::vector<unsigned char>& buf, uint64_t key, int mb = 0, bool offload = true) {
     SaveRequest r;
     r.key = key;
-    r.ptr = buf.data();
-    r.nbytes = buf.size();
+    r.src = test::host_buffer(buf);
     r.microbatch = mb;
     r.offload = offload;
     auto res = cache->save(r);
@@ -176,8 +175,7 @@ TEST(CacheCore, DedupNeedsSameBytesAndVersion) {
   EXPECT_NE(f.save(y, 5), a);  // same key, other bytes (storage resized): new entry
   SaveRequest r;
   r.key = 9;
-  r.ptr = x.data();
-  r.nbytes = x.size();
+  r.src = test::host_buffer(x);
   EntryId b = f.cache->save(r).id;
   r.version = 1;  // modified in place since: the old snapshot must not serve
   EntryId c = f.cache->save(r).id;
@@ -543,23 +541,23 @@ TEST(CacheCore, ManyEntriesUnderConcurrentWorkersRoundTrip) {
 TEST(HostStore, CapacityAndDoubleFree) {
   auto st = make_host_store(HostStoreOptions{1000});
   auto x = test::random_bytes(600, 1);
-  Location a = st->put(Span{x.data(), 600});
+  Location a = st->put(test::host_buffer(x), kTierFirst);
   try {
-    st->put(Span{x.data(), 600});
+    st->put(test::host_buffer(x), kTierFirst);
     FAIL() << "expected ENOSPC";
   } catch (const IoError& e) {
     EXPECT_EQ(e.err(), ENOSPC);
   }
   EXPECT_EQ(st->stats().bytes_held, 600u);
   std::vector<unsigned char> out(600);
-  EXPECT_THROW(st->get(a, Span{out.data(), 500}), InvalidArgument);
-  st->get(a, Span{out.data(), 600});
+  EXPECT_THROW(st->get(a, mem::Buffer{out.data(), 500}), InvalidArgument);
+  st->get(a, mem::Buffer{out.data(), 600});
   EXPECT_EQ(out, x);
   st->free(a);
   EXPECT_THROW(st->free(a), StateError);
   EXPECT_EQ(st->stats().bytes_held, 0u);
-  Span dev{x.data(), 600, 0, 0};
-  EXPECT_THROW(st->put(dev), Unsupported);
+  mem::Buffer dev{x.data(), 600, 0, 0};
+  EXPECT_THROW(st->put(dev, kTierFirst), Unsupported);
   EXPECT_EQ(st->stats().bytes_held, 0u);
 }
 
@@ -579,8 +577,7 @@ TEST(CacheCore, PausedStoresForwardEverything) {
   auto x = test::random_bytes(1000, 1);
   SaveRequest r;
   r.key = 1;
-  r.ptr = x.data();
-  r.nbytes = x.size();
+  r.src = test::host_buffer(x);
   EntryId a = c.save(r).id;
   c.drain();  // returns although the store is held
   EXPECT_EQ(c.state(a), EntryState::kQueued);
@@ -601,8 +598,7 @@ TEST(CacheCore, InflightLimitMakesSaveWaitForStores) {
   for (int i = 0; i < 20; ++i) {
     SaveRequest r;
     r.key = 100 + i;
-    r.ptr = bufs[i].data();
-    r.nbytes = 1000;
+    r.src = test::host_buffer(bufs[i], 1000);
     c.save(r);
     max_inflight = std::max(max_inflight, c.stats().inflight_bytes);
     c.poll();
@@ -626,11 +622,10 @@ TEST(CacheCore, ConsumedEntriesAreNotPrefetchedAgainInTheSameBackward) {
   c.begin_step();
   auto x = test::random_bytes(100, 1), y = test::random_bytes(100, 2);
   SaveRequest r;
-  r.ptr = x.data();
-  r.nbytes = 100;
+  r.src = test::host_buffer(x, 100);
   r.key = 1;
   EntryId a = c.save(r).id;
-  r.ptr = y.data();
+  r.src.ptr = y.data();
   r.key = 2;
   EntryId b = c.save(r).id;
   c.drain();
@@ -673,6 +668,38 @@ TEST(HostBufferPool, AlignedReusedAndBounded) {
   pool.give(big);
   EXPECT_LE(pool.spare_bytes(), (1u << 20) + 8192u);
   EXPECT_THROW(pool.take(0), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace ebbtide::cache
+
+namespace ebbtide::cache {
+namespace {
+
+const StatField* field(const StatRecord& r, std::string_view name) {
+  for (const auto& f : r)
+    if (f.name == name) return &f;
+  return nullptr;
+}
+
+TEST(CacheStats, RecordNamesEveryFieldAndOnlyPresentTiers) {
+  CacheStats s;
+  s.step.bytes_offloaded = 7;
+  s.total.stall_seconds = 0.5;
+  s.store.bytes_staged = 3;
+  s.store.tiers[kTierSsd].present = true;
+  s.store.tiers[kTierSsd].bytes_written = 11;
+  const StatRecord r = stat_record(s);
+  ASSERT_NE(field(r, "step"), nullptr);
+  const auto& step = std::get<StatRecord>(field(r, "step")->value);
+  EXPECT_EQ(std::get<uint64_t>(field(step, "bytes_offloaded")->value), 7u);
+  const auto& total = std::get<StatRecord>(field(r, "total")->value);
+  EXPECT_EQ(std::get<double>(field(total, "stall_seconds")->value), 0.5);
+  EXPECT_EQ(std::get<uint64_t>(field(r, "store_bytes_staged")->value), 3u);
+  const auto& tiers = std::get<std::vector<StatRecord>>(field(r, "tiers")->value);
+  ASSERT_EQ(tiers.size(), 1u);
+  EXPECT_EQ(std::get<std::string_view>(field(tiers[0], "tier")->value), "ssd");
+  EXPECT_EQ(std::get<uint64_t>(field(tiers[0], "bytes_written")->value), 11u);
 }
 
 }  // namespace

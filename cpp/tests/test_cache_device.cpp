@@ -146,10 +146,9 @@ SaveRequest device_save(const std::vector<unsigned char>& data, uint64_t key, in
                         mem::cuda::Stream stream) {
   SaveRequest r;
   r.key = key;
-  r.ptr = data.data();
-  r.nbytes = data.size();
-  r.device = device;
-  r.stream = stream;
+  r.src = test::host_buffer(data);
+  r.src.device = device;
+  r.src.stream = stream;
   return r;
 }
 
@@ -263,9 +262,9 @@ TEST(CacheDevice, HostStoreCopiesDeviceTensorsIntoRegisteredBlobs) {
     {
       auto store = make_host_store(ho);
       for (int step = 0; step < 3; ++step) {
-        Location loc = store->put(Span{data.data(), data.size(), 0, 7});
+        Location loc = store->put(mem::Buffer{data.data(), data.size(), 0, 7}, kTierFirst);
         std::vector<unsigned char> out(data.size());
-        store->get(loc, Span{out.data(), out.size(), 0, 7});
+        store->get(loc, mem::Buffer{out.data(), out.size(), 0, 7});
         EXPECT_EQ(out, data);
         store->free(loc);
       }

@@ -39,8 +39,7 @@ SaveRequest host_request(const std::vector<unsigned char>& buf, uint64_t key) {
   SaveRequest r;
   r.key = key;
   r.version = 7;
-  r.ptr = buf.data();
-  r.nbytes = buf.size();
+  r.src = test::host_buffer(buf);
   return r;
 }
 

@@ -74,7 +74,7 @@ TEST(StorePool, AStoreGivenBackServesTheNextCacheOfTheSameSettingsOnly) {
   EXPECT_DOUBLE_EQ(again->stats().tiers[kTierSsd].write_limit_bps, 5e6);
   // A store that still holds blobs is not pooled.
   std::vector<char> bytes(4096, 'x');
-  Location loc = again->put(Span{bytes.data(), bytes.size()});
+  Location loc = again->put(mem::Buffer{bytes.data(), bytes.size()}, kTierFirst);
   give_again(std::move(again));
   std::function<void(std::unique_ptr<Store>)> give_third;
   auto third = take_pooled_store(s, &give_third);

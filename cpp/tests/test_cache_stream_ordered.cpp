@@ -117,10 +117,7 @@ StepResult run_step(SimDriver& drv, TensorCache& cache, const Workload& w, const
       h.span = mem.alloc(drv.launch(compute, kernel), w.tensor_bytes);
       SaveRequest r;
       r.key = key++;
-      r.ptr = h.bytes.data();
-      r.nbytes = w.tensor_bytes;
-      r.device = 0;
-      r.stream = compute;
+      r.src = {h.bytes.data(), w.tensor_bytes, 0, compute};
       r.offload = offload[static_cast<size_t>(b)];
       SaveResult res = cache.save(r);
       const EntryId id = res.id;
@@ -297,10 +294,9 @@ TEST(CacheStreamOrdered, CopyBoundCapsThePeakWhenTheLinkIsSlow) {
 SaveRequest device_save(const std::vector<unsigned char>& data, mem::cuda::Stream stream) {
   SaveRequest r;
   r.key = 1;
-  r.ptr = data.data();
-  r.nbytes = data.size();
-  r.device = 0;
-  r.stream = stream;
+  r.src = test::host_buffer(data);
+  r.src.device = 0;
+  r.src.stream = stream;
   return r;
 }
 

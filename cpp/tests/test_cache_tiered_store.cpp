@@ -30,7 +30,7 @@ std::unique_ptr<Store> ssd(const std::string& dir) {
   return make_ssd_store(o);
 }
 
-Span span(std::vector<char>& v, int tier = -1) { return Span{v.data(), v.size(), -1, 0, tier}; }
+mem::Buffer buffer(std::vector<char>& v) { return mem::Buffer{v.data(), v.size()}; }
 
 TEST(RateLimiter, BoundsTheRateAcrossThreads) {
   RateLimiter l(20e6);  // 20 MB/s
@@ -65,7 +65,7 @@ TEST(TieredStore, HostFirstThenSpillsToSsdAndRoundTrips) {
   std::vector<Location> locs;
   for (int i = 0; i < 5; ++i) {
     blobs.emplace_back(1 << 20, static_cast<char>('a' + i));
-    locs.push_back(s->put(span(blobs.back())));
+    locs.push_back(s->put(buffer(blobs.back()), kTierFirst));
   }
   StoreStats st = s->stats();
   EXPECT_EQ(st.tiers[kTierCpu].bytes_held, 3u << 20);
@@ -75,15 +75,15 @@ TEST(TieredStore, HostFirstThenSpillsToSsdAndRoundTrips) {
   // An explicit SSD hint skips the host tier even with room there.
   s->free(locs[0]);
   std::vector<char> extra(1 << 20, 'z');
-  const Location l = s->put(span(extra, kTierSsd));
+  const Location l = s->put(buffer(extra), kTierSsd);
   EXPECT_EQ(s->stats().tiers[kTierSsd].bytes_held, 3u << 20);
   for (int i = 1; i < 5; ++i) {
     std::vector<char> back(1 << 20);
-    s->get(locs[i], span(back));
+    s->get(locs[i], buffer(back));
     EXPECT_EQ(back, blobs[i]) << i;
   }
   std::vector<char> back(1 << 20);
-  s->get(l, span(back));
+  s->get(l, buffer(back));
   EXPECT_EQ(back, extra);
   st = s->stats();
   EXPECT_EQ(st.tiers[kTierCpu].bytes_read + st.tiers[kTierSsd].bytes_read, 5u << 20);
@@ -95,9 +95,9 @@ TEST(TieredStore, HostOnlyFullFailsWithEnospc) {
   o.cpu = host(1 << 20);
   auto s = make_tiered_store(std::move(o));
   std::vector<char> a(1 << 20, 'a'), b(1, 'b');
-  s->put(span(a));
+  s->put(buffer(a), kTierFirst);
   try {
-    s->put(span(b));
+    s->put(buffer(b), kTierFirst);
     FAIL() << "expected ENOSPC";
   } catch (const IoError& e) {
     EXPECT_EQ(e.err(), ENOSPC);
@@ -114,7 +114,7 @@ TEST(TieredStore, WriteCapSlowsSsdPutsAndShowsInTheMeter) {
   auto s = make_tiered_store(std::move(o));
   std::vector<char> v(1 << 20, 'x');
   const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < 10; ++i) s->free(s->put(span(v)));
+  for (int i = 0; i < 10; ++i) s->free(s->put(buffer(v), kTierFirst));
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_GE(secs, 0.3);
   const StoreStats st = s->stats();
@@ -132,7 +132,7 @@ TEST(TieredStore, BadInput) {
   o.cpu = host(0);
   auto s = make_tiered_store(std::move(o));
   std::vector<char> v(16, 'x');
-  EXPECT_THROW(s->put(span(v, 7)), InvalidArgument);
+  EXPECT_THROW(s->put(buffer(v), 7), InvalidArgument);
   EXPECT_THROW(host(0)->set_write_limit(kTierSsd, 1), Unsupported);
 }
 

@@ -128,9 +128,9 @@ TEST_P(CkptWriterTest, WriteReadRoundTripWithCompression) {
   o.chunk_bytes = 1 << 20;
   o.threads = 2;
   o.backend = GetParam();
-  auto res = save_blobs(d.path(), {{"a", a.data(), a.size(), false, 0, 1, Codec::kNone},
-                                   {"b", b.data(), b.size() * 2, false, 0, 2, Codec::kFloatZstd},
-                                   {"empty", nullptr, 0, false, 0, 4, Codec::kZstd}},
+  auto res = save_blobs(d.path(), {{"a", test::host_buffer(a), 1, Codec::kNone},
+                                   {"b", test::host_buffer(b), 2, Codec::kFloatZstd},
+                                   {"empty", {nullptr, 0}, 4, Codec::kZstd}},
                         o);
   EXPECT_EQ(res.raw_bytes, a.size() + b.size() * 2);
   EXPECT_LT(res.stored_bytes, res.raw_bytes);
@@ -152,7 +152,7 @@ TEST_P(CkptWriterTest, CorruptChunkNamesBlobAndOffset) {
   WriterOptions o;
   o.chunk_bytes = 1 << 20;
   o.backend = GetParam();
-  save_blobs(d.path(), {{"layer.w", a.data(), a.size(), false, 0, 1, Codec::kNone}}, o);
+  save_blobs(d.path(), {{"layer.w", test::host_buffer(a), 1, Codec::kNone}}, o);
   std::string f = d.path() + "/ck/rank0.ebt";
   uint64_t off;
   {
@@ -186,11 +186,11 @@ INSTANTIATE_TEST_SUITE_P(Backends, CkptWriterTest,
 TEST(CkptWriter, InjectedFaultLeavesPreviousCheckpoint) {
   TempDir d;
   auto a = test::random_bytes(1 << 20, 4);
-  save_blobs(d.path(), {{"x", a.data(), a.size(), false, 0, 1, Codec::kNone}});
+  save_blobs(d.path(), {{"x", test::host_buffer(a), 1, Codec::kNone}});
   inject_write_fault(0, ENOSPC);
   auto b = test::random_bytes(2 << 20, 5);
   try {
-    save_blobs(d.path(), {{"x", b.data(), b.size(), false, 0, 1, Codec::kNone}});
+    save_blobs(d.path(), {{"x", test::host_buffer(b), 1, Codec::kNone}});
     inject_write_fault(0, 0);
     FAIL() << "fault not reported";
   } catch (const IoError& e) {
@@ -212,7 +212,7 @@ TEST(CkptWriter, SecondSaveWhileInFlightIsRejectedOrBlocks) {
   auto mk = [&](const std::string& name) {
     SaveRequest r;
     r.file = d.path() + "/" + name;
-    r.blobs = {{"x", big.data(), big.size() * 4, false, 0, 4, Codec::kFloatZstd}};
+    r.blobs = {{"x", test::host_buffer(big), 4, Codec::kFloatZstd}};
     return r;
   };
   auto h = w.save(mk("a"));
@@ -230,7 +230,7 @@ SaveRequest commit_request(const std::string& dir, const std::vector<unsigned ch
   SaveRequest r;
   std::string tmp = make_temp_dir(dir + "/ck");
   r.file = tmp + "/rank0.ebt";
-  r.blobs = {{"x", data.data(), data.size(), false, 0, 1, Codec::kNone}};
+  r.blobs = {{"x", test::host_buffer(data), 1, Codec::kNone}};
   r.meta = "{}";
   r.commit_dir = tmp;
   r.commit_path = dir + "/ck";
@@ -305,7 +305,7 @@ TEST(CkptWriter, ReplacedCheckpointsAreRemovedInTheBackground) {
 TEST(CkptReader, InPlaceReadIntoFreshMapping) {
   TempDir d;
   auto a = test::random_bytes((6 << 20) + 4096, 12);
-  save_blobs(d.path(), {{"x", a.data(), a.size(), false, 0, 1, Codec::kNone}});
+  save_blobs(d.path(), {{"x", test::host_buffer(a), 1, Codec::kNone}});
   void* p = ::mmap(nullptr, a.size(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   ASSERT_NE(p, MAP_FAILED);
   ShardReader rd(d.path() + "/ck/rank0.ebt");
@@ -319,7 +319,7 @@ TEST(CkptWriter, BadRequestsThrowBeforeWriting) {
   CheckpointWriter w;
   SaveRequest r;
   r.file = d.path() + "/x";
-  r.blobs = {{"null", nullptr, 10, false, 0, 1, Codec::kNone}};
+  r.blobs = {{"null", {nullptr, 10}, 1, Codec::kNone}};
   EXPECT_THROW(w.save(r), InvalidArgument);
   EXPECT_EQ(d.entries(), 0u);
   EXPECT_THROW(make_temp_dir("/nonexistent-dir-ebbtide/ck"), IoError);
@@ -328,7 +328,7 @@ TEST(CkptWriter, BadRequestsThrowBeforeWriting) {
 TEST(CkptReader, TruncatedAndGarbageFiles) {
   TempDir d;
   auto a = test::random_bytes(1 << 20, 6);
-  save_blobs(d.path(), {{"x", a.data(), a.size(), false, 0, 1, Codec::kNone}});
+  save_blobs(d.path(), {{"x", test::host_buffer(a), 1, Codec::kNone}});
   std::string f = d.path() + "/ck/rank0.ebt";
   auto size = std::filesystem::file_size(f);
   std::filesystem::resize_file(f, size - 4096);
@@ -377,7 +377,7 @@ TEST_P(CkptWriterTest, StripedAndPipelinedRoundTrip) {
     std::string tag = pipelined ? "p" : "a";
     r.file = d.path() + "/main-" + tag + ".ebt";
     r.stripe_files = {d.path() + "/s1/" + tag + ".ebt", d.path() + "/s2/" + tag + ".ebt"};
-    r.blobs = {{"a", a.data(), a.size(), false, 0, 1, Codec::kNone}, {"b", b.data(), b.size(), false, 0, 1, Codec::kNone}};
+    r.blobs = {{"a", test::host_buffer(a), 1, Codec::kNone}, {"b", test::host_buffer(b), 1, Codec::kNone}};
     r.meta = "{}";
     r.pipelined = pipelined;
     auto res = w.save(std::move(r)).wait();
@@ -424,9 +424,9 @@ TEST_P(CkptWriterTest, FramedBlobsPipelinedMatchSnapshot) {
   auto data = test::random_bytes(300007, 7);
   auto head = test::random_bytes(100000, 8), tail = test::random_bytes(70001, 9);
   auto plain = test::random_bytes(5000, 10);
-  auto framed = [](std::string name, const void* p, uint64_t n, const std::vector<unsigned char>& h,
+  auto framed = [](std::string name, mem::Buffer data, const std::vector<unsigned char>& h,
                    const std::vector<unsigned char>& t) {
-    BlobSource b{std::move(name), p, n, false, 0, 1, Codec::kNone};
+    BlobSource b{std::move(name), data, 1, Codec::kNone};
     b.head.assign(h.begin(), h.end());
     b.tail.assign(t.begin(), t.end());
     return b;
@@ -444,9 +444,9 @@ TEST_P(CkptWriterTest, FramedBlobsPipelinedMatchSnapshot) {
     CheckpointWriter w(o);
     SaveRequest r;
     r.file = d.path() + (pipelined ? "/p.ebt" : "/s.ebt");
-    r.blobs = {framed("t", data.data(), data.size(), head, tail),
-               {"plain", plain.data(), plain.size(), false, 0, 1, Codec::kNone},
-               framed("empty", nullptr, 0, {head.begin(), head.begin() + 123}, {tail.begin(), tail.begin() + 45})};
+    r.blobs = {framed("t", test::host_buffer(data), head, tail),
+               {"plain", test::host_buffer(plain), 1, Codec::kNone},
+               framed("empty", {nullptr, 0}, {head.begin(), head.begin() + 123}, {tail.begin(), tail.begin() + 45})};
     r.meta = "{}";
     r.pipelined = pipelined;
     auto res = w.save(std::move(r)).wait();

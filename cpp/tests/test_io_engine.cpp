@@ -26,6 +26,7 @@
 #include "test_utils.hpp"
 
 namespace io = ebbtide::io;
+namespace mem = ebbtide::mem;
 using ebbtide::test::random_bytes;
 using ebbtide::test::ScopedEnv;
 using ebbtide::test::TempDir;
@@ -46,7 +47,7 @@ struct TestBuffer {
     auto v = random_bytes(n_, seed);
     std::memcpy(data(), v.data(), n_);
   }
-  io::Buffer buf() { return io::Buffer{data(), n_}; }
+  mem::Buffer buf() { return mem::Buffer{data(), n_}; }
   unsigned char* raw_;
   size_t misalign_, n_;
 };
@@ -112,7 +113,7 @@ TEST_P(IoEngine, ZeroSizeIsRejected) {
   auto slot = e->allocate(10);
   char c = 0;
   try {
-    e->write(slot, io::Buffer{&c, 0});
+    e->write(slot, mem::Buffer{&c, 0});
     FAIL() << "zero-size write accepted";
   } catch (const ebbtide::InvalidArgument& err) {
     EXPECT_NE(std::string(err.what()).find("0 bytes"), std::string::npos) << err.what();
@@ -584,7 +585,7 @@ TEST_P(IoEngine, KilledWriterLeavesNoFile) {
       bool told = false;
       for (;;) {
         auto slot = e.allocate(buf.size());
-        auto r = e.write(slot, io::Buffer{buf.data(), buf.size()});
+        auto r = e.write(slot, mem::Buffer{buf.data(), buf.size()});
         if (!told) {
           char c = 'w';
           if (::write(pipefd[1], &c, 1) != 1) ::_exit(2);
@@ -625,21 +626,21 @@ TEST_P(IoEngine, BadInputGivesClearErrors) {
     EXPECT_NE(w.find("8192"), std::string::npos) << w;
     EXPECT_NE(w.find("4096"), std::string::npos) << w;
   }
-  EXPECT_THROW(e->write(slot, io::Buffer{nullptr, 10}), ebbtide::InvalidArgument);
-  EXPECT_THROW(e->read(slot, io::Buffer{b.data(), 10}), ebbtide::StateError);  // never written
-  e->write(slot, io::Buffer{b.data(), 100}).wait();
-  EXPECT_THROW(e->read(slot, io::Buffer{b.data(), 99}), ebbtide::InvalidArgument);  // wrong length
+  EXPECT_THROW(e->write(slot, mem::Buffer{nullptr, 10}), ebbtide::InvalidArgument);
+  EXPECT_THROW(e->read(slot, mem::Buffer{b.data(), 10}), ebbtide::StateError);  // never written
+  e->write(slot, mem::Buffer{b.data(), 100}).wait();
+  EXPECT_THROW(e->read(slot, mem::Buffer{b.data(), 99}), ebbtide::InvalidArgument);  // wrong length
   e->free(slot);
   EXPECT_THROW(e->free(slot), ebbtide::StateError);  // freed twice
   EXPECT_THROW(e->free(12345), ebbtide::StateError);
-  EXPECT_THROW(e->write(slot, io::Buffer{b.data(), 10}), ebbtide::StateError);  // use after free
+  EXPECT_THROW(e->write(slot, mem::Buffer{b.data(), 10}), ebbtide::StateError);  // use after free
   EXPECT_THROW(e->allocate(1ull << 62), ebbtide::IoError);  // no disk that large
   auto s2 = e->allocate(10);  // still usable after the failed allocation
   e->close();
   e->close();  // idempotent
   EXPECT_TRUE(e->closed());
   EXPECT_THROW(e->allocate(10), ebbtide::StateError);
-  EXPECT_THROW(e->write(s2, io::Buffer{b.data(), 10}), ebbtide::StateError);
+  EXPECT_THROW(e->write(s2, mem::Buffer{b.data(), 10}), ebbtide::StateError);
 }
 
 TEST_P(IoEngine, CapacityLimitIsEnospc) {
@@ -695,7 +696,7 @@ TEST_P(IoEngine, DeviceBuffersRoundTripOrAreUnsupported) {
   auto slot = e->allocate(n);
   if (drv == nullptr) {
     char host = 0;
-    EXPECT_THROW(e->write(slot, io::Buffer{&host, 1, io::MemKind::kDevice}), ebbtide::Unsupported);
+    EXPECT_THROW(e->write(slot, mem::Buffer{&host, 1, 0}), ebbtide::Unsupported);
     return;
   }
   drv->bind_device(0);
@@ -704,8 +705,8 @@ TEST_P(IoEngine, DeviceBuffersRoundTripOrAreUnsupported) {
   src.fill(21);
   drv->memcpy_htod_async(dev, src.data(), n, 0);
   drv->stream_synchronize(0);
-  e->write(slot, io::Buffer{reinterpret_cast<void*>(dev), n, io::MemKind::kDevice}).wait();
-  e->read(slot, io::Buffer{reinterpret_cast<void*>(dev2), n, io::MemKind::kDevice}).wait();
+  e->write(slot, mem::Buffer{reinterpret_cast<void*>(dev), n, 0}).wait();
+  e->read(slot, mem::Buffer{reinterpret_cast<void*>(dev2), n, 0}).wait();
   drv->memcpy_dtoh_async(back.data(), dev2, n, 0);
   drv->stream_synchronize(0);
   EXPECT_EQ(0, std::memcmp(src.data(), back.data(), n));

@@ -15,6 +15,8 @@
 
 #include <unistd.h>
 
+#include "ebbtide/mem/buffer.hpp"
+
 namespace ebbtide::test {
 
 // Holds the threads that pass() while closed, to stage races: a test closes
@@ -115,6 +117,17 @@ inline std::vector<unsigned char> random_bytes(size_t n, uint64_t seed) {
   }
   for (; i < n; ++i) v[i] = static_cast<unsigned char>(rng());
   return v;
+}
+
+// The bytes of a vector or string as a host buffer. Const data is fine for a
+// source: the core never writes through one (mem/buffer.hpp).
+template <class Bytes>
+mem::Buffer host_buffer(const Bytes& v, uint64_t nbytes) {
+  return {const_cast<void*>(static_cast<const void*>(v.data())), nbytes};
+}
+template <class Bytes>
+mem::Buffer host_buffer(const Bytes& v) {
+  return host_buffer(v, v.size() * sizeof(*v.data()));
 }
 
 }  // namespace ebbtide::test

@@ -939,7 +939,7 @@ def offload(model: Optional[torch.nn.Module] = None, target: str = "auto",
     holds its entries is gone, or at once when nothing holds any
     (Note [Lifetime after the block]).
     """
-    # Note [Store pool] (bind_cache.cpp): the store is borrowed from a pool
+    # Note [Store pool] (cpp/src/cache/store_pool.cpp): the store is borrowed from a pool
     # of idle ones with the same settings and given back at close, so a
     # cache per step costs its slab file and threads once per process.
     cache = TensorCache(target=target, path=path, _pooled=True, **kwargs)

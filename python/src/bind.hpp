@@ -4,7 +4,10 @@
 
 #include <nanobind/nanobind.h>
 
+#include <cstdint>
 #include <exception>
+
+#include "ebbtide/mem/buffer.hpp"
 
 namespace ebbtide::py {
 
@@ -27,5 +30,12 @@ PyObject* state_error_type();
 
 // Releases the GIL in a scope (blocking C++ calls).
 using gil_release = nb::gil_scoped_release;
+
+// The memory a Python API names by address, size and a device flag, for core
+// calls that find the device from the pointer (io::Engine, checkpoints): a
+// device buffer gets ordinal 0 there (mem/buffer.hpp).
+inline mem::Buffer pointer_buffer(uintptr_t ptr, uint64_t nbytes, bool device, uintptr_t stream) {
+  return {reinterpret_cast<void*>(ptr), nbytes, device ? 0 : mem::kHost, stream};
+}
 
 }  // namespace ebbtide::py

@@ -8,6 +8,10 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <string_view>
+#include <type_traits>
+#include <variant>
+
 #include "bind.hpp"
 #include "glue_api.hpp"
 #include "ebbtide/cache/store.hpp"
@@ -21,49 +25,35 @@ using namespace ebbtide::cache;
 
 namespace {
 
-nb::dict counters_dict(const Counters& c) {
+nb::dict record_dict(const StatRecord& r);
+
+nb::object stat_value(const StatField& f) {
+  return std::visit(
+      [](const auto& v) -> nb::object {
+        using V = std::decay_t<decltype(v)>;
+        if constexpr (std::is_same_v<V, std::string_view>) {
+          return nb::str(v.data(), v.size());
+        } else if constexpr (std::is_same_v<V, StatRecord>) {
+          return record_dict(v);
+        } else if constexpr (std::is_same_v<V, std::vector<StatRecord>>) {
+          nb::list out;
+          for (const auto& r : v) out.append(record_dict(r));
+          return out;
+        } else {
+          return nb::cast(v);
+        }
+      },
+      f.value);
+}
+
+nb::dict record_dict(const StatRecord& r) {
   nb::dict d;
-  d["bytes_offloaded"] = c.bytes_offloaded;
-  d["bytes_reloaded"] = c.bytes_reloaded;
-  d["tensors_saved"] = c.tensors_saved;
-  d["tensors_deduped"] = c.tensors_deduped;
-  d["tensors_offloaded"] = c.tensors_offloaded;
-  d["tensors_forwarded"] = c.tensors_forwarded;
-  d["tensors_kept"] = c.tensors_kept;
-  d["tensors_reloaded"] = c.tensors_reloaded;
-  d["tensors_reused"] = c.tensors_reused;
-  d["bytes_reused"] = c.bytes_reused;
-  d["bytes_discarded"] = c.bytes_discarded;
-  d["store_failures"] = c.store_failures;
-  d["load_failures"] = c.load_failures;
-  d["copy_waits"] = c.copy_waits;
-  d["saved_bytes_total"] = c.saved_bytes_total;
-  d["peak_resident_bytes"] = c.peak_resident_bytes;
-  d["stall_seconds"] = c.stall_seconds;
+  for (const auto& f : r) d[nb::str(f.name.data(), f.name.size())] = stat_value(f);
   return d;
 }
 
 ebbtide::mem::cuda::Driver* cuda_driver(bool want) {
   return want ? ebbtide::mem::cuda::driver() : nullptr;
-}
-
-nb::list tiers_list(const StoreStats& s) {
-  nb::list out;
-  const char* names[kTiers] = {"cpu", "ssd"};
-  for (int t = 0; t < kTiers; ++t) {
-    const TierMeter& m = s.tiers[t];
-    if (!m.present) continue;
-    nb::dict d;
-    d["tier"] = names[t];
-    d["bytes_held"] = m.bytes_held;
-    d["bytes_written"] = m.bytes_written;
-    d["write_seconds"] = m.write_seconds;
-    d["bytes_read"] = m.bytes_read;
-    d["read_seconds"] = m.read_seconds;
-    d["write_limit_bps"] = m.write_limit_bps;
-    out.append(d);
-  }
-  return out;
 }
 
 // Note [Glue objects] (tensor_cache.cpp): a Python object the core keeps for
@@ -230,10 +220,7 @@ void ebbtide::py::bind_cache(nb::module_& m) {
              r.orig = glue_obj(orig);
              r.key = key;
              r.version = version;
-             r.ptr = reinterpret_cast<const void*>(ptr);
-             r.nbytes = nbytes;
-             r.device = device;
-             r.stream = stream;
+             r.src = {reinterpret_cast<void*>(ptr), nbytes, device, stream};
              r.microbatch = microbatch;
              r.offload = offload;
              r.tier = tier;
@@ -349,22 +336,5 @@ void ebbtide::py::bind_cache(nb::module_& m) {
       .def("contains", &TensorCache::contains, nb::arg("id"))
       .def("describe", &TensorCache::describe)
       .def_prop_ro("io_alignment", &TensorCache::io_alignment)
-      .def("stats", [](const TensorCache& c) {
-        auto s = c.stats();
-        nb::dict d;
-        d["step"] = counters_dict(s.step);
-        d["total"] = counters_dict(s.total);
-        d["steps"] = s.steps;
-        d["resident_bytes"] = s.resident_bytes;
-        d["window_bytes"] = s.window_bytes;
-        d["inflight_bytes"] = s.inflight_bytes;
-        d["entries"] = s.entries;
-        d["queued_stores"] = s.queued_stores;
-        d["queued_loads"] = s.queued_loads;
-        d["store_bytes_held"] = s.store.bytes_held;
-        d["store_blobs"] = s.store.blobs;
-        d["store_bytes_staged"] = s.store.bytes_staged;
-        d["tiers"] = tiers_list(s.store);
-        return d;
-      });
+      .def("stats", [](const TensorCache& c) { return record_dict(stat_record(c.stats())); });
 }

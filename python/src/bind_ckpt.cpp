@@ -85,7 +85,7 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
              req.commit_path = commit_path;
              req.extra_files = extra_files;
              for (const auto& [name, ptr, nbytes, device, stream, elem, codec] : blobs) {
-               req.blobs.push_back({name, reinterpret_cast<const void*>(ptr), nbytes, device, stream, elem,
+               req.blobs.push_back({name, ebbtide::py::pointer_buffer(ptr, nbytes, device, stream), elem,
                                     parse_codec(codec)});
              }
              for (size_t i = 0; i < frames.size(); ++i) {  // Note [Framed blobs]

@@ -50,7 +50,7 @@ class PyEngine {
   io::Request submit_ptr(io::SlotId slot, uintptr_t ptr, uint64_t nbytes, bool device, uintptr_t stream,
                          bool write) {
     sweep();
-    io::Buffer b{reinterpret_cast<void*>(ptr), nbytes, device ? io::MemKind::kDevice : io::MemKind::kHost, stream};
+    const ebbtide::mem::Buffer b = ebbtide::py::pointer_buffer(ptr, nbytes, device, stream);
     return write ? engine_.write(slot, b) : engine_.read(slot, b);
   }
 
@@ -88,7 +88,7 @@ class PyEngine {
           nb::inst_name(obj).c_str()));
     }
     h->held = true;
-    io::Buffer b{h->view.buf, static_cast<uint64_t>(h->view.len)};
+    ebbtide::mem::Buffer b{h->view.buf, static_cast<uint64_t>(h->view.len)};
     io::Request r = write ? engine_.write(slot, b) : engine_.read(slot, b);
     held_.emplace_back(r, std::move(h));
     return r;

@@ -45,10 +45,10 @@ class HostStore final : public Store {
       for (void* p : v) release(p, key.second);
   }
 
-  Location put(const Span& src) override {
+  Location put(const mem::Buffer& src, int /*tier*/) override {
     EBB_CHECK(src.nbytes > 0, "host store: empty put");
     reserve(src.nbytes);  // before copying, so concurrent puts respect the cap
-    const bool want_pinned = src.device >= 0 && opts_.driver != nullptr;
+    const bool want_pinned = src.on_device() && opts_.driver != nullptr;
     const size_t alloc = alloc_size(src.nbytes, want_pinned);
     auto [data, pinned] = new_blob(alloc, want_pinned);
     if (data == nullptr) {
@@ -87,7 +87,7 @@ class HostStore final : public Store {
     return HostSpace{loc, data, pinned};
   }
 
-  void get(Location loc, const Span& dst) override {
+  void get(Location loc, const mem::Buffer& dst) override {
     Blob b;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -200,13 +200,13 @@ class HostStore final : public Store {
   }
 
   // Copies between the host blob and `s` in the direction given.
-  void copy(void* blob, bool pinned, const Span& s, bool to_device) {
-    if (s.device < 0) {
+  void copy(void* blob, bool pinned, const mem::Buffer& s, bool to_device) {
+    if (!s.on_device()) {
       if (to_device) std::memcpy(s.ptr, blob, s.nbytes);
       else std::memcpy(blob, s.ptr, s.nbytes);
       return;
     }
-    if (opts_.driver == nullptr) throw Unsupported("host store: device span without a CUDA driver");
+    if (opts_.driver == nullptr) throw Unsupported("host store: device buffer without a CUDA driver");
     auto* drv = opts_.driver;
     if (pinned) {  // one copy at full speed, on the worker's side stream
       auto dev = reinterpret_cast<mem::cuda::DevicePtr>(s.ptr);

@@ -24,13 +24,13 @@ class SsdStore final : public Store {
     }
   }
 
-  Location put(const Span& src) override {
+  Location put(const mem::Buffer& src, int /*tier*/) override {
     EBB_CHECK(src.nbytes > 0, "ssd store: empty put");
     // Host data: lay the slot out after the source's address, so that O_DIRECT
     // writes it in place (Note [Slot phase] in io/striping.cpp).
-    io::SlotId slot = engine_.allocate(src.nbytes, src.device < 0 ? src.ptr : nullptr);
+    io::SlotId slot = engine_.allocate(src.nbytes, src.on_device() ? nullptr : src.ptr);
     try {
-      engine_.write(slot, buffer(src)).wait();
+      engine_.write(slot, src).wait();
     } catch (...) {
       try {
         engine_.free(slot);
@@ -41,7 +41,7 @@ class SsdStore final : public Store {
     return slot;
   }
 
-  void get(Location loc, const Span& dst) override { engine_.read(loc, buffer(dst)).wait(); }
+  void get(Location loc, const mem::Buffer& dst) override { engine_.read(loc, dst).wait(); }
 
   void free(Location loc) override { engine_.free(loc); }
 
@@ -56,15 +56,6 @@ class SsdStore final : public Store {
   bool has_tier(int tier) const override { return tier == kTierSsd; }
 
  private:
-  static io::Buffer buffer(const Span& s) {
-    io::Buffer b;
-    b.ptr = s.ptr;
-    b.nbytes = s.nbytes;
-    b.kind = s.device >= 0 ? io::MemKind::kDevice : io::MemKind::kHost;
-    b.stream = s.stream;
-    return b;
-  }
-
   io::Engine engine_;
 };
 

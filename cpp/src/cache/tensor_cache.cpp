@@ -147,11 +147,11 @@ struct TensorCache::Entry {
   EntryId id = 0;
   uint64_t key = 0;
   uint64_t version = 0;
-  const void* src = nullptr;
+  void* src = nullptr;
   uint64_t nbytes = 0;
-  int device = -1;
+  int device = mem::kHost;
   int microbatch = 0;
-  int tier = -1;
+  int tier = kTierFirst;
   uint64_t step = 0;
   EntryState state = EntryState::kKept;
   bool acked = true;
@@ -358,15 +358,15 @@ SaveResult TensorCache::save(const SaveRequest& r) {
   Lock lock(mu_);
   Reaper reaper{graveyard_, dead};
   EBB_CHECK_STATE(!closed_, "tensor cache: save on a closed cache");
-  EBB_CHECK(r.nbytes > 0 && r.ptr != nullptr, "tensor cache: save of an empty storage (key ", r.key, ")");
-  EBB_CHECK(r.device < 0 || opts_.driver != nullptr, "tensor cache: device ", r.device,
+  EBB_CHECK(r.src.nbytes > 0 && r.src.ptr != nullptr, "tensor cache: save of an empty storage (key ", r.key, ")");
+  EBB_CHECK(!r.src.on_device() || opts_.driver != nullptr, "tensor cache: device ", r.src.device,
             " tensor saved but no CUDA driver is loaded");
   step_c_.tensors_saved += 1;
   // A dedup hit needs the same storage (key), the same bytes and the same
   // version: after an in-place change the old snapshot must not serve the new.
   if (auto it = by_key_.find({r.key, r.version}); it != by_key_.end()) {
     Entry& e = *entries_.at(it->second);
-    if (e.nbytes == r.nbytes && e.src == r.ptr && e.device == r.device) {
+    if (e.nbytes == r.src.nbytes && e.src == r.src.ptr && e.device == r.src.device) {
       e.handles += 1;
       if (e.state == EntryState::kLoaded) e.unpacks_left += 1;
       step_c_.tensors_deduped += 1;
@@ -378,9 +378,9 @@ SaveResult TensorCache::save(const SaveRequest& r) {
   e->id = next_id_++;
   e->key = r.key;
   e->version = r.version;
-  e->src = r.ptr;
-  e->nbytes = r.nbytes;
-  e->device = r.device;
+  e->src = r.src.ptr;
+  e->nbytes = r.src.nbytes;
+  e->device = r.src.device;
   e->microbatch = r.microbatch;
   e->tier = r.tier;
   e->step = step_;
@@ -388,12 +388,12 @@ SaveResult TensorCache::save(const SaveRequest& r) {
   e->state = EntryState::kKept;
   e->orig = r.orig;
   bool offload = r.offload && !stop_offload_;
-  if (offload && opts_.max_inflight_bytes != 0 && inflight_ + r.nbytes > opts_.max_inflight_bytes) {
+  if (offload && opts_.max_inflight_bytes != 0 && inflight_ + r.src.nbytes > opts_.max_inflight_bytes) {
     // Note [Store backpressure]: bounds the memory held for pending stores
     // when the store is slower than compute (the wait counts as stall).
     auto t0 = std::chrono::steady_clock::now();
     done_cv_.wait(lock, [&] {
-      return closed_ || stores_paused_ || inflight_ == 0 || inflight_ + r.nbytes <= opts_.max_inflight_bytes;
+      return closed_ || stores_paused_ || inflight_ == 0 || inflight_ + r.src.nbytes <= opts_.max_inflight_bytes;
     });
     add_stall(seconds_since(t0));
     EBB_CHECK_STATE(!closed_, "tensor cache: closed while a save waited");
@@ -402,24 +402,24 @@ SaveResult TensorCache::save(const SaveRequest& r) {
   // Device entries are copied stream-ordered from here when they can be
   // (Note [Stream-ordered offload]), else by a worker, else kept.
   bool stream_ordered = false;
-  if (offload && r.device >= 0) {
+  if (offload && r.src.on_device()) {
     switch (offload_device_locked(*e, r)) {
       case DevicePath::kOffloaded: stream_ordered = true; break;
       case DevicePath::kKeep: offload = false; break;
       case DevicePath::kWorker: break;
     }
   }
-  if (offload && !stream_ordered && r.device >= 0) {  // the only step that can fail: before any accounting
-    mem::cuda::DeviceScope scope(opts_.driver, r.device);  // Note [Caller's context]
-    e->ready_ev = take_event_locked(r.device);
+  if (offload && !stream_ordered && r.src.on_device()) {  // the only step that can fail: before any accounting
+    mem::cuda::DeviceScope scope(opts_.driver, r.src.device);  // Note [Caller's context]
+    e->ready_ev = take_event_locked(r.src.device);
     try {
-      opts_.driver->event_record(e->ready_ev, r.stream);
+      opts_.driver->event_record(e->ready_ev, r.src.stream);
     } catch (...) {
-      give_event_locked(r.device, e->ready_ev);
+      give_event_locked(r.src.device, e->ready_ev);
       throw;
     }
   }
-  const bool on_caller = offload && r.device < 0 && copy_on_caller_locked(*e, r);
+  const bool on_caller = offload && !r.src.on_device() && copy_on_caller_locked(*e, r);
   // Resident: kKept, kQueued, or kStored until its release point; the cache
   // holds the tensor until then.
   if (!on_caller) {
@@ -427,7 +427,7 @@ SaveResult TensorCache::save(const SaveRequest& r) {
     step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_);
     e->live = r.live;
   }
-  step_c_.saved_bytes_total += r.nbytes;
+  step_c_.saved_bytes_total += r.src.nbytes;
   const EntryId id = e->id;
   if (offload) {
     if (!stream_ordered && !on_caller) {
@@ -437,24 +437,24 @@ SaveResult TensorCache::save(const SaveRequest& r) {
       work_cv_.notify_one();
     }
     auto& mb = microbatches_[r.microbatch];
-    push_order_locked(mb, e.get(), r.nbytes, !on_caller);  // Note [Host copies on the caller]
+    push_order_locked(mb, e.get(), r.src.nbytes, !on_caller);  // Note [Host copies on the caller]
     mb.backward_began = false;  // a new forward of this micro-batch
   } else {
     step_c_.tensors_kept += 1;
-    if (r.device >= 0) {
+    if (r.src.on_device()) {
       // Kept device entries hold their place in the forward order, so the
       // prefetch distance counts them (Note [Prefetch distance]): a plan
       // keeps the tail resident, and the reloads of the early blocks must
       // wait until backward has freed it.
-      push_order_locked(microbatches_[r.microbatch], e.get(), r.nbytes, false);
+      push_order_locked(microbatches_[r.microbatch], e.get(), r.src.nbytes, false);
     }
   }
   by_key_[{r.key, r.version}] = id;
   entries_.emplace(id, std::move(e));
   const HandleId h = new_handle_locked(id);
   if (stream_ordered) {
-    mem::cuda::DeviceScope scope(opts_.driver, r.device);
-    bound_copies_locked(lanes_.at(r.device), r.stream);
+    mem::cuda::DeviceScope scope(opts_.driver, r.src.device);
+    bound_copies_locked(lanes_.at(r.src.device), r.src.stream);
   }
   return SaveResult{id, h, true, offload, take_completions_locked()};
 }
@@ -462,21 +462,21 @@ SaveResult TensorCache::save(const SaveRequest& r) {
 // Note [Host copies on the caller]. False when the entry is not for this path
 // or the host tier is full (the worker path then spills it to the SSD).
 bool TensorCache::copy_on_caller_locked(Entry& e, const SaveRequest& r) {
-  if (r.device >= 0 || r.tier == kTierSsd || r.nbytes > opts_.inline_copy_bytes || !store_->has_tier(kTierCpu))
+  if (r.src.on_device() || r.tier == kTierSsd || r.src.nbytes > opts_.inline_copy_bytes || !store_->has_tier(kTierCpu))
     return false;
   HostSpace space;
   try {
-    space = store_->reserve_host(r.nbytes);
+    space = store_->reserve_host(r.src.nbytes);
   } catch (const IoError& ex) {
     if (ex.err() == ENOSPC || ex.err() == ENOMEM) return false;
     throw;
   }
-  std::memcpy(space.ptr, r.ptr, r.nbytes);
+  std::memcpy(space.ptr, r.src.ptr, r.src.nbytes);
   e.loc = space.loc;
   e.has_loc = true;
   e.state = EntryState::kStored;
   e.acked = true;
-  step_c_.bytes_offloaded += r.nbytes;
+  step_c_.bytes_offloaded += r.src.nbytes;
   step_c_.tensors_offloaded += 1;
   return true;
 }
@@ -552,7 +552,7 @@ Store& TensorCache::staging_locked() {
 // so the copy would not overlap: the entry takes the worker path.
 TensorCache::DevicePath TensorCache::offload_device_locked(Entry& e, const SaveRequest& r) {
   auto* drv = opts_.driver;
-  mem::cuda::DeviceScope scope(drv, r.device);  // Note [Caller's context]
+  mem::cuda::DeviceScope scope(drv, r.src.device);  // Note [Caller's context]
   if (!fenced_.empty()) sweep_fenced_locked(false);
   const auto full = [](const IoError& ex) { return ex.err() == ENOSPC || ex.err() == ENOMEM; };
   HostSpace space;
@@ -560,7 +560,7 @@ TensorCache::DevicePath TensorCache::offload_device_locked(Entry& e, const SaveR
   bool spill = false;
   if (r.tier != kTierSsd && store_->has_tier(kTierCpu)) {
     try {
-      space = store_->reserve_host(r.nbytes);
+      space = store_->reserve_host(r.src.nbytes);
       owner = store_.get();
     } catch (const IoError& ex) {
       if (!full(ex)) throw;
@@ -568,9 +568,9 @@ TensorCache::DevicePath TensorCache::offload_device_locked(Entry& e, const SaveR
   }
   if (owner == nullptr && store_->has_tier(kTierSsd)) {
     Store& st = staging_locked();
-    if (st.stats().bytes_held + r.nbytes <= opts_.staging_bytes) {
+    if (st.stats().bytes_held + r.src.nbytes <= opts_.staging_bytes) {
       try {
-        space = st.reserve_host(r.nbytes);
+        space = st.reserve_host(r.src.nbytes);
         owner = &st;
         spill = true;
       } catch (const IoError& ex) {
@@ -587,21 +587,21 @@ TensorCache::DevicePath TensorCache::offload_device_locked(Entry& e, const SaveR
   mem::cuda::Event ready = 0;
   mem::cuda::Event copy = 0;
   try {
-    lane = &lane_locked(r.device);
-    ready = take_event_locked(r.device);
-    drv->event_record(ready, r.stream);
+    lane = &lane_locked(r.src.device);
+    ready = take_event_locked(r.src.device);
+    drv->event_record(ready, r.src.stream);
     drv->stream_wait_event(lane->copy, ready);
-    give_event_locked(r.device, ready);  // the wait captured the record: the event may be reused
-    drv->memcpy_dtoh_async(space.ptr, reinterpret_cast<mem::cuda::DevicePtr>(r.ptr), r.nbytes, lane->copy);
-    copy = take_event_locked(r.device);
+    give_event_locked(r.src.device, ready);  // the wait captured the record: the event may be reused
+    drv->memcpy_dtoh_async(space.ptr, reinterpret_cast<mem::cuda::DevicePtr>(r.src.ptr), r.src.nbytes, lane->copy);
+    copy = take_event_locked(r.src.device);
     drv->event_record(copy, lane->copy);
   } catch (...) {
-    give_event_locked(r.device, ready);
-    give_event_locked(r.device, copy);
+    give_event_locked(r.src.device, ready);
+    give_event_locked(r.src.device, copy);
     owner->free(space.loc);
     throw;
   }
-  lane->enqueued += r.nbytes;
+  lane->enqueued += r.src.nbytes;
   ref_event_locked(copy);
   lane->pending.push_back(Lane::Copy{lane->enqueued, copy, e.id});
   e.stream_ordered = true;
@@ -612,7 +612,7 @@ TensorCache::DevicePath TensorCache::offload_device_locked(Entry& e, const SaveR
   e.copy_through = lane->enqueued;
   e.state = EntryState::kStored;
   e.acked = false;  // the glue holds the tensor until a release point
-  step_c_.bytes_offloaded += r.nbytes;
+  step_c_.bytes_offloaded += r.src.nbytes;
   step_c_.tensors_offloaded += 1;
   if (spill) {  // Note [SSD below the link]
     e.spill_queued = true;
@@ -1076,7 +1076,7 @@ void TensorCache::load_host_locked(Lock& lock, Entry& e, void* into, bool count)
   }
   e.busy = true;
   const Location loc = e.loc;
-  const Span dst{own ? e.dst : into, e.nbytes, -1, 0};
+  const mem::Buffer dst{own ? e.dst : into, e.nbytes};
   busy_ += 1;
   lock.unlock();
   const auto t0 = std::chrono::steady_clock::now();
@@ -1388,9 +1388,9 @@ std::pair<double, double> TensorCache::probe(int tier, uint64_t nbytes) {
   std::unique_ptr<void, decltype(free_fn)> buf(std::aligned_alloc(kAlign, alloc), free_fn);
   EBB_CHECK_STATE(buf != nullptr, "tensor cache: cannot allocate a ", nbytes, "-byte probe buffer");
   std::memset(buf.get(), 0x5a, alloc);
-  Span span{buf.get(), nbytes, -1, 0, tier};
+  const mem::Buffer span{buf.get(), nbytes};
   auto t0 = std::chrono::steady_clock::now();
-  const Location loc = store_->put(span);
+  const Location loc = store_->put(span, tier);
   const double write_s = seconds_since(t0);
   t0 = std::chrono::steady_clock::now();
   try {
@@ -1584,17 +1584,17 @@ void TensorCache::run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Str
   Entry& e = *it->second;
   mutate(e, EntryState::kStoring, true);
   e.busy = true;
-  Span src{const_cast<void*>(e.src), e.nbytes, e.device, 0, e.tier};
+  mem::Buffer src{e.src, e.nbytes, e.device};
   mem::cuda::Event ready = e.ready_ev;
   lock.unlock();
   Location loc = 0;
   std::exception_ptr err;
   try {
-    if (src.device >= 0) {
+    if (src.on_device()) {
       src.stream = side_stream(opts_.driver, side, src.device);
       opts_.driver->stream_wait_event(src.stream, ready);
     }
-    loc = store_->put(src);
+    loc = store_->put(src, e.tier);
   } catch (...) {
     err = std::current_exception();
   }
@@ -1647,19 +1647,19 @@ void TensorCache::run_load(Lock& lock, EntryId id, std::map<int, mem::cuda::Stre
   }
   e.busy = true;
   e.load_started = true;
-  Span dst{e.dst, e.nbytes, e.device, 0};
+  mem::Buffer dst{e.dst, e.nbytes, e.device};
   Location loc = e.loc;
   mem::cuda::Event ready = e.dst_ready_ev;
   mem::cuda::Event done = e.load_done_ev;  // made by start_load (Note [Caller's context])
   lock.unlock();
   std::exception_ptr err;
   try {
-    if (dst.device >= 0) {
+    if (dst.on_device()) {
       dst.stream = side_stream(opts_.driver, side, dst.device);
       opts_.driver->stream_wait_event(dst.stream, ready);
     }
     store_->get(loc, dst);
-    if (dst.device >= 0) opts_.driver->event_record(done, dst.stream);
+    if (dst.on_device()) opts_.driver->event_record(done, dst.stream);
   } catch (...) {
     err = std::current_exception();
   }
@@ -1694,7 +1694,7 @@ void TensorCache::run_spill(Lock& lock, Entry& e) {
   try {
     opts_.driver->bind_device(dev);
     opts_.driver->event_synchronize(copy);
-    loc = store_->put(Span{blob, n, -1, 0, kTierSsd});
+    loc = store_->put(mem::Buffer{blob, n}, kTierSsd);
   } catch (...) {
     err = std::current_exception();
   }
@@ -1733,7 +1733,7 @@ void TensorCache::run_device_load(Lock& lock, Entry& e) {
   try {
     space = st.reserve_host(n);
     have = true;
-    store_->get(loc, Span{space.ptr, n, -1, 0});
+    store_->get(loc, mem::Buffer{space.ptr, n});
     opts_.driver->bind_device(dev);
     opts_.driver->stream_wait_event(load, ready);
     opts_.driver->memcpy_htod_async(reinterpret_cast<mem::cuda::DevicePtr>(dst), space.ptr, n, load);

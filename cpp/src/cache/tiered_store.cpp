@@ -63,10 +63,9 @@ class TieredStore final : public Store {
     tiers_[kTierSsd] = std::move(o.ssd);
   }
 
-  Location put(const Span& src) override {
-    int tier = src.tier;
-    EBB_CHECK(tier >= -1 && tier < kTiers, "tiered store: tier ", tier, " is not valid (valid: -1, 0 cpu, 1 ssd)");
-    if (tier == -1 || !tiers_[tier]) tier = tiers_[kTierCpu] ? kTierCpu : kTierSsd;
+  Location put(const mem::Buffer& src, int tier) override {
+    EBB_CHECK(tier >= kTierFirst && tier < kTiers, "tiered store: tier ", tier, " is not valid (valid: -1, 0 cpu, 1 ssd)");
+    if (tier == kTierFirst || !tiers_[tier]) tier = tiers_[kTierCpu] ? kTierCpu : kTierSsd;
     if (tier == kTierCpu) {
       try {
         return put_to(kTierCpu, src);
@@ -90,7 +89,7 @@ class TieredStore final : public Store {
     return h;
   }
 
-  void get(Location loc, const Span& dst) override {
+  void get(Location loc, const mem::Buffer& dst) override {
     const int tier = (loc & kSsdBit) ? kTierSsd : kTierCpu;
     Store& s = at(tier, loc);
     meters_[tier][1].begin();
@@ -154,12 +153,12 @@ class TieredStore final : public Store {
     return *tiers_[tier];
   }
 
-  Location put_to(int tier, const Span& src) {
+  Location put_to(int tier, const mem::Buffer& src) {
     BusyMeter& m = meters_[tier][0];
     m.begin();
     try {
       if (tier == kTierSsd) limiter_.acquire(src.nbytes);
-      const Location loc = tiers_[tier]->put(src);
+      const Location loc = tiers_[tier]->put(src, tier);
       m.end(src.nbytes);
       EBB_CHECK_STATE((loc & kSsdBit) == 0, "tiered store: location ", loc, " of tier ", tier, " too large");
       return loc;

@@ -182,11 +182,13 @@ void copy_snapshot(char* dst, const char* src, uint64_t n) {
   std::memcpy(dst, src, n);
 }
 
-// Bytes [off, off + n) of blob `b` as stored: head, then the data at b.ptr,
-// then tail (Note [Framed blobs]). The range must lie within stored_nbytes().
+// Bytes [off, off + n) of blob `b` as stored: head, then b.data, then tail
+// (Note [Framed blobs]). The range must lie within stored_nbytes().
 void copy_stored(const BlobSource& b, uint64_t off, uint64_t n, char* dst) {
   const std::pair<const char*, uint64_t> parts[] = {
-      {b.head.data(), b.head.size()}, {static_cast<const char*>(b.ptr), b.nbytes}, {b.tail.data(), b.tail.size()}};
+      {b.head.data(), b.head.size()},
+      {static_cast<const char*>(b.data.ptr), b.data.nbytes},
+      {b.tail.data(), b.tail.size()}};
   uint64_t start = 0;
   for (const auto& [src, len] : parts) {
     const uint64_t lo = std::max(off, start), hi = std::min(off + n, start + len);
@@ -260,7 +262,7 @@ struct CheckpointWriter::Impl {
   static bool can_pipeline(const SaveRequest& req) {
     if (!req.pipelined) return false;
     for (const auto& b : req.blobs)
-      if (b.device || b.codec != Codec::kNone) return false;
+      if (b.data.on_device() || b.codec != Codec::kNone) return false;
     return true;
   }
 
@@ -271,7 +273,8 @@ struct CheckpointWriter::Impl {
     uint64_t off = 0;
     for (size_t i = 0; i < req.blobs.size(); ++i) {
       const auto& b = req.blobs[i];
-      EBB_CHECK(b.ptr != nullptr || b.nbytes == 0, "blob '", b.name, "' has a null pointer and ", b.nbytes, " bytes");
+      EBB_CHECK(b.data.ptr != nullptr || b.data.nbytes == 0, "blob '", b.name, "' has a null pointer and ", b.data.nbytes,
+                " bytes");
       EBB_CHECK(b.elem_bytes > 0, "blob '", b.name, "' has element size 0");
       EBB_CHECK(b.codec == Codec::kNone || have_zstd(), "blob '", b.name, "': codec ", to_string(b.codec),
                 " needs zstd, and this build has no libzstd");
@@ -310,7 +313,7 @@ struct CheckpointWriter::Impl {
     } copies;
     for (size_t i = 0; i < req.blobs.size(); ++i) {
       const auto& b = req.blobs[i];
-      if (!b.device || b.nbytes == 0) continue;
+      if (!b.data.on_device() || b.data.nbytes == 0) continue;
       if (drv == nullptr) {
         drv = mem::cuda::driver();
         EBB_CHECK(drv != nullptr, "blob '", b.name, "' is in CUDA device memory but no CUDA driver is usable: ",
@@ -318,11 +321,11 @@ struct CheckpointWriter::Impl {
         copies.caller = drv->current_context();
         copies.drv = drv;
       }
-      drv->bind_context_of(reinterpret_cast<mem::cuda::DevicePtr>(b.ptr));
+      drv->bind_context_of(reinterpret_cast<mem::cuda::DevicePtr>(b.data.ptr));
       arena->ensure_registered();  // async device copies need page-locked memory
-      const std::pair<mem::cuda::Context, mem::cuda::Stream> key{drv->current_context(), b.stream};
-      drv->memcpy_dtoh_async(base + plan[i].arena_offset + b.head.size(), reinterpret_cast<mem::cuda::DevicePtr>(b.ptr), b.nbytes,
-                             b.stream);
+      const std::pair<mem::cuda::Context, mem::cuda::Stream> key{drv->current_context(), b.data.stream};
+      drv->memcpy_dtoh_async(base + plan[i].arena_offset + b.head.size(), reinterpret_cast<mem::cuda::DevicePtr>(b.data.ptr),
+                             b.data.nbytes, b.data.stream);
       if (std::find(copies.streams.begin(), copies.streams.end(), key) == copies.streams.end())
         copies.streams.push_back(key);
     }
@@ -340,11 +343,11 @@ struct CheckpointWriter::Impl {
       const uint64_t stored = b.stored_nbytes(), padded = align_up(stored, kBlockBytes);
       if (padded > stored) std::memset(dst + stored, 0, padded - stored);
       copy_stored(b, 0, b.head.size(), dst);  // Note [Framed blobs]
-      copy_stored(b, b.head.size() + b.nbytes, b.tail.size(), dst + b.head.size() + b.nbytes);
+      copy_stored(b, b.head.size() + b.data.nbytes, b.tail.size(), dst + b.head.size() + b.data.nbytes);
       dst += b.head.size();
-      if (b.device) continue;
-      for (uint64_t o = 0; o < b.nbytes; o += kPiece)
-        pieces.push_back({static_cast<const char*>(b.ptr) + o, dst + o, std::min(kPiece, b.nbytes - o)});
+      if (b.data.on_device()) continue;
+      for (uint64_t o = 0; o < b.data.nbytes; o += kPiece)
+        pieces.push_back({static_cast<const char*>(b.data.ptr) + o, dst + o, std::min(kPiece, b.data.nbytes - o)});
     }
     workers.parallel_for(pieces.size(), [&](size_t k) { copy_snapshot(pieces[k].dst, pieces[k].src, pieces[k].n); });
     if (copies.drv != nullptr) {

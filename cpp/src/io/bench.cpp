@@ -151,7 +151,7 @@ void run_device_passes(Engine& engine, const std::vector<SlotId>& slots,
         inflight.front().wait();
         inflight.pop_front();
       }
-      Buffer b{reinterpret_cast<void*>(dev[i % dev.size()]), sizes[i], MemKind::kDevice, 0};
+      mem::Buffer b{reinterpret_cast<void*>(dev[i % dev.size()]), sizes[i], 0, 0};
       inflight.push_back(write ? engine.write(slots[i], b) : engine.read(slots[i], b));
     }
     for (auto& r : inflight) r.wait();
@@ -232,7 +232,7 @@ BenchResult run_io_bench(const BenchOptions& o) {
       }
       auto& b = *bufs[i % bufs.size()];
       before(i, b);
-      Buffer buf{b.data(), sizes[i]};
+      mem::Buffer buf{b.data(), sizes[i]};
       inflight.emplace_back(i, write ? engine.write(slots[i], buf) : engine.read(slots[i], buf));
     }
     while (!inflight.empty()) {

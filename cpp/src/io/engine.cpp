@@ -281,11 +281,11 @@ void Engine::Impl::run_device(Device& d) {
   }
 }
 
-ReqPtr Engine::Impl::submit(SlotId slot, const Buffer& b, Callback cb, bool write) {
+ReqPtr Engine::Impl::submit(SlotId slot, const mem::Buffer& b, Callback cb, bool write) {
   const char* what = write ? "write" : "read";
   EBB_CHECK(b.nbytes > 0, what, " of slot ", slot, ": size must be positive (got 0 bytes)");
   EBB_CHECK(b.ptr != nullptr, what, " of slot ", slot, ": buffer pointer is null");
-  if (b.kind == MemKind::kDevice && mem::cuda::driver() == nullptr)
+  if (b.on_device() && mem::cuda::driver() == nullptr)
     throw Unsupported(ebbtide::detail::concat(what, " of slot ", slot, ": device buffer given but CUDA is unavailable (",
                                               mem::cuda::unavailable_reason(), ")"));
   auto req = std::make_shared<RequestState>();
@@ -374,11 +374,11 @@ Engine::~Engine() {
   }
 }
 
-Request Engine::write(SlotId slot, const Buffer& src, Callback on_done) {
+Request Engine::write(SlotId slot, const mem::Buffer& src, Callback on_done) {
   return Request(impl_->submit(slot, src, std::move(on_done), true));
 }
 
-Request Engine::read(SlotId slot, const Buffer& dst, Callback on_done) {
+Request Engine::read(SlotId slot, const mem::Buffer& dst, Callback on_done) {
   return Request(impl_->submit(slot, dst, std::move(on_done), false));
 }
 

@@ -33,7 +33,7 @@ void Engine::Impl::copy_device(Chunk* c, bool to_device) {
   auto* drv = mem::cuda::driver();
   EBB_ASSERT(drv != nullptr, "device chunk without a CUDA driver");
   const auto dptr = static_cast<mem::cuda::DevicePtr>(reinterpret_cast<uintptr_t>(c->user));
-  const auto stream = static_cast<mem::cuda::Stream>(c->req->buf.stream);
+  const auto stream = c->req->buf.stream;
   drv->bind_context_of(dptr);
   if (to_device) drv->memcpy_htod_async(dptr, c->io_buf + c->delta, c->len, stream);
   else drv->memcpy_dtoh_async(c->io_buf + c->delta, dptr, c->len, stream);
@@ -68,7 +68,7 @@ bool Engine::Impl::try_cufile(Chunk* c) {
     // stream is done, both before a write (the data must be produced) and
     // before a read (the buffer may still be in use by kernels queued there,
     // e.g. memory the caching allocator just handed out again).
-    wait_for_stream(*drv, static_cast<mem::cuda::Stream>(c->req->buf.stream));
+    wait_for_stream(*drv, c->req->buf.stream);
     size_t n = c->req->write ? cf->write(h, c->user, c->len, static_cast<int64_t>(c->file_off))
                              : cf->read(h, c->user, c->len, static_cast<int64_t>(c->file_off));
     if (n != c->len)

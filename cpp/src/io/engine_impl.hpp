@@ -39,7 +39,7 @@ struct RequestState {
   SlotId slot = 0;
   uint64_t nbytes = 0;
   bool write = false;
-  Buffer buf;
+  mem::Buffer buf;
   Callback on_done;
   std::atomic<int> phase{kQueued};
   std::atomic<uint32_t> remaining{0};
@@ -140,7 +140,7 @@ struct Engine::Impl {
   void grow_for(uint64_t nbytes);
   std::vector<Chunk*> split(const ReqPtr& req, uint64_t base) const;
 
-  ReqPtr submit(SlotId slot, const Buffer& b, Callback cb, bool write);
+  ReqPtr submit(SlotId slot, const mem::Buffer& b, Callback cb, bool write);
   void run_device(Device& d);
   enum class Start { kSubmitted, kDone, kNoStaging };
   Start start(Device& d, Chunk* c);

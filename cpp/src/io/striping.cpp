@@ -60,7 +60,7 @@ void Engine::Impl::grow_for(uint64_t nbytes) {
 // first byte.
 auto Engine::Impl::split(const ReqPtr& req, uint64_t base) const -> std::vector<Chunk*> {
   const uint64_t chunk = opt.chunk_bytes, ia = io_align;
-  const Buffer& b = req->buf;
+  const mem::Buffer& b = req->buf;
   std::vector<Chunk*> pieces;
   uint64_t pos = 0;
   while (pos < b.nbytes) {
@@ -77,7 +77,7 @@ auto Engine::Impl::split(const ReqPtr& req, uint64_t base) const -> std::vector<
     c->slab = slabs[at.slab].get();
     c->dev = slab_device[at.slab];
     c->slab_index = at.slab;
-    c->device = b.kind == MemKind::kDevice;
+    c->device = b.on_device();
     c->file_off = at.file_offset;
     c->user = static_cast<char*>(b.ptr) + pos;
     c->len = len;

@@ -400,13 +400,13 @@ struct Hooks {
     SaveRequest r;
     r.key = key;
     r.version = version;
-    r.ptr = t.storage().data();
-    r.nbytes = nbytes;
-    r.device = device;
+    r.src.ptr = const_cast<void*>(t.storage().data());  // only read (mem/buffer.hpp)
+    r.src.nbytes = nbytes;
+    r.src.device = device;
     if (device >= 0) {
       // The copy is ordered after the stream that produced the tensor: the current one.
       c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
-      r.stream = reinterpret_cast<uintptr_t>(guard.getStream(t.device()).native_handle());
+      r.src.stream = reinterpret_cast<uintptr_t>(guard.getStream(t.device()).native_handle());
     }
     r.microbatch = fwd_mb;
     r.offload = true;

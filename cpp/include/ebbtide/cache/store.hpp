@@ -12,24 +12,16 @@
 #include <string>
 #include <vector>
 
+#include "ebbtide/mem/buffer.hpp"
 #include "ebbtide/mem/cuda_shim.hpp"
 
 namespace ebbtide::cache {
 
 using Location = uint64_t;
 
-// Memory taking part in a transfer. device < 0: host memory. device >= 0: a
-// CUDA device pointer; `stream` orders the copy (the caller has made it wait
-// for the data to be ready) and the call returns once the copy has finished.
-struct Span {
-  void* ptr = nullptr;
-  uint64_t nbytes = 0;
-  int device = -1;
-  mem::cuda::Stream stream = 0;
-  int tier = -1;  // put() hint for a tiered store: kTierCpu, kTierSsd, -1 = its first tier
-};
-
-// Tiers of a tiered store (make_tiered_store), in the order they are filled.
+// Tiers of a tiered store (make_tiered_store), in the order they are filled;
+// kTierFirst asks a put() for the store's first tier.
+constexpr int kTierFirst = -1;
 constexpr int kTierCpu = 0;
 constexpr int kTierSsd = 1;
 constexpr int kTiers = 2;
@@ -66,11 +58,13 @@ struct HostSpace {
 class Store {
  public:
   virtual ~Store() = default;
-  // Copies src into new space. IoError (ENOSPC when full, EIO, ...) on failure;
-  // then nothing stays allocated.
-  virtual Location put(const Span& src) = 0;
+  // Copies src into new space, in `tier` for a tiered store (kTierFirst: its
+  // first tier; other stores ignore it). A device src is copied on its stream
+  // and the call returns once the copy has finished. IoError (ENOSPC when
+  // full, EIO, ...) on failure; then nothing stays allocated.
+  virtual Location put(const mem::Buffer& src, int tier) = 0;
   // Copies the blob at `loc` into dst (dst.nbytes == the blob's length).
-  virtual void get(Location loc, const Span& dst) = 0;
+  virtual void get(Location loc, const mem::Buffer& dst) = 0;
   // Returns the space. StateError for an unknown location.
   virtual void free(Location loc) = 0;
   virtual StoreStats stats() const = 0;
@@ -79,7 +73,7 @@ class Store {
   // before any get() of it and frees it like a put's. Unsupported without a
   // host tier; IoError(ENOSPC) when that tier is full.
   virtual HostSpace reserve_host(uint64_t nbytes);
-  // Whether puts with Span::tier == `tier` land in that kind of space.
+  // Whether puts to `tier` land in that kind of space.
   virtual bool has_tier(int tier) const { return false; }
   // The tier (kTierCpu, kTierSsd) holding `loc`; -1 when the store has no tiers.
   virtual int tier_of(Location loc) const { return -1; }
@@ -94,10 +88,10 @@ class Store {
 struct HostStoreOptions {
   uint64_t capacity_bytes = 0;        // 0 = unlimited; a put beyond it fails with ENOSPC
   uint64_t staging_bytes = 8ull << 20; // per device copy chunk (pinned staging)
-  mem::cuda::Driver* driver = nullptr; // needed for device spans; nullptr = host only
+  mem::cuda::Driver* driver = nullptr; // needed for device buffers; nullptr = host only
 };
 
-// target "cpu": blobs in host memory (64-byte aligned). Device spans go through
+// target "cpu": blobs in host memory (64-byte aligned). Device buffers go through
 // pinned staging buffers and the driver's async copies.
 std::unique_ptr<Store> make_host_store(HostStoreOptions options);
 
@@ -118,7 +112,7 @@ struct TieredStoreOptions {
   double ssd_max_write_bps = 0;       // token-bucket cap on SSD puts (0 = none)
 };
 
-// Routes each put by Span::tier (-1: the first tier present); a cpu put that
+// Routes each put by its tier (kTierFirst: the first tier present); a cpu put that
 // fails with ENOSPC (host budget full) goes to the SSD tier when there is one.
 // Meters every tier (StoreStats::tiers) and caps SSD writes (Note [Write cap]).
 // describe() of a single-tier store is that tier's.

@@ -29,9 +29,11 @@
 #include <thread>
 #include <unordered_map>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "ebbtide/cache/store.hpp"
+#include "ebbtide/mem/buffer.hpp"
 #include "ebbtide/mem/cuda_shim.hpp"
 
 namespace ebbtide::cache {
@@ -88,13 +90,11 @@ struct CacheOptions {
 struct SaveRequest {
   uint64_t key = 0;             // storage identity; the glue keeps it unique while the entry lives
   uint64_t version = 0;         // the tensor's version counter: dedup only within one version
-  const void* ptr = nullptr;    // start of the storage
-  uint64_t nbytes = 0;          // storage bytes (> 0)
-  int device = -1;              // -1 host, else CUDA ordinal
-  mem::cuda::Stream stream = 0; // compute stream that produced the data (device only)
+  mem::Buffer src;              // the storage's bytes (nbytes > 0); device: its ordinal and
+                                // the compute stream that produced them
   int microbatch = 0;
   bool offload = true;          // false: keep resident (policy)
-  int tier = -1;                // store tier hint (Span::tier), -1 = the store's first
+  int tier = kTierFirst;        // store tier hint (Store::put)
   GlueObj live;                 // the saved tensor: held while the entry needs it resident
   GlueObj orig;                 // handed back with prefetch candidates (Candidate::orig)
 };
@@ -173,6 +173,19 @@ struct CacheStats {
   uint64_t queued_loads = 0;
   StoreStats store;
 };
+
+// Statistics as named values in the shape the Python API's stats() returns
+// (python/tests/test_cache*.py check the names): a record is a list of fields,
+// a field holds a number, a name, a record or a list of records. Bindings
+// convert records to dicts without naming any field.
+struct StatField;
+using StatRecord = std::vector<StatField>;
+struct StatField {
+  std::string_view name;  // static storage
+  std::variant<uint64_t, double, std::string_view, StatRecord, std::vector<StatRecord>> value;
+};
+// step and total counters, the gauges, the store's (store_*) and its tiers'.
+StatRecord stat_record(const CacheStats& s);
 
 class TensorCache {
  public:

@@ -14,6 +14,7 @@
 
 #include "ebbtide/ckpt/format.hpp"
 #include "ebbtide/io/engine.hpp"
+#include "ebbtide/mem/buffer.hpp"
 
 namespace ebbtide::ckpt {
 
@@ -29,19 +30,17 @@ struct WriterOptions {
   WriterOptions with_env() const;
 };
 
-// Memory to save. Device blobs are CUDA device pointers copied on `stream`.
+// Memory to save: `data` is read (never written), device memory copied on
+// its stream; a null data.ptr only with nbytes 0.
 struct BlobSource {
   std::string name;       // named in errors and in the header
-  const void* ptr = nullptr;
-  uint64_t nbytes = 0;
-  bool device = false;
-  uintptr_t stream = 0;
+  mem::Buffer data;
   uint16_t elem_bytes = 1;
   Codec codec = Codec::kNone;
-  // Bytes stored right before and after the memory at `ptr`, in the same
+  // Bytes stored right before and after `data`, in the same
   // blob (Note [Framed blobs] in writer.cpp); the blob is head + data + tail.
   std::string head, tail;
-  uint64_t stored_nbytes() const { return head.size() + nbytes + tail.size(); }
+  uint64_t stored_nbytes() const { return head.size() + data.nbytes + tail.size(); }
 };
 
 struct SaveRequest {

@@ -19,6 +19,7 @@
 
 #include "ebbtide/io/faults.hpp"
 #include "ebbtide/io/transfer.hpp"
+#include "ebbtide/mem/buffer.hpp"
 
 namespace ebbtide::io {
 
@@ -38,18 +39,6 @@ struct EngineOptions {
   // Returns a copy with EBBTIDE_* environment overrides applied
   // (docs/configuration.md); bad values throw InvalidArgument naming the variable.
   EngineOptions with_env() const;
-};
-
-enum class MemKind { kHost, kDevice };
-
-// User memory taking part in a transfer. Host buffers of any alignment are
-// accepted (unaligned ones go through staging). Device buffers are CUDA device
-// pointers; `stream` orders the device copy after work already queued on it.
-struct Buffer {
-  void* ptr = nullptr;
-  uint64_t nbytes = 0;
-  MemKind kind = MemKind::kHost;
-  uintptr_t stream = 0;  // CUstream for kDevice (0 = legacy default stream)
 };
 
 using SlotId = uint64_t;
@@ -126,13 +115,16 @@ class Engine {
   // or already freed slot.
   void free(SlotId slot);
 
+  // Buffers (mem/buffer.hpp): host memory of any alignment (unaligned buffers
+  // go through staging); device memory copied on the buffer's stream after the
+  // work already queued there. Unsupported for device memory without CUDA.
   // Writes src into the slot (src.nbytes <= slot capacity, > 0). On success the
   // slot's stored length becomes src.nbytes; on failure nothing is counted as
   // stored and the slot stays usable. `on_done` runs on an engine thread.
-  Request write(SlotId slot, const Buffer& src, Callback on_done = {});
+  Request write(SlotId slot, const mem::Buffer& src, Callback on_done = {});
   // Reads the slot's stored bytes into dst (dst.nbytes must equal the stored
   // length). StateError when the slot was never written successfully.
-  Request read(SlotId slot, const Buffer& dst, Callback on_done = {});
+  Request read(SlotId slot, const mem::Buffer& dst, Callback on_done = {});
   // Cancels a write not yet started; true when it was cancelled (its request
   // completes with cancelled()). Reads and started writes are not cancelled.
   bool cancel(const Request& request);
