@@ -185,6 +185,8 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
 
     Raises:
         ValueError: a bad option.
+        NotImplementedError: compress="lossless" in a build without zstd
+            (from save).
 
     Example:
         >>> w = EbbtideWriter("/ckpt/step100")
@@ -197,8 +199,6 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         if compress not in (None, "lossless"):
             raise ValueError(f"compress={compress!r}: expected None or 'lossless'")
-        if compress and not _core.ckpt_have_zstd():
-            raise ValueError("compress='lossless' needs zstd, and this ebbtide build has no libzstd")
         self.path = os.fspath(path)
         self.compress = compress
         self._native = _core.CkptWriter(chunk_bytes=chunk_bytes, queue_depth=queue_depth, threads=threads,
@@ -238,11 +238,9 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
     def prepare_global_plan(self, plans):
         if not self.use_collectives:
             return self._rank_plans(plans)
-        path = os.path.abspath(self.path)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        _core.ckpt_remove_stale_temps(path)
-        tmp = _core.ckpt_make_temp_dir(path)
-        self._tmp = tmp  # prepare_global_plan and finish both run on the coordinator
+        # prepare_global_plan and finish both run on the coordinator.
+        self._txn = _core.CkptSaveTransaction.reserve(os.path.abspath(self.path), [], "")
+        tmp = self._txn.tmp_dir
         return [dataclasses.replace(p, storage_data=_SavePlanData(f"__{i}_", tmp)) for i, p in enumerate(plans)]
 
     def write_data(self, plan, planner):
@@ -297,12 +295,12 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         if not self.use_collectives:
             self._commit_rank(metadata)
             return
-        with open(os.path.join(self._tmp, METADATA_NAME), "xb") as f:
-            pickle.dump(metadata, f)
-            f.flush()
-            os.fsync(f.fileno())
+        with open(os.path.join(self._txn.tmp_dir, METADATA_NAME), "xb") as f:
+            pickle.dump(metadata, f)  # made durable by the commit
         _test_hook("before-commit")
-        _core.ckpt_commit_directory(self._tmp, os.path.abspath(self.path))  # fsyncs, renames, fsyncs the parent
+        # fsyncs, renames, fsyncs the parent, removes the replaced checkpoint. A failed save's
+        # temporary directory goes with the next save (SaveTransaction.reserve).
+        self._txn.commit()
 
     def storage_meta(self):
         return _md.StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

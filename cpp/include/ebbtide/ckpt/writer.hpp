@@ -112,6 +112,14 @@ class CheckpointWriter {
   // in flight, `block` waits for it first, otherwise StateError. Snapshot
   // errors (bad request, device copy) throw here and leave no file behind.
   SaveHandle save(SaveRequest request, bool block = false);
+  // Claims the writer for the next save() before its request exists (its
+  // directories are reserved first, its snapshot may start later on another
+  // thread), naming its `target` in errors: until that save() or
+  // release_claim(), the writer is busy and other claims and saves see a save
+  // in flight. With a save in flight, `block` waits for it, otherwise
+  // StateError.
+  void claim(const std::string& target, bool block = false);
+  void release_claim();
   bool busy() const;
   // Waits until the background thread is idle: the save in flight is done
   // and the previous checkpoint it replaced is removed (Note [Deferred removal]).
