@@ -22,7 +22,7 @@ from ebbtide import _core
 MAX_INT = 1 << 62
 MAX_INDEX_BYTES = 64 << 20  # index.json and owner.json are small; a bigger one is not ours
 MAX_DIMS = 64
-_ID = re.compile(r"[0-9a-f]{1,64}")
+ID = re.compile(r"[0-9a-f]{1,64}")  # a checkpoint id
 
 
 def is_int(x, lo=0, hi=MAX_INT):
@@ -75,7 +75,7 @@ def check_index(idx, ip, format_version):
     if not is_int(v, 1, MAX_INT) or v > format_version:
         raise NotImplementedError(f"{ip}: checkpoint format version {v!r} is not supported by this ebbtide "
                                   f"(it reads versions 1 to {format_version}); upgrade ebbtide to load it")
-    if not isinstance(idx.get("id"), str) or not _ID.fullmatch(idx["id"]):
+    if not isinstance(idx.get("id"), str) or not ID.fullmatch(idx["id"]):
         raise bad(f"id {idx.get('id')!r} is not a hex string")
     world = idx.get("world_size")
     if not is_int(world, 1, 1 << 20):
