@@ -13,6 +13,7 @@
 #include "ebbtide/ckpt/codec.hpp"
 #include "ebbtide/ckpt/format.hpp"
 #include "ebbtide/ckpt/reader.hpp"
+#include "ebbtide/ckpt/transaction.hpp"
 #include "ebbtide/ckpt/writer.hpp"
 #include "ebbtide/util/error.hpp"
 #include "test_utils.hpp"
@@ -343,9 +344,9 @@ TEST(CkptCommit, ReplacesExistingDirectoryAtomically) {
   std::string path = d.path() + "/ck";
   CheckpointWriter w;
   for (int gen = 0; gen < 3; ++gen) {
-    std::string tmp = make_temp_dir(path);
-    write_file_durably(tmp + "/gen", std::to_string(gen));
-    w.commit_directory(tmp, path, {{"extra", "x" + std::to_string(gen)}});
+    SaveTransaction txn = SaveTransaction::reserve(path, {}, "");
+    write_file_durably(txn.tmp_dir() + "/gen", std::to_string(gen));
+    w.commit(txn, {{"extra", "x" + std::to_string(gen)}});
     std::ifstream in(path + "/gen"), extra(path + "/extra");
     std::string s, x;
     in >> s;

@@ -15,13 +15,14 @@ import stat
 import torch
 
 from ebbtide import _ckpt_tree as tree
+from ebbtide import _core
 
 # JSON numbers become Python ints of any size; torch and the C++ core take
 # 64-bit ones. Sizes, strides and offsets above this are refused.
 MAX_INT = 1 << 62
 MAX_INDEX_BYTES = 64 << 20  # index.json and owner.json are small; a bigger one is not ours
 MAX_DIMS = 64
-_ID = re.compile(r"[0-9a-f]{1,64}")
+ID = re.compile(r"[0-9a-f]{1,64}")  # a checkpoint id
 
 
 def is_int(x, lo=0, hi=MAX_INT):
@@ -74,7 +75,7 @@ def check_index(idx, ip, format_version):
     if not is_int(v, 1, MAX_INT) or v > format_version:
         raise NotImplementedError(f"{ip}: checkpoint format version {v!r} is not supported by this ebbtide "
                                   f"(it reads versions 1 to {format_version}); upgrade ebbtide to load it")
-    if not isinstance(idx.get("id"), str) or not _ID.fullmatch(idx["id"]):
+    if not isinstance(idx.get("id"), str) or not ID.fullmatch(idx["id"]):
         raise bad(f"id {idx.get('id')!r} is not a hex string")
     world = idx.get("world_size")
     if not is_int(world, 1, 1 << 20):
@@ -112,19 +113,21 @@ def check_delta(delta, where):
 
 
 def stripe_dir_matches(sd, ckpt_id):
-    """`sd` may hold stripe files of checkpoint `ckpt_id`: an absolute,
-    normalised path whose last component is a stripe directory name
-    `<name>.stripe-[<tag>-]<id>` with that id."""
-    if not isinstance(sd, str) or "\0" in sd or not os.path.isabs(sd) or os.path.normpath(sd) != sd:
+    """`sd` may hold stripe files of checkpoint `ckpt_id`
+    (ckpt::stripe_dir_matches in the core: an absolute, normalised path whose
+    last component is a stripe directory name `<name>.stripe-[<tag>-]<id>`
+    with that id)."""
+    try:
+        return isinstance(sd, str) and _core.ckpt_stripe_dir_matches(sd, ckpt_id)
+    except (TypeError, UnicodeError):  # a string the core cannot take (lone surrogates)
         return False
-    base = os.path.basename(sd)
-    return re.fullmatch(r".+\.stripe-(?:[0-9a-f]{8}-)?" + re.escape(ckpt_id), base) is not None
 
 
 def stripe_files(idx, shard_name, ip):
     """The stripe files of shard `shard_name` named by the checked index `idx`
     (read from `ip`); ValueError for a stripe entry that is not a stripe
-    directory of this checkpoint (Note [Stripe ownership] in checkpoint.py)."""
+    directory of this checkpoint (Note [Stripe ownership] in
+    cpp/src/ckpt/transaction.cpp)."""
     out = []
     for sd in idx.get("stripes", []):
         if not stripe_dir_matches(sd, idx["id"]):

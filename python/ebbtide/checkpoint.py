@@ -12,14 +12,12 @@ reusable pinned buffers, background O_DIRECT writes with crc32c per chunk,
 header last, commit by atomic rename. Loading executes no code.
 """
 import atexit
-import hashlib
 import json
 import logging
 import mmap
 import os
 import threading
 import time
-import uuid
 import weakref
 
 import torch
@@ -248,108 +246,13 @@ def _dist():
     return None, 0, 1
 
 
-def _check_stripe_dirs(stripe_dirs, path):
+def _stripe_dir_list(stripe_dirs):
+    """`stripe_dirs` as a list of paths; SaveTransaction checks the directories."""
     if stripe_dirs is None:
         return []
     if isinstance(stripe_dirs, (str, bytes, os.PathLike)):
         raise ValueError("checkpoint.save: stripe_dirs must be a list of directories, not one path")
-    out = []
-    for d in stripe_dirs:
-        d = os.path.abspath(os.fspath(d))
-        if not os.path.isdir(d):
-            raise ValueError(f"checkpoint.save: stripe directory {d} does not exist (or is not a directory)")
-        if d in out:
-            raise ValueError(f"checkpoint.save: stripe directory {d} is listed twice")
-        if d == path or d.startswith(path + os.sep):
-            raise ValueError(f"checkpoint.save: stripe directory {d} lies inside the checkpoint {path}")
-        out.append(d)
-    if len(out) > 255:
-        raise ValueError(f"checkpoint.save: {len(out)} stripe directories; at most 255")
-    return out
-
-
-def _path_tag(path):
-    """8 hex digits naming the checkpoint path in its stripe directories'
-    names (Note [Stripe ownership])."""
-    return hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:8]
-
-
-def _stripe_dir(d, path, ckpt_id):
-    return os.path.join(d, f"{os.path.basename(path)}.stripe-{_path_tag(path)}-{ckpt_id}")
-
-
-STRIPE_OWNER = "owner.json"
-
-
-# Note [Stripe ownership]
-# A stripe directory is named <basename>.stripe-<tag>-<id>, the tag a hash of
-# the checkpoint's absolute path, and holds owner.json naming that path. The
-# next save of the path removes every such directory its committed index does
-# not name. The name alone marks it as this path's, so a save killed between
-# creating the directory and making owner.json durable leaves nothing behind
-# either; owner.json guards against a tag collision (a different owner is
-# left alone) and identifies directories of older, untagged names.
-# The committed index is not trusted to say what is ours: anyone may have
-# edited it. A directory it lists is removed (or its parent searched for
-# stale ones) only when _owned_stripe_dir proves it belongs to this path and
-# that checkpoint: an absolute, normalised path, a real directory (not a
-# symlink) named <basename>.stripe-[<tag>-]<id> with the index's id, whose
-# owner.json (a regular file) names this path and that id.
-def _owner_of(d):
-    """(checkpoint, id) from the owner.json of stripe directory `d`, or
-    (None, None) when it is absent, not a regular file or not ours in form."""
-    try:
-        owner = json.loads(check.read_regular_file(os.path.join(d, STRIPE_OWNER), "stripe owner file"))
-    except (OSError, ValueError):
-        return None, None
-    if not isinstance(owner, dict):
-        return None, None
-    return owner.get("checkpoint"), owner.get("id")
-
-
-def _owned_stripe_dir(sd, path, ckpt_id):
-    """Stripe directory `sd`, listed by the committed index of `path` (id
-    `ckpt_id`), provably belongs to that checkpoint (Note [Stripe ownership])."""
-    if not check.stripe_dir_matches(sd, ckpt_id):
-        return False
-    base = os.path.basename(sd)
-    prefix = f"{os.path.basename(path)}.stripe-"
-    if base not in (f"{prefix}{_path_tag(path)}-{ckpt_id}", f"{prefix}{ckpt_id}"):
-        return False
-    try:
-        if not os.path.isdir(sd) or os.path.islink(sd):
-            return False
-    except (OSError, ValueError):
-        return False
-    return _owner_of(sd) == (path, ckpt_id)
-
-
-def _remove_stale_stripes(path, dirs, keep):
-    """Removes stripe directories of `path` in `dirs` that no committed
-    checkpoint refers to (left by a killed or failed save); keeps `keep`."""
-    prefix = os.path.basename(path) + ".stripe-"
-    tagged = f"{prefix}{_path_tag(path)}-"
-    for d in dirs:
-        try:
-            names = os.listdir(d)
-        except OSError:
-            continue
-        for n in names:
-            full = os.path.join(d, n)
-            if not n.startswith(prefix) or full in keep:
-                continue
-            if os.path.islink(full):
-                continue
-            owner = _owner_of(full)[0]  # None: absent or half-written, a save killed while creating it
-            if owner == path or (owner is None and n.startswith(tagged)):
-                _rmtree(full)
-
-
-def _committed_index(path):
-    try:
-        return _read_index(path)
-    except (OSError, ValueError, NotImplementedError):
-        return None
+    return [os.fspath(d) for d in stripe_dirs]
 
 
 def _check_save_args(async_, compress, base, snapshot):
@@ -364,42 +267,42 @@ def _check_save_args(async_, compress, base, snapshot):
                          "(valid: None, 'lossless', 'delta')")
     if compress == "delta" and base is None:
         raise ValueError("checkpoint.save: compress='delta' needs base=PATH of the previous checkpoint")
-    if compress in ("lossless", "delta") and not _core.ckpt_have_zstd():
-        raise NotImplementedError("checkpoint.save: compression needs libzstd, and this build has none")
 
 
-def _finish_pending(w, block):
-    """One save in flight per writer: refuses a second one (StateError), or
-    with `block` waits for the first (its error stays with its handle). The
-    Python handle covers a background snapshot not yet handed to the core."""
+def _claim(w, block, path):
+    """Claims the writer for a save to `path` (CheckpointWriter::claim, which
+    refuses a second save in flight with StateError). With `block`, the save
+    in flight is waited for first; a previous save whose writes are done is
+    finished before the claim returns (under torch.distributed, its commit).
+    Its error stays with its handle."""
     pending = w._pending
-    if pending is None or pending._done:
-        return
-    if not block and not pending.done():
-        raise StateError(f"checkpoint.save: a save to {pending._path} is still in flight on this "
-                         "writer; call wait() on its handle first, or pass block=True")
-    try:
-        pending.wait()
-    except Exception:  # noqa: BLE001
-        pass
-
-
-def _discard(tmp, stripes):
-    """Removes an uncommitted checkpoint's temporary and stripe directories."""
-    _rmtree(tmp)
-    for sd in stripes:
-        _rmtree(sd)
+    if block and pending is not None and not pending._done:
+        try:
+            pending.wait()
+        except Exception:  # noqa: BLE001
+            pass
+    w._native.claim(path)
+    if pending is not None and not pending._done:
+        try:
+            pending.wait()
+        except Exception:  # noqa: BLE001
+            pass
+        except BaseException:
+            w._native.release_claim()
+            raise
 
 
 class _Save:
     """One checkpoint save, in the order its steps run (Note [Save pipeline]
     in cpp/src/ckpt/writer.cpp for the core's part): encode() flattens the
-    state, reserve_directories() makes the temporary and stripe directories
-    (rank 0) and shares them, start() hands the blobs to the core writer
-    (stage() on a thread for background snapshots), finish() waits, commits
-    and describes the result. The commit itself is commit_checkpoint in
+    state, reserve_directories() reserves the save's directories (rank 0,
+    through the core's SaveTransaction, cpp/include/ebbtide/ckpt/transaction.hpp)
+    and shares them, start() hands the blobs to the core writer (stage() on a
+    thread for background snapshots), finish() waits, commits and describes
+    the result. The commit itself is commit_checkpoint in
     cpp/src/ckpt/commit.cpp: run by the writer for a single process, by
-    rank 0 once every rank is durable under torch.distributed.
+    rank 0's SaveTransaction once every rank is durable under
+    torch.distributed.
 
     finish() is kept by the SaveHandle, so nothing here references the
     handle, and the state and blobs are dropped once the snapshot holds them."""
@@ -407,7 +310,7 @@ class _Save:
     def __init__(self, w, path, *, async_, compress, block, background, stripe_dirs):
         self.w = w
         self.path = os.path.abspath(os.fspath(path))
-        self.stripe_dirs = _check_stripe_dirs(stripe_dirs, self.path)
+        self.stripe_dirs = _stripe_dir_list(stripe_dirs)
         self.dist, self.rank, self.world = _dist()
         self.single = self.dist is None
         self.t_start = time.perf_counter()
@@ -416,7 +319,7 @@ class _Save:
         self.background = background
         self.pipelined = not async_  # the caller waits: the snapshot overlaps the writes
         self.lossy_error = self.delta = self.original_bytes = None
-        self.stripes, self.old_stripes, self.tmp = [], [], None
+        self.stripes, self.tmp, self.ckpt_id, self.txn = [], None, None, None
         self.native = self.stage_error = self.keep = None
         self.staged = threading.Event() if background else None
         self.shard = f"rank{self.rank}.ebt"
@@ -434,9 +337,8 @@ class _Save:
                           "base_id": _read_index(base_abs)["id"]}
         fl = tree.Flattener(self.compress in ("lossless", "delta"))
         root = fl.tree(state_dict)
-        self.ckpt_id = uuid.uuid4().hex
         self.version = 2 if self.stripe_dirs else 1  # unstriped checkpoints stay readable by version-1 readers
-        meta = {"format": "ebbtide-checkpoint", "format_version": self.version, "id": self.ckpt_id,
+        meta = {"format": "ebbtide-checkpoint", "format_version": self.version,
                 "rank": self.rank, "world_size": self.world, "tree": root, "tensors": fl.tensors,
                 "storages": fl.storages, "compress": self.compress or "none", "torch": torch.__version__}
         if self.delta:
@@ -455,43 +357,35 @@ class _Save:
         self.versions = fl.versions
 
     def reserve_directories(self):
-        """Rank 0 clears what killed saves left, notes the committed
-        checkpoint's stripes and makes the temporary directory and one stripe
-        directory per stripe_dirs entry; every rank gets their names."""
+        """Rank 0 reserves the save's directories (SaveTransaction.reserve:
+        what killed saves left removed, the committed checkpoint's stripes
+        noted, the temporary directory and one stripe directory per
+        stripe_dirs entry made, Note [Stripe ownership] in
+        cpp/src/ckpt/transaction.cpp); every rank gets their names and the new
+        checkpoint's id, or rank 0's error."""
+        failed = None
         if self.rank == 0:
-            self._clear_leftovers()
-            self._make_directories()
+            try:
+                self.txn = _core.CkptSaveTransaction.reserve(self.path, self.stripe_dirs, INDEX_NAME)
+            except Exception as e:
+                if self.dist is None:
+                    raise
+                failed = e
+            else:
+                self.tmp, self.ckpt_id, self.stripes = self.txn.tmp_dir, self.txn.id, list(self.txn.stripes)
         if self.dist is not None:
-            box = [(self.tmp, self.ckpt_id, self.stripes)]
+            box = [(self.tmp, self.ckpt_id, self.stripes,
+                    None if failed is None else (isinstance(failed, ValueError), str(failed)))]
             self.dist.broadcast_object_list(box, src=0)
-            self.tmp, self.ckpt_id, self.stripes = box[0]
-            self.meta["id"] = self.ckpt_id
+            self.tmp, self.ckpt_id, self.stripes, error = box[0]
+            if failed is not None:
+                raise failed
+            if error is not None:
+                raise (ValueError if error[0] else OSError)(f"checkpoint.save to {self.path} failed on rank 0: "
+                                                            f"{error[1]}")
+        self.meta["id"] = self.ckpt_id
         if self.stripes:
             self.meta["stripes"] = self.stripes
-
-    def _clear_leftovers(self):
-        path = self.path
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        _core.ckpt_remove_stale_temps(path)
-        old = _committed_index(path)
-        listed = list(old.get("stripes", [])) if old else []
-        self.old_stripes = [sd for sd in listed if _owned_stripe_dir(sd, path, old["id"])]
-        if self.stripe_dirs or self.old_stripes:
-            _remove_stale_stripes(path, set(self.stripe_dirs) | {os.path.dirname(s) for s in self.old_stripes},
-                                  set(listed))
-
-    def _make_directories(self):
-        self.tmp = _core.ckpt_make_temp_dir(self.path)
-        try:
-            for d in self.stripe_dirs:
-                sd = _stripe_dir(d, self.path, self.ckpt_id)
-                os.mkdir(sd)
-                self.stripes.append(sd)
-                _core.ckpt_write_file_durably(os.path.join(sd, STRIPE_OWNER),
-                                              json.dumps({"checkpoint": self.path, "id": self.ckpt_id}))
-        except BaseException:
-            _discard(self.tmp, self.stripes)
-            raise
 
     def index_json(self):
         index = {"format": "ebbtide-checkpoint", "format_version": self.version, "id": self.ckpt_id,
@@ -516,7 +410,7 @@ class _Save:
                 pipelined=self.pipelined, gated=self.background)
         except BaseException:
             if single:
-                _discard(self.tmp, self.stripes)
+                self.txn.discard()
             raise
 
     def start_blocking(self):
@@ -538,6 +432,7 @@ class _Save:
                 torch.cuda.set_device(cuda_device)
             n = self.start()
         except BaseException as e:  # noqa: BLE001 - raised by wait()
+            self.w._native.release_claim()  # in case the core's save() was not reached
             self.stage_error = e
         else:
             changed = [p for t, v, p in self.versions if t._version != v]
@@ -580,8 +475,8 @@ class _Save:
         dist.all_gather_object(errs, None if err is None else f"rank {rank}: {err}")
         failed = [e for e in errs if e]
         if not failed and rank == 0:
-            try:
-                self.w._native.commit_directory(self.tmp, self.path, extra_files=[(INDEX_NAME, self.index)])
+            try:  # the commit; the replaced checkpoint goes on the writer's thread, its stripes now
+                self.w._native.commit(self.txn, [(INDEX_NAME, self.index.encode())])
             except BaseException as e:  # noqa: BLE001
                 failed = [f"rank 0 commit: {e}"]
                 err = e
@@ -590,7 +485,7 @@ class _Save:
         failed = status[0]
         if failed:
             if rank == 0:
-                _discard(self.tmp, self.stripes)
+                self.txn.discard()
             if err is not None:
                 raise err
             raise OSError(f"checkpoint.save to {self.path} failed on another rank: {'; '.join(failed)}")
@@ -602,13 +497,10 @@ class _Save:
         if self.dist is not None:
             self.commit_across_ranks(err)
         elif err is not None:  # the writer removed the temporary directory and the stripe files
-            for sd in self.stripes:
-                _rmtree(sd)
+            self.txn.discard()
             raise err
-        if self.rank == 0:  # committed: the previous checkpoint's stripes go
-            for sd in self.old_stripes:
-                if sd not in self.stripes:
-                    _rmtree(sd)
+        else:  # the writer committed
+            self.txn.committed()
         return self.info(r)
 
     def info(self, r):
@@ -627,17 +519,21 @@ class _Save:
 
 def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_dirs=None, snapshot="blocking"):
     _check_save_args(async_, compress, base, snapshot)
-    _finish_pending(w, block)
     background = snapshot == "background"
     s = _Save(w, path, async_=async_, compress=compress, block=block, background=background,
               stripe_dirs=stripe_dirs)
-    s.encode(state_dict, base, lossy)
-    del state_dict
-    s.reserve_directories()
-    s.created = time.time()
-    s.index = s.index_json()
-    if not background:
-        s.start_blocking()
+    _claim(w, block, s.path)
+    try:  # until the core's save() (on the snapshot thread for background saves) takes the claim
+        s.encode(state_dict, base, lossy)
+        del state_dict
+        s.reserve_directories()
+        s.created = time.time()
+        s.index = s.index_json()
+        if not background:
+            s.start_blocking()
+    except BaseException:
+        w._native.release_claim()
+        raise
     handle = SaveHandle(s.finish)
     handle._native = s.native
     handle._path = s.path
@@ -666,11 +562,6 @@ def _state_bytes(state):
             seen.add(key)
             total += t.untyped_storage().nbytes()
     return total
-
-
-def _rmtree(p):
-    import shutil
-    shutil.rmtree(p, ignore_errors=True)
 
 
 def _read_index(path):

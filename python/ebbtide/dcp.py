@@ -38,6 +38,26 @@ range-checked (``_check_metadata``): file names must be plain names inside the
 checkpoint directory, offsets and lengths integers; the C++ side checks each
 range against the real file, which must be a regular file (Note [Untrusted
 byte ranges] in cpp/src/ckpt/range_read.cpp).
+
+Note [DCP striping]
+``EbbtideWriter(path, stripe_dirs=[d1, ...])`` spreads each rank's data file
+over ``path`` and one stripe directory per entry, as ebbtide.checkpoint does
+(docs/checkpoints.md, "Striping"): the coordinator reserves the save through
+the core's SaveTransaction (cpp/include/ebbtide/ckpt/transaction.hpp: the
+stripe directories ``<d>/<basename>.stripe-<tag>-<id>`` with their
+owner.json, made and removed under Note [Stripe ownership] in
+cpp/src/ckpt/transaction.cpp), every rank writes ``__<rank>_0.distcp`` with
+its chunks round-robin over the shard file and a stripe file of that name in
+each stripe directory, and the commit writes ``.ebbtide-stripes.json``
+({"id", "stripes"}) beside ``.metadata``: the record the next save reads to
+remove the replaced stripes, and the reader reads to find them. A blob's bytes
+then lie in several files, so a striped item's ``_StorageInfo`` names the
+shard file, the blob's index in the shard as ``offset`` and its size as
+``length``, and carries the transform descriptor ``ebbtide-stripe/1``, which
+FileSystemReader refuses ("Unknown extension"). EbbtideReader treats the
+record as hostile: each entry must be a stripe directory of this checkpoint
+(its name, and an owner.json naming this checkpoint path and the record's
+id), else ValueError naming the entry.
 """
 import dataclasses
 import io
@@ -63,7 +83,7 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 from ebbtide import _ckpt_check as check
 from ebbtide import _ckpt_tree as tree
 from ebbtide import _core
-from ebbtide.checkpoint import _host_buffer
+from ebbtide.checkpoint import _host_buffer, _stripe_dir_list
 
 __all__ = ["EbbtideWriter", "EbbtideReader", "load_metadata"]
 
@@ -72,6 +92,8 @@ DCP_VERSION = "1.0.0"
 LAYOUT = "ebbtide-dcp"
 LAYOUT_VERSION = 1
 COMPRESSED_DESCRIPTOR = "ebbtide-zstd/1"
+STRIPED_DESCRIPTOR = "ebbtide-stripe/1"
+STRIPE_RECORD = ".ebbtide-stripes.json"
 MAX_METADATA_BYTES = 1 << 30
 
 
@@ -81,6 +103,7 @@ class _SavePlanData:
 
     prefix: str
     tmp_dir: str
+    stripes: list = dataclasses.field(default_factory=list)  # stripe directories (Note [DCP striping])
 
 
 class _FrameSink:
@@ -178,13 +201,19 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         cache_staged_state_dict: async_save keeps its staged copy of the
             state for the next async_save (faster staging, one state of
             host memory held).
+        stripe_dirs: extra directories (one per SSD) to stripe each rank's
+            data over (Note [DCP striping]); such checkpoints load only with
+            EbbtideReader, from `path`. Not with use_collectives=False.
 
     With ``use_collectives=False`` (each rank saves on its own, Note [DCP
     without collectives]) the ranks share PATH: rank r writes a data file of
     its own and ``__r.metadata``, the layout FileSystemWriter uses then.
 
     Raises:
-        ValueError: a bad option.
+        ValueError: a bad option (from save: a stripe directory that does
+            not exist, is listed twice or lies inside `path`).
+        NotImplementedError: compress="lossless" in a build without zstd
+            (from save).
 
     Example:
         >>> w = EbbtideWriter("/ckpt/step100")
@@ -192,14 +221,13 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
     """
 
     def __init__(self, path, *, compress=None, zstd_level=None, chunk_bytes=None, queue_depth=None, threads=None,
-                 direct=None, cache_staged_state_dict=True):
+                 direct=None, cache_staged_state_dict=True, stripe_dirs=None):
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         if compress not in (None, "lossless"):
             raise ValueError(f"compress={compress!r}: expected None or 'lossless'")
-        if compress and not _core.ckpt_have_zstd():
-            raise ValueError("compress='lossless' needs zstd, and this ebbtide build has no libzstd")
         self.path = os.fspath(path)
+        self.stripe_dirs = _stripe_dir_list(stripe_dirs)
         self.compress = compress
         self._native = _core.CkptWriter(chunk_bytes=chunk_bytes, queue_depth=queue_depth, threads=threads,
                                         zstd_level=zstd_level, direct=direct)
@@ -244,13 +272,15 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
 
     def prepare_global_plan(self, plans):
         if not self.use_collectives:
+            if self.stripe_dirs:
+                raise ValueError("EbbtideWriter: stripe_dirs needs a save with collectives (no rank can "
+                                 "commit the stripe directories of a save without them)")
             return self._rank_plans(plans)
-        path = os.path.abspath(self.path)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        _core.ckpt_remove_stale_temps(path)
-        tmp = _core.ckpt_make_temp_dir(path)
-        self._tmp = tmp  # prepare_global_plan and finish both run on the coordinator
-        return [dataclasses.replace(p, storage_data=_SavePlanData(f"__{i}_", tmp)) for i, p in enumerate(plans)]
+        # prepare_global_plan and finish both run on the coordinator.
+        self._txn = _core.CkptSaveTransaction.reserve(os.path.abspath(self.path), self.stripe_dirs, STRIPE_RECORD)
+        tmp, stripes = self._txn.tmp_dir, list(self._txn.stripes)
+        return [dataclasses.replace(p, storage_data=_SavePlanData(f"__{i}_", tmp, stripes))
+                for i, p in enumerate(plans)]
 
     def write_data(self, plan, planner):
         sd = plan.storage_data
@@ -282,18 +312,20 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
             layout.append({"kind": "tensor", "head": len(head), "dtype": tree.dtype_name(t.dtype),
                            "size": list(t.shape), "stride": list(t.stride())})
         meta = json.dumps({"layout": LAYOUT, "version": LAYOUT_VERSION, "items": layout})
+        stripe_files = [os.path.join(d, name) for d in sd.stripes]
         # `keep` holds every blob's memory unchanged until wait() returns (the
         # caller's tensors during dcp.save, or DCP's staged copy during
         # async_save), so the writer copies chunk k while chunk k-1 is being
         # written instead of snapshotting everything first (Note [Pipelined save]).
-        h = self._native.save(file, blobs, meta, block=True, pipelined=True, frames=frames)
+        h = self._native.save(file, blobs, meta, block=True, pipelined=True, frames=frames, stripe_files=stripe_files)
         h.wait()
         del keep
-        written = _core.CkptReader(file).blobs
-        desc = [COMPRESSED_DESCRIPTOR] if self.compress else None
+        written = _core.CkptReader(file, stripes=stripe_files).blobs
+        desc = ([STRIPED_DESCRIPTOR] if stripe_files else []) + ([COMPRESSED_DESCRIPTOR] if self.compress else [])
         results = [WriteResult(index=item.index, size_in_bytes=b["nbytes"],
-                               storage_data=_StorageInfo(name, b["offset"], b["nbytes"], transform_descriptors=desc))
-                   for item, b in zip(plan.items, written)]
+                               storage_data=_StorageInfo(name, k if stripe_files else b["offset"], b["nbytes"],
+                                                         transform_descriptors=desc or None))
+                   for k, (item, b) in enumerate(zip(plan.items, written))]
         fut = Future()
         fut.set_result(results)
         return fut
@@ -308,14 +340,16 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         if not self.use_collectives:
             self._commit_rank(metadata)
             return
-        with open(os.path.join(self._tmp, METADATA_NAME), "xb") as f:
-            pickle.dump(metadata, f)
-            f.flush()
-            os.fsync(f.fileno())
+        txn = self._txn
+        with open(os.path.join(txn.tmp_dir, METADATA_NAME), "xb") as f:
+            pickle.dump(metadata, f)  # made durable by the commit
         _test_hook("before-commit")
-        # fsyncs, renames, fsyncs the parent; the replaced checkpoint is removed
-        # on the writer's thread (Note [Deferred removal] in cpp/src/ckpt/writer.cpp)
-        self._native.commit_directory(self._tmp, os.path.abspath(self.path))
+        record = [(STRIPE_RECORD, json.dumps({"id": txn.id, "stripes": list(txn.stripes)}).encode())]
+        # fsyncs, renames, fsyncs the parent, removes the replaced checkpoint's stripes; the
+        # replaced checkpoint itself goes on the writer's thread (Note [Deferred removal] in
+        # cpp/src/ckpt/writer.cpp). A failed save's directories go with the next save
+        # (SaveTransaction.reserve).
+        self._native.commit(txn, record if txn.stripes else [])
 
     def storage_meta(self):
         return _md.StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -534,11 +568,44 @@ def _check_layout(meta, blobs, file):
     return items
 
 
-class _Shard:
-    """An ebbtide shard written by EbbtideWriter, opened and checked."""
+def read_stripe_dirs(path):
+    """The stripe directories of DCP checkpoint directory `path` (Note [DCP
+    striping]), from its stripe record, each checked to be a stripe directory
+    of this checkpoint: [] for an unstriped checkpoint; ValueError naming the
+    record and a refused entry."""
+    rp = os.path.join(os.fspath(path), STRIPE_RECORD)
+    try:
+        raw = check.read_regular_file(rp, "stripe record")
+    except FileNotFoundError:
+        return []
+    try:
+        rec = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{rp}: corrupt stripe record ({e})") from None
+    ckpt_id = rec.get("id") if isinstance(rec, dict) else None
+    dirs = rec.get("stripes") if isinstance(rec, dict) else None
+    if not isinstance(ckpt_id, str) or not check.ID.fullmatch(ckpt_id) or not isinstance(dirs, list) or \
+            len(dirs) > 255:
+        raise ValueError(f"{rp}: corrupt stripe record (needs a hex id and a list of at most 255 stripes)")
+    owner = os.path.abspath(os.fspath(path))
+    for d in dirs:
+        try:
+            ok = isinstance(d, str) and _core.ckpt_owned_stripe_dir(d, owner, ckpt_id)
+        except (TypeError, UnicodeError):  # a string the core cannot take (lone surrogates)
+            ok = False
+        if not ok:
+            raise ValueError(f"{rp}: stripes entry {str(d)[:200]!r} is not a stripe directory of checkpoint {owner} "
+                             f"(id {ckpt_id}): refusing to read it")
+    return dirs
 
-    def __init__(self, file):
-        self.reader = _core.CkptReader(file)
+
+class _Shard:
+    """An ebbtide shard written by EbbtideWriter, opened and checked; its
+    stripe files in `stripes` (Note [DCP striping])."""
+
+    def __init__(self, file, stripes=()):
+        self.stripe_files = [os.path.join(d, os.path.basename(file)) for d in stripes]
+        self.reader = _core.CkptReader(file, stripes=self.stripe_files)
         self.blobs = self.reader.blobs
         try:
             meta = json.loads(self.reader.meta)
@@ -547,6 +614,29 @@ class _Shard:
         self.items = _check_layout(meta, self.blobs, file)
         self.by_range = {(b["offset"], b["nbytes"]): k for k, b in enumerate(self.blobs)}
         self.file = file
+
+    def blob_of(self, si, fqn):
+        """The blob that DCP storage info `si` (of item `fqn`) names: by its
+        byte range, or in a striped shard by its index; ValueError when it
+        names none or its transform descriptors do not match the blob."""
+        desc = list(si.transform_descriptors or ())
+        striped = desc[:1] == [STRIPED_DESCRIPTOR]
+        if striped != bool(self.stripe_files):
+            kind = f"striped over {len(self.stripe_files)} stripe files" if self.stripe_files else "unstriped"
+            raise ValueError(f"{self.file}: item {fqn!r}: transform descriptors {desc!r} do not match the "
+                             f"shard ({kind})")
+        if striped:
+            k = si.offset if si.offset < len(self.blobs) and self.blobs[si.offset]["nbytes"] == si.length else None
+        else:
+            k = self.by_range.get((si.offset, si.length))
+        if k is None:
+            raise ValueError(f"{self.file}: item {fqn!r} names {'blob' if striped else 'bytes'} [{si.offset}, "
+                             f"+{si.length}) that {'is' if striped else 'are'} not a blob of this shard")
+        rest = desc[1:] if striped else desc  # the stripe descriptor comes first
+        if rest not in ([], [COMPRESSED_DESCRIPTOR]) or (self.blobs[k]["codec"] != "none" and not rest):
+            raise ValueError(f"{self.file}: item {fqn!r}: transform descriptors {si.transform_descriptors!r} do not "
+                             f"match its blob (codec {self.blobs[k]['codec']})")
+        return k
 
 
 class EbbtideReader(_DirectoryId, StorageReader):
@@ -576,9 +666,11 @@ class EbbtideReader(_DirectoryId, StorageReader):
         self.batch_bytes = batch_bytes
         self.storage_data = {}
         self.load_id = str(uuid.uuid4())
+        self._stripes = None
 
     def reset(self, checkpoint_id=None):
         self.storage_data = {}
+        self._stripes = None
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
         self.load_id = str(uuid.uuid4())
@@ -616,7 +708,9 @@ class EbbtideReader(_DirectoryId, StorageReader):
             file = os.path.join(self.path, name)
             size, is_shard = _core.ckpt_probe_file(file)
             if is_shard:
-                self._read_shard(_Shard(file), reqs, planner)
+                if self._stripes is None:
+                    self._stripes = read_stripe_dirs(self.path)
+                self._read_shard(_Shard(file, self._stripes), reqs, planner)
             else:
                 self._read_plain(file, size, reqs, planner)
         fut = Future()
@@ -637,18 +731,7 @@ class EbbtideReader(_DirectoryId, StorageReader):
 
     def _read_shard(self, shard, reqs, planner):
         def blob_of(r):
-            si = self.storage_data[r.storage_index]
-            k = shard.by_range.get((si.offset, si.length))
-            if k is None:
-                raise ValueError(f"{shard.file}: item {r.storage_index.fqn!r} names bytes [{si.offset}, +{si.length}) "
-                                 "that are not a blob of this shard")
-            compressed = shard.blobs[k]["codec"] != "none"
-            if (si.transform_descriptors or None) not in (None, [COMPRESSED_DESCRIPTOR]) or \
-                    (compressed and si.transform_descriptors != [COMPRESSED_DESCRIPTOR]):
-                raise ValueError(f"{shard.file}: item {r.storage_index.fqn!r}: transform descriptors "
-                                 f"{si.transform_descriptors!r} do not match its blob (codec "
-                                 f"{shard.blobs[k]['codec']})")
-            return k
+            return shard.blob_of(self.storage_data[r.storage_index], r.storage_index.fqn)
 
         for batch in self._batches(reqs, lambda r: self.storage_data[r.storage_index].length):
             bufs = {}
@@ -739,9 +822,11 @@ def inspect(path, verify=True, rank=None):
     Returns a dict: ``path``, ``items`` (one per state-dict entry: ``fqn``,
     ``kind`` "tensor" | "bytes", ``dtype``, ``size``, ``chunks``, ``bytes``),
     ``files`` (one per data file: ``file``, ``writer`` "ebbtide" |
-    "FileSystemWriter", ``file_bytes``, ``items``, ``bytes``, ``codecs``) and
+    "FileSystemWriter", ``file_bytes``, ``items``, ``bytes``, ``codecs``, for
+    ebbtide's files ``stripe_files``, Note [DCP striping]) and
     ``errors`` (one line each: a data file missing or refused, a range past a
-    file's end, with `verify` a chunk failing its checksum).
+    file's end, a refused stripe directory, with `verify` a chunk failing its
+    checksum).
 
     Raises:
         FileNotFoundError, ValueError: no or unusable ``.metadata`` (load_metadata).
@@ -758,10 +843,10 @@ def inspect(path, verify=True, rank=None):
             items.append(dict(fqn=fqn, kind="bytes", dtype=None, size=None, chunks=1, bytes=None))
     per_file = {}
     for idx, si in md.storage_data.items():
-        per_file.setdefault(si.relative_path, []).append(si)
+        per_file.setdefault(si.relative_path, []).append((idx, si))
     files, errors = [], []
     for name in sorted(per_file):
-        infos = per_file[name]
+        infos = [si for _, si in per_file[name]]
         file = os.path.join(path, name)
         entry = dict(file=name, items=len(infos), bytes=sum(si.length for si in infos))
         files.append(entry)
@@ -770,12 +855,14 @@ def inspect(path, verify=True, rank=None):
             entry["file_bytes"] = size
             entry["writer"] = "ebbtide" if is_shard else "FileSystemWriter"
             if is_shard:
-                shard = _Shard(file)
+                shard = _Shard(file, read_stripe_dirs(path))
                 entry["codecs"] = sorted({b["codec"] for b in shard.blobs})
-                for si in infos:
-                    if (si.offset, si.length) not in shard.by_range:
-                        errors.append(f"{file}: no blob at offset {si.offset}, {si.length} bytes, which the "
-                                      "metadata lists")
+                entry["stripe_files"] = shard.stripe_files
+                for idx, si in per_file[name]:
+                    try:
+                        shard.blob_of(si, idx.fqn)
+                    except ValueError as e:
+                        errors.append(str(e))
                 if verify:
                     for blob, off, msg in shard.reader.verify():
                         errors.append(f"{file}: blob {blob} at file offset {off}: {msg}")

@@ -10,6 +10,7 @@
 #include "ebbtide/ckpt/codec.hpp"
 #include "ebbtide/ckpt/reader.hpp"
 #include "ebbtide/ckpt/stripes.hpp"
+#include "ebbtide/ckpt/transaction.hpp"
 #include "ebbtide/ckpt/writer.hpp"
 #include "ebbtide/util/error.hpp"
 
@@ -99,19 +100,25 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
            nb::arg("extra_files") = std::vector<std::pair<std::string, std::string>>{}, nb::arg("block") = false,
            nb::arg("stripe_files") = std::vector<std::string>{}, nb::arg("pipelined") = false,
            nb::arg("gated") = false, nb::arg("frames") = std::vector<std::pair<nb::bytes, nb::bytes>>{})
+      .def("claim", [](CheckpointWriter& w, const std::string& target, bool block) {
+        ebbtide::py::gil_release g;
+        w.claim(target, block);
+      }, nb::arg("target"), nb::arg("block") = false)
+      .def("release_claim", &CheckpointWriter::release_claim)
       .def_prop_ro("busy", &CheckpointWriter::busy)
       .def("join", [](CheckpointWriter& w) {
         ebbtide::py::gil_release g;
         w.join();
       })
-      .def("commit_directory",
-           [](CheckpointWriter& w, const std::string& tmp, const std::string& path,
-              const std::vector<std::pair<std::string, std::string>>& extra_files) {
+      .def("commit",
+           [](CheckpointWriter& w, SaveTransaction& t, const std::vector<std::pair<std::string, nb::bytes>>& files) {
+             std::vector<NamedContent> f;
+             for (const auto& [name, content] : files) f.emplace_back(name, std::string(content.c_str(), content.size()));
              ebbtide::py::gil_release g;
-             w.commit_directory(tmp, path, extra_files);
+             w.commit(t, f);
            },
-           nb::arg("tmp_dir"), nb::arg("path"),
-           nb::arg("extra_files") = std::vector<std::pair<std::string, std::string>>{})
+           nb::arg("transaction"), nb::arg("files") = std::vector<std::pair<std::string, nb::bytes>>{},
+           "Commits a save that `transaction` reserved (Note [Deferred removal]).")
       .def_prop_ro("snapshot_capacity", &CheckpointWriter::snapshot_capacity)
       .def_prop_ro("chunk_bytes", [](const CheckpointWriter& w) { return w.options().chunk_bytes; });
 
@@ -163,9 +170,28 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
         return out;
       });
 
-  m.def("ckpt_make_temp_dir", &make_temp_dir, nb::arg("path"));
-  m.def("ckpt_write_file_durably", &write_file_durably, nb::arg("path"), nb::arg("content"));
-  m.def("ckpt_remove_stale_temps", &remove_stale_temps, nb::arg("path"));
+  nb::class_<SaveTransaction>(m, "CkptSaveTransaction")
+      .def_static("reserve",
+                  [](const std::string& path, const std::vector<std::string>& stripe_dirs, const std::string& record) {
+                    ebbtide::py::gil_release g;
+                    return SaveTransaction::reserve(path, stripe_dirs, record);
+                  },
+                  nb::arg("path"), nb::arg("stripe_dirs"), nb::arg("record"))
+      .def_prop_ro("path", &SaveTransaction::path)
+      .def_prop_ro("id", &SaveTransaction::id)
+      .def_prop_ro("tmp_dir", &SaveTransaction::tmp_dir)
+      .def_prop_ro("stripes", &SaveTransaction::stripes)
+      .def("committed", [](SaveTransaction& t) {
+        ebbtide::py::gil_release g;
+        t.committed();
+      })
+      .def("discard", [](SaveTransaction& t) {
+        ebbtide::py::gil_release g;
+        t.discard();
+      });
+  m.def("ckpt_stripe_path_tag", &stripe_path_tag, nb::arg("path"));
+  m.def("ckpt_stripe_dir_matches", &stripe_dir_matches, nb::arg("dir"), nb::arg("id"));
+  m.def("ckpt_owned_stripe_dir", &owned_stripe_dir, nb::arg("dir"), nb::arg("path"), nb::arg("id"));
   m.def("ckpt_probe_file", [](const std::string& path) {
     FileProbe p = probe_file(path);
     return nb::make_tuple(p.size, p.shard);

@@ -207,12 +207,12 @@ def test_shard_symlink_out_of_the_checkpoint_is_refused(tmp_path):
 
 def test_stripes_entry_outside_is_not_read_or_deleted(tmp_path):
     _, c = _save(tmp_path)
-    victims = [tmp_path / "precious", tmp_path / f"c.stripe-{ckpt._path_tag(str(c))}-00"]
+    victims = [tmp_path / "precious", tmp_path / f"c.stripe-{_core.ckpt_stripe_path_tag(str(c))}-00"]
     for v in victims:
         v.mkdir()
         (v / "keep.txt").write_text("mine")
     idx = json.loads((c / "index.json").read_text())
-    victims.append(tmp_path / f"c.stripe-{ckpt._path_tag(str(c))}-{idx['id']}")  # right name, no owner.json
+    victims.append(tmp_path / f"c.stripe-{_core.ckpt_stripe_path_tag(str(c))}-{idx['id']}")  # right name, no owner.json
     victims[-1].mkdir()
     (victims[-1] / "keep.txt").write_text("mine")
     _edit_index(c, lambda i: i.update(stripes=[str(v) for v in victims], format_version=2))

@@ -197,7 +197,7 @@ def test_next_save_removes_a_stripe_directory_killed_before_its_owner_file(tmp_p
     path = tmp_path / "c"
     dirs = [str(d) for d in _dirs(tmp_path, 2)]
     ckpt.save({"x": torch.ones(8)}, path, stripe_dirs=dirs)
-    tag = ckpt._path_tag(str(path))
+    tag = _core.ckpt_stripe_path_tag(str(path))
     orphan = os.path.join(dirs[0], f"c.stripe-{tag}-deadbeef")
     os.mkdir(orphan)  # no owner.json
     half = os.path.join(dirs[1], f"c.stripe-{tag}-feedface")

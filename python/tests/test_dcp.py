@@ -61,66 +61,100 @@ def _assert_bitwise(a, b, where=""):
         assert a == b, where
 
 
-def _fsdp_worker(rank, world, init_file, root, results):
-    from torch.distributed.device_mesh import init_device_mesh
+def _sharded(seed, mesh):
+    """A model and its AdamW, sharded with FSDP2 over `mesh`."""
     from torch.distributed.fsdp import fully_shard
+
+    m = _model(seed)
+    for layer in (m[0], m[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+
+def _trained_state(rank, mesh, root):
+    """A trained sharded model's DCP state dict; its full state is returned
+    and saved by rank 0 to root/ref.pt."""
+    model, opt = _sharded(0, mesh)
+    for s in range(2):
+        _train_step(model, opt, 100 + s)
+    msd, osd = get_state_dict(model, opt)
+    full = _full_state(model, opt)
+    if rank == 0:
+        torch.save(full, os.path.join(root, "ref.pt"))
+    return {"model": msd, "optim": osd}, full
+
+
+def _load_sharded(full, mesh, reader):
+    """Loads with `reader` on the ranks into a fresh sharded model; True when
+    its state is bitwise `full`, else the difference."""
+    m2, o2 = _sharded(7, mesh)
+    _train_step(m2, o2, 5)  # optimizer state exists, and differs
+    msd2, osd2 = get_state_dict(m2, o2)
+    state = {"model": msd2, "optim": osd2}
+    dcp.load(state, storage_reader=reader)
+    set_state_dict(m2, o2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    try:
+        _assert_bitwise(full, _full_state(m2, o2))
+    except AssertionError as e:
+        return str(e)
+    return True
+
+
+def _load_unsharded(path, where=""):
+    """One process, an unsharded model: DCP reshards the ranks' shards of
+    `path`; bitwise the state in ref.pt beside it."""
+    ref = torch.load(os.path.join(os.path.dirname(path), "ref.pt"), weights_only=True)
+    model = _model(9)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train_step(model, opt, 3)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, storage_reader=EbbtideReader(path))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _assert_bitwise(ref, _full_state(model, opt), where)
+
+
+def _fsdp_worker(rank, world, init_file, root, results, save_and_load):
+    """Trains a sharded model on this rank; results[rank] =
+    save_and_load(state, full state, mesh, root)."""
+    from torch.distributed.device_mesh import init_device_mesh
 
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
-
-        def sharded(seed):
-            m = _model(seed)
-            for layer in (m[0], m[2]):
-                fully_shard(layer, mesh=mesh)
-            fully_shard(m, mesh=mesh)
-            return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
-
-        model, opt = sharded(0)
-        for s in range(2):
-            _train_step(model, opt, 100 + s)
-        msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, storage_writer=EbbtideWriter(os.path.join(root, "ebb")))
-        dcp.save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(os.path.join(root, "fsw")))
-        full = _full_state(model, opt)
-        if rank == 0:
-            torch.save(full, os.path.join(root, "ref.pt"))
-        # Load on two ranks into a fresh model: bitwise the saved state.
-        ok = True
-        for src, reader in (("ebb", EbbtideReader), ("fsw", EbbtideReader), ("ebb", FileSystemReader)):
-            m2, o2 = sharded(7)
-            _train_step(m2, o2, 5)  # optimizer state exists, and differs
-            msd2, osd2 = get_state_dict(m2, o2)
-            state = {"model": msd2, "optim": osd2}
-            dcp.load(state, storage_reader=reader(os.path.join(root, src)))
-            set_state_dict(m2, o2, model_state_dict=state["model"], optim_state_dict=state["optim"])
-            try:
-                _assert_bitwise(full, _full_state(m2, o2))
-            except AssertionError as e:
-                ok = f"{src} with {reader.__name__}: {e}"
-        results[rank] = ok
+        state, full = _trained_state(rank, mesh, root)
+        results[rank] = save_and_load(state, full, mesh, root)
     finally:
         dist.destroy_process_group()
 
 
-def test_fsdp2_two_ranks_save_load_on_two_and_one(tmp_path):
-    root = str(tmp_path)
+def _save_and_load_both_writers(state, full, mesh, root):
+    dcp.save(state, storage_writer=EbbtideWriter(os.path.join(root, "ebb")))
+    dcp.save(state, storage_writer=FileSystemWriter(os.path.join(root, "fsw")))
+    # Load on two ranks into a fresh model: bitwise the saved state.
+    ok = True
+    for src, reader in (("ebb", EbbtideReader), ("fsw", EbbtideReader), ("ebb", FileSystemReader)):
+        res = _load_sharded(full, mesh, reader(os.path.join(root, src)))
+        if res is not True:
+            ok = f"{src} with {reader.__name__}: {res}"
+    return ok
+
+
+def _on_two_gloo_ranks(worker, tmp_path, *args):
+    """Runs worker(rank, world, init_file, root, results, *args) on two gloo
+    ranks with root = tmp_path; each must report True in results[rank]."""
     results = mp.Manager().dict()
-    mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "init"), root, results), nprocs=2, join=True)
+    mp.spawn(worker, args=(2, str(tmp_path / "init"), str(tmp_path), results) + args, nprocs=2, join=True)
     assert results[0] is True and results[1] is True, dict(results)
+
+
+def test_fsdp2_two_ranks_save_load_on_two_and_one(tmp_path):
+    _on_two_gloo_ranks(_fsdp_worker, tmp_path, _save_and_load_both_writers)
     assert sorted(os.listdir(tmp_path / "ebb")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
-    ref = torch.load(tmp_path / "ref.pt", weights_only=True)
-    # One process, an unsharded model: DCP reshards the two ranks' shards.
     for src in ("ebb", "fsw"):
-        model = _model(9)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        _train_step(model, opt, 3)
-        msd, osd = get_state_dict(model, opt)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, storage_reader=EbbtideReader(tmp_path / src))
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        _assert_bitwise(ref, _full_state(model, opt), src)
+        _load_unsharded(str(tmp_path / src), src)
 
 
 def _mixed_state():
@@ -203,8 +237,8 @@ warnings.filterwarnings("ignore")
 import torch, torch.distributed.checkpoint as dcp
 from ebbtide import _core
 from ebbtide.dcp import EbbtideWriter
-path, stage = sys.argv[1], sys.argv[2]
-w = EbbtideWriter(path, chunk_bytes=64 << 10, queue_depth=1)
+path, stage, stripe_dirs = sys.argv[1], sys.argv[2], sys.argv[3:]
+w = EbbtideWriter(path, chunk_bytes=64 << 10, queue_depth=1, stripe_dirs=stripe_dirs)
 dcp.save({"w": torch.full((512, 512), 1.0)}, storage_writer=w)
 if stage == "data":
     _core.ckpt_inject_write_fault(256 << 10, -1)  # park the writer after 256 KiB of the new save
@@ -216,12 +250,12 @@ print("not parked", flush=True)
 """
 
 
-@pytest.mark.parametrize("stage", ["data", "before-commit"])
-def test_kill_9_during_save_keeps_previous_checkpoint(tmp_path, stage):
-    path = tmp_path / "ck"
+def _kill_parked_save(script, tmp_path, stage, args):
+    """Runs `script` (args: its argv), which parks its second save at `stage`,
+    and kills it with SIGKILL there."""
     marker = tmp_path / "parked"
     env = dict(os.environ, EBBTIDE_DCP_TEST_PARK_MARKER=str(marker), EBBTIDE_LOG="warn")
-    p = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(path), stage], env=env,
+    p = subprocess.Popen([sys.executable, "-c", script] + args, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "saving B"
@@ -236,6 +270,12 @@ def test_kill_9_during_save_keeps_previous_checkpoint(tmp_path, stage):
     finally:
         p.kill()
         p.wait()
+
+
+@pytest.mark.parametrize("stage", ["data", "before-commit"])
+def test_kill_9_during_save_keeps_previous_checkpoint(tmp_path, stage):
+    path = tmp_path / "ck"
+    _kill_parked_save(_KILLED_SAVE, tmp_path, stage, [str(path), stage])
     tmps = [d for d in os.listdir(tmp_path) if d.startswith("ck.tmp-")]
     assert len(tmps) == 1  # the killed save's files, never committed
     if stage == "before-commit":
@@ -413,9 +453,7 @@ def _no_collectives_worker(rank, world, init_file, root, results):
 
 
 def test_two_ranks_save_and_load_without_collectives(tmp_path):
-    results = mp.Manager().dict()
-    mp.spawn(_no_collectives_worker, args=(2, str(tmp_path / "init"), str(tmp_path), results), nprocs=2, join=True)
-    assert results[0] is True and results[1] is True, dict(results)
+    _on_two_gloo_ranks(_no_collectives_worker, tmp_path)
     names = sorted(os.listdir(tmp_path / "nc"))
     # One metadata and one data file per rank: the first round's data files are gone.
     assert [n for n in names if n.endswith(".metadata")] == ["__0.metadata", "__1.metadata"], names
@@ -454,3 +492,145 @@ def test_cli_inspect_reads_a_save_without_collectives(tmp_path, capsys):
     assert cli.main(["ckpt", "inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert "rank 0's, saved without collectives" in out and "all chunk checksums and ranges OK" in out, out
+
+
+# -- striping (Note [DCP striping] in ebbtide/dcp.py) ------------------------------------------
+def _ssds(root, n=2):
+    out = []
+    for i in range(n):
+        d = os.path.join(root, f"ssd{i}")
+        os.makedirs(d, exist_ok=True)
+        out.append(d)
+    return out
+
+
+def _striped_save_and_load(state, full, mesh, root):
+    path = os.path.join(root, "ebb")
+    # Small blobs, a chunk each: every file gets some.
+    dcp.save(state, storage_writer=EbbtideWriter(path, stripe_dirs=_ssds(root), chunk_bytes=64 << 10))
+    ok = _load_sharded(full, mesh, EbbtideReader(path))
+    try:
+        _load_sharded(full, mesh, FileSystemReader(path))
+        ok = "FileSystemReader read a striped checkpoint"
+    except FAILS as e:
+        if "Unknown extension name='ebbtide-stripe'" not in str(e):
+            ok = f"FileSystemReader failed unclearly: {e}"
+    return ok
+
+
+def test_striped_save_on_two_ranks_loads_on_two_and_one(tmp_path):
+    root = str(tmp_path)
+    _on_two_gloo_ranks(_fsdp_worker, tmp_path, _striped_save_and_load)
+    assert sorted(os.listdir(tmp_path / "ebb")) == [".ebbtide-stripes.json", ".metadata", "__0_0.distcp",
+                                                    "__1_0.distcp"]
+    for d in _ssds(root):
+        (sd,) = os.listdir(d)
+        assert sd.startswith(f"ebb.stripe-{_core.ckpt_stripe_path_tag(str(tmp_path / 'ebb'))}-"), sd
+        files = sorted(os.listdir(os.path.join(d, sd)))
+        assert files == ["__0_0.distcp", "__1_0.distcp", "owner.json"], files
+        assert all(os.path.getsize(os.path.join(d, sd, f)) > 4096 for f in files[:2])  # data beyond the superblock
+    _load_unsharded(str(tmp_path / "ebb"))
+
+
+def _plant(path, owner=None):
+    os.makedirs(path)
+    with open(os.path.join(path, "keep.txt"), "w") as f:
+        f.write("mine")
+    if owner is not None:
+        with open(os.path.join(path, "owner.json"), "w") as f:
+            f.write(owner)
+    return path
+
+
+def _intact(path):
+    with open(os.path.join(path, "keep.txt")) as f:
+        return f.read() == "mine"
+
+
+def test_striped_overwrite_leaves_no_stale_stripes_and_spares_foreign_dirs(tmp_path):
+    path, ssds = tmp_path / "ck", _ssds(str(tmp_path))
+    tag = _core.ckpt_stripe_path_tag(str(path))
+    sd = _mixed_state()
+    dcp.save(sd, storage_writer=EbbtideWriter(path, stripe_dirs=ssds, chunk_bytes=64 << 10))
+    first = [os.listdir(d) for d in ssds]
+    foreign = [_plant(os.path.join(ssds[0], "precious")),
+               _plant(os.path.join(ssds[0], "ck.stripe-0123abcd-cafe")),  # another path's tag
+               _plant(os.path.join(ssds[1], f"ck.stripe-{tag}-0ther"),    # a tag collision: another owner
+                      '{"checkpoint": "/elsewhere/ck", "id": "0ther"}')]
+    stale = _plant(os.path.join(ssds[1], f"ck.stripe-{tag}-dead"))  # a killed save's, before its owner.json
+    sd["w"].add_(1.0)
+    dcp.save(sd, storage_writer=EbbtideWriter(path, stripe_dirs=ssds, chunk_bytes=64 << 10))
+    assert all(_intact(f) for f in foreign) and not os.path.exists(stale)
+    for d, old in zip(ssds, first):
+        ours = [n for n in os.listdir(d) if n.startswith(f"ck.stripe-{tag}-") and n != f"ck.stripe-{tag}-0ther"]
+        assert len(ours) == 1 and ours != old, os.listdir(d)
+    _assert_bitwise(sd, _load(path))
+    # Unstriped again: our stripe directories go, the checkpoint loads with both readers.
+    dcp.save(sd, storage_writer=EbbtideWriter(path))
+    assert sorted(os.listdir(ssds[0])) == ["ck.stripe-0123abcd-cafe", "precious"]
+    assert os.listdir(ssds[1]) == [f"ck.stripe-{tag}-0ther"]
+    assert all(_intact(f) for f in foreign)
+    for reader in (EbbtideReader, FileSystemReader):
+        _assert_bitwise(sd, _load(path, reader), reader.__name__)
+    with pytest.raises(FAILS, match="stripe_dirs needs a save with collectives"):
+        dcp.save(sd, storage_writer=EbbtideWriter(path, stripe_dirs=ssds), use_collectives=False)
+
+
+@pytest.mark.parametrize("stage", ["data", "before-commit"])
+def test_kill_9_during_striped_save_keeps_previous_checkpoint(tmp_path, stage):
+    path, ssds = tmp_path / "ck", _ssds(str(tmp_path))
+    _kill_parked_save(_KILLED_SAVE, tmp_path, stage, [str(path), stage] + ssds)
+    assert len([d for d in os.listdir(tmp_path) if d.startswith("ck.tmp-")]) == 1
+    assert all(len(os.listdir(d)) == 2 for d in ssds)  # the committed stripes and the killed save's
+    out = {"w": torch.zeros(512, 512)}
+    dcp.load(out, storage_reader=EbbtideReader(path))
+    assert torch.equal(out["w"], torch.full((512, 512), 1.0))
+    # The next save commits and removes the killed save's directories and the replaced stripes.
+    dcp.save({"w": torch.full((512, 512), 3.0)}, storage_writer=EbbtideWriter(path, stripe_dirs=ssds))
+    out = {"w": torch.zeros(512, 512)}
+    dcp.load(out, storage_reader=EbbtideReader(path))
+    assert torch.equal(out["w"], torch.full((512, 512), 3.0))
+    assert not [d for d in os.listdir(tmp_path) if d.startswith("ck.tmp-")]
+    assert all(len(os.listdir(d)) == 1 for d in ssds)
+
+
+@pytest.mark.parametrize("how", ["outside", "symlink", "no-owner"])
+def test_tampered_stripe_path_is_refused_naming_it(tmp_path, how, capsys):
+    import json
+    import shutil
+
+    from ebbtide import cli
+    path, ssds = tmp_path / "ck", _ssds(str(tmp_path))
+    sd = _mixed_state()
+    dcp.save(sd, storage_writer=EbbtideWriter(path, stripe_dirs=ssds, chunk_bytes=64 << 10))
+    rp = path / ".ebbtide-stripes.json"
+    rec = json.loads(rp.read_text())
+    real = rec["stripes"][1]
+    assert cli.main(["ckpt", "inspect", str(path)]) == 0  # every chunk verified, in the stripe files too
+    out = capsys.readouterr().out
+    assert f"stripe file {os.path.join(real, '__0_0.distcp')}" in out and "checksums and ranges OK" in out, out
+    name = os.path.basename(real)
+    if how == "outside":  # a copy of the stripe files in a directory of another name
+        bad = str(tmp_path / "precious")
+        shutil.copytree(real, bad)
+    elif how == "symlink":  # the right name, a link to the real stripe directory
+        os.makedirs(tmp_path / "links")
+        bad = str(tmp_path / "links" / name)
+        os.symlink(real, bad)
+    else:  # the right name and files, no owner.json
+        os.makedirs(tmp_path / "copy")
+        bad = str(tmp_path / "copy" / name)
+        shutil.copytree(real, bad)
+        os.unlink(os.path.join(bad, "owner.json"))
+    rec["stripes"][1] = bad
+    rp.write_text(json.dumps(rec))
+    with pytest.raises(FAILS, match=f"stripes entry '{bad}' is not a stripe directory"):
+        _load(path)
+    assert cli.main(["ckpt", "inspect", str(path)]) == 1
+    assert bad in capsys.readouterr().err
+    # The next save removes what it owns only: the real stripe directory, now unreferenced, not the planted one.
+    kept = sorted(os.listdir(bad))
+    dcp.save(sd, storage_writer=EbbtideWriter(path, stripe_dirs=ssds))
+    assert os.path.lexists(bad) and not os.path.exists(real)
+    if how != "symlink":
+        assert sorted(os.listdir(bad)) == kept

@@ -97,9 +97,13 @@ void write_file_durably(const std::string& path, const std::string& content) {
 std::string commit_checkpoint(const std::string& tmp_in, const std::string& path_in,
                               const std::vector<NamedContent>& files) {
   std::string tmp = strip_slashes(tmp_in), path = strip_slashes(path_in);
-  for (const auto& [name, content] : files) write_file_durably(tmp + "/" + name, content);
-  for (auto& e : fs::directory_iterator(tmp)) {
-    if (e.is_regular_file()) fsync_path(e.path().string(), false);
+  std::set<std::string> written;
+  for (const auto& [name, content] : files) {
+    write_file_durably(tmp + "/" + name, content);
+    written.insert(name);
+  }
+  for (auto& e : fs::directory_iterator(tmp)) {  // what others wrote there
+    if (e.is_regular_file() && !written.count(e.path().filename().string())) fsync_path(e.path().string(), false);
   }
   fsync_path(tmp, true);
   std::string parent = parent_of(path);

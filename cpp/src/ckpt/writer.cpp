@@ -49,9 +49,9 @@
 // chunk lives. Stripe files have a superblock (flag kFlagStripeFile, their
 // stripe number and size) and no header; they are made durable, with their
 // directories, before the shard file's superblock, which is written last.
-// Atomicity across directories comes from the caller (checkpoint.py): stripe
-// files live in directories named by the checkpoint id that nothing refers to
-// until the index directory is committed by rename.
+// Atomicity across directories comes from the caller (SaveTransaction in
+// transaction.hpp): stripe files live in directories named by the checkpoint
+// id that nothing refers to until the index directory is committed by rename.
 #include "ebbtide/ckpt/writer.hpp"
 
 #include <algorithm>
@@ -67,6 +67,7 @@
 #endif
 
 #include "ebbtide/ckpt/codec.hpp"
+#include "ebbtide/ckpt/transaction.hpp"
 #include "ebbtide/mem/cuda_shim.hpp"
 #include "ebbtide/mem/pinned_pool.hpp"
 #include "ebbtide/util/config.hpp"
@@ -232,6 +233,8 @@ struct CheckpointWriter::Impl {
   std::shared_ptr<detail::SaveState> inflight;
   std::string replaced;  // previous checkpoint directory, removed after the save is done
   std::string inflight_file;
+  bool claimed = false;  // claim(): the next save() is reserved
+  std::condition_variable claim_cv;
   detail::Reaper reaper;  // Note [Deferred removal]
 
   explicit Impl(const WriterOptions& o)
@@ -258,6 +261,21 @@ struct CheckpointWriter::Impl {
     if (bg.joinable()) bg.join();
   }
 
+  bool writing() const {  // mu held
+    if (!inflight) return false;
+    std::lock_guard l(inflight->mu);
+    return !inflight->done;
+  }
+
+  // With mu held: a save in flight (claimed, or being written) raises
+  // StateError, or with `block` is waited for.
+  void await_idle(std::unique_lock<std::mutex>& lock, bool block) {
+    EBB_CHECK_STATE(block || (!claimed && !writing()), "a checkpoint save to ", inflight_file,
+                    " is still in flight on this writer; wait() for it first or pass block=True");
+    claim_cv.wait(lock, [&] { return !claimed; });
+    join_bg();
+  }
+
   // Copies every blob into the arena; returns the arena offset of each.
   static bool can_pipeline(const SaveRequest& req) {
     if (!req.pipelined) return false;
@@ -276,8 +294,6 @@ struct CheckpointWriter::Impl {
       EBB_CHECK(b.data.ptr != nullptr || b.data.nbytes == 0, "blob '", b.name, "' has a null pointer and ", b.data.nbytes,
                 " bytes");
       EBB_CHECK(b.elem_bytes > 0, "blob '", b.name, "' has element size 0");
-      EBB_CHECK(b.codec == Codec::kNone || have_zstd(), "blob '", b.name, "': codec ", to_string(b.codec),
-                " needs zstd, and this build has no libzstd");
       plan[i].arena_offset = off;
       off += align_up(b.stored_nbytes(), kBlockBytes);
     }
@@ -755,10 +771,10 @@ CheckpointWriter::~CheckpointWriter() {
   impl_->join_bg();
 }
 
-void CheckpointWriter::commit_directory(const std::string& tmp_dir, const std::string& path,
-                                        const std::vector<std::pair<std::string, std::string>>& files) {
-  std::string old = commit_checkpoint(tmp_dir, path, files);
+void CheckpointWriter::commit(SaveTransaction& txn, const std::vector<std::pair<std::string, std::string>>& files) {
+  std::string old = commit_checkpoint(txn.tmp_dir(), txn.path(), files);
   if (!old.empty()) impl_->reaper.remove(std::move(old));  // Note [Deferred removal]
+  txn.committed();
 }
 
 void CheckpointWriter::join() {
@@ -769,9 +785,20 @@ void CheckpointWriter::join() {
 
 bool CheckpointWriter::busy() const {
   std::lock_guard lock(impl_->mu);
-  if (!impl_->inflight) return false;
-  std::lock_guard l2(impl_->inflight->mu);
-  return !impl_->inflight->done;
+  return impl_->claimed || impl_->writing();
+}
+
+void CheckpointWriter::claim(const std::string& target, bool block) {
+  std::unique_lock lock(impl_->mu);
+  impl_->await_idle(lock, block);
+  impl_->claimed = true;
+  impl_->inflight_file = target;
+}
+
+void CheckpointWriter::release_claim() {
+  std::lock_guard lock(impl_->mu);
+  impl_->claimed = false;
+  impl_->claim_cv.notify_all();
 }
 
 uint64_t CheckpointWriter::snapshot_capacity() const {
@@ -781,14 +808,11 @@ uint64_t CheckpointWriter::snapshot_capacity() const {
 
 SaveHandle CheckpointWriter::save(SaveRequest req, bool block) {
   std::unique_lock lock(impl_->mu);
-  if (impl_->inflight) {
-    bool done;
-    {
-      std::lock_guard l2(impl_->inflight->mu);
-      done = impl_->inflight->done;
-    }
-    EBB_CHECK_STATE(done || block, "a checkpoint save to ", impl_->inflight_file,
-                    " is still in flight on this writer; wait() for it first or pass block=True");
+  if (impl_->claimed) {  // this is the claimed save: claim() found the writer idle
+    impl_->claimed = false;
+    impl_->claim_cv.notify_all();
+  } else {
+    impl_->await_idle(lock, block);
   }
   impl_->join_bg();
   impl_->inflight.reset();
@@ -800,6 +824,10 @@ SaveHandle CheckpointWriter::save(SaveRequest req, bool block) {
       EBB_CHECK(!f.empty() && !std::filesystem::exists(f, ec), "checkpoint stripe file '", f, "' already exists");
     EBB_CHECK(req.stripe_files.size() < 256, "too many stripe files (", req.stripe_files.size(), "; at most 255)");
   }
+  for (const auto& b : req.blobs)
+    if (b.codec != Codec::kNone && !have_zstd())
+      throw Unsupported(ebbtide::detail::concat("checkpoint save: compression needs libzstd, and this build has none "
+                                                "(blob '", b.name, "', codec ", to_string(b.codec), ")"));
   auto t0 = Clock::now();
   const bool pipelined = Impl::can_pipeline(req);
   auto plan = impl_->snapshot(req, !pipelined);

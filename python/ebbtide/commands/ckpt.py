@@ -151,6 +151,8 @@ def _inspect_dcp(args, rank=None):
         where = f"{_fmt(f['file_bytes'])} on disk" if "file_bytes" in f else "unreadable"
         print(f"{f['file']}: {f.get('writer', '?')}, {where}, {f['items']} items, {_fmt(f['bytes'])}, "
               f"codecs {','.join(f.get('codecs', ['?']))}")
+        for sf in f.get("stripe_files", []):
+            print(f"  stripe file {sf}")
     for e in info["errors"]:
         print(f"BAD FILE: {_one_line(e)}", file=sys.stderr)
     if info["errors"]:

@@ -99,6 +99,8 @@ class SaveHandle {
   std::shared_ptr<detail::SaveState> s_;
 };
 
+class SaveTransaction;  // transaction.hpp
+
 class CheckpointWriter {
  public:
   explicit CheckpointWriter(WriterOptions options = WriterOptions{}.with_env());
@@ -111,16 +113,25 @@ class CheckpointWriter {
   // in flight, `block` waits for it first, otherwise StateError. Snapshot
   // errors (bad request, device copy) throw here and leave no file behind.
   SaveHandle save(SaveRequest request, bool block = false);
+  // Claims the writer for the next save() before its request exists (its
+  // directories are reserved first, its snapshot may start later on another
+  // thread), naming its `target` in errors: until that save() or
+  // release_claim(), the writer is busy and other claims and saves see a save
+  // in flight. With a save in flight, `block` waits for it, otherwise
+  // StateError.
+  void claim(const std::string& target, bool block = false);
+  void release_claim();
   bool busy() const;
   // Waits until the background thread is idle: the save in flight is done
   // and the previous checkpoint it replaced is removed (Note [Deferred removal]).
   void join();
-  // commit_checkpoint() for a directory its caller wrote (a distributed
-  // save's rank 0, the DCP plugin's coordinator); the checkpoint it replaces
-  // is removed on this writer's thread, as after save() (Note [Deferred
-  // removal]), so the caller does not wait for the filesystem to free it.
-  void commit_directory(const std::string& tmp_dir, const std::string& path,
-                        const std::vector<std::pair<std::string, std::string>>& files = {});
+  // Commits a save `txn` reserved whose files its caller wrote (a distributed
+  // save's rank 0, the DCP plugin's coordinator): commit_checkpoint() of
+  // txn.tmp_dir() with `files`, then txn.committed(). The checkpoint it
+  // replaces is removed on this writer's thread, as after save() (Note
+  // [Deferred removal]), so the caller does not wait for the filesystem to
+  // free it. IoError from the commit.
+  void commit(SaveTransaction& txn, const std::vector<std::pair<std::string, std::string>>& files = {});
   const WriterOptions& options() const { return options_; }
   uint64_t snapshot_capacity() const;  // bytes of reusable snapshot buffers held
 
