@@ -2,9 +2,11 @@
 # Run here, on the Debian development machine: fetches the build dependencies
 # the lent GPU machine lacks (liburing, GoogleTest, zstd headers; it has no
 # package registry) as Debian packages and unpacks them into .deps/root, which
-# git ignores, and the wheels its Python lacks into .deps/wheels (torchtune, for
-# bench/offload_bench.py's OffloadActivations row; scripts/gpu_check.sh installs
-# them with --no-deps). The device tool carries the folder with the tree:
+# git ignores, and pure-Python wheels into .deps/wheels: nanobind (the build's
+# bindings library: the version this tree is built with, not whichever one the
+# machine's Python has) and torchtune (bench/offload_bench.py's
+# OffloadActivations row). scripts/gpu_check.sh unpacks the wheels without
+# their dependencies. The device tool carries the folder with the tree:
 #   run(command="bash scripts/gpu_check.sh", carry=[".deps"])
 # liburing and GoogleTest are linked statically; zstd's static library is not
 # position-independent, so the module links libzstd.so.1 (the machine's own at
@@ -20,18 +22,21 @@ mkdir -p "$deps/debs" "$deps/root"
 # temporary directory it can reach, then move the files.
 tmp=$(mktemp -d)
 chmod 0777 "$tmp"
-(cd "$tmp" && apt-get download -q "${pkgs[@]}")
+(cd "$tmp" && apt-get download -q "${pkgs[@]}") ||
+  { echo "device_deps.sh: apt-get download failed (no package lists? run apt-get update first)" >&2; exit 1; }
 mv "$tmp"/*.deb "$deps/debs/"
 rmdir "$tmp"
 for f in "$deps"/debs/*.deb; do
   dpkg -x "$f" "$deps/root"
 done
+# nanobind's wheel holds its CMake package and C++ sources; the pin is the
+# version the development venv has (requirements-dev.txt asks nanobind>=2.0).
 # torchtune is pure Python. Its package __init__ imports torchao, HF datasets,
 # torchdata and more, none of which OffloadActivations uses: ebbtide.demo loads
 # that class from its own file when the package import fails, so it needs only
 # psutil (the GPU image has it) and no other wheel. The Python version and
 # platform are the lent machine's (Python 3.12, x86-64).
-wheels=(torchtune==0.6.1)
+wheels=(nanobind==3.1.0 torchtune==0.6.1)
 rm -rf "$deps/wheels"
 mkdir -p "$deps/wheels"
 "${PYTHON:-python3}" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -39,5 +44,7 @@ mkdir -p "$deps/wheels"
 for need in usr/include/liburing.h usr/include/gtest/gtest.h usr/include/zstd.h; do
   [ -e "$deps/root/$need" ] || { echo "device_deps.sh: $need missing after unpacking ${pkgs[*]}" >&2; exit 1; }
 done
-compgen -G "$deps/wheels/torchtune-*.whl" >/dev/null || { echo "device_deps.sh: no torchtune wheel in $deps/wheels" >&2; exit 1; }
+for name in nanobind torchtune; do
+  compgen -G "$deps/wheels/$name-*.whl" >/dev/null || { echo "device_deps.sh: no $name wheel in $deps/wheels" >&2; exit 1; }
+done
 echo "device_deps.sh: $(du -sh "$deps" | cut -f1) in $deps (carry \".deps\")"

@@ -6,8 +6,9 @@
 # only those). One device call runs at most 10 minutes, so split them over
 # calls, each starting with `build` (a fresh machine rebuilds; a warm one
 # reuses build/gpu):
-#   build    CMake build of the C++ core, its tests and the Python module
-#            against the machine's python3 (liburing, GoogleTest, zstd from .deps)
+#   build    CMake build of the C++ core, its tests and the Python modules
+#            against the machine's python3 and torch (liburing, GoogleTest,
+#            zstd and nanobind from .deps)
 #   test     ctest (all C++ tests; the GPU ones run now) and the CUDA pytest file
 #   offload  bench/offload_bench.py --device cuda (the issue's GPU targets;
 #            OFFLOAD_METHODS=a,b,... runs only those methods)
@@ -78,14 +79,35 @@ export EBBTIDE_LIBURING_ROOT=$repo/.deps/root
 export PYTHONPATH=$repo/python:$build/python${PYTHONPATH:+:$PYTHONPATH}
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$repo/.deps/root/usr/lib/x86_64-linux-gnu
 export PYTHONUNBUFFERED=1
-# Wheels from scripts/device_deps.sh (torchtune), installed without their
-# dependencies into a scratch folder placed after everything else on the path.
-if compgen -G "$repo/.deps/wheels/*.whl" >/dev/null; then
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ebbtide-wheels \
-    "$repo"/.deps/wheels/*.whl >"$out/wheels.log" 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/ebbtide-wheels ||
-    say "WARNING: installing .deps/wheels failed (see wheels.log)"
+# Wheels from scripts/device_deps.sh (nanobind, torchtune), pure Python: each
+# is unpacked (the zipfile module; the machine's Python may lack pip), without
+# its dependencies, into a scratch folder on PYTHONPATH. That puts it ahead of
+# site-packages, so the build's `python -m nanobind` finds the carried nanobind,
+# not the machine's own.
+wheels=/tmp/ebbtide-wheels
+unpack_wheels() {
+  local whl sums
+  sums=$(cksum "$repo"/.deps/wheels/*.whl)
+  # A warm machine has them unpacked already; unpacking again would give the
+  # nanobind sources new times and rebuild its objects.
+  if [ "$(cat "$wheels/.unpacked" 2>/dev/null)" = "$sums" ]; then
+    echo "unpacked already: $sums"
+    return
+  fi
+  rm -rf "$wheels"
+  for whl in "$repo"/.deps/wheels/*.whl; do
+    echo "$whl"
+    "$py" -m zipfile -e "$whl" "$wheels" || return
+  done
+  echo "$sums" >"$wheels/.unpacked"
+}
+if ! compgen -G "$repo/.deps/wheels/*.whl" >/dev/null; then
+  say "no .deps/wheels: the build uses the machine's nanobind, and the torchtune row will say it was skipped" \
+    "(run scripts/device_deps.sh here)"
+elif unpack_wheels >"$out/wheels.log" 2>&1; then
+  export PYTHONPATH=$PYTHONPATH:$wheels
 else
-  say "no .deps/wheels: the torchtune row will say it was skipped (run scripts/device_deps.sh here)"
+  say "WARNING: unpacking .deps/wheels failed (see wheels.log); the build uses the machine's nanobind"
 fi
 
 # The module the tests and benchmarks import must be the one just built.
@@ -123,7 +145,7 @@ for stage in "${stages[@]}"; do
         -DEBBTIDE_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v "$py")" \
         -DCMAKE_PREFIX_PATH="$repo/.deps/root/usr" &&
         step build build.log 400 cmake --build "$build" -j"$jobs"
-      grep -E "liburing found|cuda.h|CUDA shim|GTest" "$out/configure.log"
+      grep -E "liburing found|cuda.h|CUDA shim|GTest|ebbtide: nanobind|ebbtide._torch" "$out/configure.log"
       ;;
     test)
       step ctest ctest.log 300 ctest --test-dir "$build" --no-tests=error --output-on-failure -j8
