@@ -74,7 +74,7 @@ HostBufferPool::Buffer HostBufferPool::take(size_t nbytes, bool pin) {
   if (!found) b = allocate(bytes, pin);
   const Buffer out{b.data, bytes, b.kind == Kind::kPinned};
   std::lock_guard<std::mutex> lock(mu_);
-  out_.emplace(b.data, std::move(b));
+  out_.emplace(out.data, std::move(b));
   out_bytes_ += bytes;
   high_water_ = std::max(high_water_, out_bytes_);
   return out;
