@@ -3,8 +3,9 @@
 // Buffers are fixed slots of one HostMapping, registered with the CUDA driver
 // when a driver is present (cuMemHostRegister) so device copies from and to
 // them are truly asynchronous; one mapping lets an io_uring ring register
-// every slot at once (base()). acquire() blocks while every buffer is in use (bounded
-// memory); buffers are reused, never freed until the pool dies. Thread safe.
+// every slot at once (base()). acquire() blocks while every buffer is in use
+// (bounded memory); buffers are reused, never freed until the pool dies.
+// Thread safe.
 // The pool must outlive every Lease taken from it: destroying it with leases
 // out is a bug and aborts the process with a message.
 #pragma once
