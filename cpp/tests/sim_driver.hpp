@@ -120,8 +120,26 @@ class SimDriver final : public mem::cuda::Driver {
     std::lock_guard<std::mutex> lock(mu_);
     host_ = std::max(host_, tail_[s]);
   }
-  bool host_register(void*, size_t) override { return true; }
-  void host_unregister(void*) override {}
+  // Page-locking succeeds unless a test refuses it (as a container with a
+  // small RLIMIT_MEMLOCK would); both calls are counted.
+  bool host_register(void*, size_t) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++registers_;
+    return allow_register;
+  }
+  void host_unregister(void*) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++unregisters_;
+  }
+  bool allow_register = true;
+  int registers() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return registers_;
+  }
+  int unregisters() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return unregisters_;
+  }
   int device_count() override { return 1; }
   std::string device_name(int) override { return "sim"; }
 
@@ -150,6 +168,8 @@ class SimDriver final : public mem::cuda::Driver {
   double d2h_free_ = 0;
   double h2d_free_ = 0;
   std::vector<Copy> copies_;
+  int registers_ = 0;
+  int unregisters_ = 0;
   mem::cuda::Event next_event_ = 0;
   mem::cuda::Stream next_stream_ = 0;
   static inline thread_local int current_ = -1;

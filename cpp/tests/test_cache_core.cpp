@@ -644,35 +644,6 @@ TEST(CacheCore, ConsumedEntriesAreNotPrefetchedAgainInTheSameBackward) {
 }  // namespace
 }  // namespace ebbtide::cache
 
-#include "ebbtide/cache/buffer_pool.hpp"
-
-namespace ebbtide::cache {
-namespace {
-
-TEST(HostBufferPool, AlignedReusedAndBounded) {
-  HostBufferPool pool;
-  void* a = pool.take(5000);
-  void* b = pool.take(5000);
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(a) % HostBufferPool::kAlign, 0u);
-  EXPECT_EQ(pool.out_bytes(), 2 * 8192u);
-  std::memset(a, 1, 5000);
-  pool.give(a);
-  pool.give(b);
-  EXPECT_EQ(pool.spare_bytes(), 2 * 8192u);
-  void* c = pool.take(8000);  // same rounded size: reused
-  EXPECT_TRUE(c == a || c == b);
-  EXPECT_EQ(pool.reused(), 1u);
-  EXPECT_THROW(pool.give(reinterpret_cast<void*>(0x1000)), StateError);
-  pool.give(c);
-  void* big = pool.take(1 << 20);  // more than ever out: spares stay bounded
-  pool.give(big);
-  EXPECT_LE(pool.spare_bytes(), (1u << 20) + 8192u);
-  EXPECT_THROW(pool.take(0), InvalidArgument);
-}
-
-}  // namespace
-}  // namespace ebbtide::cache
-
 namespace ebbtide::cache {
 namespace {
 

@@ -1,15 +1,12 @@
 // target "cpu": offloaded bytes in host memory.
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
-#include <map>
 #include <mutex>
 #include <unordered_map>
-#include <utility>
-#include <vector>
 #include <algorithm>
 
 #include "ebbtide/cache/store.hpp"
+#include "ebbtide/mem/buffer_pool.hpp"
 #include "ebbtide/mem/pinned_pool.hpp"
 #include "ebbtide/util/config.hpp"
 #include "ebbtide/util/error.hpp"
@@ -22,49 +19,40 @@ constexpr size_t kBlobAlign = 64;
 
 // Note [Host staging]
 // Device tensors go straight into page-locked blobs: each blob of a device
-// put is page-aligned and registered with cuMemHostRegister, so one
+// put is a pinned buffer of the store's mem::HostBufferPool, so one
 // cuMemcpyDtoHAsync (and one HtoD on reload) moves it at full PCIe speed,
 // with no extra memcpy. Registration costs about as much as pinning the pages
-// once; Note [Blob reuse] keeps freed blobs by size, so from the second step
-// on every blob is reused already registered. When registration is refused
-// (RLIMIT_MEMLOCK in a container), that blob is ordinary memory and its
-// copies go chunk by chunk through the staging pool (mem::PinnedPool),
-// which is made on the first such copy. Host tensors use plain blobs and
-// memcpy: CPU-only runs never pin memory.
+// once; the pool keeps freed blobs by size (Note [Buffer reuse] in
+// mem/buffer_pool.cpp), so from the second step on every blob is reused
+// already registered. When registration is refused (RLIMIT_MEMLOCK in a
+// container), that blob is ordinary memory and its copies go chunk by chunk
+// through the staging pool (mem::PinnedPool), which is made on the first such
+// copy. Host tensors use plain blobs and memcpy: CPU-only runs never pin
+// memory.
 constexpr size_t kStagingBuffers = 4;
-constexpr size_t kPageBytes = 4096;
 
 class HostStore final : public Store {
  public:
-  explicit HostStore(HostStoreOptions o) : opts_(o) {
+  explicit HostStore(HostStoreOptions o)
+      : opts_(o), blob_pool_(mem::HostBufferPoolOptions{kBlobAlign, o.driver, "host store"}) {
     EBB_CHECK(o.staging_bytes >= 4096, "host store: staging_bytes ", o.staging_bytes, " is below 4096");
-  }
-  ~HostStore() override {
-    for (auto& [loc, b] : blobs_) release(b.data, b.pinned);
-    for (auto& [key, v] : spare_)
-      for (void* p : v) release(p, key.second);
   }
 
   Location put(const mem::Buffer& src, int /*tier*/) override {
     EBB_CHECK(src.nbytes > 0, "host store: empty put");
     reserve(src.nbytes);  // before copying, so concurrent puts respect the cap
-    const bool want_pinned = src.on_device() && opts_.driver != nullptr;
-    const size_t alloc = alloc_size(src.nbytes, want_pinned);
-    auto [data, pinned] = new_blob(alloc, want_pinned);
-    if (data == nullptr) {
-      unreserve(src.nbytes);
-      throw IoError(ENOMEM, "host memory", 0, detail::concat("host store: cannot allocate ", src.nbytes, " bytes"));
-    }
+    mem::HostBufferPool::Buffer blob;
     try {
-      copy(data, pinned, src, /*to_device=*/false);
+      blob = blob_pool_.take(src.nbytes, /*pin=*/src.on_device() && opts_.driver != nullptr);
+      copy(blob.data, blob.pinned, src, /*to_device=*/false);
     } catch (...) {
-      give_spare(data, alloc, pinned);
+      if (blob.data != nullptr) blob_pool_.give(blob.data);
       unreserve(src.nbytes);
       throw;
     }
     std::lock_guard<std::mutex> lock(mu_);
     Location loc = next_++;
-    blobs_.emplace(loc, Blob{data, src.nbytes, alloc, pinned});
+    blobs_.emplace(loc, Blob{blob.data, src.nbytes, blob.pinned});
     return loc;
   }
 
@@ -74,17 +62,17 @@ class HostStore final : public Store {
   HostSpace reserve_host(uint64_t nbytes) override {
     EBB_CHECK(nbytes > 0, "host store: empty reservation");
     reserve(nbytes);
-    const bool want_pinned = opts_.driver != nullptr;
-    const size_t alloc = alloc_size(nbytes, want_pinned);
-    auto [data, pinned] = new_blob(alloc, want_pinned);
-    if (data == nullptr) {
+    mem::HostBufferPool::Buffer blob;
+    try {
+      blob = blob_pool_.take(nbytes, /*pin=*/opts_.driver != nullptr);
+    } catch (...) {
       unreserve(nbytes);
-      throw IoError(ENOMEM, "host memory", 0, detail::concat("host store: cannot allocate ", nbytes, " bytes"));
+      throw;
     }
     std::lock_guard<std::mutex> lock(mu_);
     Location loc = next_++;
-    blobs_.emplace(loc, Blob{data, nbytes, alloc, pinned});
-    return HostSpace{loc, data, pinned};
+    blobs_.emplace(loc, Blob{blob.data, nbytes, blob.pinned});
+    return HostSpace{loc, blob.data, blob.pinned};
   }
 
   void get(Location loc, const mem::Buffer& dst) override {
@@ -110,7 +98,7 @@ class HostStore final : public Store {
       held_ -= b.nbytes;
       blobs_.erase(it);
     }
-    give_spare(b.data, b.alloc, b.pinned);
+    blob_pool_.give(b.data);
   }
 
   StoreStats stats() const override {
@@ -126,61 +114,10 @@ class HostStore final : public Store {
 
  private:
   struct Blob {
-    void* data = nullptr;
+    void* data = nullptr;  // from blob_pool_
     uint64_t nbytes = 0;
-    size_t alloc = 0;     // bytes allocated (the spare list it returns to)
     bool pinned = false;  // registered with the CUDA driver (Note [Host staging])
   };
-  static size_t alloc_size(uint64_t nbytes, bool page) {
-    const size_t a = page ? kPageBytes : kBlobAlign;
-    return (nbytes + a - 1) / a * a;
-  }
-  // A spare blob of `alloc` bytes or a new one: (nullptr, false) when out of
-  // memory. With `want_pinned`, a plain blob left by an earlier refused
-  // registration is reused before a new one is allocated and registered.
-  std::pair<void*, bool> new_blob(size_t alloc, bool want_pinned) {
-    if (void* p = take_spare(alloc, want_pinned)) return {p, want_pinned};
-    if (want_pinned)
-      if (void* p = take_spare(alloc, false)) return {p, false};
-    void* p = nullptr;
-    if (::posix_memalign(&p, want_pinned ? kPageBytes : kBlobAlign, alloc) != 0) return {nullptr, false};
-    return {p, want_pinned && opts_.driver->host_register(p, alloc)};  // a refusal is warned once by the shim
-  }
-
-  // Note [Blob reuse]: training saves the same shapes every step; keeping
-  // freed blobs by exact size (up to the most bytes ever held) spares the
-  // allocator's mmap/munmap and the page faults of fresh memory each step.
-  void* take_spare(size_t alloc, bool pinned) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = spare_.find({alloc, pinned});
-    if (it == spare_.end() || it->second.empty()) return nullptr;
-    void* p = it->second.back();
-    it->second.pop_back();
-    spare_bytes_ -= alloc;
-    return p;
-  }
-  void give_spare(void* p, size_t alloc, bool pinned) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      high_water_ = std::max<uint64_t>(high_water_, held_ + alloc);
-      if (spare_bytes_ + alloc <= high_water_) {
-        spare_[{alloc, pinned}].push_back(p);
-        spare_bytes_ += alloc;
-        return;
-      }
-    }
-    release(p, pinned);
-  }
-  void release(void* p, bool pinned) {
-    if (pinned) {
-      try {
-        opts_.driver->host_unregister(p);
-      } catch (const std::exception& e) {
-        log::error("host store: cuMemHostUnregister failed: ", e.what());
-      }
-    }
-    std::free(p);
-  }
 
   // Counts `n` bytes against the capacity; IoError(ENOSPC) past it.
   void reserve(uint64_t n) {
@@ -243,13 +180,11 @@ class HostStore final : public Store {
   HostStoreOptions opts_;
   std::mutex staging_mu_;
   std::unique_ptr<mem::PinnedPool> staging_;
+  mem::HostBufferPool blob_pool_;  // every blob, handed out or spare
   mutable std::mutex mu_;
   std::unordered_map<Location, Blob> blobs_;
   Location next_ = 1;
   uint64_t held_ = 0;
-  std::map<std::pair<size_t, bool>, std::vector<void*>> spare_;  // (bytes, pinned) -> free blobs
-  uint64_t spare_bytes_ = 0;
-  uint64_t high_water_ = 0;
 };
 
 }  // namespace

@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "ebbtide/cache/buffer_pool.hpp"
+#include "ebbtide/mem/buffer_pool.hpp"
 #include "ebbtide/util/config.hpp"
 #include "ebbtide/util/error.hpp"
 #include "ebbtide/util/log.hpp"
@@ -955,11 +955,11 @@ void TensorCache::start_loads(const std::vector<EntryId>& ids,
 void TensorCache::host_buffer_locked(Entry& e) {
   uint64_t phase = reinterpret_cast<uintptr_t>(e.src) % std::max<uint64_t>(1, store_->io_alignment());
   if (phase % 16 != 0) phase = 0;
-  void* p = HostBufferPool::shared().take(e.nbytes + phase);
+  void* p = mem::HostBufferPool::shared().take(e.nbytes + phase).data;
   bury_locked(e.buf);
   e.buf = GlueObj(p, [](void* q) noexcept {
     try {
-      HostBufferPool::shared().give(q);
+      mem::HostBufferPool::shared().give(q);
     } catch (...) {
     }
   });

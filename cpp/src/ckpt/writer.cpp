@@ -1,7 +1,8 @@
 // Note [Save pipeline]
 // save() runs on the caller's thread only until every blob is copied into the
-// snapshot arena: one pinned region (PinnedPool segments, CUDA-registered,
-// kept and reused across saves, grown when a state outgrows it) laid out as
+// snapshot arena: one mem::HostMapping (CUDA-registered when a save has
+// device blobs, kept and reused across saves, grown in 64 MiB segments when a
+// state outgrows it; each segment is one registered io buffer) laid out as
 // the shard's data image, each blob at a 4 KiB boundary with zeroed padding.
 // Host blobs are copied by the worker threads, device blobs with
 // cuMemcpyDtoHAsync on their stream. Then a background thread writes:
@@ -69,6 +70,7 @@
 #include "ebbtide/ckpt/codec.hpp"
 #include "ebbtide/ckpt/transaction.hpp"
 #include "ebbtide/mem/cuda_shim.hpp"
+#include "ebbtide/mem/host_mapping.hpp"
 #include "ebbtide/mem/pinned_pool.hpp"
 #include "ebbtide/util/config.hpp"
 #include "ebbtide/util/crc32c.hpp"
@@ -224,7 +226,7 @@ struct ChunkJob {
 struct CheckpointWriter::Impl {
   WriterOptions opt;
   detail::Workers workers;
-  std::unique_ptr<mem::PinnedPool> arena;    // snapshot image
+  mem::HostMapping arena;                    // snapshot image, whole segments
   std::unique_ptr<mem::PinnedPool> staging;  // compressed chunk ring
   std::unique_ptr<io::TransferLoop> loop;
   unsigned loop_depth = 0;
@@ -243,17 +245,19 @@ struct CheckpointWriter::Impl {
   uint64_t staging_buffer_bytes() const { return align_up(compress_bound(opt.chunk_bytes), kBlockBytes); }
   unsigned staging_count() const { return std::max(2u, 2 * workers.size()); }
 
+  uint64_t arena_segments() const { return arena.size() / kSegmentBytes; }
+
   void ensure_arena(uint64_t bytes) {
     uint64_t segs = std::max<uint64_t>(1, (bytes + kSegmentBytes - 1) / kSegmentBytes);
-    if (arena && arena->count() >= segs) return;
+    if (arena && arena_segments() >= segs) return;
     loop.reset();  // its registered buffers are the old arena's
-    arena.reset();
+    arena = mem::HostMapping();  // unmapped before the larger one is mapped
     // Registered with CUDA only when a save has device blobs (snapshot()):
     // CPU-only checkpoints never initialise CUDA. The compressed-chunk ring is
     // filled from the arena, never by device copies.
+    arena = mem::HostMapping(segs * kSegmentBytes, "checkpoint snapshot arena");
     mem::PinnedPoolOptions host_only;
     host_only.cuda_register = false;
-    arena = std::make_unique<mem::PinnedPool>(kSegmentBytes, segs, host_only);
     if (!staging) staging = std::make_unique<mem::PinnedPool>(staging_buffer_bytes(), staging_count(), host_only);
   }
 
@@ -299,7 +303,7 @@ struct CheckpointWriter::Impl {
     }
     ensure_arena(off);
     if (!copy) return plan;
-    auto* base = static_cast<char*>(arena->base());
+    auto* base = static_cast<char*>(arena.data());
     mem::cuda::Driver* drv = nullptr;
     // Device copies are queued first so they run while the host copies do.
     // Streams are per context (handle 0 is each device's own legacy stream),
@@ -338,7 +342,7 @@ struct CheckpointWriter::Impl {
         copies.drv = drv;
       }
       drv->bind_context_of(reinterpret_cast<mem::cuda::DevicePtr>(b.data.ptr));
-      arena->ensure_registered();  // async device copies need page-locked memory
+      arena.pin(drv);  // async device copies need page-locked memory
       const std::pair<mem::cuda::Context, mem::cuda::Stream> key{drv->current_context(), b.data.stream};
       drv->memcpy_dtoh_async(base + plan[i].arena_offset + b.head.size(), reinterpret_cast<mem::cuda::DevicePtr>(b.data.ptr),
                              b.data.nbytes, b.data.stream);
@@ -378,8 +382,8 @@ struct CheckpointWriter::Impl {
     if (loop && loop_depth == depth) return;
     loop.reset();
     std::vector<iovec> fixed;
-    auto* base = static_cast<char*>(arena->base());
-    for (uint64_t i = 0; i < arena->count(); ++i) fixed.push_back({base + i * kSegmentBytes, kSegmentBytes});
+    auto* base = static_cast<char*>(arena.data());
+    for (uint64_t i = 0; i < arena_segments(); ++i) fixed.push_back({base + i * kSegmentBytes, kSegmentBytes});
     auto* sbase = static_cast<char*>(staging->base());
     for (size_t i = 0; i < staging->count(); ++i)
       fixed.push_back({sbase + i * staging->buffer_bytes(), staging->buffer_bytes()});
@@ -425,8 +429,8 @@ struct CheckpointWriter::Impl {
         : w(impl),
           req(r),
           nfiles(1 + r.stripe_files.size()),
-          abase(static_cast<char*>(impl.arena->base())),
-          arena_segs(impl.arena->count()),
+          abase(static_cast<char*>(impl.arena.data())),
+          arena_segs(impl.arena_segments()),
           nstage(impl.staging->count()),
           sbytes(impl.staging->buffer_bytes()),
           sbase(static_cast<char*>(impl.staging->base())),
@@ -803,7 +807,7 @@ void CheckpointWriter::release_claim() {
 
 uint64_t CheckpointWriter::snapshot_capacity() const {
   std::lock_guard lock(impl_->mu);
-  return impl_->arena ? impl_->arena->total_bytes() : 0;
+  return impl_->arena.size();
 }
 
 SaveHandle CheckpointWriter::save(SaveRequest req, bool block) {

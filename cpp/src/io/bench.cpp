@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "ebbtide/mem/cuda_shim.hpp"
+#include "ebbtide/mem/host_mapping.hpp"
 #include "ebbtide/util/error.hpp"
 #include "ebbtide/util/log.hpp"
 
@@ -43,22 +44,14 @@ constexpr uint64_t kHugePage = 2ull << 20;
 // Anonymous memory; with `huge`, 2 MiB aligned and advised MADV_HUGEPAGE
 // before it is touched (Note [Bench buffers]).
 struct MappedBuffer {
-  MappedBuffer(uint64_t n, bool huge) : n_(n) {
-    const uint64_t pad = huge ? kHugePage : 0;
-    void* p = ::mmap(nullptr, n + pad, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw_io_error(errno, "", -1, "mmap (benchmark buffer)");
-    map_ = static_cast<unsigned char*>(p);
-    map_n_ = n + pad;
-    p_ = map_;
+  MappedBuffer(uint64_t n, bool huge) : map_(n + (huge ? kHugePage : 0), "benchmark buffer"), n_(n) {
+    p_ = static_cast<unsigned char*>(map_.data());
     if (huge) {
-      const auto a = reinterpret_cast<uintptr_t>(map_);
-      p_ = map_ + ((a + kHugePage - 1) / kHugePage * kHugePage - a);
+      const auto a = reinterpret_cast<uintptr_t>(p_);
+      p_ += (a + kHugePage - 1) / kHugePage * kHugePage - a;
       advised_ = ::madvise(p_, n, MADV_HUGEPAGE) == 0;
     }
   }
-  ~MappedBuffer() { ::munmap(map_, map_n_); }
-  MappedBuffer(const MappedBuffer&) = delete;
-  MappedBuffer& operator=(const MappedBuffer&) = delete;
   unsigned char* data() const { return p_; }
   // Bytes of [data(), data() + n) backed by huge pages now (/proc/self/smaps).
   uint64_t huge_bytes() const {
@@ -77,10 +70,9 @@ struct MappedBuffer {
     }
     return total;
   }
-  unsigned char* p_;
+  mem::HostMapping map_;
+  unsigned char* p_ = nullptr;
   uint64_t n_;
-  unsigned char* map_;
-  uint64_t map_n_;
   bool advised_ = false;
 };
 

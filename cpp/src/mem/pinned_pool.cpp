@@ -1,9 +1,5 @@
 #include "ebbtide/mem/pinned_pool.hpp"
 
-#include <sys/mman.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <cstdlib>
 #include <limits>
 
@@ -13,22 +9,10 @@
 
 namespace ebbtide::mem {
 
-// Note [Pinned staging memory]
-// Staging buffers are one anonymous private mapping, not cudaHostAlloc memory:
-// io_uring buffer registration (IORING_REGISTER_BUFFERS) pins pages itself and
-// refuses driver-allocated pinned memory on some kernels, while an ordinary
-// mapping that is then cuMemHostRegister'ed works for both. One mapping keeps
-// the registration to one call and lets the engine register `base()` with the
-// ring once. Buffers are handed out LIFO so a lightly loaded pool keeps reusing
-// the same cache- and TLB-warm buffers.
-
-size_t PinnedPool::page_size() {
-  static const size_t kPage = [] {
-    long p = ::sysconf(_SC_PAGESIZE);
-    return p > 0 ? static_cast<size_t>(p) : size_t{4096};
-  }();
-  return kPage;
-}
+// All slots are one mapping (Note [Pinned staging memory] in host_mapping.cpp):
+// registration with CUDA is one call, and the engine registers `base()` with
+// its ring once. Slots are handed out LIFO so a lightly loaded pool keeps
+// reusing the same cache- and TLB-warm buffers.
 
 PinnedPool::PinnedPool(size_t buffer_bytes, size_t count)
     : PinnedPool(buffer_bytes, count, PinnedPoolOptions{}) {}
@@ -43,28 +27,9 @@ PinnedPool::PinnedPool(size_t buffer_bytes, size_t count, const PinnedPoolOption
   buffer_bytes_ = (buffer_bytes + page - 1) / page * page;
   EBB_CHECK(buffer_bytes_ <= std::numeric_limits<size_t>::max() / count_, "pinned pool: ", count_,
             " buffers of ", buffer_bytes_, " bytes overflow the address space");
-  const size_t total = buffer_bytes_ * count_;
-
-  int flags = MAP_PRIVATE | MAP_ANONYMOUS;
-  if (options.populate) flags |= MAP_POPULATE;
-  void* p = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, flags, -1, 0);
-  if (p == MAP_FAILED) {
-    int err = errno;
-    throw IoError(err, "", -1,
-                  detail::concat("pinned pool: mmap of ", count_, " x ", buffer_bytes_, " bytes (",
-                                 total, " bytes) failed"));
-  }
-  base_ = p;
-
-  if (options.cuda_register) {
-    register_tried_ = true;
-    try {
-      if (cuda::Driver* drv = cuda::driver()) registered_ = drv->host_register(base_, total);
-    } catch (...) {
-      ::munmap(base_, total);
-      throw;
-    }
-  }
+  mapping_ = HostMapping(buffer_bytes_ * count_, detail::concat("pinned pool of ", count_, " x ", buffer_bytes_, " bytes"),
+                         options.populate);
+  if (options.cuda_register) mapping_.pin(cuda::driver());
 
   free_.reserve(count_);
   for (size_t i = count_; i-- > 0;) free_.push_back(i);  // index 0 is handed out first
@@ -79,30 +44,16 @@ PinnedPool::~PinnedPool() {
                " buffers still leased: every Lease must be released before its pool dies");
     std::abort();
   }
-  if (registered_) {
-    try {
-      if (cuda::Driver* drv = cuda::driver()) drv->host_unregister(base_);
-    } catch (const std::exception& e) {
-      log::warn("pinned pool: unregistering ", total_bytes(), " bytes from CUDA failed: ", e.what());
-    }
-  }
-  if (base_ != nullptr && ::munmap(base_, total_bytes()) != 0) {
-    log::warn("pinned pool: munmap failed (errno ", errno, ")");
-  }
 }
 
 bool PinnedPool::ensure_registered() {
   std::lock_guard lock(mu_);
-  if (!registered_ && !register_tried_) {
-    register_tried_ = true;
-    if (cuda::Driver* drv = cuda::driver()) registered_ = drv->host_register(base_, total_bytes());
-  }
-  return registered_;
+  return mapping_.pin(cuda::driver());
 }
 
 void* PinnedPool::buffer(size_t index) const {
   EBB_CHECK(index < count_, "pinned pool: buffer index ", index, " out of range (count ", count_, ")");
-  return static_cast<char*>(base_) + index * buffer_bytes_;
+  return static_cast<char*>(base()) + index * buffer_bytes_;
 }
 
 size_t PinnedPool::index_of(const Lease& lease) const {
@@ -120,7 +71,7 @@ PinnedPool::Lease PinnedPool::acquire() {
   cv_.wait(lock, [&] { return !free_.empty(); });
   size_t i = free_.back();
   free_.pop_back();
-  return Lease(this, i, static_cast<char*>(base_) + i * buffer_bytes_, buffer_bytes_);
+  return Lease(this, i, static_cast<char*>(base()) + i * buffer_bytes_, buffer_bytes_);
 }
 
 std::optional<PinnedPool::Lease> PinnedPool::try_acquire() {
@@ -128,7 +79,7 @@ std::optional<PinnedPool::Lease> PinnedPool::try_acquire() {
   if (free_.empty()) return std::nullopt;
   size_t i = free_.back();
   free_.pop_back();
-  return Lease(this, i, static_cast<char*>(base_) + i * buffer_bytes_, buffer_bytes_);
+  return Lease(this, i, static_cast<char*>(base()) + i * buffer_bytes_, buffer_bytes_);
 }
 
 void PinnedPool::release(size_t index) {

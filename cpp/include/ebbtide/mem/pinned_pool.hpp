@@ -1,9 +1,11 @@
 // A bounded pool of page-aligned host buffers for staging I/O.
 //
-// Buffers come from one anonymous mmap, registered with the CUDA driver when a
-// driver is present (cuMemHostRegister) so device copies from and to them are
-// truly asynchronous. acquire() blocks while every buffer is in use (bounded
-// memory); buffers are reused, never freed until the pool dies. Thread safe.
+// Buffers are fixed slots of one HostMapping, registered with the CUDA driver
+// when a driver is present (cuMemHostRegister) so device copies from and to
+// them are truly asynchronous; one mapping lets an io_uring ring register
+// every slot at once (base()). acquire() blocks while every buffer is in use
+// (bounded memory); buffers are reused, never freed until the pool dies.
+// Thread safe.
 // The pool must outlive every Lease taken from it: destroying it with leases
 // out is a bug and aborts the process with a message.
 #pragma once
@@ -14,6 +16,8 @@
 #include <mutex>
 #include <optional>
 #include <vector>
+
+#include "ebbtide/mem/host_mapping.hpp"
 
 namespace ebbtide::mem {
 
@@ -61,27 +65,25 @@ class PinnedPool {
   size_t buffer_bytes() const { return buffer_bytes_; }
   size_t count() const { return count_; }
   size_t in_use() const;
-  bool registered() const { return registered_; }  // pinned with the CUDA driver
+  bool registered() const { return mapping_.pinned(); }  // pinned with the CUDA driver
   // Registers a pool made with cuda_register = false, once, when a CUDA driver
   // is present (pools that may never see a device copy register on first
   // need, so CPU-only work never initialises CUDA). Returns registered().
   // Call before leasing buffers for device copies; not concurrent with them.
   bool ensure_registered();
-  void* base() const { return base_; }            // for io_uring buffer registration
+  void* base() const { return mapping_.data(); }  // for io_uring buffer registration
   size_t total_bytes() const { return buffer_bytes_ * count_; }
   // Start of buffer `index` (< count()); the same address every time it is leased.
   void* buffer(size_t index) const;
   // Index of the buffer a lease from this pool holds (for io_uring fixed buffers).
   size_t index_of(const Lease& lease) const;
-  static size_t page_size();
+  static size_t page_size() { return HostMapping::page_size(); }
 
  private:
   void release(size_t index);
   size_t buffer_bytes_;
   size_t count_;
-  void* base_ = nullptr;
-  bool registered_ = false;
-  bool register_tried_ = false;  // ensure_registered() ran (guarded by mu_)
+  HostMapping mapping_;  // pinning guarded by mu_
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<size_t> free_;

@@ -1,0 +1,84 @@
+// Host buffers reused by size (Note [Buffer reuse] in buffer_pool.cpp).
+//
+// take() hands out a buffer of at least the bytes asked for; give() returns
+// it, and it is kept as a spare for the next take() of the same size, up to
+// the most bytes ever handed out at once (so a steady state allocates
+// nothing). Plain buffers are heap memory aligned to `align`; buffers taken
+// with `pin` are whole-page HostMappings page-locked through the pool's
+// driver. Thread safe; give() may run on any thread (it never calls back).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "ebbtide/mem/host_mapping.hpp"
+
+namespace ebbtide::mem {
+
+struct HostBufferPoolOptions {
+  size_t align = 4096;             // plain buffers: alignment and size granule (a power of two)
+  cuda::Driver* driver = nullptr;  // pins buffers taken with `pin`; must outlive the pool
+  std::string name = "host buffer pool";  // names the pool in errors
+};
+
+class HostBufferPool {
+ public:
+  struct Buffer {
+    void* data = nullptr;
+    size_t bytes = 0;     // usable bytes: the request rounded up to the granule
+    bool pinned = false;  // page-locked with the pool's driver
+  };
+
+  HostBufferPool() : HostBufferPool(HostBufferPoolOptions{}) {}
+  // InvalidArgument when `align` is not a power of two.
+  explicit HostBufferPool(HostBufferPoolOptions options);
+  ~HostBufferPool();  // frees every buffer, spare or still handed out
+  HostBufferPool(const HostBufferPool&) = delete;
+  HostBufferPool& operator=(const HostBufferPool&) = delete;
+
+  // A buffer of at least `nbytes` (> 0). With `pin`, a page-locked buffer when
+  // the driver accepts one: a pinned spare, else a spare the driver refused
+  // before (not retried), else a new mapping pinned now; `pinned` tells which.
+  // Without, plain memory (never page-locked, never touching the driver).
+  // IoError(ENOMEM) when memory is exhausted.
+  Buffer take(size_t nbytes, bool pin = false);
+  // Returns a buffer from take(); StateError for a pointer it did not hand out.
+  void give(void* p);
+
+  size_t out_bytes() const;    // handed out now
+  size_t spare_bytes() const;  // kept for reuse
+  uint64_t reused() const;     // take() calls served from spares
+
+  // The process-wide pool of plain page-aligned buffers: the tensor cache's
+  // host reload buffers (never destroyed).
+  static HostBufferPool& shared();
+
+ private:
+  enum class Kind : uint8_t { kHeap, kPinned, kRefused };  // kRefused: a mapping the driver would not pin
+  struct Block {
+    void* data = nullptr;
+    size_t bytes = 0;
+    Kind kind = Kind::kHeap;
+    HostMapping mapping;  // holds kPinned and kRefused memory; kHeap memory is freed by the pool
+  };
+  bool take_spare(size_t bytes, Kind kind, Block& out);
+  Block allocate(size_t bytes, bool pin);
+  static void free_block(Block& b) noexcept;
+
+  const HostBufferPoolOptions opts_;
+  mutable std::mutex mu_;
+  std::unordered_map<void*, Block> out_;
+  std::map<std::pair<size_t, Kind>, std::vector<Block>> spare_;
+  size_t out_bytes_ = 0;
+  size_t spare_bytes_ = 0;
+  size_t high_water_ = 0;
+  uint64_t reused_ = 0;
+};
+
+}  // namespace ebbtide::mem

@@ -1,0 +1,55 @@
+// Page-aligned anonymous host memory, page-locked with the CUDA driver on request.
+//
+// The one place ebbtide maps host memory for I/O and device copies (Note
+// [Pinned staging memory]): the fixed-slot PinnedPool, the page-locked buffers
+// of HostBufferPool and the checkpoint writer's snapshot arena all stand on
+// it. The memory starts zeroed. Move-only; not thread safe (owners serialise
+// pin() against their own use); the destructor unregisters and unmaps.
+#pragma once
+
+#include <cstddef>
+#include <string_view>
+
+namespace ebbtide::mem {
+
+namespace cuda {
+class Driver;
+}
+
+class HostMapping {
+ public:
+  HostMapping() = default;
+  // Maps `bytes` rounded up to the page size; `owner` names the caller in
+  // errors ("pinned pool"). `populate`: fault every page in now (MAP_POPULATE).
+  // Throws InvalidArgument for 0 bytes or a size that overflows, IoError when
+  // mmap fails.
+  HostMapping(size_t bytes, std::string_view owner, bool populate = false);
+  ~HostMapping();
+  HostMapping(HostMapping&& o) noexcept;
+  HostMapping& operator=(HostMapping&& o) noexcept;
+  HostMapping(const HostMapping&) = delete;
+  HostMapping& operator=(const HostMapping&) = delete;
+
+  void* data() const { return data_; }
+  size_t size() const { return size_; }  // whole pages
+  explicit operator bool() const { return data_ != nullptr; }
+
+  // Registers the whole mapping with `driver` (cuMemHostRegister) unless it
+  // was tried already; a refusal (false, warned once by the shim) is not
+  // retried. nullptr (no driver) leaves it unpinned. Returns pinned(). The
+  // driver must outlive the mapping, which unregisters with it.
+  bool pin(cuda::Driver* driver);
+  bool pinned() const { return pinned_by_ != nullptr; }
+  bool pin_tried() const { return pin_tried_; }
+
+  static size_t page_size();
+
+ private:
+  void release() noexcept;
+  void* data_ = nullptr;
+  size_t size_ = 0;
+  cuda::Driver* pinned_by_ = nullptr;
+  bool pin_tried_ = false;
+};
+
+}  // namespace ebbtide::mem
