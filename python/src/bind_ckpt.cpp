@@ -110,6 +110,16 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
         ebbtide::py::gil_release g;
         w.join();
       })
+      .def("copy",
+           [](CheckpointWriter& w, const std::vector<std::tuple<uintptr_t, uintptr_t, uint64_t>>& copies) {
+             std::vector<HostCopy> c;
+             c.reserve(copies.size());
+             for (const auto& [dst, src, n] : copies)
+               c.push_back({reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n});
+             ebbtide::py::gil_release g;
+             w.copy(c);
+           },
+           nb::arg("copies"), "Copies host (dst, src, nbytes) ranges on the writer's threads (staging).")
       .def("commit",
            [](CheckpointWriter& w, SaveTransaction& t, const std::vector<std::pair<std::string, nb::bytes>>& files) {
              std::vector<NamedContent> f;

@@ -216,6 +216,69 @@ def test_async_save_snapshots_the_state(tmp_path):
         expect["w"] = sd["w"].clone()
 
 
+class _RecordCopies:
+    """Wraps a writer's native object and records what copy() was given."""
+
+    def __init__(self, native):
+        self.native, self.copies = native, []
+
+    def __getattr__(self, name):
+        return getattr(self.native, name)
+
+    def copy(self, copies):
+        self.copies.extend(copies)
+        return self.native.copy(copies)
+
+
+# Note [Staging copy]: stage() gives exactly what torch's _copy_state_dict
+# gives, the large plain host tensors copied by the writer's threads.
+@pytest.mark.parametrize("cache", [True, False], ids=["cached", "fresh"])
+def test_stage_copies_like_torch(tmp_path, cache):
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(1 << 20, generator=g)  # 4 MiB: the writer copies it
+    sd = {
+        "model": {"w": big, "tied": big, "bf16": torch.randn(1024, 1024, generator=g).bfloat16(),
+                  "small": torch.randn(100, generator=g), "strided": torch.randn(1024, 2048, generator=g).t()},
+        "optim": {"state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.randn(600, 600, generator=g)}},
+                  "param_groups": [{"lr": 0.1, "params": [0], "betas": (0.9, 0.99), "name": "g0"}]},
+        "epoch": 3,
+    }
+    w = EbbtideWriter(tmp_path / "s", cache_staged_state_dict=cache)
+    w._native = rec = _RecordCopies(w._native)
+    for step in range(2):
+        staged = w.stage(sd)
+        ref = _copy_state_dict(sd, _create_cpu_state_dict(sd))
+        flat, want = {}, {}
+        for out, d in ((flat, staged), (want, ref)):
+            stack = [("", d)]
+            while stack:
+                k, v = stack.pop()
+                if isinstance(v, dict):
+                    stack.extend((f"{k}.{kk}", vv) for kk, vv in v.items())
+                elif isinstance(v, (list, tuple)) and not isinstance(v, str):
+                    out[k + ".type"] = type(v)
+                    stack.extend((f"{k}.{i}", vv) for i, vv in enumerate(v))
+                else:
+                    out[k] = v
+        assert flat.keys() == want.keys()
+        for k in want:
+            if isinstance(want[k], torch.Tensor):
+                assert torch.equal(flat[k], want[k]) and flat[k].dtype == want[k].dtype, k
+                assert flat[k].untyped_storage().data_ptr() not in (t.untyped_storage().data_ptr()
+                                                                   for t in (big, sd["model"]["bf16"])), k
+            else:
+                assert flat[k] == want[k], k
+        # The 4 MiB, 2 MiB and 1.4 MiB tensors went through the writer (the tied
+        # pair once per staged tensor); the small and strided ones did not.
+        srcs = {c[1] for c in rec.copies}
+        assert {big.data_ptr(), sd["model"]["bf16"].data_ptr(),
+                sd["optim"]["state"][0]["exp_avg"].data_ptr()} <= srcs
+        assert sd["model"]["small"].data_ptr() not in srcs and sd["model"]["strided"].data_ptr() not in srcs
+        rec.copies.clear()
+        big.add_(1.0)  # the next stage() sees the change
+
+
 @pytest.mark.skipif(not _core.ckpt_have_zstd(), reason="this build has no zstd")
 def test_compression_round_trip_and_filesystem_reader_refuses(tmp_path):
     sd = _mixed_state()

@@ -265,6 +265,23 @@ struct CheckpointWriter::Impl {
     if (bg.joinable()) bg.join();
   }
 
+  // Host copies in pieces of <= 8 MiB over the workers, with copy_snapshot's
+  // streaming stores.
+  void copy_host(const std::vector<HostCopy>& copies) {
+    struct Piece {
+      const char* src;
+      char* dst;
+      uint64_t n;
+    };
+    std::vector<Piece> pieces;
+    constexpr uint64_t kPiece = 8ull << 20;
+    for (const auto& c : copies)
+      for (uint64_t o = 0; o < c.nbytes; o += kPiece)
+        pieces.push_back({static_cast<const char*>(c.src) + o, static_cast<char*>(c.dst) + o,
+                          std::min(kPiece, c.nbytes - o)});
+    workers.parallel_for(pieces.size(), [&](size_t k) { copy_snapshot(pieces[k].dst, pieces[k].src, pieces[k].n); });
+  }
+
   bool writing() const {  // mu held
     if (!inflight) return false;
     std::lock_guard l(inflight->mu);
@@ -349,14 +366,7 @@ struct CheckpointWriter::Impl {
       if (std::find(copies.streams.begin(), copies.streams.end(), key) == copies.streams.end())
         copies.streams.push_back(key);
     }
-    // Host copies in pieces of <= 8 MiB over the workers.
-    struct Piece {
-      const char* src;
-      char* dst;
-      uint64_t n;
-    };
-    std::vector<Piece> pieces;
-    constexpr uint64_t kPiece = 8ull << 20;
+    std::vector<HostCopy> host;
     for (size_t i = 0; i < req.blobs.size(); ++i) {
       const auto& b = req.blobs[i];
       char* dst = base + plan[i].arena_offset;
@@ -365,11 +375,9 @@ struct CheckpointWriter::Impl {
       copy_stored(b, 0, b.head.size(), dst);  // Note [Framed blobs]
       copy_stored(b, b.head.size() + b.data.nbytes, b.tail.size(), dst + b.head.size() + b.data.nbytes);
       dst += b.head.size();
-      if (b.data.on_device()) continue;
-      for (uint64_t o = 0; o < b.data.nbytes; o += kPiece)
-        pieces.push_back({static_cast<const char*>(b.data.ptr) + o, dst + o, std::min(kPiece, b.data.nbytes - o)});
+      if (!b.data.on_device()) host.push_back({dst, b.data.ptr, b.data.nbytes});
     }
-    workers.parallel_for(pieces.size(), [&](size_t k) { copy_snapshot(pieces[k].dst, pieces[k].src, pieces[k].n); });
+    copy_host(host);
     if (copies.drv != nullptr) {
       copies.sync();  // errors thrown here: the destructor still restores the caller's context
       copies.drv->set_current_context(copies.caller);
@@ -780,6 +788,8 @@ void CheckpointWriter::commit(SaveTransaction& txn, const std::vector<std::pair<
   if (!old.empty()) impl_->reaper.remove(std::move(old));  // Note [Deferred removal]
   txn.committed();
 }
+
+void CheckpointWriter::copy(const std::vector<HostCopy>& copies) { impl_->copy_host(copies); }
 
 void CheckpointWriter::join() {
   std::lock_guard lock(impl_->mu);

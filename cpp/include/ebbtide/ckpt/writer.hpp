@@ -101,6 +101,13 @@ class SaveHandle {
 
 class SaveTransaction;  // transaction.hpp
 
+// One host-to-host copy of CheckpointWriter::copy().
+struct HostCopy {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  uint64_t nbytes = 0;
+};
+
 class CheckpointWriter {
  public:
   explicit CheckpointWriter(WriterOptions options = WriterOptions{}.with_env());
@@ -132,6 +139,12 @@ class CheckpointWriter {
   // [Deferred removal]), so the caller does not wait for the filesystem to
   // free it. IoError from the commit.
   void commit(SaveTransaction& txn, const std::vector<std::pair<std::string, std::string>>& files = {});
+  // Copies host memory on this writer's threads, the way save() snapshots
+  // host blobs (8 MiB pieces, streaming stores): the staging copy of an
+  // asynchronous save made outside save() (the DCP plugin's stage()).
+  // Ranges must not overlap and must stay valid until it returns; safe
+  // beside a save in flight.
+  void copy(const std::vector<HostCopy>& copies);
   const WriterOptions& options() const { return options_; }
   uint64_t snapshot_capacity() const;  // bytes of reusable snapshot buffers held
 
