@@ -118,17 +118,24 @@ SaveResult save_blobs(const std::string& dir, std::vector<BlobSource> blobs, Wri
   return w.save(std::move(r)).wait();
 }
 
-class CkptWriterTest : public ::testing::TestWithParam<io::BackendKind> {};
+class CkptWriterTest : public ::testing::TestWithParam<io::BackendKind> {
+ protected:
+  // The parameter's backend, 2 threads, chunks of `chunk` bytes.
+  WriterOptions options(uint64_t chunk) const {
+    WriterOptions o;
+    o.chunk_bytes = chunk;
+    o.threads = 2;
+    o.backend = GetParam();
+    return o;
+  }
+};
 
 TEST_P(CkptWriterTest, WriteReadRoundTripWithCompression) {
   TempDir d;
   auto a = test::random_bytes((9 << 20) + 123, 1);  // several chunks, odd tail
   std::vector<uint16_t> b(100000);
   for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint16_t>(0x3f00 + i % 97);
-  WriterOptions o;
-  o.chunk_bytes = 1 << 20;
-  o.threads = 2;
-  o.backend = GetParam();
+  WriterOptions o = options(1 << 20);
   auto res = save_blobs(d.path(), {{"a", test::host_buffer(a), 1, Codec::kNone},
                                    {"b", test::host_buffer(b), 2, Codec::kFloatZstd},
                                    {"empty", {nullptr, 0}, 4, Codec::kZstd}},
@@ -383,11 +390,7 @@ TEST_P(CkptWriterTest, StripedAndPipelinedRoundTrip) {
   std::filesystem::create_directory(d.path() + "/s1");
   std::filesystem::create_directory(d.path() + "/s2");
   for (bool pipelined : {false, true}) {
-    WriterOptions o;
-    o.chunk_bytes = 1 << 20;
-    o.threads = 2;
-    o.backend = GetParam();
-    CheckpointWriter w(o);
+    CheckpointWriter w(options(1 << 20));
     SaveRequest r;
     std::string tag = pipelined ? "p" : "a";
     r.file = d.path() + "/main-" + tag + ".ebt";
@@ -452,11 +455,7 @@ TEST_P(CkptWriterTest, FramedBlobsPipelinedMatchSnapshot) {
   std::vector<unsigned char> want_empty(head.begin(), head.begin() + 123);
   want_empty.insert(want_empty.end(), tail.begin(), tail.begin() + 45);
   for (bool pipelined : {false, true}) {
-    WriterOptions o;
-    o.chunk_bytes = 64 << 10;
-    o.threads = 2;
-    o.backend = GetParam();
-    CheckpointWriter w(o);
+    CheckpointWriter w(options(64 << 10));
     SaveRequest r;
     r.file = d.path() + (pipelined ? "/p.ebt" : "/s.ebt");
     r.blobs = {framed("t", test::host_buffer(data), head, tail),
