@@ -86,7 +86,7 @@ void read_all(ShardReader& r) {
     std::vector<BlobTarget> targets;
     for (uint32_t b = 0; b < h.blobs.size(); ++b) {
       bufs.emplace_back(h.blobs[b].nbytes, fill);
-      targets.push_back({b, bufs.back().data()});
+      targets.push_back({b, {bufs.back().data(), bufs.back().size()}});
     }
     r.read(targets, 1);
   }

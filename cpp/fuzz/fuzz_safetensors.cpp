@@ -52,7 +52,7 @@ void read_all(st::Reader& r) {
     std::vector<st::ReadTarget> targets;
     for (size_t i = 0; i < h.tensors.size(); ++i) {
       bufs.emplace_back(h.tensors[i].end - h.tensors[i].begin, fill);
-      targets.push_back({i, bufs.back().data(), false, 0, false});
+      targets.push_back({i, {bufs.back().data(), bufs.back().size()}});
     }
     r.read(targets);
   }

@@ -148,7 +148,7 @@ TEST_P(CkptWriterTest, WriteReadRoundTripWithCompression) {
   ASSERT_EQ(rd.header().blobs.size(), 3u);
   std::vector<unsigned char> a2(a.size());
   std::vector<uint16_t> b2(b.size());
-  rd.read({{0, a2.data()}, {1, b2.data()}});
+  rd.read({{0, test::host_buffer(a2)}, {1, test::host_buffer(b2)}});
   EXPECT_EQ(a, a2);
   EXPECT_EQ(b, b2);
   EXPECT_TRUE(rd.verify().empty());
@@ -175,7 +175,7 @@ TEST_P(CkptWriterTest, CorruptChunkNamesBlobAndOffset) {
   ShardReader rd(f);
   std::vector<unsigned char> a2(a.size());
   try {
-    rd.read({{0, a2.data()}});
+    rd.read({{0, test::host_buffer(a2)}});
     FAIL() << "corruption not detected";
   } catch (const ChecksumError& e) {
     EXPECT_EQ(e.offset(), static_cast<int64_t>(off));
@@ -317,7 +317,7 @@ TEST(CkptReader, InPlaceReadIntoFreshMapping) {
   void* p = ::mmap(nullptr, a.size(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   ASSERT_NE(p, MAP_FAILED);
   ShardReader rd(d.path() + "/ck/rank0.ebt");
-  rd.read({{0, p}});
+  rd.read({{0, {p, a.size()}}});
   EXPECT_EQ(std::memcmp(p, a.data(), a.size()), 0);
   ::munmap(p, a.size());
 }
@@ -409,14 +409,14 @@ TEST_P(CkptWriterTest, StripedAndPipelinedRoundTrip) {
     EXPECT_GT(per_stripe[1], 0);
     EXPECT_GT(per_stripe[2], 0);
     std::vector<unsigned char> a2(a.size()), b2(b.size());
-    rd.read({{0, a2.data()}, {1, b2.data()}});
+    rd.read({{0, test::host_buffer(a2)}, {1, test::host_buffer(b2)}});
     EXPECT_EQ(a, a2);
     EXPECT_EQ(b, b2);
     EXPECT_TRUE(rd.verify().empty());
     // A page-aligned destination: full chunks are read in place (Note [Read pipeline]).
     std::unique_ptr<unsigned char, decltype(&std::free)> al(
         static_cast<unsigned char*>(std::aligned_alloc(4096, align_up(a.size(), 4096))), &std::free);
-    rd.read({{0, al.get()}});
+    rd.read({{0, {al.get(), a.size()}}});
     EXPECT_EQ(0, std::memcmp(al.get(), a.data(), a.size()));
     EXPECT_THROW(ShardReader(d.path() + "/main-" + tag + ".ebt"), InvalidArgument);  // stripes not given
   }
@@ -425,7 +425,7 @@ TEST_P(CkptWriterTest, StripedAndPipelinedRoundTrip) {
   ShardReader rd(d.path() + "/main-a.ebt", true, {d.path() + "/s1/a.ebt", d.path() + "/s2/a.ebt"});
   std::vector<unsigned char> a2(a.size()), b2(b.size());
   try {
-    rd.read({{0, a2.data()}, {1, b2.data()}});
+    rd.read({{0, test::host_buffer(a2)}, {1, test::host_buffer(b2)}});
     ADD_FAILURE() << "read with a missing stripe file succeeded";
   } catch (const IoError& e) {
     EXPECT_NE(std::string(e.what()).find("s2/a.ebt"), std::string::npos) << e.what();
@@ -469,7 +469,7 @@ TEST_P(CkptWriterTest, FramedBlobsPipelinedMatchSnapshot) {
     ASSERT_EQ(rd.header().blobs.size(), 3u);
     ASSERT_EQ(rd.header().blobs[0].nbytes, want.size());
     std::vector<unsigned char> got(want.size()), got_plain(plain.size()), got_empty(want_empty.size());
-    rd.read({{0, got.data()}, {1, got_plain.data()}, {2, got_empty.data()}});
+    rd.read({{0, test::host_buffer(got)}, {1, test::host_buffer(got_plain)}, {2, test::host_buffer(got_empty)}});
     EXPECT_EQ(got, want);
     EXPECT_EQ(got_plain, plain);
     EXPECT_EQ(got_empty, want_empty);

@@ -94,7 +94,7 @@ std::string load_error(const std::string& bytes) {
     std::vector<BlobTarget> targets;
     for (uint32_t b = 0; b < r.header().blobs.size(); ++b) {
       bufs.emplace_back(r.header().blobs[b].nbytes);
-      targets.push_back({b, bufs.back().data()});
+      targets.push_back({b, test::host_buffer(bufs.back())});
     }
     r.read(targets, 2);
     return "";
@@ -113,9 +113,18 @@ TEST(CkptHostile, CraftedShardLoadsWhenWellFormed) {
   ASSERT_EQ(r.header().blobs.size(), 3u);
   for (uint32_t b = 0; b < 3; ++b) {
     std::string out(s.data[b].size(), '\xAA');
-    r.read({{b, out.data()}});
+    r.read({{b, test::host_buffer(out)}});
     EXPECT_EQ(out, s.data[b]) << "blob " << b;
   }
+  // A destination of another size than the blob is refused before any read.
+  std::string short_by_one(s.data[0].size() - 1, '\xAA');
+  try {
+    r.read({{0, test::host_buffer(short_by_one)}});
+    ADD_FAILURE() << "a destination one byte short was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_TRUE(contains(e.what(), "has 10000 bytes, its destination 9999")) << e.what();
+  }
+  EXPECT_EQ(short_by_one, std::string(s.data[0].size() - 1, '\xAA'));
   EXPECT_TRUE(r.verify().empty());
 }
 
@@ -283,7 +292,7 @@ TEST(CkptHostile, FieldEditsLoadExactBytesOrFail) {
         ShardReader r(p, false);
         for (uint32_t b = 0; b < r.header().blobs.size(); ++b) {
           std::string out(r.header().blobs[b].nbytes, '\xAA');
-          r.read({{b, out.data()}});
+          r.read({{b, test::host_buffer(out)}});
           EXPECT_EQ(out, s.data[b]) << field << " = " << v << ": blob " << b << " loaded different bytes";
         }
       } catch (const InvalidArgument&) {

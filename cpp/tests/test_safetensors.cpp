@@ -277,7 +277,7 @@ TEST(Safetensors, SaveAndReadBack) {
     uint64_t n = dtype_bits(ts[i].dtype) / 8;
     for (auto d : ts[i].shape) n *= d;
     ts[i].bytes = test::random_bytes(n, 7 + i);
-    src.push_back({ts[i].name, ts[i].dtype, ts[i].shape, ts[i].bytes.data()});
+    src.push_back({ts[i].name, ts[i].dtype, ts[i].shape, test::host_buffer(ts[i].bytes)});
   }
   const std::string path = dir.path() + "/m.safetensors";
   for (bool direct_save : {true, false}) {
@@ -309,7 +309,17 @@ TEST(Safetensors, SaveAndReadBack) {
           char* base = reinterpret_cast<char*>(align_up(reinterpret_cast<uintptr_t>(bufs.back().data()), 4096));
           char* p = base + (in_place ? a % 4096 : (a + 1) % 4096);
           ptrs.push_back(p);
-          targets.push_back({i, p, false, 0, in_place});
+          targets.push_back({i, {p, n}, in_place});
+        }
+        if (direct_save && direct_read && in_place) {  // a destination of another size is refused
+          std::vector<ReadTarget> wrong = targets;
+          wrong[2].dst.nbytes += 1;
+          try {
+            r.read(wrong);
+            ADD_FAILURE() << "a destination one byte too long was accepted";
+          } catch (const InvalidArgument& e) {
+            EXPECT_NE(std::string(e.what()).find("tensor 'big' has"), std::string::npos) << e.what();
+          }
         }
         r.read(targets);
         for (size_t i = 0; i < h.tensors.size(); ++i) {
@@ -334,7 +344,8 @@ TEST(Safetensors, SaveAndReadBack) {
 TEST(Safetensors, SaveRefusesBadTensors) {
   TempDir dir;
   const std::string path = dir.path() + "/bad.safetensors";
-  float x[4] = {};
+  float x4[4] = {};
+  const mem::Buffer x{x4, sizeof x4};
   auto err = [&](std::vector<SaveTensor> ts, Metadata m = {}) {
     try {
       save(path, ts, m);
@@ -346,7 +357,8 @@ TEST(Safetensors, SaveRefusesBadTensors) {
   EXPECT_TRUE(contains(err({{"a", "F31", {4}, x}}), "unknown safetensors dtype 'F31'"));
   EXPECT_TRUE(contains(err({{"a", "F32", {4}, x}, {"a", "F32", {4}, x}}), "tensor 'a': the name appears twice"));
   EXPECT_TRUE(contains(err({{"__metadata__", "F32", {4}, x}}), "reserved"));
-  EXPECT_TRUE(contains(err({{"a", "F32", {4}, nullptr}}), "null data pointer"));
+  EXPECT_TRUE(contains(err({{"a", "F32", {4}, {nullptr, 16}}}), "null data pointer"));
+  EXPECT_TRUE(contains(err({{"a", "F32", {5}, x}}), "tensor 'a': its F32 shape has 20 bytes, its data 16"));
   EXPECT_TRUE(contains(err({{"\xff", "F32", {4}, x}}), "not valid UTF-8"));
   EXPECT_TRUE(contains(err({{"a", "F32", {UINT64_MAX, 2}, x}}), "not a whole number of bytes"));
   EXPECT_TRUE(contains(err({{"a", "F32", {4}, x}}, {{"k", "1"}, {"k", "2"}}), "appears twice"));
@@ -360,7 +372,7 @@ TEST(Safetensors, RandomMutationsNeverCrash) {
   TempDir dir;
   std::vector<unsigned char> a = test::random_bytes(4096 + 100, 1), b = test::random_bytes(6, 2);
   const std::string path = dir.path() + "/v.safetensors";
-  save(path, {{"layer.weight", "F32", {1049}, a.data()}, {"bias", "I16", {3}, b.data()}}, {{"format", "pt"}});
+  save(path, {{"layer.weight", "F32", {1049}, {a.data(), 4196}}, {"bias", "I16", {3}, {b.data(), 6}}}, {{"format", "pt"}});
   std::string good;
   {
     std::ifstream f(path, std::ios::binary);
@@ -390,7 +402,7 @@ TEST(Safetensors, RandomMutationsNeverCrash) {
       for (size_t i = 0; i < r.header().tensors.size(); ++i) {
         const auto& t = r.header().tensors[i];
         bufs.emplace_back(t.end - t.begin + 1);
-        targets.push_back({i, bufs.back().data()});
+        targets.push_back({i, {bufs.back().data(), t.end - t.begin}});
       }
       r.read(targets);
       ++accepted;

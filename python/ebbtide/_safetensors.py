@@ -82,7 +82,7 @@ def save(tensors, path, metadata=None):
         cuda = t.device.type == "cuda"
         stream = torch.cuda.current_stream(t.device).cuda_stream if cuda else 0
         keep.append(t)
-        entries.append((name, _dtype_name(t, name), list(t.shape), t.data_ptr(), cuda, stream))
+        entries.append((name, _dtype_name(t, name), list(t.shape), t.data_ptr(), t.nbytes, cuda, stream))
     return _core.safetensors_save(os.fspath(path), entries, list(metadata.items()))
 
 
@@ -115,7 +115,7 @@ def _read(reader, device, names=None):
             buf, own = torch.empty(nbytes, dtype=torch.uint8, device=device), False
         out[name] = buf.view(dtype).view(shape)
         if nbytes:
-            targets.append((i, buf.data_ptr(), device.type == "cuda", stream, own))
+            targets.append((i, buf.data_ptr(), nbytes, device.type == "cuda", stream, own))
     reader.read(targets)
     return out
 

@@ -772,7 +772,8 @@ class EbbtideReader(_DirectoryId, StorageReader):
                 k = blob_of(r)
                 if k not in bufs:
                     bufs[k] = _host_buffer(shard.blobs[k]["nbytes"])
-            shard.reader.read([(k, b.data_ptr(), False, 0) for k, b in bufs.items()], threads=self.threads)
+            shard.reader.read([(k, b.data_ptr(), b.nbytes, False, 0) for k, b in bufs.items()],
+                              threads=self.threads)
             for r in batch:
                 k = blob_of(r)
                 it, buf = shard.items[k], bufs[k]

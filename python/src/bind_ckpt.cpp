@@ -160,11 +160,11 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
         return out;
       })
       .def("read",
-           [](ShardReader& r, const std::vector<std::tuple<uint32_t, uintptr_t, bool, uintptr_t>>& targets,
+           [](ShardReader& r, const std::vector<std::tuple<uint32_t, uintptr_t, uint64_t, bool, uintptr_t>>& targets,
               unsigned threads) {
              std::vector<BlobTarget> t;
-             for (const auto& [blob, ptr, device, stream] : targets)
-               t.push_back({blob, reinterpret_cast<void*>(ptr), device, stream});
+             for (const auto& [blob, ptr, nbytes, device, stream] : targets)
+               t.push_back({blob, ebbtide::py::pointer_buffer(ptr, nbytes, device, stream)});
              ebbtide::py::gil_release g;
              r.read(t, threads);
            },

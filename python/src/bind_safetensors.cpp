@@ -20,10 +20,10 @@ st::IoOptions io_options(std::optional<bool> direct) {
   return o;
 }
 
-// (name, dtype, shape, ptr, device, stream)
-using SaveTuple = std::tuple<std::string, std::string, std::vector<uint64_t>, uintptr_t, bool, uintptr_t>;
-// (tensor index, ptr, device, stream, own_blocks)
-using ReadTuple = std::tuple<size_t, uintptr_t, bool, uintptr_t, bool>;
+// (name, dtype, shape, ptr, nbytes, device, stream)
+using SaveTuple = std::tuple<std::string, std::string, std::vector<uint64_t>, uintptr_t, uint64_t, bool, uintptr_t>;
+// (tensor index, ptr, nbytes, device, stream, own_blocks)
+using ReadTuple = std::tuple<size_t, uintptr_t, uint64_t, bool, uintptr_t, bool>;
 
 }  // namespace
 
@@ -55,8 +55,8 @@ void ebbtide::py::bind_safetensors(nb::module_& m) {
       .def("read",
            [](st::Reader& r, const std::vector<ReadTuple>& targets) {
              std::vector<st::ReadTarget> t;
-             for (const auto& [idx, ptr, device, stream, own] : targets)
-               t.push_back({idx, reinterpret_cast<void*>(ptr), device, stream, own});
+             for (const auto& [idx, ptr, nbytes, device, stream, own] : targets)
+               t.push_back({idx, ebbtide::py::pointer_buffer(ptr, nbytes, device, stream), own});
              ebbtide::py::gil_release g;
              return r.read(t);
            },
@@ -66,8 +66,8 @@ void ebbtide::py::bind_safetensors(nb::module_& m) {
         [](const std::string& path, const std::vector<SaveTuple>& tensors, const st::Metadata& metadata,
            std::optional<bool> direct) {
           std::vector<st::SaveTensor> ts;
-          for (const auto& [name, dtype, shape, ptr, device, stream] : tensors)
-            ts.push_back({name, dtype, shape, reinterpret_cast<const void*>(ptr), device, stream});
+          for (const auto& [name, dtype, shape, ptr, nbytes, device, stream] : tensors)
+            ts.push_back({name, dtype, shape, ebbtide::py::pointer_buffer(ptr, nbytes, device, stream)});
           st::IoOptions o = io_options(direct);
           st::SaveResult r;
           {

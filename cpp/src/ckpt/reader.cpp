@@ -301,8 +301,10 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads)
   for (const auto& t : targets) {
     EBB_CHECK(t.blob < I.h.blobs.size(), path(), ": blob index ", t.blob, " out of range (", I.h.blobs.size(), " blobs)");
     const auto& b = I.h.blobs[t.blob];
-    EBB_CHECK(t.ptr != nullptr || b.nbytes == 0, "null destination for tensor '", b.name, "'");
-    if (t.device && drv == nullptr) {
+    EBB_CHECK(t.dst.ptr != nullptr || b.nbytes == 0, "null destination for tensor '", b.name, "'");
+    EBB_CHECK(t.dst.nbytes == b.nbytes, path(), ": tensor '", b.name, "' has ", b.nbytes, " bytes, its destination ",
+              t.dst.nbytes);
+    if (t.dst.on_device() && drv == nullptr) {
       drv = mem::cuda::driver();
       EBB_CHECK(drv != nullptr, "tensor '", b.name, "' is to be loaded into CUDA memory but no CUDA driver is usable: ",
                 mem::cuda::unavailable_reason());
@@ -311,7 +313,7 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads)
       const ChunkEntry& c = I.h.chunks[b.first_chunk + k];
       chunks.push_back(&c);
       owner.push_back(&t);
-      char* dst = t.device ? nullptr : static_cast<char*>(t.ptr) + c.raw_offset;
+      char* dst = t.dst.on_device() ? nullptr : static_cast<char*>(t.dst.ptr) + c.raw_offset;
       bool in_place = dst != nullptr && c.codec == Codec::kNone && c.stored_bytes == c.raw_bytes &&
                       c.raw_bytes % kBlockBytes == 0 && reinterpret_cast<uintptr_t>(dst) % kBlockBytes == 0;
       direct.push_back(in_place ? dst : nullptr);
@@ -324,16 +326,16 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads)
     I.check_crc(c, stored);
     if (direct[i] != nullptr) return;  // read in place
     if (scratch.size() < c.raw_bytes) scratch.resize(c.raw_bytes);
-    if (!t.device) {
-      I.decode_chunk(c, stored, static_cast<char*>(t.ptr) + c.raw_offset, scratch.data());
+    if (!t.dst.on_device()) {
+      I.decode_chunk(c, stored, static_cast<char*>(t.dst.ptr) + c.raw_offset, scratch.data());
       return;
     }
     if (host.size() < c.raw_bytes) host.resize(c.raw_bytes);
     I.decode_chunk(c, stored, host.data(), scratch.data());
-    auto dst = reinterpret_cast<mem::cuda::DevicePtr>(t.ptr) + c.raw_offset;
+    auto dst = reinterpret_cast<mem::cuda::DevicePtr>(t.dst.ptr) + c.raw_offset;
     drv->bind_context_of(dst);
-    drv->memcpy_htod_async(dst, host.data(), c.raw_bytes, t.stream);
-    drv->stream_synchronize(t.stream);
+    drv->memcpy_htod_async(dst, host.data(), c.raw_bytes, t.dst.stream);
+    drv->stream_synchronize(t.dst.stream);
   });
 }
 

@@ -382,16 +382,18 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
     EBB_CHECK(!seen[t.tensor], path, ": tensor ", quoted(ti.name), " is to be read twice");
     seen[t.tensor] = true;
     const uint64_t n = ti.end - ti.begin, a = I.h.data_offset + ti.begin;
+    EBB_CHECK(t.dst.nbytes == n, path, ": tensor ", quoted(ti.name), " has ", n, " bytes, its destination ",
+              t.dst.nbytes);
     if (n == 0) continue;
-    EBB_CHECK(t.ptr != nullptr, path, ": null destination for tensor ", quoted(ti.name));
-    if (t.device && drv == nullptr) {
+    EBB_CHECK(t.dst.ptr != nullptr, path, ": null destination for tensor ", quoted(ti.name));
+    if (t.dst.on_device() && drv == nullptr) {
       drv = need_driver(ti.name);
       caller.take(drv);
     }
-    auto* dst = static_cast<char*>(t.ptr);
-    if (!t.device && !direct) {
+    auto* dst = static_cast<char*>(t.dst.ptr);
+    if (!t.dst.on_device() && !direct) {
       cut(a, a + n, dst, false);
-    } else if (!t.device && t.own_blocks && reinterpret_cast<uintptr_t>(dst) % kBlockBytes == a % kBlockBytes) {
+    } else if (!t.dst.on_device() && t.own_blocks && reinterpret_cast<uintptr_t>(dst) % kBlockBytes == a % kBlockBytes) {
       uint64_t head = a % kBlockBytes;
       cut(a - head, align_up(a + n, kBlockBytes), dst - head, true);
     } else {
@@ -430,15 +432,15 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
       uint64_t lo = std::max(staged[k].a, off), hi = std::min(staged[k].b, off + len);
       if (lo >= hi) continue;
       const ReadTarget& t = *staged[k].t;
-      char* dst = static_cast<char*>(t.ptr) + (lo - staged[k].a);
-      if (!t.device) {
+      char* dst = static_cast<char*>(t.dst.ptr) + (lo - staged[k].a);
+      if (!t.dst.on_device()) {
         std::memcpy(dst, buf + (lo - off), hi - lo);
         continue;
       }
       auto d = reinterpret_cast<mem::cuda::DevicePtr>(dst);
       drv->bind_context_of(d);
-      drv->memcpy_htod_async(d, buf + (lo - off), hi - lo, t.stream);
-      drv->stream_synchronize(t.stream);  // before the staging buffer is reused
+      drv->memcpy_htod_async(d, buf + (lo - off), hi - lo, t.dst.stream);
+      drv->stream_synchronize(t.dst.stream);  // before the staging buffer is reused
     }
   };
   io::TransferLoop loop(depth, any_staged ? buffers_of(*staging) : std::vector<iovec>{}, I.opt.backend,
@@ -499,7 +501,8 @@ SaveResult save(const std::string& path, const std::vector<SaveTensor>& tensors,
     if (t.shape.size() > kMaxDims) throw bad(t.name, t.shape.size(), " dimensions (at most ", kMaxDims, ")");
     uint64_t n = 0;
     if (!tensor_bytes(t.shape, bits[i], &n)) throw bad(t.name, "its size is not a whole number of bytes below 2^64");
-    if (n > 0 && t.ptr == nullptr) throw bad(t.name, "null data pointer");
+    if (t.src.nbytes != n) throw bad(t.name, "its ", t.dtype, " shape has ", n, " bytes, its data ", t.src.nbytes);
+    if (n > 0 && t.src.ptr == nullptr) throw bad(t.name, "null data pointer");
     infos[i] = {t.name, t.dtype, t.shape, 0, n};
   }
   std::unordered_set<std::string_view> keys;
@@ -546,9 +549,9 @@ SaveResult save(const std::string& path, const std::vector<SaveTensor>& tensors,
   for (size_t k = 0; k < order.size(); ++k) {
     const auto& t = tensors[order[k]];
     if (sorted[k].end == sorted[k].begin) continue;
-    if (t.device && drv == nullptr) drv = need_driver(t.name);
+    if (t.src.on_device() && drv == nullptr) drv = need_driver(t.name);
     extents.push_back({prefix.size() + sorted[k].begin, sorted[k].end - sorted[k].begin,
-                       static_cast<const char*>(t.ptr), t.device, t.stream, &t.name});
+                       static_cast<const char*>(t.src.ptr), t.src.on_device(), t.src.stream, &t.name});
   }
 
   std::string tmp;

@@ -9,14 +9,15 @@
 #include <vector>
 
 #include "ebbtide/ckpt/format.hpp"
+#include "ebbtide/mem/buffer.hpp"
 
 namespace ebbtide::ckpt {
 
+// Where read() puts blob `blob`: `dst` holds exactly the blob's nbytes (a
+// CUDA device buffer is copied on its stream).
 struct BlobTarget {
   uint32_t blob = 0;
-  void* ptr = nullptr;       // nbytes of the blob
-  bool device = false;       // CUDA device pointer, copied on `stream`
-  uintptr_t stream = 0;
+  mem::Buffer dst;
 };
 
 struct VerifyProblem {
@@ -44,7 +45,8 @@ class ShardReader {
   size_t stripe_count() const;  // files of the shard (1 when not striped)
 
   // Reads the given blobs; ChecksumError / InvalidArgument name the blob and
-  // the file offset of the bad chunk.
+  // the file offset of the bad chunk. A destination whose size is not the
+  // blob's is refused (InvalidArgument) before anything is read.
   void read(const std::vector<BlobTarget>& targets, unsigned threads = 0);
   // Reads and checks every chunk (checksum, decompression); never throws for
   // bad data, returns the problems found.

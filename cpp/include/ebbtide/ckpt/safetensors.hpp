@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "ebbtide/io/engine.hpp"
+#include "ebbtide/mem/buffer.hpp"
 
 namespace ebbtide::ckpt::safetensors {
 
@@ -51,10 +52,8 @@ Header parse_header(std::string_view json, uint64_t file_bytes, const std::strin
 std::string encode_header(const std::vector<TensorInfo>& tensors, const Metadata& metadata);
 
 struct ReadTarget {
-  size_t tensor = 0;      // index into Header::tensors
-  void* ptr = nullptr;    // end - begin bytes of host memory, or a CUDA device pointer
-  bool device = false;    // copied through pinned staging on `stream`
-  uintptr_t stream = 0;
+  size_t tensor = 0;  // index into Header::tensors
+  mem::Buffer dst;    // exactly end - begin bytes; a device buffer is copied through pinned staging
   // The caller owns the 4 KiB blocks around [ptr, ptr + bytes): an O_DIRECT
   // read may land in place and overwrite the rest of those blocks
   // (Note [Reading in place]).
@@ -85,7 +84,8 @@ class Reader {
   uint64_t file_bytes() const;
   bool direct() const;  // O_DIRECT in effect
   // Reads the targets' tensors (each at most once). IoError naming the file
-  // and offset; InvalidArgument for a bad target. Returns the I/O path used.
+  // and offset; InvalidArgument for a bad target (a destination whose size is
+  // not the tensor's, before anything is read). Returns the I/O path used.
   std::string read(const std::vector<ReadTarget>& targets);
 
  private:
@@ -97,9 +97,7 @@ struct SaveTensor {
   std::string name;
   std::string dtype;
   std::vector<uint64_t> shape;
-  const void* ptr = nullptr;  // host memory, or a CUDA device pointer
-  bool device = false;        // copied through pinned staging on `stream`
-  uintptr_t stream = 0;
+  mem::Buffer src;  // exactly dtype x shape bytes; a device buffer is copied through pinned staging
 };
 
 struct SaveResult {
