@@ -86,10 +86,8 @@ bool ends_with(std::string_view s, std::string_view suffix) {
 
 std::string base_name(const std::string& path) { return fs::path(path).filename().string(); }
 
-std::string parent_dir(const std::string& path) {
-  std::string p = fs::path(path).parent_path().string();
-  return p.empty() ? std::string(".") : p;
-}
+// The directory holding `path`, an absolute path (never empty: "/" at worst).
+std::string parent_dir(const std::string& path) { return fs::path(path).parent_path().string(); }
 
 // `p` made absolute and normalised lexically, without a trailing slash
 // (os.path.abspath).
