@@ -308,7 +308,7 @@ def dcp_plugin_rounds(flat, work, repeat):
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     fpath, epath = os.path.join(work, "dcp-fs"), os.path.join(work, "dcp-ebb")
     r = {k: [] for k in ("fs_save_s", "ebb_save_s", "fs_load_s", "ebb_load_s", "ebb_async_blocked_s",
-                         "ebb_async_total_s")}
+                         "ebb_async_total_s", "ebb_astage_blocked_s", "ebb_astage_staged_s", "ebb_astage_total_s")}
 
     def fs_save():
         dcp.save(flat, storage_writer=FileSystemWriter(fpath))
@@ -321,6 +321,19 @@ def dcp_plugin_rounds(flat, work, repeat):
     fut = dcp.async_save(flat, storage_writer=wa)
     out["dcp_ebb_async_blocked_first_s"] = time.perf_counter() - t0
     fut.result()
+    # async_staging=True (Note [Async staging] in ebbtide/dcp.py): async_save returns before the
+    # staging copy; a training loop waits for staging_completion at its next optimizer step.
+    ws = EbbtideWriter(epath, async_staging=True)
+
+    def staged_save():
+        t0 = time.perf_counter()
+        resp = dcp.async_save(flat, storage_writer=ws)
+        blocked = time.perf_counter() - t0
+        resp.staging_completion.result()
+        staged = time.perf_counter() - t0
+        resp.upload_completion.result()
+        return blocked, staged, time.perf_counter() - t0
+    out["dcp_ebb_astage_blocked_first_s"], out["dcp_ebb_astage_staged_first_s"], _ = staged_save()
     for _ in range(max(1, repeat)):
         shutil.rmtree(fpath, ignore_errors=True)
         r["fs_save_s"].append(timed(fs_save)[0])
@@ -333,6 +346,9 @@ def dcp_plugin_rounds(flat, work, repeat):
         r["ebb_async_blocked_s"].append(time.perf_counter() - t0)
         fut.result()
         r["ebb_async_total_s"].append(time.perf_counter() - t0)
+        for k, v in zip(("ebb_astage_blocked_s", "ebb_astage_staged_s", "ebb_astage_total_s"), staged_save()):
+            r[k].append(v)
+    ws.close()
     out.update({f"dcp_{k}": statistics.median(v) for k, v in r.items()})
     out["dcp_rounds"] = r
     shutil.rmtree(fpath, ignore_errors=True)
@@ -572,6 +588,13 @@ def main(argv=None):
             row("DCP async_save, plugin: blocked", res["dcp_ebb_async_blocked_s"],
                 f"{res['dcp_ebb_async_blocked_s'] / res['dcp_ebb_save_s']:.1%} of sync plugin save")
             row("DCP async_save, plugin: until committed", res["dcp_ebb_async_total_s"])
+            row("DCP async_save, async_staging: blocked (first)", res["dcp_ebb_astage_blocked_first_s"],
+                f"staged after {res['dcp_ebb_astage_staged_first_s']:.3f} s")
+            row("DCP async_save, async_staging: blocked", res["dcp_ebb_astage_blocked_s"],
+                f"{res['dcp_ebb_astage_blocked_s'] / res['dcp_ebb_save_s']:.1%} of sync plugin save")
+            row("DCP async_save, async_staging: staged after", res["dcp_ebb_astage_staged_s"],
+                "the next optimizer step waits for this")
+            row("DCP async_save, async_staging: until committed", res["dcp_ebb_astage_total_s"])
             row("DCP load, FileSystemReader (cache dropped)", res["dcp_fs_load_s"])
             row("DCP load, ebbtide plugin (cache dropped)", res["dcp_ebb_load_s"],
                 f"{res['dcp_fs_load_s'] / res['dcp_ebb_load_s']:.2f}x FileSystemReader")

@@ -67,12 +67,16 @@ import os
 import pathlib
 import pickle
 import re
+import threading
+import time
 import uuid
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.futures import Future
 from torch.distributed.checkpoint import metadata as _md
+from torch.distributed.checkpoint import state_dict_saver as _saver
 from torch.distributed.checkpoint.filesystem import _StorageInfo, FileSystem
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
@@ -83,6 +87,7 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 from ebbtide import _ckpt_check as check
 from ebbtide import _ckpt_tree as tree
 from ebbtide import _core
+from ebbtide import checkpoint as _checkpoint
 from ebbtide.checkpoint import _host_buffer, _stripe_dir_list
 
 __all__ = ["EbbtideWriter", "EbbtideReader", "load_metadata"]
@@ -168,6 +173,41 @@ def _owned_storage(t):
     return t
 
 
+class _StagingHandle:
+    """A pending async staging copy, in checkpoint.py's registry of background
+    snapshots that torch.optim steps wait for (Note [Async staging])."""
+
+    def __init__(self):
+        self._event = threading.Event()
+        self.snapshot_wait_seconds = 0.0
+
+    def staged(self):
+        return self._event.is_set()
+
+    def wait_staged(self):
+        self._event.wait()
+
+    def done(self):
+        self._event.set()
+        _checkpoint._background.discard(self)
+
+
+def _saved_versions(obj, path=""):
+    """(tensor, version counter, path) for each tensor in a state dict, the
+    local tensor of a DTensor: what an in-place change bumps."""
+    if isinstance(obj, torch.Tensor):
+        local = getattr(obj, "_local_tensor", None)
+        t = local if isinstance(local, torch.Tensor) else obj
+        if not t.is_inference():
+            yield t, t._version, path
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _saved_versions(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _saved_versions(v, f"{path}.{i}" if path else str(i))
+
+
 class _DirectoryId:
     """A checkpoint is identified by its directory, as with FileSystemWriter/Reader."""
 
@@ -201,6 +241,11 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         cache_staged_state_dict: async_save keeps its staged copy of the
             state for the next async_save (faster staging, one state of
             host memory held).
+        async_staging: async_save returns before the staging copy is made
+            (Note [Async staging]): it returns torch's AsyncSaveResponse,
+            whose staging_completion says when the state may change again;
+            every torch.optim step waits for it, and a tensor changed in
+            place meanwhile fails the save (nothing is committed).
         stripe_dirs: extra directories (one per SSD) to stripe each rank's
             data over (Note [DCP striping]); such checkpoints load only with
             EbbtideReader, from `path`. Not with use_collectives=False.
@@ -213,7 +258,8 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         ValueError: a bad option (from save: a stripe directory that does
             not exist, is listed twice or lies inside `path`).
         NotImplementedError: compress="lossless" in a build without zstd
-            (from save).
+            (from save); async_staging=True with a torch whose async_save
+            cannot take a staging future.
 
     Example:
         >>> w = EbbtideWriter("/ckpt/step100")
@@ -221,11 +267,16 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
     """
 
     def __init__(self, path, *, compress=None, zstd_level=None, chunk_bytes=None, queue_depth=None, threads=None,
-                 direct=None, cache_staged_state_dict=True, stripe_dirs=None):
+                 direct=None, cache_staged_state_dict=True, stripe_dirs=None, async_staging=False):
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         if compress not in (None, "lossless"):
             raise ValueError(f"compress={compress!r}: expected None or 'lossless'")
+        if async_staging and not hasattr(_saver, "AsyncSaveResponse"):
+            raise NotImplementedError(f"EbbtideWriter(async_staging=True): torch {torch.__version__}'s async_save "
+                                      "cannot take a staging future (it needs AsyncSaveResponse)")
+        self.async_staging = bool(async_staging)
+        self._stager = None  # the staging thread (async_staging)
         self.path = os.fspath(path)
         self.stripe_dirs = _stripe_dir_list(stripe_dirs)
         self.compress = compress
@@ -244,16 +295,72 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         also done when the writer is destroyed)."""
         self._native.join()
 
-    # -- AsyncStager ----------------------------------------------------------------
+    # -- AsyncStager ---------------------------------------------------------------
     def stage(self, state_dict):
         """async_save's staging: a CPU copy of `state_dict` (kept for the next
-        call with cache_staged_state_dict; pinned only where CUDA is usable)."""
+        call with cache_staged_state_dict; pinned only where CUDA is usable).
+        With async_staging, a Future of that copy, made on the writer's
+        staging thread (Note [Async staging])."""
+        if not self.async_staging:
+            return self._stage_now(state_dict)
+        versions = list(_saved_versions(state_dict))
+        handle = _StagingHandle()
+        _checkpoint._install_optimizer_hook()
+        _checkpoint._background.add(handle)
+        if self._stager is None:
+            self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ebbtide-dcp-staging")
+        try:
+            return self._stager.submit(self._stage_checked, state_dict, versions, handle)
+        except BaseException:
+            handle.done()
+            raise
+
+    # Note [Async staging]
+    # EbbtideWriter(async_staging=True) makes async_save return before the
+    # staging copy: stage() returns a Future (torch's own protocol: async_save
+    # then returns AsyncSaveResponse, and its upload thread waits for the
+    # Future before planning), and the copy runs on the writer's staging
+    # thread (the large tensors on the writer's threads, GIL released, Note
+    # [Staging copy]) while the caller goes on with the next forward and
+    # backward, which read the state but do not change it. The same two guards
+    # as ebbtide.checkpoint's background snapshot (Note [Background snapshot]
+    # in checkpoint.py) keep the checkpoint exactly the state at async_save():
+    # every torch.optim step waits for pending staging first (the same global
+    # step pre-hook and registry), and after the copy each saved tensor's
+    # version counter is compared with the one seen at async_save(); a change
+    # made in place meanwhile fails the staging future, so the upload raises
+    # before anything is written and the last committed checkpoint stays.
+    # torch's DefaultStager(use_async_staging) has neither guard: there, a
+    # caller that steps before staging_completion saves a torn state silently.
+    def _stage_checked(self, state_dict, versions, handle):
+        try:
+            _test_hook_gate("staging")
+            staged = self._stage_now(state_dict)
+            changed = [path for t, v, path in versions if t._version != v]
+            if changed:
+                raise RuntimeError(
+                    f"dcp.async_save to {self.path}: tensor {changed[0]!r}"
+                    f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''} was changed in place "
+                    "while it was being staged (async_staging=True), so the copy may be torn; nothing was "
+                    "written. Wait for the AsyncSaveResponse's staging_completion (every torch.optim step "
+                    "does) before changing saved tensors")
+            return staged
+        finally:
+            handle.done()
+
+    def _stage_now(self, state_dict):
         if not self.cache_staged_state_dict:
             staged = _create_cpu_state_dict(state_dict)
             return self._copy_staged(state_dict, staged)
         if self.state_dict_cache is None:
             self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
         return self._copy_staged(state_dict, self.state_dict_cache)
+
+    def close(self):
+        """Stops the staging thread (async_staging), after the staging it is doing."""
+        if self._stager is not None:
+            self._stager.shutdown(wait=True)
+            self._stager = None
 
     # Note [Staging copy]
     # async_save blocks its caller for stage() only, and that is one copy of
@@ -438,6 +545,17 @@ def _test_hook(point):
             f.write(point)
         while True:
             time.sleep(3600)
+
+
+_test_gates = {}  # point -> callable, run where _test_hook_gate(point) is reached (tests only)
+
+
+def _test_hook_gate(point):
+    """Tests stage races deterministically: a callable in _test_gates[point]
+    runs (and may block) where the code reaches `point`."""
+    fn = _test_gates.get(point)
+    if fn is not None:
+        fn()
 
 
 # -- metadata --------------------------------------------------------------------------

@@ -216,6 +216,102 @@ def test_async_save_snapshots_the_state(tmp_path):
         expect["w"] = sd["w"].clone()
 
 
+@pytest.fixture
+def staging_gate(monkeypatch):
+    """Holds the staging thread at Note [Async staging]'s gate: `entered` is
+    set when it gets there, and it waits for `go` (then runs `then`, if set)."""
+    import threading
+
+    from ebbtide import dcp as edcp
+    gate = type("Gate", (), {})()
+    gate.entered, gate.go, gate.then = threading.Event(), threading.Event(), None
+
+    def hold():
+        gate.entered.set()
+        gate.go.wait()
+        if gate.then is not None:
+            gate.then()
+    monkeypatch.setitem(edcp._test_gates, "staging", hold)
+    yield gate
+    gate.go.set()
+
+
+# Note [Async staging]: async_save returns before the copy; the optimizer step
+# waits for it; the checkpoint is the state at async_save().
+def test_async_staging_returns_before_the_copy_and_steps_wait_for_it(tmp_path, staging_gate):
+    import threading
+
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+    model = _model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train_step(model, opt, 1)
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    expect = _zeros_like_state(sd)
+    _copy_into(expect, sd)
+    w = EbbtideWriter(tmp_path / "a", async_staging=True)
+    try:
+        resp = dcp.async_save(sd, storage_writer=w)
+        assert isinstance(resp, AsyncSaveResponse)
+        assert staging_gate.entered.wait(60)
+        assert not resp.staging_completion.done()  # the copy is held at the gate: async_save did not wait for it
+        stepped = threading.Event()
+
+        def train():
+            _train_step(model, opt, 2)  # its optimizer step must wait for the staging copy
+            stepped.set()
+        t = threading.Thread(target=train)
+        t.start()
+        assert not stepped.wait(0.5), "the optimizer step ran while its state was being staged"
+        staging_gate.go.set()
+        t.join(60)
+        assert stepped.is_set()
+        resp.staging_completion.result(timeout=60)
+        resp.upload_completion.result(timeout=60)
+    finally:
+        staging_gate.go.set()
+        w.close()
+    got = _zeros_like_state(sd)
+    dcp.load(got, storage_reader=EbbtideReader(tmp_path / "a"))
+    _assert_bitwise(expect, got)
+    assert not torch.equal(got["model"]["0.weight"], model.state_dict()["0.weight"])  # the step did run after
+
+
+def test_async_staging_fails_a_save_whose_tensor_changed_while_staged(tmp_path, staging_gate):
+    sd = _mixed_state()
+    dcp.save(sd, storage_writer=EbbtideWriter(tmp_path / "a"))
+    before = _load(tmp_path / "a")
+    w = EbbtideWriter(tmp_path / "a", async_staging=True)
+    staging_gate.then = lambda: sd["w"].add_(1.0)  # an in-place change the optimizer hook cannot see
+    staging_gate.go.set()
+    try:
+        resp = dcp.async_save(sd, storage_writer=w)
+        with pytest.raises(FAILS, match=r"tensor 'w' was changed in place while it was being staged"):
+            resp.staging_completion.result(timeout=60)
+        with pytest.raises(FAILS, match="changed in place"):
+            resp.upload_completion.result(timeout=60)
+    finally:
+        w.close()
+    _assert_bitwise(before, _load(tmp_path / "a"))  # the last committed checkpoint is untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["a"]  # nothing was reserved or written
+
+
+def _copy_into(dst, src):
+    if isinstance(src, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(src, dict):
+        for k in src:
+            if isinstance(src[k], (torch.Tensor, dict, list)):
+                _copy_into(dst[k], src[k])
+            else:
+                dst[k] = src[k]
+    elif isinstance(src, list):
+        for i, v in enumerate(src):
+            if isinstance(v, (torch.Tensor, dict, list)):
+                _copy_into(dst[i], v)
+            else:
+                dst[i] = v
+
+
 class _RecordCopies:
     """Wraps a writer's native object and records what copy() was given."""
 
