@@ -434,6 +434,38 @@ TEST_P(CkptWriterTest, StripedAndPipelinedRoundTrip) {
   EXPECT_FALSE(rd.verify().empty());
 }
 
+// Note [Fresh arena]: one writer's saves switch between an unregistered fresh
+// arena (the first pipelined save from it, again after it grows) and the
+// registered one, and the staging buffers' registered indices move with it.
+TEST_P(CkptWriterTest, FreshAndRegisteredArenaSavesRoundTrip) {
+  TempDir d;
+  CheckpointWriter w(options(1 << 20));
+  struct Step {
+    bool pipelined;
+    uint64_t bytes;
+  };
+  const Step steps[] = {{true, (3 << 20) + 11}, {true, (3 << 20) + 11}, {false, 5000},
+                        {true, (70ull << 20) + 5}, {false, (70ull << 20) + 5}, {true, 4096}};
+  int k = 0;
+  for (const auto& s : steps) {
+    auto a = test::random_bytes(s.bytes, 20 + k);
+    auto small = test::random_bytes(777, 40 + k);
+    SaveRequest r;
+    r.file = d.path() + "/f" + std::to_string(k++) + ".ebt";
+    r.blobs = {{"a", test::host_buffer(a), 1, Codec::kNone}, {"small", test::host_buffer(small), 1, Codec::kNone}};
+    r.meta = "{}";
+    r.pipelined = s.pipelined;
+    auto res = w.save(std::move(r)).wait();
+    EXPECT_EQ(res.raw_bytes, a.size() + small.size());
+    ShardReader rd(d.path() + "/f" + std::to_string(k - 1) + ".ebt");
+    std::vector<unsigned char> a2(a.size()), small2(small.size());
+    rd.read({{0, test::host_buffer(a2)}, {1, test::host_buffer(small2)}});
+    EXPECT_EQ(a, a2) << "step " << k - 1;
+    EXPECT_EQ(small, small2) << "step " << k - 1;
+    EXPECT_TRUE(rd.verify().empty());
+  }
+}
+
 // Note [Framed blobs]: a framed blob is stored as head + data + tail whether
 // it is snapshotted first or pipelined; chunk boundaries here fall inside the
 // head, the data and the tail, and one blob is all frame and no data.

@@ -475,8 +475,9 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
 // The file is streamed through a ring of pinned buffers: worker threads copy
 // the file image (length, header, then each tensor's bytes, host memcpy or
 // device-to-host copy) into buffer k % N for the 4 MiB piece k while the
-// ring writes the earlier pieces (O_DIRECT where allowed; the last piece is
-// padded to a whole block and the file truncated to its size after). The
+// ring writes the earlier pieces (O_DIRECT where allowed, into the file
+// preallocated to its whole size; the last piece is padded to a whole block
+// and the file truncated to its size after). The
 // data section of a safetensors file starts at 8 + N, which is not block
 // aligned, so tensors cannot be written from their own memory. The file is
 // written under a temporary name beside `path`, fdatasync'd, renamed over
@@ -569,6 +570,8 @@ SaveResult save(const std::string& path, const std::vector<SaveTensor>& tensors,
     }
   } remove_tmp{tmp};
   const auto file_ptr = detail::open_shard(tmp, true, opt.direct);
+  // Note [Preallocated saves] in writer.cpp: no write extends the file.
+  file_ptr->grow_to(align_up(total, kBlockBytes));
   const io::DirectFile& file = *file_ptr;
   const bool direct = file.direct();
   const uint64_t npieces = (total + kPieceBytes - 1) / kPieceBytes;

@@ -230,6 +230,8 @@ struct CheckpointWriter::Impl {
   std::unique_ptr<mem::PinnedPool> staging;  // compressed chunk ring
   std::unique_ptr<io::TransferLoop> loop;
   unsigned loop_depth = 0;
+  bool loop_has_arena = false;  // the arena's segments are registered buffers of `loop`
+  bool arena_used = false;      // a save has written from this arena (Note [Fresh arena])
   std::mutex mu;
   std::thread bg;
   std::shared_ptr<detail::SaveState> inflight;
@@ -252,10 +254,11 @@ struct CheckpointWriter::Impl {
     if (arena && arena_segments() >= segs) return;
     loop.reset();  // its registered buffers are the old arena's
     arena = mem::HostMapping();  // unmapped before the larger one is mapped
+    arena_used = false;
     // Registered with CUDA only when a save has device blobs (snapshot()):
     // CPU-only checkpoints never initialise CUDA. The compressed-chunk ring is
     // filled from the arena, never by device copies.
-    arena = mem::HostMapping(segs * kSegmentBytes, "checkpoint snapshot arena");
+    arena = mem::HostMapping(segs * kSegmentBytes, "checkpoint snapshot arena", false, /*huge=*/true);
     mem::PinnedPoolOptions host_only;
     host_only.cuda_register = false;
     if (!staging) staging = std::make_unique<mem::PinnedPool>(staging_buffer_bytes(), staging_count(), host_only);
@@ -386,17 +389,29 @@ struct CheckpointWriter::Impl {
     return plan;
   }
 
-  void ensure_loop(unsigned depth) {
-    if (loop && loop_depth == depth) return;
+  // Note [Fresh arena]
+  // Registering buffers with io_uring pins them, and pinning faults in every
+  // page on the calling thread before the first write can start: for a fresh
+  // 1 GB arena on huge pages that was 2.3 s of a 2.8 s first save on the
+  // 2-core VM (strace). So a pipelined save from an arena no save has written
+  // from yet submits its arena writes unregistered: the workers' copies fault
+  // the pages in, chunk by chunk, beside the writes. The next save registers
+  // the arena, whose pages are then present (and pin in milliseconds). Saves
+  // that snapshot first (async ones) have touched their part of the arena
+  // before the write starts, so they register at once.
+  void ensure_loop(unsigned depth, bool with_arena) {
+    if (loop && loop_depth == depth && loop_has_arena == with_arena) return;
     loop.reset();
     std::vector<iovec> fixed;
     auto* base = static_cast<char*>(arena.data());
-    for (uint64_t i = 0; i < arena_segments(); ++i) fixed.push_back({base + i * kSegmentBytes, kSegmentBytes});
+    if (with_arena)
+      for (uint64_t i = 0; i < arena_segments(); ++i) fixed.push_back({base + i * kSegmentBytes, kSegmentBytes});
     auto* sbase = static_cast<char*>(staging->base());
     for (size_t i = 0; i < staging->count(); ++i)
       fixed.push_back({sbase + i * staging->buffer_bytes(), staging->buffer_bytes()});
     loop = std::make_unique<io::TransferLoop>(depth, fixed, opt.backend, "checkpoint");
     loop_depth = depth;
+    loop_has_arena = with_arena;
   }
 
   // One shard being written (Note [Save pipeline]): its files and their
@@ -438,7 +453,7 @@ struct CheckpointWriter::Impl {
           req(r),
           nfiles(1 + r.stripe_files.size()),
           abase(static_cast<char*>(impl.arena.data())),
-          arena_segs(impl.arena_segments()),
+          arena_segs(impl.loop_has_arena ? impl.arena_segments() : 0),
           nstage(impl.staging->count()),
           sbytes(impl.staging->buffer_bytes()),
           sbase(static_cast<char*>(impl.staging->base())),
@@ -533,7 +548,7 @@ struct CheckpointWriter::Impl {
     void flush_run(size_t f) {
       Run& r = runs[f];
       if (r.len == 0) return;
-      for (auto& p : detail::split_by_segment(r.arena, r.len, kSegmentBytes, true))
+      for (auto& p : detail::split_by_segment(r.arena, r.len, kSegmentBytes, w.loop_has_arena))
         w.loop->submit(*files[f], true, abase + p.offset, p.len, r.file + (p.offset - r.arena), p.buf_index);
       r.len = 0;
     }
@@ -733,7 +748,8 @@ struct CheckpointWriter::Impl {
   SaveResult write(const SaveRequest& req, const std::vector<BlobPlan>& plan, bool pipelined,
                    detail::SaveState& state) {
     auto t0 = Clock::now();
-    ensure_loop(opt.queue_depth * static_cast<unsigned>(1 + req.stripe_files.size()));
+    // Note [Fresh arena]
+    ensure_loop(opt.queue_depth * static_cast<unsigned>(1 + req.stripe_files.size()), !pipelined || arena_used);
     ShardWrite sw(*this, req);
     sw.plan_chunks(plan, pipelined);
     sw.post_raw_checksums();
@@ -743,7 +759,9 @@ struct CheckpointWriter::Impl {
       snapshot_done = seconds_since(t0);
       sw.flush_runs();
       loop->drain();
+      arena_used = true;
     } catch (...) {
+      arena_used = true;
       try {
         loop->drain();
       } catch (...) {

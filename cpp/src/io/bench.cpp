@@ -39,19 +39,13 @@ namespace {
 
 constexpr uint64_t kBlock = 4096;
 
-constexpr uint64_t kHugePage = 2ull << 20;
-
 // Anonymous memory; with `huge`, 2 MiB aligned and advised MADV_HUGEPAGE
-// before it is touched (Note [Bench buffers]).
+// before it is touched (Note [Bench buffers], Note [Huge-page buffers] in
+// mem/host_mapping.cpp).
 struct MappedBuffer {
-  MappedBuffer(uint64_t n, bool huge) : map_(n + (huge ? kHugePage : 0), "benchmark buffer"), n_(n) {
-    p_ = static_cast<unsigned char*>(map_.data());
-    if (huge) {
-      const auto a = reinterpret_cast<uintptr_t>(p_);
-      p_ += (a + kHugePage - 1) / kHugePage * kHugePage - a;
-      advised_ = ::madvise(p_, n, MADV_HUGEPAGE) == 0;
-    }
-  }
+  MappedBuffer(uint64_t n, bool huge)
+      : map_(n, "benchmark buffer", false, huge), p_(static_cast<unsigned char*>(map_.data())), n_(n),
+        advised_(huge && n >= mem::HostMapping::kHugePage) {}
   unsigned char* data() const { return p_; }
   // Bytes of [data(), data() + n) backed by huge pages now (/proc/self/smaps).
   uint64_t huge_bytes() const {
@@ -259,7 +253,7 @@ BenchResult run_io_bench(const BenchOptions& o) {
   res.direct = st.direct;
   res.alignment = st.alignment;
   res.huge_pages = o.huge_pages && std::all_of(bufs.begin(), bufs.end(), [](const auto& b) {
-    const uint64_t want = b->n_ / kHugePage * kHugePage;
+    const uint64_t want = b->n_ / mem::HostMapping::kHugePage * mem::HostMapping::kHugePage;
     return b->advised_ && want > 0 && b->huge_bytes() >= want;
   });
   res.bytes = o.total_bytes;

@@ -28,7 +28,7 @@ PinnedPool::PinnedPool(size_t buffer_bytes, size_t count, const PinnedPoolOption
   EBB_CHECK(buffer_bytes_ <= std::numeric_limits<size_t>::max() / count_, "pinned pool: ", count_,
             " buffers of ", buffer_bytes_, " bytes overflow the address space");
   mapping_ = HostMapping(buffer_bytes_ * count_, detail::concat("pinned pool of ", count_, " x ", buffer_bytes_, " bytes"),
-                         options.populate);
+                         options.populate, /*huge=*/true);
   if (options.cuda_register) mapping_.pin(cuda::driver());
 
   free_.reserve(count_);

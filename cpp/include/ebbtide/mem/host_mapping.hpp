@@ -20,10 +20,13 @@ class HostMapping {
  public:
   HostMapping() = default;
   // Maps `bytes` rounded up to the page size; `owner` names the caller in
-  // errors ("pinned pool"). `populate`: fault every page in now (MAP_POPULATE).
+  // errors ("pinned pool"). `populate`: fault every page in now. `huge`: an
+  // I/O buffer, 2 MiB aligned and advised MADV_HUGEPAGE when it has 2 MiB or
+  // more (Note [Huge-page buffers] in host_mapping.cpp).
   // Throws InvalidArgument for 0 bytes or a size that overflows, IoError when
   // mmap fails.
-  HostMapping(size_t bytes, std::string_view owner, bool populate = false);
+  HostMapping(size_t bytes, std::string_view owner, bool populate = false, bool huge = false);
+  static constexpr size_t kHugePage = size_t{2} << 20;
   ~HostMapping();
   HostMapping(HostMapping&& o) noexcept;
   HostMapping& operator=(HostMapping&& o) noexcept;
