@@ -154,6 +154,53 @@ TEST_P(CkptWriterTest, WriteReadRoundTripWithCompression) {
   EXPECT_TRUE(rd.verify().empty());
 }
 
+// BlobTarget::part: a destination takes a byte range of a blob (a DCP item's
+// tensor inside its frame), across chunk boundaries, within one chunk, a
+// whole aligned chunk in place, from raw and compressed chunks; a range
+// outside the blob is refused before any read.
+TEST_P(CkptWriterTest, PartTargetsReadByteRangesOfABlob) {
+  TempDir d;
+  auto a = test::random_bytes((3 << 20) + 77, 11);
+  std::vector<uint16_t> b(600000);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint16_t>(0x3f00 + i % 89);
+  const Codec bc = have_zstd() ? Codec::kFloatZstd : Codec::kNone;
+  save_blobs(d.path(), {{"a", test::host_buffer(a), 1, Codec::kNone}, {"b", test::host_buffer(b), 2, bc}},
+             options(1 << 20));
+  ShardReader rd(d.path() + "/ck/rank0.ebt");
+  const auto* braw = reinterpret_cast<const unsigned char*>(b.data());
+  struct Range {
+    uint32_t blob;
+    uint64_t off, len;
+  };
+  const uint64_t M = 1 << 20;
+  const Range ranges[] = {{0, 0, 10},       {0, M - 5, 10},     {0, 2 * M, M}, {0, 5, 3 * M},
+                          {0, a.size() - 77, 77}, {0, 123, 0}, {1, M - 3, 100000}, {1, 17, 1000}};
+  std::vector<std::unique_ptr<unsigned char, decltype(&std::free)>> bufs;
+  std::vector<BlobTarget> targets;
+  for (const auto& r : ranges) {
+    bufs.emplace_back(static_cast<unsigned char*>(std::aligned_alloc(4096, align_up(r.len + 1, 4096))), &std::free);
+    std::memset(bufs.back().get(), 0xEE, r.len + 1);
+    targets.push_back({r.blob, {bufs.back().get(), r.len}, r.off, true});
+  }
+  rd.read(targets);
+  for (size_t i = 0; i < std::size(ranges); ++i) {
+    const auto& r = ranges[i];
+    const unsigned char* want = (r.blob == 0 ? a.data() : braw) + r.off;
+    EXPECT_EQ(0, std::memcmp(bufs[i].get(), want, r.len)) << "range " << i;
+    EXPECT_EQ(bufs[i].get()[r.len], 0xEE) << "range " << i << " wrote past its destination";
+  }
+  unsigned char one[64];
+  for (uint64_t off : {a.size() - 63, uint64_t{a.size()}, ~uint64_t{0} - 10}) {
+    try {
+      rd.read({{0, {one, 64}, off, true}});
+      ADD_FAILURE() << "a part at " << off << " of a " << a.size() << "-byte blob was read";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("asks for 64 at byte"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW(rd.read({{0, {one, 64}, 1, false}}), InvalidArgument) << "an offset without `part`";
+}
+
 TEST_P(CkptWriterTest, CorruptChunkNamesBlobAndOffset) {
   TempDir d;
   auto a = test::random_bytes(3 << 20, 2);

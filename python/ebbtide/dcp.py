@@ -885,14 +885,25 @@ class EbbtideReader(_DirectoryId, StorageReader):
             return shard.blob_of(self.storage_data[r.storage_index], r.storage_index.fqn)
 
         for batch in self._batches(reqs, lambda r: self.storage_data[r.storage_index].length):
-            bufs = {}
+            bufs, into, direct = {}, [], set()
             for r in batch:
                 k = blob_of(r)
-                if k not in bufs:
+                target = self._whole_target(shard, k, r, planner)
+                if target is not None:
+                    into.append((r, target, (k, shard.items[k]["head"], target.data_ptr(), target.nbytes)))
+                    direct.add(id(r))
+                elif k not in bufs:
                     bufs[k] = _host_buffer(shard.blobs[k]["nbytes"])
-            shard.reader.read([(k, b.data_ptr(), b.nbytes, False, 0) for k, b in bufs.items()],
-                              threads=self.threads)
+            if into:
+                shard.reader.read_parts([part for _, _, part in into], threads=self.threads)
+                for r, target, _ in into:
+                    planner.commit_tensor(r, target)
+            if bufs:
+                shard.reader.read([(k, b.data_ptr(), b.nbytes, False, 0) for k, b in bufs.items()],
+                                  threads=self.threads)
             for r in batch:
+                if id(r) in direct:
+                    continue  # read into its target above
                 k = blob_of(r)
                 it, buf = shard.items[k], bufs[k]
                 if r.type == LoadItemType.BYTE_IO:
@@ -911,6 +922,35 @@ class EbbtideReader(_DirectoryId, StorageReader):
                     data = buf[it["head"]:it["head"] + extent * dtype.itemsize].view(dtype)
                     t = torch.as_strided(data, it["size"], it["stride"])
                 self._commit(planner, r, t, shard.file)
+
+    # Note [Reading into the targets]
+    # A load into an existing state (the usual resume) asks for whole stored
+    # tensors into tensors of the same dtype, shape and layout. Those are read
+    # straight into the target: the tensor's bytes inside its torch.save frame
+    # are a byte range of the blob (ShardReader::read with a part, checksums
+    # verified chunk by chunk as ever), so no buffer of the blob is allocated
+    # (fresh memory costs more than the read on some VMs: docs/benchmarks.md)
+    # and nothing is copied twice. Resharded requests, other dtypes or
+    # layouts, device targets and bytes items take the buffer path.
+    @staticmethod
+    def _whole_target(shard, k, req, planner):
+        it = shard.items[k]
+        if req.type == LoadItemType.BYTE_IO or it["kind"] != "tensor":
+            return None  # the buffer path reports a kind mismatch
+        size, stride = it["size"], it["stride"]
+        if 0 in size or list(req.storage_offsets) != [0] * len(size) or list(req.lengths) != size:
+            return None
+        want, acc = [], 1
+        for n in reversed(size):
+            want.append(acc)
+            acc *= n
+        if stride != want[::-1]:
+            return None
+        target = planner.resolve_tensor(req).detach()
+        if (target.device.type != "cpu" or target.dtype != it["_dtype"] or list(target.shape) != size
+                or not target.is_contiguous() or target.is_conj() or target.is_neg()):
+            return None
+        return target
 
     def _read_plain(self, file, size, reqs, planner):
         for r in reqs:  # before allocating anything; the C++ read checks again against the open file

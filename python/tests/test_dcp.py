@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ebbtide import _core
@@ -541,6 +542,79 @@ def _flip_a_byte_of(path, fqn):
     raw = bytearray(f.read_bytes())
     raw[si.offset + si.length // 2] ^= 0xFF
     f.write_bytes(raw)
+
+
+# Note [Reading into the targets]: whole contiguous tensors are read straight
+# into the state being loaded; strided ones and bytes through a buffer of the
+# blob. Both bitwise.
+def test_load_reads_whole_tensors_into_their_targets(tmp_path, monkeypatch):
+    from ebbtide import dcp as edcp
+    sd = _mixed_state()
+    sd["big"] = torch.randn(3, 1 << 20, generator=torch.Generator().manual_seed(4))  # 12 MiB: spans chunks
+    dcp.save(sd, storage_writer=EbbtideWriter(tmp_path / "e", chunk_bytes=1 << 20))
+    calls = {"parts": [], "whole": []}
+    real = edcp._Shard.__init__
+
+    def spying_init(self, *a, **kw):
+        real(self, *a, **kw)
+        reader = self.reader
+
+        class Spy:
+            def __getattr__(self, name):
+                return getattr(reader, name)
+
+            def read_parts(self, targets, threads=0):
+                calls["parts"].extend(self_.blobs[k]["name"] for k, *_ in targets)
+                return reader.read_parts(targets, threads=threads)
+
+            def read(self, targets, threads=0):
+                calls["whole"].extend(self_.blobs[k]["name"] for k, *_ in targets)
+                return reader.read(targets, threads=threads)
+        self_ = self
+        self.reader = Spy()
+    monkeypatch.setattr(edcp._Shard, "__init__", spying_init)
+    out = _zeros_like_state(sd)
+    out["big"] = torch.zeros_like(sd["big"])
+    targets = {k: out[k].data_ptr() for k in ("w", "bf", "big")}
+    dcp.load(out, storage_reader=EbbtideReader(tmp_path / "e"))
+    _assert_bitwise(sd, out)
+    assert {k: out[k].data_ptr() for k in targets} == targets  # loaded in place
+    assert sorted(calls["parts"]) == ["bf", "big", "list.0", "slice", "w"]
+    assert "t" in calls["whole"]  # stored transposed: through a buffer
+    # A resharded request (rows 1..2 of the stored "big", as a rank of a larger world asks) takes the
+    # buffer path.
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+    reader = EbbtideReader(tmp_path / "e")
+    md = reader.read_metadata()
+    reader.set_up_storage_reader(md, True)
+    idx = next(k for k in md.storage_data if k.fqn == "big")
+    target = torch.zeros(2, 1 << 20)
+    req = ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex("big"), dest_offsets=torch.Size([0, 0]),
+                   storage_index=idx, storage_offsets=torch.Size([1, 0]), lengths=torch.Size([2, 1 << 20]))
+    committed = []
+    planner = type("Planner", (), {"resolve_tensor": lambda self, r: target,
+                                   "commit_tensor": lambda self, r, t: committed.append(t)})()
+    calls["parts"].clear()
+    calls["whole"].clear()
+    reader.read_data(LoadPlan([req]), planner).wait()
+    assert torch.equal(target, sd["big"][1:3]) and [t.data_ptr() for t in committed] == [target.data_ptr()]
+    assert calls == {"parts": [], "whole": ["big"]}
+
+
+def test_read_parts_refuses_a_range_outside_the_blob(tmp_path):
+    sd = _mixed_state()
+    dcp.save(sd, storage_writer=EbbtideWriter(tmp_path / "e"))
+    r = _core.CkptReader(str(tmp_path / "e" / "__0_0.distcp"))
+    k = next(i for i, b in enumerate(r.blobs) if b["name"] == "w")
+    n = r.blobs[k]["nbytes"]
+    buf = torch.zeros(64, dtype=torch.uint8)
+    for off in (n - 63, n, 1 << 62, (1 << 64) - 1):
+        with pytest.raises(ValueError, match="its destination asks for 64 at byte"):
+            r.read_parts([(k, off, buf.data_ptr(), 64)])
+    r.read_parts([(k, n - 64, buf.data_ptr(), 64)])  # the last 64 bytes: the tail of torch.save's frame
+    raw = (tmp_path / "e" / "__0_0.distcp").read_bytes()
+    assert bytes(buf.numpy()) in raw
 
 
 def test_corrupt_plugin_data_fails_its_checksum(tmp_path):

@@ -301,19 +301,28 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads)
   for (const auto& t : targets) {
     EBB_CHECK(t.blob < I.h.blobs.size(), path(), ": blob index ", t.blob, " out of range (", I.h.blobs.size(), " blobs)");
     const auto& b = I.h.blobs[t.blob];
-    EBB_CHECK(t.dst.ptr != nullptr || b.nbytes == 0, "null destination for tensor '", b.name, "'");
-    EBB_CHECK(t.dst.nbytes == b.nbytes, path(), ": tensor '", b.name, "' has ", b.nbytes, " bytes, its destination ",
-              t.dst.nbytes);
+    EBB_CHECK(t.dst.ptr != nullptr || t.dst.nbytes == 0, "null destination for tensor '", b.name, "'");
+    if (t.part) {
+      EBB_CHECK(fits_within(t.offset, t.dst.nbytes, b.nbytes), path(), ": tensor '", b.name, "' has ", b.nbytes,
+                " bytes, its destination asks for ", t.dst.nbytes, " at byte ", t.offset);
+    } else {
+      EBB_CHECK(t.offset == 0 && t.dst.nbytes == b.nbytes, path(), ": tensor '", b.name, "' has ", b.nbytes,
+                " bytes, its destination ", t.dst.nbytes);
+    }
+    if (t.dst.nbytes == 0) continue;
     if (t.dst.on_device() && drv == nullptr) {
       drv = mem::cuda::driver();
       EBB_CHECK(drv != nullptr, "tensor '", b.name, "' is to be loaded into CUDA memory but no CUDA driver is usable: ",
                 mem::cuda::unavailable_reason());
     }
+    const uint64_t lo = t.offset, hi = t.offset + t.dst.nbytes;
     for (uint32_t k = 0; k < b.chunk_count; ++k) {
       const ChunkEntry& c = I.h.chunks[b.first_chunk + k];
+      if (c.raw_offset >= hi || c.raw_offset + c.raw_bytes <= lo) continue;  // outside the part asked for
       chunks.push_back(&c);
       owner.push_back(&t);
-      char* dst = t.dst.on_device() ? nullptr : static_cast<char*>(t.dst.ptr) + c.raw_offset;
+      const bool whole = c.raw_offset >= lo && c.raw_offset + c.raw_bytes <= hi;
+      char* dst = t.dst.on_device() || !whole ? nullptr : static_cast<char*>(t.dst.ptr) + (c.raw_offset - lo);
       bool in_place = dst != nullptr && c.codec == Codec::kNone && c.stored_bytes == c.raw_bytes &&
                       c.raw_bytes % kBlockBytes == 0 && reinterpret_cast<uintptr_t>(dst) % kBlockBytes == 0;
       direct.push_back(in_place ? dst : nullptr);
@@ -325,16 +334,29 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads)
     const BlobTarget& t = *owner[i];
     I.check_crc(c, stored);
     if (direct[i] != nullptr) return;  // read in place
+    // The chunk's bytes [from, to) go to dst + (from - t.offset) (all of them unless t.part).
+    const uint64_t from = std::max(c.raw_offset, t.offset);
+    const uint64_t to = std::min(c.raw_offset + c.raw_bytes, t.offset + t.dst.nbytes);
+    const bool whole = from == c.raw_offset && to == c.raw_offset + c.raw_bytes;
     if (scratch.size() < c.raw_bytes) scratch.resize(c.raw_bytes);
-    if (!t.dst.on_device()) {
-      I.decode_chunk(c, stored, static_cast<char*>(t.dst.ptr) + c.raw_offset, scratch.data());
+    if (!t.dst.on_device() && whole) {
+      I.decode_chunk(c, stored, static_cast<char*>(t.dst.ptr) + (c.raw_offset - t.offset), scratch.data());
       return;
     }
-    if (host.size() < c.raw_bytes) host.resize(c.raw_bytes);
-    I.decode_chunk(c, stored, host.data(), scratch.data());
-    auto dst = reinterpret_cast<mem::cuda::DevicePtr>(t.dst.ptr) + c.raw_offset;
+    const char* raw = stored;  // a raw chunk is its own decoding (device copies go from worker memory, as ever)
+    if (t.dst.on_device() || c.codec != Codec::kNone || c.stored_bytes != c.raw_bytes) {
+      if (host.size() < c.raw_bytes) host.resize(c.raw_bytes);
+      I.decode_chunk(c, stored, host.data(), scratch.data());
+      raw = host.data();
+    }
+    const char* src = raw + (from - c.raw_offset);
+    if (!t.dst.on_device()) {
+      std::memcpy(static_cast<char*>(t.dst.ptr) + (from - t.offset), src, to - from);
+      return;
+    }
+    auto dst = reinterpret_cast<mem::cuda::DevicePtr>(t.dst.ptr) + (from - t.offset);
     drv->bind_context_of(dst);
-    drv->memcpy_htod_async(dst, host.data(), c.raw_bytes, t.dst.stream);
+    drv->memcpy_htod_async(dst, src, to - from, t.dst.stream);
     drv->stream_synchronize(t.dst.stream);
   });
 }

@@ -14,10 +14,14 @@
 namespace ebbtide::ckpt {
 
 // Where read() puts blob `blob`: `dst` holds exactly the blob's nbytes (a
-// CUDA device buffer is copied on its stream).
+// CUDA device buffer is copied on its stream). With `part`, `dst` receives
+// the blob's bytes [offset, offset + dst.nbytes), which must lie within it
+// (a DCP item's tensor inside its torch.save frame).
 struct BlobTarget {
   uint32_t blob = 0;
   mem::Buffer dst;
+  uint64_t offset = 0;
+  bool part = false;
 };
 
 struct VerifyProblem {
