@@ -210,6 +210,11 @@ def safetensors_bench(args, work, res):
         d = ckpt.load_safetensors(ebb)
         touch_pages(d)
         return d
+    dst = {k: torch.empty_like(v) for k, v in tensors.items()}  # a model's weights, allocated once
+    touch_pages(dst)
+
+    def ebb_load_into():
+        ckpt.load_safetensors(ebb, into=dst)
     res["ebbtide_save_first_s"], info = timed(lambda: ckpt.save_safetensors(tensors, ebb))
     res["ebbtide_backend"] = info["backend"]
     res["ebbtide_load_first_s"], first = timed(ebb_load)
@@ -217,13 +222,14 @@ def safetensors_bench(args, work, res):
     del first
     res["safetensors_save_first_s"] = timed(ref_save)[0]
     res["safetensors_load_first_s"] = timed(ref_load)[0]
-    rounds = {k: [] for k in ("ebbtide_save_s", "ebbtide_load_s", "safetensors_save_s", "safetensors_load_s")}
+    rounds = {k: [] for k in ("ebbtide_save_s", "ebbtide_load_s", "ebbtide_load_into_s", "safetensors_save_s",
+                              "safetensors_load_s")}
     fws, frs = [], []
     for rnd in range(max(1, args.repeat)):
         steps = [("ebbtide_save_s", lambda: ckpt.save_safetensors(tensors, ebb)), ("safetensors_save_s", ref_save)]
         if not args.no_fio:
             steps.append(("fio_write", None))
-        loads = [("ebbtide_load_s", ebb_load), ("safetensors_load_s", ref_load)]
+        loads = [("ebbtide_load_s", ebb_load), ("ebbtide_load_into_s", ebb_load_into), ("safetensors_load_s", ref_load)]
         if not args.no_fio:
             loads.append(("fio_read", None))
         for seq in (steps, loads):  # who goes first rotates per round
@@ -271,6 +277,8 @@ def safetensors_bench(args, work, res):
     row("ebbtide load_safetensors (first call)", res["ebbtide_load_first_s"])
     row("ebbtide load_safetensors", med["ebbtide_load_s"],
         f"{(gb / med['ebbtide_load_s']) / fr['GBps']:.0%} of fio read" if fr and "GBps" in fr else "")
+    row("ebbtide load_safetensors(into=existing tensors)", med["ebbtide_load_into_s"],
+        f"{(gb / med['ebbtide_load_into_s']) / fr['GBps']:.0%} of fio read" if fr and "GBps" in fr else "")
     if res["fault_in_s"] is not None:
         row("new host memory: map + fault in (no I/O)", res["fault_in_s"], "part of any load into new tensors")
     row("safetensors load_file (first call, cache dropped)", res["safetensors_load_first_s"])

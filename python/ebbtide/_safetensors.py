@@ -4,6 +4,7 @@ The C++ core (ebbtide._core.SafetensorsReader, safetensors_save) parses and
 validates headers as hostile input and moves the bytes (O_DIRECT, io_uring);
 this module maps dtypes, allocates the tensors and reads HF index files.
 """
+import collections
 import json
 import mmap
 import os
@@ -120,19 +121,128 @@ def _read(reader, device, names=None):
     return out
 
 
-def load(path, device=None):
+IncompatibleKeys = collections.namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
+
+
+def load(path, device=None, into=None, strict=True):
+    if into is not None:
+        if device is not None:
+            raise ValueError("load_safetensors: give device or into, not both (with into, each tensor is read onto "
+                             "its target's device)")
+        return _load_into(path, into, strict)
     device = _device(device)
+    out = {}
+    for reader, names in _shards(path):
+        out.update(_read(reader, device, names))
+    return out
+
+
+def _targets_of(into):
+    """{name: tensor} to load into: a module's parameters and buffers
+    (state_dict(keep_vars=True)) or a dict of tensors."""
+    if isinstance(into, torch.nn.Module):
+        into = into.state_dict(keep_vars=True)
+    if not isinstance(into, dict):
+        raise TypeError(f"load_safetensors: into must be a module or a dict of name -> tensor, not "
+                        f"{type(into).__name__}")
+    out = {}
+    for name, t in into.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"load_safetensors: into[{name!r}] is a {type(t).__name__}, not a tensor")
+        out[name] = t.detach()
+    return out
+
+
+def _shards(path):
+    """[(open SafetensorsReader, names it is to give or None for all)] of a
+    file, an index json or a directory; every shard opened and checked."""
     kind, p = _resolve(path)
     if kind == "file":
-        return _read(_core.SafetensorsReader(p), device)
+        return [(_core.SafetensorsReader(p), None)]
     weight_map, _ = read_index(p)
     base = os.path.dirname(p)
-    out = {}
+    out = []
     for fname, names in _by_file(weight_map).items():
         reader = _core.SafetensorsReader(os.path.join(base, fname))
         _check_shard(reader, names, p)
-        out.update(_read(reader, device, names))
+        out.append((reader, names))
     return out
+
+
+# Note [Loading into existing tensors]
+# load_safetensors(path, into=model) reads each tensor of the file straight
+# into the parameter or buffer of the same name (a model built on the CPU or
+# a GPU, HF's from_config, a resume): no new memory, which on some VMs costs
+# more than the read itself (docs/benchmarks.md), and no second copy through
+# load_state_dict. Every name, dtype and shape is checked against the targets
+# before the first byte is read, so a mismatch changes nothing. A target
+# missing from the file is not missing when it shares its memory with one
+# that is loaded (tied weights, which save_pretrained stores once).
+def _load_into(path, into, strict):
+    targets = _targets_of(into)
+    shards = _shards(path)
+    plan, loaded, unexpected = [], set(), []
+    for reader, names in shards:
+        file = reader.path
+        for i, (name, dt, shape, offset, nbytes) in enumerate(reader.tensors):
+            if names is not None and name not in names:
+                continue
+            t = targets.get(name)
+            if t is None:
+                unexpected.append(name)
+                continue
+            dtype = _torch_dtype(dt, file, name)
+            if t.dtype != dtype or list(t.shape) != list(shape):
+                raise ValueError(f"{file}: tensor {name[:120]!r} is {dt} {list(shape)}, its target {t.dtype} "
+                                 f"{list(t.shape)}; nothing was loaded")
+            if t.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"{file}: tensor {name[:120]!r}: its target is on {t.device} (materialize the "
+                                 "model on the CPU or a CUDA device first, e.g. with to_empty()); nothing was loaded")
+            loaded.add(name)
+            plan.append((reader, i, t, nbytes))
+    held = {}  # storage -> layouts loaded into it
+    for n in loaded:
+        t = targets[n]
+        held.setdefault(t.untyped_storage().data_ptr(), set()).add((t.storage_offset(), t.dtype, tuple(t.shape),
+                                                                   t.stride()))
+
+    def tied(t):
+        return t.numel() > 0 and (t.storage_offset(), t.dtype, tuple(t.shape), t.stride()) in \
+            held.get(t.untyped_storage().data_ptr(), ())
+    missing = [n for n, t in targets.items() if n not in loaded and not tied(t)]
+    if strict and (missing or unexpected):
+        what = []
+        if missing:
+            what.append(f"missing from the file: {', '.join(map(repr, missing[:5]))}"
+                        + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        if unexpected:
+            what.append(f"in the file but not in the targets: {', '.join(map(repr, unexpected[:5]))}"
+                        + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""))
+        raise ValueError(f"load_safetensors({os.fspath(path)!r}, into=...): {'; '.join(what)}; nothing was loaded "
+                         "(strict=False loads the tensors both have)")
+    by_reader = {}
+    for reader, i, t, nbytes in plan:
+        by_reader.setdefault(id(reader), (reader, []))[1].append((i, t, nbytes))
+    with torch.no_grad():
+        for reader, items in by_reader.values():
+            reads, copies = [], []
+            for i, t, nbytes in items:
+                if not nbytes:
+                    continue
+                dst = t
+                if not t.is_contiguous() or t.is_conj() or t.is_neg():
+                    dst = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                    copies.append((t, dst))
+                cuda = dst.device.type == "cuda"
+                stream = torch.cuda.current_stream(dst.device).cuda_stream if cuda else 0
+                reads.append((i, dst.data_ptr(), nbytes, cuda, stream, False))
+            reader.read(reads)
+            for t, dst in copies:
+                t.copy_(dst)
+            for _, t, _ in items:  # written behind autograd's back: as copy_ would, mark them changed
+                if not t.is_inference():
+                    torch.autograd.graph.increment_version(t)
+    return IncompatibleKeys(missing, unexpected)
 
 
 def _resolve(path):

@@ -948,7 +948,7 @@ def save_safetensors(tensors, path, metadata=None):
     return _safetensors.save(tensors, path, metadata)
 
 
-def load_safetensors(path, device=None):
+def load_safetensors(path, device=None, *, into=None, strict=True):
     """Reads a safetensors file, or a sharded HF checkpoint (a
     model.safetensors.index.json, or a directory holding it or
     model.safetensors), validating every header as hostile input.
@@ -957,17 +957,29 @@ def load_safetensors(path, device=None):
         path: a .safetensors file, an index json, or a directory.
         device: where the tensors go (default CPU); CUDA reads go through
             pinned staging buffers.
+        into: a module (its parameters and buffers) or a dict of tensors to
+            read into in place, by name, instead of new tensors (Note
+            [Loading into existing tensors] in _safetensors.py): no new
+            memory, no load_state_dict copy; each tensor on its target's
+            device.
+        strict: with `into`, every target must be in the file and every
+            tensor of the file must have a target (tied weights stored once
+            count as loaded); else ValueError before anything is read.
 
     Returns:
-        dict of name -> tensor.
+        dict of name -> tensor; with `into`, (missing_keys, unexpected_keys)
+        like Module.load_state_dict.
 
     Raises:
-        ValueError: an invalid file or index, naming the file and the tensor.
+        ValueError: an invalid file or index, naming the file and the tensor;
+            with `into`, a dtype or shape that differs from its target's, or
+            (strict) names that do not match: nothing is loaded then.
         NotImplementedError: a dtype torch has no equivalent for (F4, F6).
         OSError: a missing or unreadable file.
 
     Example:
         state = checkpoint.load_safetensors("out/llama-tiny")   # save_pretrained's directory
         model.load_state_dict(state)
+        checkpoint.load_safetensors("out/llama-tiny", into=model)  # the same, in place
     """
-    return _safetensors.load(path, device)
+    return _safetensors.load(path, device, into, strict)

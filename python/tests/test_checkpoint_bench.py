@@ -9,7 +9,8 @@ def test_ckpt_bench_small(tmp_path, run_bench):
     p, r = run_bench("ckpt_bench.py", "--size", "0.03", "--dir", str(tmp_path / "d"), "--no-torch")
     for k in ("ebbtide_save_s", "ebbtide_load_s", "ebbtide_load_into_s", "async_blocked_fraction",
               "background_blocked_fraction", "background_total_s", "lossless_bf16_weights_ratio",
-              "dcp_ebb_save_s", "dcp_fs_save_s", "dcp_ebb_load_s", "dcp_ebb_async_blocked_s"):
+              "dcp_ebb_save_s", "dcp_fs_save_s", "dcp_ebb_load_s", "dcp_ebb_async_blocked_s",
+              "dcp_ebb_astage_blocked_s", "dcp_ebb_astage_staged_s"):
         assert r[k] > 0, k
     assert "ebbtide save (durable, committed)" in p.stdout
     assert "DCP save, ebbtide plugin" in p.stdout
@@ -19,7 +20,8 @@ def test_ckpt_bench_small(tmp_path, run_bench):
 def test_ckpt_bench_safetensors_small(tmp_path, run_bench):
     pytest.importorskip("safetensors")
     p, r = run_bench("ckpt_bench.py", "--safetensors", "--size", "0.02", "--dir", str(tmp_path / "d"), "--no-fio")
-    for k in ("ebbtide_save_s", "ebbtide_load_s", "safetensors_save_s", "safetensors_load_s", "ebbtide_save_first_s",
+    for k in ("ebbtide_save_s", "ebbtide_load_s", "ebbtide_load_into_s", "safetensors_save_s", "safetensors_load_s",
+              "ebbtide_save_first_s",
               "ebbtide_load_first_s"):
         assert r[k] > 0, k
     assert "ebbtide load_safetensors" in p.stdout

@@ -141,6 +141,70 @@ def test_hf_save_pretrained_loads_bitwise(tmp_path):
     _same(again.state_dict(), want)
 
 
+# Note [Loading into existing tensors]: into= a module (single and sharded
+# save_pretrained, tied embeddings stored once) or a dict, in place, bitwise;
+# the same errors as load_state_dict's, raised before anything is read.
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_load_into_a_model_in_place(tmp_path, tie):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=512, tie_word_embeddings=tie)
+    src = transformers.LlamaForCausalLM(cfg)
+    src.save_pretrained(tmp_path / "single")
+    src.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    for where in ("single", "sharded"):
+        torch.manual_seed(1)
+        dst = transformers.LlamaForCausalLM(cfg)
+        ptrs = {k: v.data_ptr() for k, v in dst.state_dict().items()}
+        versions = {k: v._version for k, v in dst.state_dict().items()}
+        res = ckpt.load_safetensors(tmp_path / where, into=dst)
+        assert res.missing_keys == [] and res.unexpected_keys == []
+        _same(dst.state_dict(), src.state_dict())
+        assert {k: v.data_ptr() for k, v in dst.state_dict().items()} == ptrs  # in place
+        assert all(v._version > versions[k] for k, v in dst.state_dict().items() if v.numel())
+        if tie:
+            assert dst.lm_head.weight.data_ptr() == dst.model.embed_tokens.weight.data_ptr()
+
+
+def test_load_into_checks_names_dtypes_and_shapes_before_reading(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    saved = {"a": torch.randn(64, 1024, generator=g), "b": torch.randn(3, generator=g).bfloat16(),
+             "c": torch.arange(6, dtype=torch.int32)}
+    ckpt.save_safetensors(saved, tmp_path / "f.safetensors")
+    f = tmp_path / "f.safetensors"
+
+    def fresh(**over):
+        d = {"a": torch.zeros(64, 1024), "b": torch.zeros(3, dtype=torch.bfloat16),
+             "c": torch.zeros(6, dtype=torch.int32)}
+        d.update(over)
+        return d
+    for bad, match in ((fresh(b=torch.zeros(3)), r"tensor 'b' is BF16 \[3\], its target torch.float32 \[3\]"),
+                       (fresh(a=torch.zeros(64, 1023)), r"tensor 'a' is F32 \[64, 1024\], its target"),
+                       (fresh(extra=torch.zeros(2)), r"missing from the file: 'extra'"),
+                       ({k: v for k, v in fresh().items() if k != "c"}, r"in the file but not in the targets: 'c'"),
+                       (fresh(c=torch.zeros(6, dtype=torch.int32, device="meta")), r"its target is on meta")):
+        before = {k: v.clone() for k, v in bad.items() if v.device.type != "meta"}
+        with pytest.raises(ValueError, match=match):
+            ckpt.load_safetensors(f, into=bad)
+        for k, v in before.items():  # nothing was loaded
+            assert torch.equal(bad[k], v), k
+    # strict=False loads what both have and says what it left.
+    part = {"a": torch.zeros(64, 1024), "extra": torch.zeros(2)}
+    res = ckpt.load_safetensors(f, into=part, strict=False)
+    assert res.missing_keys == ["extra"] and sorted(res.unexpected_keys) == ["b", "c"]
+    assert torch.equal(part["a"], saved["a"]) and not part["extra"].any()
+    # A non-contiguous target gets the values through a copy.
+    t = torch.zeros(1024, 64).t()
+    ckpt.load_safetensors(f, into={"a": t, "b": torch.zeros(3, dtype=torch.bfloat16),
+                                   "c": torch.zeros(6, dtype=torch.int32)})
+    assert torch.equal(t, saved["a"])
+    with pytest.raises(ValueError, match="not both"):
+        ckpt.load_safetensors(f, device="cpu", into=fresh())
+    with pytest.raises(TypeError, match="into must be a module or a dict"):
+        ckpt.load_safetensors(f, into=[1])
+
+
 def _index_dir(tmp_path):
     d = tmp_path / "idx"
     d.mkdir()
