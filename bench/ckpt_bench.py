@@ -210,8 +210,7 @@ def safetensors_bench(args, work, res):
         d = ckpt.load_safetensors(ebb)
         touch_pages(d)
         return d
-    dst = {k: torch.empty_like(v) for k, v in tensors.items()}  # a model's weights, allocated once
-    touch_pages(dst)
+    dst = {k: v.clone() for k, v in tensors.items()}  # a model's weights: allocated and written once
 
     def ebb_load_into():
         ckpt.load_safetensors(ebb, into=dst)
