@@ -481,6 +481,30 @@ TEST_P(CkptWriterTest, StripedAndPipelinedRoundTrip) {
   EXPECT_FALSE(rd.verify().empty());
 }
 
+// Superblocks of more files than one staging buffer holds (4 KiB chunks: two
+// blocks a buffer) go out in turns.
+TEST_P(CkptWriterTest, SmallChunksWithManyStripeFiles) {
+  TempDir d;
+  auto a = test::random_bytes((1 << 20) + 5, 12);
+  SaveRequest r;
+  r.file = d.path() + "/main.ebt";
+  for (int i = 0; i < 5; ++i) {
+    std::filesystem::create_directory(d.path() + "/s" + std::to_string(i));
+    r.stripe_files.push_back(d.path() + "/s" + std::to_string(i) + "/main.ebt");
+  }
+  const auto stripes = r.stripe_files;
+  r.blobs = {{"a", test::host_buffer(a), 1, Codec::kNone}};
+  r.meta = "{}";
+  CheckpointWriter w(options(4096));
+  w.save(std::move(r)).wait();
+  ShardReader rd(d.path() + "/main.ebt", true, stripes);
+  EXPECT_EQ(rd.stripe_count(), 6u);
+  std::vector<unsigned char> a2(a.size());
+  rd.read({{0, test::host_buffer(a2)}});
+  EXPECT_EQ(a, a2);
+  EXPECT_TRUE(rd.verify().empty());
+}
+
 // Note [Fresh arena]: one writer's saves switch between an unregistered fresh
 // arena (the first pipelined save from it, again after it grows) and the
 // registered one, and the staging buffers' registered indices move with it.

@@ -685,7 +685,9 @@ struct CheckpointWriter::Impl {
     // Superblocks: the stripe files' first (durable), the shard file's last of all.
     void write_superblocks() {
       total_file_bytes = file_bytes;
-      EBB_CHECK(nfiles * kBlockBytes <= sbytes, "too many stripe files (", nfiles - 1, ")");
+      // The blocks are staged in the first staging buffer, as many at a time as it holds.
+      const uint64_t per_buffer = sbytes / kBlockBytes;
+      uint64_t staged = 0;
       for (size_t f = nfiles; f-- > 0;) {
         Superblock sb;
         sb.format_version = nfiles > 1 ? kFormatVersion : kFormatVersionUnstriped;
@@ -703,7 +705,11 @@ struct CheckpointWriter::Impl {
           sb.file_bytes = cursor[f];
           total_file_bytes += cursor[f];
         }
-        char* blk = sbase + f * kBlockBytes;
+        if (staged == per_buffer) {  // every block of the buffer is in flight: reuse it once written
+          w.loop->drain();
+          staged = 0;
+        }
+        char* blk = sbase + staged++ * kBlockBytes;
         std::memset(blk, 0, kBlockBytes);
         encode_superblock(sb, reinterpret_cast<unsigned char*>(blk));
         w.loop->submit(*files[f], true, blk, kBlockBytes, 0, static_cast<int>(arena_segs));
