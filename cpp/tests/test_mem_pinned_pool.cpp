@@ -220,6 +220,45 @@ TEST(PinnedPool, RegistersOnFirstNeedWhenMadeHostOnly) {
   std::memset(lease.data(), 1, lease.size());
 }
 
+// Note [Reused staging]: a borrowed pool of the same shape comes back (the
+// same memory), other shapes get their own, concurrent borrowers never share
+// one, and idle bytes stay bounded.
+TEST(BorrowPinnedPool, ReturnsIdlePoolsOfTheSameShapeAndBoundsIdleBytes) {
+  const size_t page = PinnedPool::page_size();
+  PinnedPoolOptions host_only;
+  host_only.cuda_register = false;
+  const size_t before = idle_pinned_bytes();
+  void* base = nullptr;
+  {
+    auto a = borrow_pinned_pool(3 * page + 1, 5, host_only);  // rounded to 4 pages, as the pool does
+    base = a->base();
+    std::memset(a->buffer(4), 0x5A, a->buffer_bytes());
+  }
+  EXPECT_EQ(idle_pinned_bytes(), before + 20 * page);
+  {
+    auto again = borrow_pinned_pool(4 * page, 5, host_only);
+    EXPECT_EQ(again->base(), base);
+    EXPECT_EQ(static_cast<unsigned char*>(again->buffer(4))[0], 0x5A);  // the same memory, not zeroed
+    EXPECT_EQ(idle_pinned_bytes(), before);
+    auto other = borrow_pinned_pool(4 * page, 5, host_only);  // a second borrower: a pool of its own
+    EXPECT_NE(other->base(), base);
+    auto shape = borrow_pinned_pool(4 * page, 6, host_only);
+    EXPECT_NE(shape->base(), base);
+    EXPECT_EQ(shape->count(), 6u);
+  }
+  EXPECT_EQ(idle_pinned_bytes(), before + 20 * page + 20 * page + 24 * page);
+  {  // A pool too large to keep idle is unmapped when it comes back.
+    auto big = borrow_pinned_pool(kMaxIdlePinnedBytes / 2 + page, 2, host_only);
+  }
+  EXPECT_LE(idle_pinned_bytes(), kMaxIdlePinnedBytes);
+  EXPECT_EQ(idle_pinned_bytes(), before + 64 * page);
+  // Leave the cache as found for the tests after this one.
+  auto x = borrow_pinned_pool(4 * page, 5, host_only), y = borrow_pinned_pool(4 * page, 5, host_only);
+  auto z = borrow_pinned_pool(4 * page, 6, host_only);
+  EXPECT_EQ(idle_pinned_bytes(), before);
+  for (PinnedPool* p : {x.release(), y.release(), z.release()}) delete p;  // unmapped, not returned
+}
+
 TEST(PinnedPoolDeathTest, DestroyingWithLeasesOutAborts) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_DEATH(

@@ -196,7 +196,8 @@ void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks,
   const unsigned depth = 8 * static_cast<unsigned>(files.size());
   mem::PinnedPoolOptions host_only;  // device targets are copied from worker memory, not from staging
   host_only.cuda_register = false;
-  mem::PinnedPool staging(need, depth + nthreads, host_only);
+  const auto staging_owner = mem::borrow_pinned_pool(need, depth + nthreads, host_only);  // Note [Reused staging]
+  mem::PinnedPool& staging = *staging_owner;
   std::vector<iovec> fixed;
   for (size_t i = 0; i < staging.count(); ++i)
     fixed.push_back({static_cast<char*>(staging.base()) + i * staging.buffer_bytes(), staging.buffer_bytes()});

@@ -419,9 +419,9 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
   const bool any_staged = !staged.empty();
   mem::PinnedPoolOptions host_only;
   host_only.cuda_register = false;
-  std::unique_ptr<mem::PinnedPool> staging;
+  mem::BorrowedPinnedPool staging;  // Note [Reused staging]
   if (any_staged) {
-    staging = std::make_unique<mem::PinnedPool>(kPieceBytes, depth, host_only);
+    staging = mem::borrow_pinned_pool(kPieceBytes, depth, host_only);
     if (drv != nullptr) staging->ensure_registered();  // asynchronous host-to-device copies
   }
   std::vector<int> free_slots;
@@ -578,7 +578,9 @@ SaveResult save(const std::string& path, const std::vector<SaveTensor>& tensors,
   const unsigned depth = std::max(1u, opt.queue_depth);
   mem::PinnedPoolOptions host_only;
   host_only.cuda_register = false;
-  mem::PinnedPool ring(kPieceBytes, std::min<uint64_t>(npieces, depth + 2), host_only);
+  // Note [Reused staging]: periodic saves of one model borrow the same ring.
+  const auto ring_owner = mem::borrow_pinned_pool(kPieceBytes, std::min<uint64_t>(npieces, depth + 2), host_only);
+  mem::PinnedPool& ring = *ring_owner;
   if (drv != nullptr) ring.ensure_registered();
   const size_t nbuf = ring.count();
   std::mutex mu;

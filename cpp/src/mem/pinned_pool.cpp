@@ -1,6 +1,7 @@
 #include "ebbtide/mem/pinned_pool.hpp"
 
 #include <cstdlib>
+#include <iterator>
 #include <limits>
 
 #include "ebbtide/mem/cuda_shim.hpp"
@@ -123,6 +124,57 @@ void PinnedPool::Lease::reset() {
     size_ = 0;
     p->release(index_);
   }
+}
+
+// Note [Reused staging] (pinned_pool.hpp).
+namespace {
+struct IdlePools {
+  std::mutex mu;
+  std::vector<std::pair<bool, std::unique_ptr<PinnedPool>>> pools;  // (registered with CUDA, pool)
+  size_t bytes = 0;
+};
+// Never destroyed: a pool may come back while static objects are torn down.
+IdlePools& idle_pools() {
+  static auto* idle = new IdlePools;
+  return *idle;
+}
+}  // namespace
+
+void ReturnPinnedPool::operator()(PinnedPool* pool) const noexcept {
+  std::unique_ptr<PinnedPool> owned(pool);
+  if (pool == nullptr || pool->in_use() != 0) return;  // a pool with leases out aborts in its destructor
+  auto& idle = idle_pools();
+  std::lock_guard lock(idle.mu);
+  if (idle.bytes + pool->total_bytes() > kMaxIdlePinnedBytes) return;  // unmapped
+  idle.bytes += pool->total_bytes();
+  // Registered pools serve either kind of request; unregistered ones only those that do not ask.
+  idle.pools.emplace_back(pool->registered(), std::move(owned));
+}
+
+BorrowedPinnedPool borrow_pinned_pool(size_t buffer_bytes, size_t count, const PinnedPoolOptions& options) {
+  const size_t page = PinnedPool::page_size();
+  const size_t rounded = buffer_bytes <= std::numeric_limits<size_t>::max() - (page - 1)
+                             ? (buffer_bytes + page - 1) / page * page
+                             : 0;  // the constructor below reports it
+  {
+    auto& idle = idle_pools();
+    std::lock_guard lock(idle.mu);
+    for (auto it = idle.pools.rbegin(); it != idle.pools.rend(); ++it) {  // the last returned is the warmest
+      PinnedPool& p = *it->second;
+      if (p.buffer_bytes() != rounded || p.count() != count || (options.cuda_register && !it->first)) continue;
+      idle.bytes -= p.total_bytes();
+      BorrowedPinnedPool out(it->second.release());
+      idle.pools.erase(std::next(it).base());
+      return out;
+    }
+  }
+  return BorrowedPinnedPool(new PinnedPool(buffer_bytes, count, options));
+}
+
+size_t idle_pinned_bytes() {
+  auto& idle = idle_pools();
+  std::lock_guard lock(idle.mu);
+  return idle.bytes;
 }
 
 }  // namespace ebbtide::mem
