@@ -173,6 +173,9 @@ def _owned_storage(t):
     return t
 
 
+_unpickled_natives = {}  # options -> native writer, for writers unpickled here (Note [Writer in another process])
+
+
 class _StagingHandle:
     """A pending async staging copy, in checkpoint.py's registry of background
     snapshots that torch.optim steps wait for (Note [Async staging])."""
@@ -280,13 +283,37 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         self.path = os.fspath(path)
         self.stripe_dirs = _stripe_dir_list(stripe_dirs)
         self.compress = compress
-        self._native = _core.CkptWriter(chunk_bytes=chunk_bytes, queue_depth=queue_depth, threads=threads,
-                                        zstd_level=zstd_level, direct=direct)
+        self._options = dict(chunk_bytes=chunk_bytes, queue_depth=queue_depth, threads=threads,
+                             zstd_level=zstd_level, direct=direct)
+        self._native = _core.CkptWriter(**self._options)
         self.save_id = str(uuid.uuid4())
         self._frames = {}
         self.rank = 0
         self.is_coordinator = True
         self.use_collectives = True
+
+    # Note [Writer in another process]
+    # dcp.async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    # pickles the storage writer into DCP's checkpoint process. What crosses is
+    # the configuration (path, options, stripes, save id); the native writer,
+    # the staging thread and the staged copy stay behind, and the process side
+    # takes a native writer of the same options from a per-process cache, so
+    # the saves it runs one after another keep one set of pinned buffers.
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        for k in ("_native", "_stager", "_txn", "state_dict_cache"):
+            state.pop(k, None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._stager = None
+        self.state_dict_cache = None
+        key = tuple(sorted(self._options.items()))
+        native = _unpickled_natives.get(key)
+        if native is None:
+            native = _unpickled_natives[key] = _core.CkptWriter(**self._options)
+        self._native = native
 
     def join(self):
         """Waits until the checkpoint the last save replaced is removed: the

@@ -313,6 +313,54 @@ def _copy_into(dst, src):
                 dst[i] = v
 
 
+_PROCESS_SAVE = r"""
+import sys, tempfile, warnings
+warnings.filterwarnings("ignore")
+import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from ebbtide.dcp import EbbtideReader, EbbtideWriter
+
+def main(root):
+    dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(dir=root), rank=0, world_size=1)
+    try:
+        w = EbbtideWriter(root + "/ckpt")
+        for step in range(2):  # the checkpoint process keeps running between saves
+            sd = {"w": torch.full((256, 1024), float(step)), "b": torch.arange(7) + step, "step": step}
+            dcp.async_save(sd, storage_writer=w, async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+            out = {"w": torch.zeros(256, 1024), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
+            dcp.load(out, storage_reader=EbbtideReader(root + "/ckpt"))
+            assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"]) and out["step"] == step
+        print("ok", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+"""
+
+
+# Note [Writer in another process]: async_save's process-based checkpointer pickles the writer.
+def test_async_save_in_dcp_checkpoint_process(tmp_path):
+    script = tmp_path / "save.py"
+    script.write_text(_PROCESS_SAVE)
+    p = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-4000:]
+
+
+def test_writer_pickles_its_configuration_only(tmp_path):
+    w = EbbtideWriter(tmp_path / "a", chunk_bytes=1 << 20, async_staging=True, stripe_dirs=None)
+    w.stage(_mixed_state()).result()  # a staged copy and a staging thread exist now
+    try:
+        back = pickle.loads(pickle.dumps(w))
+        assert back.path == w.path and back._options == w._options and back.async_staging
+        assert back.state_dict_cache is None and back._stager is None and back._native is not w._native
+        assert pickle.loads(pickle.dumps(w))._native is back._native  # one native writer per options here
+        dcp.save(_mixed_state(), storage_writer=back)
+        _assert_bitwise(_mixed_state(), _load(tmp_path / "a"))
+    finally:
+        w.close()
+
+
 class _RecordCopies:
     """Wraps a writer's native object and records what copy() was given."""
 
