@@ -68,7 +68,6 @@ import pathlib
 import pickle
 import re
 import threading
-import time
 import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
