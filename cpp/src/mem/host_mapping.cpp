@@ -14,7 +14,6 @@
 
 namespace ebbtide::mem {
 
-
 // Note [Pinned staging memory]
 // Staging and snapshot memory is anonymous private mappings, not
 // cudaHostAlloc memory: io_uring buffer registration (IORING_REGISTER_BUFFERS)
@@ -33,13 +32,15 @@ namespace ebbtide::mem {
 // every PinnedPool (the writers' staging rings, the readers' staging) and the
 // I/O benchmark's buffers then reach the device in 2 MiB pieces. The host
 // store's blobs (HostBufferPool) stay on small pages: they are sized to
-// activations and come and go with them. Measured on the 2-core VM (docs/benchmarks.md, 2026-11-24):
-// steady safetensors saves 1.35x faster, ebbtide.checkpoint saves 1.15x, DCP
-// plugin saves 1.07x. The price is on the first touch: a fresh huge page costs
-// that VM's hypervisor more than 512 small ones, so a process's first save
-// (which faults the arena in) took 2.5-3.1 s instead of 0.9-1.3 s for 1 GB.
-// MADV_POPULATE_WRITE stands in for MAP_POPULATE, which would fault in small
-// pages before the advice is given.
+// activations and come and go with them. Measured on the 2-core VM
+// (docs/benchmarks.md, 2026-11-24): steady safetensors saves 1.35x faster,
+// ebbtide.checkpoint saves 1.15x, DCP plugin saves 1.07x. The price is on the
+// first touch: a fresh huge page costs that VM's hypervisor more than 512
+// small ones, and pinning a fresh 1 GB arena for io_uring (which faults it
+// all in on one thread) made a process's first save 2.5-3.1 s instead of
+// 0.9-1.3 s, until Note [Fresh arena] in ckpt/writer.cpp. MADV_POPULATE_WRITE
+// stands in for MAP_POPULATE, which would fault in small pages before the
+// advice is given.
 
 size_t HostMapping::page_size() {
   static const size_t kPage = [] {
@@ -55,7 +56,7 @@ HostMapping::HostMapping(size_t bytes, std::string_view owner, bool populate, bo
   EBB_CHECK(bytes <= std::numeric_limits<size_t>::max() - (page - 1), owner, ": ", bytes,
             " bytes is too large to map");
   const size_t size = (bytes + page - 1) / page * page;
-  const bool huge = huge_io && size >= kHugePage;  // Note [Huge-page buffers]
+  const bool huge = huge_io && size >= kHugePage && size <= std::numeric_limits<size_t>::max() - kHugePage;
   const size_t span = huge ? size + kHugePage : size;
   int flags = MAP_PRIVATE | MAP_ANONYMOUS;
   if (populate && !huge) flags |= MAP_POPULATE;
