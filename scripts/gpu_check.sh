@@ -9,7 +9,8 @@
 #   build    CMake build of the C++ core, its tests and the Python modules
 #            against the machine's python3 and torch (liburing, GoogleTest,
 #            zstd and nanobind from .deps)
-#   test     ctest (all C++ tests; the GPU ones run now) and the CUDA pytest file
+#   test     ctest (all C++ tests; the GPU ones run now), the CUDA pytest file and the
+#            checkpoint tests with CUDA tensors
 #   offload  bench/offload_bench.py --device cuda (the GPU targets;
 #            OFFLOAD_METHODS=a,b,... runs only those methods)
 #   offload2 the same at a shape whose full offload fits PCIe bandwidth (2
@@ -152,6 +153,10 @@ for stage in "${stages[@]}"; do
       grep -E "tests passed|tests failed|Skipped|Failed|\*\*\*" "$out/ctest.log" | tail -n 20
       step pytest-cuda pytest-cuda.log 300 "$py" -m pytest -q -p no:cacheprovider -rs python/tests/test_cache_cuda.py
       tail -n 3 "$out/pytest-cuda.log"
+      # Checkpoints with device tensors: safetensors (device= and into=) and the DCP plugin.
+      step pytest-ckpt-cuda pytest-ckpt-cuda.log 200 "$py" -m pytest -q -p no:cacheprovider -rs -k cuda \
+        python/tests/test_safetensors.py python/tests/test_dcp.py
+      tail -n 3 "$out/pytest-ckpt-cuda.log"
       ;;
     pytest)
       step pytest-all pytest.log 480 "$py" -m pytest -q -p no:cacheprovider -rs python/tests

@@ -313,6 +313,33 @@ def _copy_into(dst, src):
                 dst[i] = v
 
 
+# Device state through every path: sync save, async_save (blocking staging and
+# async_staging) and loads into device targets (the buffer path of Note
+# [Reading into the targets]). The CPU case runs everywhere; the CUDA case on a GPU.
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_device_state_saves_and_loads_bitwise(tmp_path, device):
+    g = torch.Generator().manual_seed(9)
+    cpu = {"w": torch.randn(300, 1024, generator=g), "bf": torch.randn(64, 33, generator=g).bfloat16(),
+           "t": torch.randn(7, 5, generator=g).t(), "i": torch.arange(10), "step": 3}
+    sd = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in cpu.items()}
+    writers = {"sync": EbbtideWriter(tmp_path / "s"), "async": EbbtideWriter(tmp_path / "a"),
+               "staged": EbbtideWriter(tmp_path / "g", async_staging=True)}
+    try:
+        dcp.save(sd, storage_writer=writers["sync"])
+        dcp.async_save(sd, storage_writer=writers["async"]).result()
+        resp = dcp.async_save(sd, storage_writer=writers["staged"])
+        resp.staging_completion.result(timeout=60)
+        resp.upload_completion.result(timeout=60)
+    finally:
+        writers["staged"].close()
+    for name in ("s", "a", "g"):
+        out = {k: (torch.zeros_like(v.contiguous()) if isinstance(v, torch.Tensor) else 0) for k, v in sd.items()}
+        dcp.load(out, storage_reader=EbbtideReader(tmp_path / name))
+        assert all(out[k].device == sd[k].device for k in ("w", "bf", "t", "i")), name
+        _assert_bitwise(cpu, {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}, name)
+
+
 _PROCESS_SAVE = r"""
 import sys, tempfile, warnings
 warnings.filterwarnings("ignore")

@@ -371,3 +371,8 @@ def test_cuda_round_trip(tmp_path):
     u = ckpt.load_safetensors(tmp_path / "g.safetensors", device="cuda")
     assert all(v.is_cuda for v in u.values())
     _same({k: v.cpu() for k, v in u.items()}, {k: v.cpu() for k, v in t.items()})
+    into = {k: torch.zeros_like(v) for k, v in t.items()}  # Note [Loading into existing tensors], on the GPU
+    ptrs = {k: v.data_ptr() for k, v in into.items()}
+    ckpt.load_safetensors(tmp_path / "g.safetensors", into=into)
+    assert {k: v.data_ptr() for k, v in into.items()} == ptrs
+    _same({k: v.cpu() for k, v in into.items()}, {k: v.cpu() for k, v in t.items()})
