@@ -144,21 +144,27 @@ def _torch_frame(t, nbytes):
     sink = _FrameSink()
     with torch.serialization.skip_data():
         torch.save(t, sink)
-    img = bytearray()
-    gap = None
-    for pos, data in sorted(sink.parts):
-        if pos > len(img):
+    parts = sorted(sink.parts)
+    end, gap = 0, None
+    for pos, data in parts:  # the one stretch nothing was written to is the storage
+        if pos > end:
             if gap is not None:
                 raise RuntimeError("torch.save left more than one gap; ebbtide.dcp cannot frame this tensor")
-            gap = (len(img), pos)
-            img.extend(bytes(pos - len(img)))
-        img[pos:pos + len(data)] = data
+            gap = (end, pos)
+        end = max(end, pos + len(data))
     if gap is None:
-        gap = (len(img), len(img)) if nbytes == 0 else None
+        gap = (end, end) if nbytes == 0 else None
     if gap is None or gap[1] - gap[0] != nbytes:
         raise RuntimeError(f"torch.save wrote its storage bytes unexpectedly (gap {gap}, storage {nbytes} bytes); "
                            "ebbtide.dcp cannot frame this tensor")
-    return bytes(img[:gap[0]]), bytes(img[gap[1]:])
+    # Assembled around the gap, never through it (a storage can be gigabytes).
+    head, tail = bytearray(gap[0]), bytearray(end - gap[1])
+    for pos, data in parts:
+        if pos < gap[0]:
+            head[pos:pos + len(data)] = data
+        else:
+            tail[pos - gap[1]:pos - gap[1] + len(data)] = data
+    return bytes(head), bytes(tail)
 
 
 def _owned_storage(t):
