@@ -181,9 +181,11 @@ def _shards(path):
 def _load_into(path, into, strict):
     targets = _targets_of(into)
     shards = _shards(path)
-    plan, loaded, unexpected = [], set(), []
+    plan, loaded, unexpected = [], set(), []  # plan: (reader, [(tensor index, target, nbytes)]) per shard
     for reader, names in shards:
         file = reader.path
+        items = []
+        plan.append((reader, items))
         for i, (name, dt, shape, offset, nbytes) in enumerate(reader.tensors):
             if names is not None and name not in names:
                 continue
@@ -199,7 +201,7 @@ def _load_into(path, into, strict):
                 raise ValueError(f"{file}: tensor {name[:120]!r}: its target is on {t.device} (materialize the "
                                  "model on the CPU or a CUDA device first, e.g. with to_empty()); nothing was loaded")
             loaded.add(name)
-            plan.append((reader, i, t, nbytes))
+            items.append((i, t, nbytes))
     held = {}  # storage -> layouts loaded into it
     for n in loaded:
         t = targets[n]
@@ -220,11 +222,8 @@ def _load_into(path, into, strict):
                         + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""))
         raise ValueError(f"load_safetensors({os.fspath(path)!r}, into=...): {'; '.join(what)}; nothing was loaded "
                          "(strict=False loads the tensors both have)")
-    by_reader = {}
-    for reader, i, t, nbytes in plan:
-        by_reader.setdefault(id(reader), (reader, []))[1].append((i, t, nbytes))
     with torch.no_grad():
-        for reader, items in by_reader.values():
+        for reader, items in plan:
             reads, copies = [], []
             for i, t, nbytes in items:
                 if not nbytes:

@@ -747,7 +747,7 @@ def _check_layout(meta, blobs, file):
         if need and (head % dtype.itemsize or head + need > b["nbytes"]):
             bad(f"item {k} ({b['name'][:200]}): {tuple(size)} {dtype} at byte {head} does not fit its "
                 f"{b['nbytes']}-byte blob")
-        it["_dtype"] = dtype
+        it["_dtype"], it["_nbytes"] = dtype, need  # the bytes the tensor spans from `head`
     return items
 
 
@@ -917,14 +917,15 @@ class EbbtideReader(_DirectoryId, StorageReader):
             return shard.blob_of(self.storage_data[r.storage_index], r.storage_index.fqn)
 
         for batch in self._batches(reqs, lambda r: self.storage_data[r.storage_index].length):
-            bufs, into, direct = {}, [], set()
+            bufs, into, rest = {}, [], []  # rest: (request, blob) read through a buffer of the blob
             for r in batch:
                 k = blob_of(r)
                 target = self._whole_target(shard, k, r, planner)
                 if target is not None:
                     into.append((r, target, (k, shard.items[k]["head"], target.data_ptr(), target.nbytes)))
-                    direct.add(id(r))
-                elif k not in bufs:
+                    continue
+                rest.append((r, k))
+                if k not in bufs:
                     bufs[k] = _host_buffer(shard.blobs[k]["nbytes"])
             if into:
                 shard.reader.read_parts([part for _, _, part in into], threads=self.threads)
@@ -933,10 +934,7 @@ class EbbtideReader(_DirectoryId, StorageReader):
             if bufs:
                 shard.reader.read([(k, b.data_ptr(), b.nbytes, False, 0) for k, b in bufs.items()],
                                   threads=self.threads)
-            for r in batch:
-                if id(r) in direct:
-                    continue  # read into its target above
-                k = blob_of(r)
+            for r, k in rest:
                 it, buf = shard.items[k], bufs[k]
                 if r.type == LoadItemType.BYTE_IO:
                     if it["kind"] != "bytes":
@@ -945,13 +943,10 @@ class EbbtideReader(_DirectoryId, StorageReader):
                     continue
                 if it["kind"] != "tensor":
                     raise ValueError(f"{shard.file}: item {r.storage_index.fqn!r} is bytes, read as a tensor")
-                dtype = it["_dtype"]
-                extent = (0 if 0 in it["size"] else
-                          1 + sum((n - 1) * s for n, s in zip(it["size"], it["stride"])))
-                if extent == 0:
-                    t = torch.empty(it["size"], dtype=dtype)
+                if it["_nbytes"] == 0:
+                    t = torch.empty(it["size"], dtype=it["_dtype"])
                 else:
-                    data = buf[it["head"]:it["head"] + extent * dtype.itemsize].view(dtype)
+                    data = buf[it["head"]:it["head"] + it["_nbytes"]].view(it["_dtype"])
                     t = torch.as_strided(data, it["size"], it["stride"])
                 self._commit(planner, r, t, shard.file)
 

@@ -43,15 +43,13 @@ constexpr uint64_t kBlock = 4096;
 // before it is touched (Note [Bench buffers], Note [Huge-page buffers] in
 // mem/host_mapping.cpp).
 struct MappedBuffer {
-  MappedBuffer(uint64_t n, bool huge)
-      : map_(n, "benchmark buffer", false, huge), p_(static_cast<unsigned char*>(map_.data())), n_(n),
-        advised_(huge && n >= mem::HostMapping::kHugePage) {}
-  unsigned char* data() const { return p_; }
+  MappedBuffer(uint64_t n, bool huge) : map_(n, "benchmark buffer", false, huge), n_(n) {}
+  unsigned char* data() const { return static_cast<unsigned char*>(map_.data()); }
   // Bytes of [data(), data() + n) backed by huge pages now (/proc/self/smaps).
   uint64_t huge_bytes() const {
     std::ifstream smaps("/proc/self/smaps");
     std::string line;
-    const auto lo = reinterpret_cast<uintptr_t>(p_), hi = lo + n_;
+    const auto lo = reinterpret_cast<uintptr_t>(map_.data()), hi = lo + n_;
     bool mine = false;
     uint64_t total = 0;
     while (std::getline(smaps, line)) {
@@ -65,9 +63,7 @@ struct MappedBuffer {
     return total;
   }
   mem::HostMapping map_;
-  unsigned char* p_ = nullptr;
   uint64_t n_;
-  bool advised_ = false;
 };
 
 // Flushes the filesystem of each directory (syncfs); failures only logged:
@@ -254,7 +250,7 @@ BenchResult run_io_bench(const BenchOptions& o) {
   res.alignment = st.alignment;
   res.huge_pages = o.huge_pages && std::all_of(bufs.begin(), bufs.end(), [](const auto& b) {
     const uint64_t want = b->n_ / mem::HostMapping::kHugePage * mem::HostMapping::kHugePage;
-    return b->advised_ && want > 0 && b->huge_bytes() >= want;
+    return want > 0 && b->huge_bytes() >= want;
   });
   res.bytes = o.total_bytes;
   res.write_gbps = res.write_seconds > 0 ? o.total_bytes / res.write_seconds / 1e9 : 0;
