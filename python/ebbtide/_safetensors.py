@@ -61,6 +61,11 @@ def _device(device):
     return d
 
 
+def _stream(device):
+    """The current CUDA stream of `device` as the core takes it (0 for the CPU)."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
 def save(tensors, path, metadata=None):
     if not isinstance(tensors, dict):
         raise TypeError(f"save_safetensors: tensors must be a dict of name -> tensor, not {type(tensors).__name__}")
@@ -80,10 +85,9 @@ def save(tensors, path, metadata=None):
         t = t.detach().resolve_conj().resolve_neg().contiguous()
         if t.device.type not in ("cpu", "cuda"):
             raise ValueError(f"save_safetensors: tensor {name!r} is on {t.device}; move it to the CPU or a CUDA device")
-        cuda = t.device.type == "cuda"
-        stream = torch.cuda.current_stream(t.device).cuda_stream if cuda else 0
         keep.append(t)
-        entries.append((name, _dtype_name(t, name), list(t.shape), t.data_ptr(), t.nbytes, cuda, stream))
+        entries.append((name, _dtype_name(t, name), list(t.shape), t.data_ptr(), t.nbytes, t.device.type == "cuda",
+                        _stream(t.device)))
     return _core.safetensors_save(os.fspath(path), entries, list(metadata.items()))
 
 
@@ -104,7 +108,7 @@ def _read(reader, device, names=None):
     all) onto `device`; returns {name: tensor}."""
     file = reader.path
     out, targets = {}, []
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    stream = _stream(device)
     for i, (name, dt, shape, offset, nbytes) in enumerate(reader.tensors):
         if names is not None and name not in names:
             continue
@@ -232,9 +236,7 @@ def _load_into(path, into, strict):
                 if not t.is_contiguous() or t.is_conj() or t.is_neg():
                     dst = torch.empty(t.shape, dtype=t.dtype, device=t.device)
                     copies.append((t, dst))
-                cuda = dst.device.type == "cuda"
-                stream = torch.cuda.current_stream(dst.device).cuda_stream if cuda else 0
-                reads.append((i, dst.data_ptr(), nbytes, cuda, stream, False))
+                reads.append((i, dst.data_ptr(), nbytes, dst.device.type == "cuda", _stream(dst.device), False))
             reader.read(reads)
             for t, dst in copies:
                 t.copy_(dst)
