@@ -5,10 +5,8 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstdlib>
-#include <condition_variable>
 #include <functional>
 #include <mutex>
 #include <cstring>
@@ -180,7 +178,10 @@ size_t ShardReader::stripe_count() const { return impl_->sb.stripe_count; }
 // into a ring of pinned staging buffers; each completion hands its buffer to
 // a worker that checks the crc32c, decodes into the destination and returns
 // the buffer. `process` runs on the workers; errors are collected. Depth:
-// 8 transfers per file of the shard in flight.
+// 8 transfers per file of the shard in flight. The submitting thread only
+// submits and reaps, so the device never waits for a copy or a checksum;
+// detail::pipelined_reads (shard_io.cpp) is that loop, shared with the
+// safetensors reader.
 //
 // In-place destinations are faulted in ahead of the reads (PagePopulator,
 // Note [Populate ahead] in shard_io.cpp).
@@ -198,99 +199,24 @@ void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks,
   host_only.cuda_register = false;
   const auto staging_owner = mem::borrow_pinned_pool(need, depth + nthreads, host_only);  // Note [Reused staging]
   mem::PinnedPool& staging = *staging_owner;
-  std::vector<iovec> fixed;
-  for (size_t i = 0; i < staging.count(); ++i)
-    fixed.push_back({static_cast<char*>(staging.base()) + i * staging.buffer_bytes(), staging.buffer_bytes()});
-  io::TransferLoop loop(depth, fixed, io::BackendKind::kAuto, "checkpoint");
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<int> free_slots;
-  for (int i = static_cast<int>(staging.count()) - 1; i >= 0; --i) free_slots.push_back(i);
-  size_t pending = 0;       // chunks with the workers
-  size_t slots_held = 0;    // staging buffers among them
-  std::exception_ptr error;
+  io::TransferLoop loop(depth, detail::buffers_of(staging), io::BackendKind::kAuto, "checkpoint");
   std::vector<std::pair<char*, uint64_t>> in_place;
   for (size_t i = 0; i < direct.size(); ++i)
     if (direct[i] != nullptr) in_place.emplace_back(direct[i], align_up(chunks[i]->stored_bytes, kBlockBytes));
   detail::PagePopulator populate(std::move(in_place));
-  {
-    detail::Workers pool(nthreads);
-    auto hand_off = [&](size_t i, int slot, const char* buf) {
-      {
-        std::lock_guard lock(mu);
-        ++pending;
-        if (slot >= 0) ++slots_held;
-      }
-      pool.post([&, i, slot, buf] {
-        std::exception_ptr e;
-        try {
-          process(i, buf);
-        } catch (...) {
-          e = std::current_exception();
-        }
-        std::lock_guard lock(mu);
-        if (e && !error) error = e;
-        if (slot >= 0) {
-          free_slots.push_back(slot);
-          --slots_held;
-        }
-        --pending;
-        cv.notify_all();
-      });
-    };
-    try {
-      for (size_t i = 0; i < chunks.size(); ++i) {
-        const ChunkEntry& c = *chunks[i];
-        check_stripe(c);
-        const io::DirectFile& f = *files[c.stripe];
-        uint64_t len = align_up(c.stored_bytes, kBlockBytes);
-        if (!fits_within(c.file_offset, len, sizes[c.stripe])) {
-          throw IoError(ENODATA, tensor_at(f.path(), h.blobs[c.blob].name), static_cast<int64_t>(c.file_offset),
-                        ebbtide::detail::concat("truncated checkpoint file: chunk needs bytes up to ", c.file_offset + len,
-                                                " but the file has ", sizes[c.stripe]));
-        }
-        {
-          std::lock_guard lock(mu);
-          if (error) std::rethrow_exception(error);
-        }
-        if (!direct.empty() && direct[i] != nullptr) {
-          char* dst = direct[i];
-          loop.submit(f, false, dst, len, c.file_offset, -1, [&, i, dst] { hand_off(i, -1, dst); });
-          continue;
-        }
-        int slot = -1;
-        for (;;) {
-          {
-            std::unique_lock lock(mu);
-            if (error) std::rethrow_exception(error);
-            if (!free_slots.empty()) {
-              slot = free_slots.back();
-              free_slots.pop_back();
-              break;
-            }
-            if (slots_held > 0) {  // buffers are with the workers
-              cv.wait(lock, [&] { return !free_slots.empty() || error; });
-              continue;
-            }
-          }
-          loop.poll(true);
-        }
-        char* buf = static_cast<char*>(staging.base()) + static_cast<uint64_t>(slot) * staging.buffer_bytes();
-        loop.submit(f, false, buf, len, c.file_offset, slot, [&, i, slot, buf] { hand_off(i, slot, buf); });
-      }
-      loop.drain();
-    } catch (...) {
-      std::lock_guard lock(mu);
-      if (!error) error = std::current_exception();
+  auto read = [&](size_t i) {
+    const ChunkEntry& c = *chunks[i];
+    check_stripe(c);
+    const io::DirectFile& f = *files[c.stripe];
+    uint64_t len = align_up(c.stored_bytes, kBlockBytes);
+    if (!fits_within(c.file_offset, len, sizes[c.stripe])) {
+      throw IoError(ENODATA, tensor_at(f.path(), h.blobs[c.blob].name), static_cast<int64_t>(c.file_offset),
+                    ebbtide::detail::concat("truncated checkpoint file: chunk needs bytes up to ", c.file_offset + len,
+                                            " but the file has ", sizes[c.stripe]));
     }
-    try {
-      loop.drain();
-    } catch (...) {
-    }
-    std::unique_lock lock(mu);
-    cv.wait(lock, [&] { return pending == 0; });
-  }
-  if (error) std::rethrow_exception(error);
+    return detail::PipelinedRead{&f, c.file_offset, len, direct.empty() ? nullptr : direct[i]};
+  };
+  detail::pipelined_reads(chunks.size(), read, loop, &staging, nthreads, process);
 }
 
 void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads) {

@@ -290,12 +290,6 @@ mem::cuda::Driver* need_driver(const std::string& tensor) {
   return drv;
 }
 
-std::vector<iovec> buffers_of(const mem::PinnedPool& pool) {
-  std::vector<iovec> v;
-  for (size_t i = 0; i < pool.count(); ++i) v.push_back({pool.buffer(i), pool.buffer_bytes()});
-  return v;
-}
-
 }  // namespace
 
 struct Reader::Impl {
@@ -348,7 +342,9 @@ bool Reader::direct() const { return impl_->file->direct(); }
 // overwrites the bytes before and after the tensor in them).
 // checkpoint.load_safetensors allocates large tensors that way. Everything
 // else (device targets, other host targets) is read in 4 MiB pieces into
-// pinned staging buffers and copied out: a piece may serve several small
+// pinned staging buffers and copied out by worker threads, so that the
+// thread submitting the reads never stops for a copy (detail::pipelined_reads,
+// Note [Read pipeline] in reader.cpp): a piece may serve several small
 // tensors, and a tensor may span several pieces. Pieces are submitted in file
 // order, `queue_depth` in flight; the last block of the file is asked for
 // whole and the read stops at the end of the file. Owned destinations are
@@ -416,58 +412,53 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
   if (pieces.empty()) return "nothing to read";
 
   const unsigned depth = std::max(1u, I.opt.queue_depth);
+  const unsigned threads = detail::default_threads();
   const bool any_staged = !staged.empty();
   mem::PinnedPoolOptions host_only;
   host_only.cuda_register = false;
   mem::BorrowedPinnedPool staging;  // Note [Reused staging]
   if (any_staged) {
-    staging = mem::borrow_pinned_pool(kPieceBytes, depth, host_only);
+    // A buffer per read in flight and one per worker copying out of one.
+    staging = mem::borrow_pinned_pool(kPieceBytes, depth + threads, host_only);
     if (drv != nullptr) staging->ensure_registered();  // asynchronous host-to-device copies
   }
-  std::vector<int> free_slots;
-  for (int i = any_staged ? static_cast<int>(staging->count()) - 1 : -1; i >= 0; --i) free_slots.push_back(i);
-  size_t first_staged = 0;  // staged tensors before it end before the current staged piece
-  auto scatter = [&](uint64_t off, uint64_t len, const char* buf, size_t from) {
-    for (size_t k = from; k < staged.size() && staged[k].a < off + len; ++k) {
-      uint64_t lo = std::max(staged[k].a, off), hi = std::min(staged[k].b, off + len);
+  // Staged tensors before first_staged[i] end before piece i.
+  std::vector<size_t> first_staged(pieces.size());
+  for (size_t i = 0, k = 0; i < pieces.size(); ++i) {
+    while (k < staged.size() && staged[k].b <= pieces[i].off) ++k;
+    first_staged[i] = k;
+  }
+  // Copies the staged tensors' bytes out of piece i's buffer (on a worker:
+  // pieces are disjoint, so are their destinations).
+  auto scatter = [&](size_t i, const char* buf) {
+    const Piece& p = pieces[i];
+    if (p.dst != nullptr) return;  // read in place
+    for (size_t k = first_staged[i]; k < staged.size() && staged[k].a < p.off + p.len; ++k) {
+      uint64_t lo = std::max(staged[k].a, p.off), hi = std::min(staged[k].b, p.off + p.len);
       if (lo >= hi) continue;
       const ReadTarget& t = *staged[k].t;
       char* dst = static_cast<char*>(t.dst.ptr) + (lo - staged[k].a);
       if (!t.dst.on_device()) {
-        std::memcpy(dst, buf + (lo - off), hi - lo);
+        std::memcpy(dst, buf + (lo - p.off), hi - lo);
         continue;
       }
       auto d = reinterpret_cast<mem::cuda::DevicePtr>(dst);
       drv->bind_context_of(d);
-      drv->memcpy_htod_async(d, buf + (lo - off), hi - lo, t.dst.stream);
+      drv->memcpy_htod_async(d, buf + (lo - p.off), hi - lo, t.dst.stream);
       drv->stream_synchronize(t.dst.stream);  // before the staging buffer is reused
     }
   };
-  io::TransferLoop loop(depth, any_staged ? buffers_of(*staging) : std::vector<iovec>{}, I.opt.backend,
-                       "checkpoint");
+  io::TransferLoop loop(depth, any_staged ? detail::buffers_of(*staging) : std::vector<iovec>{}, I.opt.backend, "checkpoint");
   std::vector<std::pair<char*, uint64_t>> fresh;
   for (const auto& p : pieces)
     if (p.owned) fresh.emplace_back(p.dst, p.len);
   detail::PagePopulator populate(std::move(fresh));  // Note [Populate ahead] in shard_io.cpp
-  for (const auto& p : pieces) {
-    const uint64_t need = std::min(p.len, I.size - p.off);  // the file may end inside the last block
-    if (p.dst != nullptr) {
-      loop.submit(*I.file, false, p.dst, p.len, p.off, -1, {}, need);
-      continue;
-    }
-    while (free_slots.empty()) loop.poll(true);
-    int slot = free_slots.back();
-    free_slots.pop_back();
-    while (first_staged < staged.size() && staged[first_staged].b <= p.off) ++first_staged;
-    char* buf = static_cast<char*>(staging->buffer(static_cast<size_t>(slot)));
-    loop.submit(*I.file, false, buf, p.len, p.off, slot,
-                [&, p, buf, slot, from = first_staged] {
-                  scatter(p.off, p.len, buf, from);
-                  free_slots.push_back(slot);
-                },
-                need);
-  }
-  loop.drain();
+  auto read = [&](size_t i) {
+    const Piece& p = pieces[i];
+    // The file may end inside the last block.
+    return detail::PipelinedRead{I.file.get(), p.off, p.len, p.dst, std::min(p.len, I.size - p.off)};
+  };
+  detail::pipelined_reads(pieces.size(), read, loop, any_staged ? &*staging : nullptr, threads, scatter);
   return loop.describe() + (direct ? " O_DIRECT" : " buffered");
 }
 
@@ -620,7 +611,7 @@ SaveResult save(const std::string& path, const std::vector<SaveTensor>& tensors,
         cv.wait(lock, [&] { return finished == posted; });
       }
     } join{mu, cv};
-    io::TransferLoop loop(depth, buffers_of(ring), opt.backend, "checkpoint");
+    io::TransferLoop loop(depth, detail::buffers_of(ring), opt.backend, "checkpoint");
     uint64_t next_fill = 0;
     for (uint64_t k = 0; k < npieces; ++k) {
       // Keep the copies ahead of the writes: piece j uses buffer j % nbuf once its last write is done.

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -12,6 +13,7 @@
 
 #include "ebbtide/io/direct_file.hpp"
 #include "ebbtide/io/transfer.hpp"
+#include "ebbtide/mem/pinned_pool.hpp"
 
 namespace ebbtide::ckpt::detail {
 
@@ -38,6 +40,29 @@ class PagePopulator {
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };
+
+// The buffers of `pool`, one iovec each (a TransferLoop's fixed buffers).
+std::vector<iovec> buffers_of(const mem::PinnedPool& pool);
+
+// One read of a pipelined batch: into `in_place` (the caller's memory, block
+// aligned under O_DIRECT) or, when that is null, into a staging buffer.
+struct PipelinedRead {
+  const io::DirectFile* file;
+  uint64_t offset, len;
+  char* in_place;
+  uint64_t need = 0;  // as TransferLoop::submit's (0: len)
+};
+
+// Note [Read pipeline] in reader.cpp. Submits read(0..n-1) in order through
+// `loop`; a staged one takes a free buffer of `staging` (registered with the
+// loop as its fixed buffers, one per slot; may be null when no read is
+// staged), waiting while every buffer is with the kernel or the workers. Each finished read goes with its buffer to
+// process(i, buf) on `threads` workers, and a staging buffer returns to the
+// ring after. If read(i), process or the I/O throws, nothing more is
+// submitted, what is in flight is drained, and the first error is rethrown.
+void pipelined_reads(size_t n, const std::function<PipelinedRead(size_t)>& read, io::TransferLoop& loop,
+                     mem::PinnedPool* staging, unsigned threads,
+                     const std::function<void(size_t, const char*)>& process);
 
 // Splits [offset, offset+len) of a contiguous pinned region made of equal
 // segments (registered one iovec each) so that no piece crosses a segment.
