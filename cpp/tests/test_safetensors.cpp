@@ -2,6 +2,7 @@
 // are refused with InvalidArgument naming the file and the tensor (Note
 // [Hostile safetensors] in cpp/src/ckpt/safetensors.cpp); reads in place and
 // through staging return the bytes written.
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,6 +12,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
@@ -18,6 +21,7 @@
 #include "ebbtide/ckpt/format.hpp"
 #include "ebbtide/ckpt/safetensors.hpp"
 #include "ebbtide/util/error.hpp"
+#include "sim_driver.hpp"
 #include "test_utils.hpp"
 
 namespace ebbtide::ckpt::safetensors {
@@ -413,6 +417,191 @@ TEST(Safetensors, RandomMutationsNeverCrash) {
   }
   EXPECT_GT(refused, 1000);
   EXPECT_GT(accepted, 0) << "mutations of tensor bytes keep the file valid";
+}
+
+// Device targets (Note [Reads into device memory]) on the simulated GPU,
+// whose "device memory" is host memory: a file of tensors at unaligned
+// offsets, each read into a device target or, every third one, a host one.
+struct DeviceReadCase {
+  TempDir dir;
+  std::string path;
+  std::vector<std::vector<unsigned char>> want;  // by header index
+  std::vector<std::vector<char>> mem;            // the targets' memory
+  std::vector<bool> on_device;
+
+  DeviceReadCase() {
+    std::vector<std::vector<unsigned char>> bytes;
+    std::vector<SaveTensor> src;
+    const std::vector<uint64_t> sizes = {(9u << 20) + 6, 4098, 3, (4u << 20) + 2, 70000, 2};
+    for (size_t i = 0; i < sizes.size(); ++i) bytes.push_back(test::random_bytes(sizes[i], 40 + i));
+    for (size_t i = 0; i < sizes.size(); ++i)
+      src.push_back({"t" + std::to_string(i), "U8", {sizes[i]}, test::host_buffer(bytes[i])});
+    path = dir.path() + "/d.safetensors";
+    save(path, src, {});
+    Reader r(path, buffered());
+    for (const auto& t : r.header().tensors) {
+      want.push_back(bytes[std::stoul(t.name.substr(1))]);
+      mem.emplace_back(want.back().size());
+      on_device.push_back(want.size() % 3 != 0);
+    }
+  }
+  std::vector<ReadTarget> targets(mem::cuda::Stream stream) {
+    std::vector<ReadTarget> out;
+    for (size_t i = 0; i < mem.size(); ++i) {
+      std::fill(mem[i].begin(), mem[i].end(), 0);
+      out.push_back({i, {mem[i].data(), mem[i].size(), on_device[i] ? 0 : mem::kHost, on_device[i] ? stream : 0}});
+    }
+    return out;
+  }
+  void expect_read(const std::string& how) {
+    for (size_t i = 0; i < mem.size(); ++i)
+      EXPECT_EQ(std::memcmp(mem[i].data(), want[i].data(), want[i].size()), 0) << "tensor " << i << " " << how;
+  }
+  uint64_t device_bytes() const {
+    uint64_t n = 0;
+    for (size_t i = 0; i < want.size(); ++i) n += on_device[i] ? want[i].size() : 0;
+    return n;
+  }
+};
+
+// A cuFile stand-in: reads with pread on its own (buffered) descriptor of the
+// registered file into the "device memory" of the simulated GPU.
+class FakeCufile final : public mem::cufile::Driver {
+ public:
+  explicit FakeCufile(test::SimDriver& sim) : sim_(sim) {}
+  mem::cufile::Handle handle_register(int fd) override {
+    int own = ::open(("/proc/self/fd/" + std::to_string(fd)).c_str(), O_RDONLY);
+    EBB_CHECK(own >= 0, "fake cuFile: cannot reopen fd ", fd);
+    std::lock_guard lock(mu_);
+    ++registered_;
+    return static_cast<mem::cufile::Handle>(own) + 1;
+  }
+  void handle_deregister(mem::cufile::Handle h) override {
+    ::close(static_cast<int>(h - 1));
+    std::lock_guard lock(mu_);
+    ++deregistered_;
+  }
+  void buf_register(const void*, size_t) override {}
+  void buf_deregister(const void*) override {}
+  size_t read(mem::cufile::Handle h, void* dev, size_t n, int64_t offset, int64_t dev_offset) override {
+    {
+      std::lock_guard lock(mu_);
+      ++attempts_;
+      if (fail_after_reads >= 0 && reads_ >= fail_after_reads) throw IoError(EIO, "fake cuFile", offset, "refused");
+      ++reads_;
+      bytes_ += n;
+      earliest_ = std::min(earliest_, sim_.host_time());
+    }
+    ssize_t got = ::pread(static_cast<int>(h - 1), static_cast<char*>(dev) + dev_offset, n, offset);
+    EBB_CHECK(got == static_cast<ssize_t>(n), "fake cuFile: short read");
+    return n;
+  }
+  size_t write(mem::cufile::Handle, const void*, size_t, int64_t, int64_t) override {
+    throw IoError(EIO, "fake cuFile", 0, "no writes here");
+  }
+  int fail_after_reads = -1;  // throw from this read on
+  uint64_t bytes() {
+    std::lock_guard lock(mu_);
+    return bytes_;
+  }
+  int registered() {
+    std::lock_guard lock(mu_);
+    return registered_ - deregistered_;
+  }
+  int attempts() {
+    std::lock_guard lock(mu_);
+    return attempts_;
+  }
+  double earliest_read() {  // the simulated host clock at the first read
+    std::lock_guard lock(mu_);
+    return earliest_;
+  }
+
+ private:
+  test::SimDriver& sim_;
+  std::mutex mu_;
+  int reads_ = 0, attempts_ = 0, registered_ = 0, deregistered_ = 0;
+  uint64_t bytes_ = 0;
+  double earliest_ = 1e300;
+};
+
+size_t htod_copies(test::SimDriver& sim) {
+  size_t n = 0;
+  for (const auto& c : sim.copies()) n += c.d2h ? 0 : 1;
+  return n;
+}
+
+TEST(Safetensors, DeviceTargetsThroughPinnedStaging) {
+  DeviceReadCase c;
+  test::SimDriver sim(1e9, 1e9);
+  for (bool direct : {true, false}) {
+    IoOptions o;
+    o.direct = direct;
+    o.cuda_driver = &sim;
+    o.try_cufile = false;
+    Reader r(c.path, o);
+    std::string how = r.read(c.targets(7));
+    c.expect_read(how);
+    EXPECT_EQ(how.find("cuFile"), std::string::npos) << how;
+  }
+  uint64_t copied = 0;
+  for (const auto& x : sim.copies()) {
+    EXPECT_FALSE(x.d2h);
+    EXPECT_EQ(x.stream, 7u) << "copies go on the target's stream";
+    copied += x.n;
+  }
+  EXPECT_EQ(copied, 2 * c.device_bytes());
+  EXPECT_EQ(sim.registers(), 0) << "staging is not page-locked with a driver given by the caller";
+}
+
+TEST(Safetensors, DeviceTargetsThroughCufile) {
+  DeviceReadCase c;
+  test::SimDriver sim(1e9, 1e9);
+  FakeCufile cf(sim);
+  IoOptions o;
+  o.cuda_driver = &sim;
+  o.cufile_driver = &cf;
+  Reader r(c.path, o);
+  ASSERT_TRUE(r.direct()) << "the test directory takes O_DIRECT";
+  const double busy_until = sim.launch(7, 5.0) + 5.0;  // a kernel still using the stream's memory
+  std::string how = r.read(c.targets(7));
+  c.expect_read(how);
+  EXPECT_NE(how.find("cuFile"), std::string::npos) << how;
+  EXPECT_EQ(cf.bytes(), c.device_bytes()) << "every device byte came by cuFile";
+  EXPECT_EQ(htod_copies(sim), 0u) << "no staging copies for device targets";
+  EXPECT_GE(cf.earliest_read(), busy_until) << "cuFile is not stream-ordered: the stream is synchronized first";
+  EXPECT_EQ(cf.registered(), 0) << "the file handle is deregistered";
+
+  // A buffered reader cannot use cuFile: device targets are staged.
+  IoOptions b = o;
+  b.direct = false;
+  Reader rb(c.path, b);
+  how = rb.read(c.targets(7));
+  c.expect_read(how);
+  EXPECT_EQ(cf.bytes(), c.device_bytes());
+  EXPECT_GT(htod_copies(sim), 0u);
+}
+
+TEST(Safetensors, CufileFailureFallsBackToStaging) {
+  DeviceReadCase c;
+  test::SimDriver sim(1e9, 1e9);
+  FakeCufile cf(sim);
+  cf.fail_after_reads = 1;  // the first piece lands, the second fails
+  IoOptions o;
+  o.cuda_driver = &sim;
+  o.cufile_driver = &cf;
+  Reader r(c.path, o);
+  int attempts = 0;
+  for (int call = 0; call < 2; ++call) {
+    std::string how = r.read(c.targets(3));
+    c.expect_read(how + " call " + std::to_string(call));
+    EXPECT_EQ(how.find("cuFile"), std::string::npos) << how;
+    if (call == 0) attempts = cf.attempts();
+  }
+  EXPECT_GE(attempts, 2);
+  EXPECT_EQ(cf.attempts(), attempts) << "cuFile is not tried again by this reader";
+  EXPECT_EQ(cf.registered(), 0);
+  EXPECT_GT(htod_copies(sim), 0u);
 }
 
 }  // namespace

@@ -16,8 +16,10 @@
 #include "ebbtide/ckpt/format.hpp"
 #include "ebbtide/ckpt/writer.hpp"
 #include "ebbtide/mem/cuda_shim.hpp"
+#include "ebbtide/mem/cufile_shim.hpp"
 #include "ebbtide/mem/pinned_pool.hpp"
 #include "ebbtide/util/error.hpp"
+#include "ebbtide/util/log.hpp"
 #include "json.hpp"
 #include "shard_io.hpp"
 #include "workers.hpp"
@@ -283,11 +285,84 @@ struct CallerContext {
   }
 };
 
-mem::cuda::Driver* need_driver(const std::string& tensor) {
+mem::cuda::Driver* need_driver(const std::string& tensor, const IoOptions& opt) {
+  if (opt.cuda_driver != nullptr) return opt.cuda_driver;
   mem::cuda::Driver* drv = mem::cuda::driver();
   EBB_CHECK(drv != nullptr, "tensor ", quoted(tensor), " is in CUDA device memory but no CUDA driver is usable: ",
             mem::cuda::unavailable_reason());
   return drv;
+}
+
+// Page-locks a staging pool for asynchronous copies with the process-wide
+// driver. A given driver (a test's) is not used: the pool may outlive it in
+// the idle cache (Note [Reused staging]).
+void register_staging(mem::PinnedPool& pool, const IoOptions& opt) {
+  if (opt.cuda_driver == nullptr) pool.ensure_registered();
+}
+
+// A device target's file range [a, b) and its memory.
+struct DeviceRead {
+  uint64_t a, b;
+  const ReadTarget* t;
+};
+
+// Note [Reads into device memory]
+// Device targets of an O_DIRECT file are read by cuFile (GPUDirect Storage)
+// when it is usable (mem::cufile::cufile(): libcufile loads and nvidia-fs is
+// there, or EBBTIDE_CUFILE=1): straight from the disk into device memory, no
+// pinned staging and no host copy. cuFile is not stream-ordered, so each
+// target's stream is synchronized first (its memory may still be in use by
+// kernels queued there, as memory the caching allocator just handed out
+// again can be); the reads are synchronous, 4 MiB each, on the workers, and
+// done when this returns. The tensors of a safetensors file start at any
+// byte, which cuFile takes (through its own bounce buffers when unaligned).
+// Any cuFile failure turns it off for this reader, says so once, and sends
+// the device targets through pinned staging, which reports real disk errors
+// itself. Returns whether the targets were read.
+bool read_into_device(const io::DirectFile& file, mem::cufile::Driver& cf, mem::cuda::Driver& drv,
+                      const std::vector<DeviceRead>& reads) {
+  try {
+    struct Registered {
+      mem::cufile::Driver& cf;
+      mem::cufile::Handle h;
+      ~Registered() {
+        try {
+          cf.handle_deregister(h);
+        } catch (...) {  // the error in flight, if any, is the one to report
+        }
+      }
+    } reg{cf, cf.handle_register(file.fd())};
+    std::vector<mem::cuda::Stream> synced;
+    for (const auto& r : reads) {
+      if (std::find(synced.begin(), synced.end(), r.t->dst.stream) != synced.end()) continue;
+      drv.bind_context_of(reinterpret_cast<mem::cuda::DevicePtr>(r.t->dst.ptr));
+      drv.stream_synchronize(r.t->dst.stream);
+      synced.push_back(r.t->dst.stream);
+    }
+    struct Piece {
+      const DeviceRead* r;
+      uint64_t off, len;
+    };
+    std::vector<Piece> pieces;
+    for (const auto& r : reads)
+      for (uint64_t o = r.a; o < r.b; o += kPieceBytes) pieces.push_back({&r, o, std::min(kPieceBytes, r.b - o)});
+    detail::Workers workers(detail::default_threads());
+    workers.parallel_for(pieces.size(), [&](size_t i) {
+      const Piece& p = pieces[i];
+      drv.bind_context_of(reinterpret_cast<mem::cuda::DevicePtr>(p.r->t->dst.ptr));
+      size_t n = cf.read(reg.h, p.r->t->dst.ptr, p.len, static_cast<int64_t>(p.off),
+                         static_cast<int64_t>(p.off - p.r->a));
+      if (n != p.len)
+        throw IoError(EIO, file.path(), static_cast<int64_t>(p.off),
+                      ebbtide::detail::concat("cuFile read ", n, " of ", p.len, " bytes"));
+    });
+    return true;
+  } catch (const std::exception& e) {
+    log::warn_once("safetensors-cufile", ebbtide::detail::concat("safetensors: cuFile failed reading ", file.path(),
+                                                                 " (", e.what(),
+                                                                 "); reading device tensors through pinned staging"));
+    return false;
+  }
 }
 
 }  // namespace
@@ -297,6 +372,7 @@ struct Reader::Impl {
   Header h;
   uint64_t size = 0;
   IoOptions opt;
+  bool cufile_failed = false;  // Note [Reads into device memory]
 };
 
 Reader::Reader(const std::string& path, const IoOptions& options) : impl_(std::make_unique<Impl>()) {
@@ -348,7 +424,8 @@ bool Reader::direct() const { return impl_->file->direct(); }
 // tensors, and a tensor may span several pieces. Pieces are submitted in file
 // order, `queue_depth` in flight; the last block of the file is asked for
 // whole and the read stops at the end of the file. Owned destinations are
-// faulted in ahead of their reads on another thread.
+// faulted in ahead of their reads on another thread. Device targets may be
+// read by cuFile instead (Note [Reads into device memory]).
 std::string Reader::read(const std::vector<ReadTarget>& targets) {
   auto& I = *impl_;
   const std::string& path = I.file->path();
@@ -364,8 +441,10 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
   };
   std::vector<Piece> pieces;
   std::vector<Staged> staged;
+  std::vector<DeviceRead> to_device;  // by cuFile
   std::vector<bool> seen(I.h.tensors.size(), false);
   mem::cuda::Driver* drv = nullptr;
+  mem::cufile::Driver* cf = nullptr;
   CallerContext caller;
   auto cut = [&](uint64_t off, uint64_t end, char* dst, bool owned) {
     for (uint64_t o = off; o < end; o += kPieceBytes)
@@ -383,17 +462,30 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
     if (n == 0) continue;
     EBB_CHECK(t.dst.ptr != nullptr, path, ": null destination for tensor ", quoted(ti.name));
     if (t.dst.on_device() && drv == nullptr) {
-      drv = need_driver(ti.name);
+      drv = need_driver(ti.name, I.opt);
       caller.take(drv);
+      if (direct && I.opt.try_cufile && !I.cufile_failed)
+        cf = I.opt.cufile_driver != nullptr ? I.opt.cufile_driver : mem::cufile::cufile();
     }
     auto* dst = static_cast<char*>(t.dst.ptr);
-    if (!t.dst.on_device() && !direct) {
+    if (t.dst.on_device() && cf != nullptr) {
+      to_device.push_back({a, a + n, &t});
+    } else if (!t.dst.on_device() && !direct) {
       cut(a, a + n, dst, false);
     } else if (!t.dst.on_device() && t.own_blocks && reinterpret_cast<uintptr_t>(dst) % kBlockBytes == a % kBlockBytes) {
       uint64_t head = a % kBlockBytes;
       cut(a - head, align_up(a + n, kBlockBytes), dst - head, true);
     } else {
       staged.push_back({a, a + n, &t});
+    }
+  }
+  std::string how;
+  if (!to_device.empty()) {
+    if (read_into_device(*I.file, *cf, *drv, to_device)) {
+      how = " + cuFile into device memory";
+    } else {
+      I.cufile_failed = true;
+      for (const auto& r : to_device) staged.push_back({r.a, r.b, r.t});
     }
   }
   // Staged pieces: the union of the staged tensors' (block-aligned) ranges.
@@ -409,7 +501,7 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
     cut(lo, hi, nullptr, false);
   }
   std::stable_sort(pieces.begin(), pieces.end(), [](const Piece& x, const Piece& y) { return x.off < y.off; });
-  if (pieces.empty()) return "nothing to read";
+  if (pieces.empty()) return how.empty() ? "nothing to read" : "cuFile into device memory";
 
   const unsigned depth = std::max(1u, I.opt.queue_depth);
   const unsigned threads = detail::default_threads();
@@ -420,7 +512,7 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
   if (any_staged) {
     // A buffer per read in flight and one per worker copying out of one.
     staging = mem::borrow_pinned_pool(kPieceBytes, depth + threads, host_only);
-    if (drv != nullptr) staging->ensure_registered();  // asynchronous host-to-device copies
+    if (drv != nullptr) register_staging(*staging, I.opt);  // asynchronous host-to-device copies
   }
   // Staged tensors before first_staged[i] end before piece i.
   std::vector<size_t> first_staged(pieces.size());
@@ -459,7 +551,7 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
     return detail::PipelinedRead{I.file.get(), p.off, p.len, p.dst, std::min(p.len, I.size - p.off)};
   };
   detail::pipelined_reads(pieces.size(), read, loop, any_staged ? &*staging : nullptr, threads, scatter);
-  return loop.describe() + (direct ? " O_DIRECT" : " buffered");
+  return loop.describe() + (direct ? " O_DIRECT" : " buffered") + how;
 }
 
 // Note [Safetensors save]
@@ -541,7 +633,7 @@ SaveResult save(const std::string& path, const std::vector<SaveTensor>& tensors,
   for (size_t k = 0; k < order.size(); ++k) {
     const auto& t = tensors[order[k]];
     if (sorted[k].end == sorted[k].begin) continue;
-    if (t.src.on_device() && drv == nullptr) drv = need_driver(t.name);
+    if (t.src.on_device() && drv == nullptr) drv = need_driver(t.name, opt);
     extents.push_back({prefix.size() + sorted[k].begin, sorted[k].end - sorted[k].begin,
                        static_cast<const char*>(t.src.ptr), t.src.on_device(), t.src.stream, &t.name});
   }
@@ -572,7 +664,7 @@ SaveResult save(const std::string& path, const std::vector<SaveTensor>& tensors,
   // Note [Reused staging]: periodic saves of one model borrow the same ring.
   const auto ring_owner = mem::borrow_pinned_pool(kPieceBytes, std::min<uint64_t>(npieces, depth + 2), host_only);
   mem::PinnedPool& ring = *ring_owner;
-  if (drv != nullptr) ring.ensure_registered();
+  if (drv != nullptr) register_staging(ring, opt);
   const size_t nbuf = ring.count();
   std::mutex mu;
   std::condition_variable cv;

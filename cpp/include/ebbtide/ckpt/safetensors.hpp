@@ -15,6 +15,8 @@
 
 #include "ebbtide/io/engine.hpp"
 #include "ebbtide/mem/buffer.hpp"
+#include "ebbtide/mem/cuda_shim.hpp"
+#include "ebbtide/mem/cufile_shim.hpp"
 
 namespace ebbtide::ckpt::safetensors {
 
@@ -53,7 +55,7 @@ std::string encode_header(const std::vector<TensorInfo>& tensors, const Metadata
 
 struct ReadTarget {
   size_t tensor = 0;  // index into Header::tensors
-  mem::Buffer dst;    // exactly end - begin bytes; a device buffer is copied through pinned staging
+  mem::Buffer dst;    // exactly end - begin bytes; device buffers: Note [Reads into device memory]
   // The caller owns the 4 KiB blocks around [ptr, ptr + bytes): an O_DIRECT
   // read may land in place and overwrite the rest of those blocks
   // (Note [Reading in place]).
@@ -64,6 +66,14 @@ struct IoOptions {
   bool direct = true;                                // O_DIRECT where the filesystem allows it
   io::BackendKind backend = io::BackendKind::kAuto;
   unsigned queue_depth = 8;                          // transfers in flight
+  // Device tensors: read by cuFile (GPUDirect Storage) straight into device
+  // memory when it is usable and the file is O_DIRECT, else through pinned
+  // staging (Note [Reads into device memory] in safetensors.cpp).
+  bool try_cufile = true;
+  // The drivers to use; null: the process-wide ones (mem::cuda::driver(),
+  // mem::cufile::cufile()). Tests give simulated ones.
+  mem::cuda::Driver* cuda_driver = nullptr;
+  mem::cufile::Driver* cufile_driver = nullptr;
   // Defaults with EBBTIDE_CKPT_DIRECT, EBBTIDE_CKPT_QUEUE_DEPTH and
   // EBBTIDE_IO_BACKEND applied (docs/configuration.md).
   static IoOptions from_env();
