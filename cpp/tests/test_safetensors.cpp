@@ -531,6 +531,43 @@ size_t htod_copies(test::SimDriver& sim) {
   return n;
 }
 
+TEST(Safetensors, SaveFromDeviceMemory) {
+  TempDir dir;
+  test::SimDriver sim(1e9, 1e9);
+  const std::vector<uint64_t> sizes = {(5u << 20) + 3, 5, 4097};
+  std::vector<std::vector<unsigned char>> bytes;
+  std::vector<SaveTensor> src;
+  for (size_t i = 0; i < sizes.size(); ++i) bytes.push_back(test::random_bytes(sizes[i], 90 + i));
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    mem::Buffer b = test::host_buffer(bytes[i]);
+    if (i != 1) {  // the second stays on the host
+      b.device = 0;
+      b.stream = 5;
+    }
+    src.push_back({"s" + std::to_string(i), "U8", {sizes[i]}, b});
+  }
+  IoOptions o;
+  o.cuda_driver = &sim;
+  const std::string path = dir.path() + "/s.safetensors";
+  save(path, src, {}, o);
+  uint64_t copied = 0;
+  for (const auto& x : sim.copies()) {
+    EXPECT_TRUE(x.d2h);
+    EXPECT_EQ(x.stream, 5u) << "copies go on the tensor's stream";
+    copied += x.n;
+  }
+  EXPECT_EQ(copied, sizes[0] + sizes[2]);
+  EXPECT_EQ(sim.registers(), 0) << "staging is not page-locked with a driver given by the caller";
+  Reader r(path, buffered());
+  for (size_t i = 0; i < r.header().tensors.size(); ++i) {
+    const auto& t = r.header().tensors[i];
+    std::vector<char> got(t.end - t.begin);
+    r.read({{i, {got.data(), got.size()}}});
+    const auto& want = bytes[std::stoul(t.name.substr(1))];
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size()), 0) << t.name;
+  }
+}
+
 TEST(Safetensors, DeviceTargetsThroughPinnedStaging) {
   DeviceReadCase c;
   test::SimDriver sim(1e9, 1e9);
