@@ -16,6 +16,7 @@
 #include "ebbtide/ckpt/codec.hpp"
 #include "ebbtide/mem/cuda_shim.hpp"
 #include "ebbtide/mem/pinned_pool.hpp"
+#include "ebbtide/mem/stream_copy.hpp"
 #include "ebbtide/util/crc32c.hpp"
 #include "ebbtide/util/error.hpp"
 #include "shard_io.hpp"
@@ -278,7 +279,7 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads)
     }
     const char* src = raw + (from - c.raw_offset);
     if (!t.dst.on_device()) {
-      std::memcpy(static_cast<char*>(t.dst.ptr) + (from - t.offset), src, to - from);
+      mem::stream_copy(static_cast<char*>(t.dst.ptr) + (from - t.offset), src, to - from);
       return;
     }
     auto dst = reinterpret_cast<mem::cuda::DevicePtr>(t.dst.ptr) + (from - t.offset);

@@ -18,6 +18,7 @@
 #include "ebbtide/mem/cuda_shim.hpp"
 #include "ebbtide/mem/cufile_shim.hpp"
 #include "ebbtide/mem/pinned_pool.hpp"
+#include "ebbtide/mem/stream_copy.hpp"
 #include "ebbtide/util/error.hpp"
 #include "ebbtide/util/log.hpp"
 #include "json.hpp"
@@ -531,7 +532,7 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
       const ReadTarget& t = *staged[k].t;
       char* dst = static_cast<char*>(t.dst.ptr) + (lo - staged[k].a);
       if (!t.dst.on_device()) {
-        std::memcpy(dst, buf + (lo - p.off), hi - lo);
+        mem::stream_copy(dst, buf + (lo - p.off), hi - lo);  // Note [Streaming copies]
         continue;
       }
       auto d = reinterpret_cast<mem::cuda::DevicePtr>(dst);
@@ -682,7 +683,7 @@ SaveResult save(const std::string& path, const std::vector<SaveTensor>& tensors,
       uint64_t lo = std::max(it->off, off), hi = std::min(it->off + it->len, off + len);
       if (lo >= hi) continue;
       if (!it->device) {
-        std::memcpy(out + (lo - off), it->src + (lo - it->off), hi - lo);
+        mem::stream_copy(out + (lo - off), it->src + (lo - it->off), hi - lo);  // read back only by the disk
         continue;
       }
       auto src = reinterpret_cast<mem::cuda::DevicePtr>(it->src) + (lo - it->off);

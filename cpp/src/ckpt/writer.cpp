@@ -64,7 +64,6 @@
 #include <thread>
 #include <utility>
 #if defined(__x86_64__)
-#include <immintrin.h>
 #endif
 
 #include "ebbtide/ckpt/codec.hpp"
@@ -72,6 +71,7 @@
 #include "ebbtide/mem/cuda_shim.hpp"
 #include "ebbtide/mem/host_mapping.hpp"
 #include "ebbtide/mem/pinned_pool.hpp"
+#include "ebbtide/mem/stream_copy.hpp"
 #include "ebbtide/util/config.hpp"
 #include "ebbtide/util/crc32c.hpp"
 #include "ebbtide/util/error.hpp"
@@ -159,32 +159,6 @@ SaveResult SaveHandle::wait() const {
 namespace {
 constexpr uint64_t kSegmentBytes = 64ull << 20;  // arena segment = one registered io buffer
 
-// Snapshot copy with streaming (non-temporal) stores where the destination is
-// 16-byte aligned: the arena is written once and read back only by the
-// disk, so caching it would cost a read-for-ownership per line and evict the
-// caller's working set. Same result as memcpy.
-void copy_snapshot(char* dst, const char* src, uint64_t n) {
-#if defined(__x86_64__)
-  if (reinterpret_cast<uintptr_t>(dst) % 16 == 0 && n >= (256u << 10)) {
-    uint64_t i = 0;
-    for (; i + 64 <= n; i += 64) {
-      __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-      __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-      __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
-    }
-    std::memcpy(dst + i, src + i, n - i);
-    _mm_sfence();
-    return;
-  }
-#endif
-  std::memcpy(dst, src, n);
-}
-
 // Bytes [off, off + n) of blob `b` as stored: head, then b.data, then tail
 // (Note [Framed blobs]). The range must lie within stored_nbytes().
 void copy_stored(const BlobSource& b, uint64_t off, uint64_t n, char* dst) {
@@ -195,7 +169,7 @@ void copy_stored(const BlobSource& b, uint64_t off, uint64_t n, char* dst) {
   uint64_t start = 0;
   for (const auto& [src, len] : parts) {
     const uint64_t lo = std::max(off, start), hi = std::min(off + n, start + len);
-    if (lo < hi) std::memcpy(dst + (lo - off), src + (lo - start), hi - lo);
+    if (lo < hi) mem::stream_copy(dst + (lo - off), src + (lo - start), hi - lo);  // read back only by the disk
     start += len;
   }
 }
@@ -268,7 +242,7 @@ struct CheckpointWriter::Impl {
     if (bg.joinable()) bg.join();
   }
 
-  // Host copies in pieces of <= 8 MiB over the workers, with copy_snapshot's
+  // Host copies in pieces of <= 8 MiB over the workers, with mem::stream_copy's
   // streaming stores.
   void copy_host(const std::vector<HostCopy>& copies) {
     struct Piece {
@@ -282,7 +256,7 @@ struct CheckpointWriter::Impl {
       for (uint64_t o = 0; o < c.nbytes; o += kPiece)
         pieces.push_back({static_cast<const char*>(c.src) + o, static_cast<char*>(c.dst) + o,
                           std::min(kPiece, c.nbytes - o)});
-    workers.parallel_for(pieces.size(), [&](size_t k) { copy_snapshot(pieces[k].dst, pieces[k].src, pieces[k].n); });
+    workers.parallel_for(pieces.size(), [&](size_t k) { mem::stream_copy(pieces[k].dst, pieces[k].src, pieces[k].n); });
   }
 
   bool writing() const {  // mu held
