@@ -541,7 +541,8 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
       drv->stream_synchronize(t.dst.stream);  // before the staging buffer is reused
     }
   };
-  io::TransferLoop loop(depth, any_staged ? detail::buffers_of(*staging) : std::vector<iovec>{}, I.opt.backend, "checkpoint");
+  io::TransferLoop loop(depth, any_staged ? detail::buffers_of(*staging) : std::vector<iovec>{}, I.opt.backend,
+                       "checkpoint");
   std::vector<std::pair<char*, uint64_t>> fresh;
   for (const auto& p : pieces)
     if (p.owned) fresh.emplace_back(p.dst, p.len);

@@ -104,8 +104,8 @@ void pipelined_reads(size_t n, const std::function<PipelinedRead(size_t)>& read,
           if (error) std::rethrow_exception(error);
         }
         if (r.in_place != nullptr) {
-          loop.submit(*r.file, false, r.in_place, r.len, r.offset, -1, [&, i, dst = r.in_place] { hand_off(i, -1, dst); },
-                      r.need);
+          char* dst = r.in_place;
+          loop.submit(*r.file, false, dst, r.len, r.offset, -1, [&, i, dst] { hand_off(i, -1, dst); }, r.need);
           continue;
         }
         EBB_CHECK(staging != nullptr, "pipelined_reads: a staged read without staging buffers");
