@@ -955,8 +955,9 @@ def load_safetensors(path, device=None, *, into=None, strict=True):
 
     Args:
         path: a .safetensors file, an index json, or a directory.
-        device: where the tensors go (default CPU); CUDA reads go through
-            pinned staging buffers.
+        device: where the tensors go (default CPU); CUDA reads go straight
+            to device memory by cuFile where it is usable (EBBTIDE_CUFILE),
+            else through pinned staging buffers.
         into: a module (its parameters and buffers) or a dict of tensors to
             read into in place, by name, instead of new tensors (Note
             [Loading into existing tensors] in _safetensors.py): no new

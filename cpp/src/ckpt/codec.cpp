@@ -13,7 +13,6 @@
 
 #include <cstring>
 
-#include "ebbtide/mem/stream_copy.hpp"
 #include "ebbtide/util/error.hpp"
 
 #ifdef EBBTIDE_HAVE_ZSTD
@@ -142,7 +141,7 @@ void decompress_chunk(Codec codec, uint16_t E, const void* src, size_t stored, v
                       void* scratch, const char* what) {
   if (codec == Codec::kNone) {
     EBB_CHECK(stored == raw, what, ": raw chunk of ", stored, " bytes, expected ", raw);
-    mem::stream_copy(dst, src, raw);  // into the tensor being loaded (Note [Streaming copies])
+    std::memcpy(dst, src, raw);
     return;
   }
 #ifdef EBBTIDE_HAVE_ZSTD

@@ -266,19 +266,19 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads)
     const uint64_t from = std::max(c.raw_offset, t.offset);
     const uint64_t to = std::min(c.raw_offset + c.raw_bytes, t.offset + t.dst.nbytes);
     const bool whole = from == c.raw_offset && to == c.raw_offset + c.raw_bytes;
-    if (scratch.size() < c.raw_bytes) scratch.resize(c.raw_bytes);
-    if (!t.dst.on_device() && whole) {
-      I.decode_chunk(c, stored, static_cast<char*>(t.dst.ptr) + (c.raw_offset - t.offset), scratch.data());
-      return;
-    }
     const char* raw = stored;  // a raw chunk is its own decoding (device copies go from worker memory, as ever)
     if (t.dst.on_device() || c.codec != Codec::kNone || c.stored_bytes != c.raw_bytes) {
+      if (scratch.size() < c.raw_bytes) scratch.resize(c.raw_bytes);
+      if (!t.dst.on_device() && whole) {  // decoded straight into the tensor
+        I.decode_chunk(c, stored, static_cast<char*>(t.dst.ptr) + (c.raw_offset - t.offset), scratch.data());
+        return;
+      }
       if (host.size() < c.raw_bytes) host.resize(c.raw_bytes);
       I.decode_chunk(c, stored, host.data(), scratch.data());
       raw = host.data();
     }
     const char* src = raw + (from - c.raw_offset);
-    if (!t.dst.on_device()) {
+    if (!t.dst.on_device()) {  // into the tensor being loaded, read again only after the load
       mem::stream_copy(static_cast<char*>(t.dst.ptr) + (from - t.offset), src, to - from);
       return;
     }

@@ -56,9 +56,9 @@ struct PipelinedRead {
 // Note [Read pipeline] in reader.cpp. Submits read(0..n-1) in order through
 // `loop`; a staged one takes a free buffer of `staging` (registered with the
 // loop as its fixed buffers, one per slot; may be null when no read is
-// staged), waiting while every buffer is with the kernel or the workers. Each finished read goes with its buffer to
-// process(i, buf) on `threads` workers, and a staging buffer returns to the
-// ring after. If read(i), process or the I/O throws, nothing more is
+// staged), waiting while every buffer is with the kernel or the workers.
+// Each finished read goes with its buffer to process(i, buf) on `threads`
+// workers, and a staging buffer returns to the ring after. If read(i), process or the I/O throws, nothing more is
 // submitted, what is in flight is drained, and the first error is rethrown.
 void pipelined_reads(size_t n, const std::function<PipelinedRead(size_t)>& read, io::TransferLoop& loop,
                      mem::PinnedPool* staging, unsigned threads,

@@ -63,8 +63,6 @@
 #include <mutex>
 #include <thread>
 #include <utility>
-#if defined(__x86_64__)
-#endif
 
 #include "ebbtide/ckpt/codec.hpp"
 #include "ebbtide/ckpt/transaction.hpp"
@@ -380,9 +378,7 @@ struct CheckpointWriter::Impl {
     auto* base = static_cast<char*>(arena.data());
     if (with_arena)
       for (uint64_t i = 0; i < arena_segments(); ++i) fixed.push_back({base + i * kSegmentBytes, kSegmentBytes});
-    auto* sbase = static_cast<char*>(staging->base());
-    for (size_t i = 0; i < staging->count(); ++i)
-      fixed.push_back({sbase + i * staging->buffer_bytes(), staging->buffer_bytes()});
+    for (const iovec& b : detail::buffers_of(*staging)) fixed.push_back(b);
     loop = std::make_unique<io::TransferLoop>(depth, fixed, opt.backend, "checkpoint");
     loop_depth = depth;
     loop_has_arena = with_arena;
