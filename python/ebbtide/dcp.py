@@ -364,6 +364,10 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
     # before anything is written and the last committed checkpoint stays.
     # torch's DefaultStager(use_async_staging) has neither guard: there, a
     # caller that steps before staging_completion saves a torn state silently.
+    # A failed staging always fails upload_completion; staging_completion
+    # carries the error only if the staging ends after async_save has
+    # returned (torch's async_save reports a staging future that is already
+    # done as a success), so wait for upload_completion to know the outcome.
     def _stage_checked(self, state_dict, versions, handle):
         try:
             _test_hook_gate("staging")

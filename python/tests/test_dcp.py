@@ -283,9 +283,9 @@ def test_async_staging_fails_a_save_whose_tensor_changed_while_staged(tmp_path, 
     before = _load(tmp_path / "a")
     w = EbbtideWriter(tmp_path / "a", async_staging=True)
     staging_gate.then = lambda: sd["w"].add_(1.0)  # an in-place change the optimizer hook cannot see
-    staging_gate.go.set()
     try:
         resp = dcp.async_save(sd, storage_writer=w)
+        staging_gate.go.set()  # only now: see the next test for a staging that fails before async_save returns
         with pytest.raises(FAILS, match=r"tensor 'w' was changed in place while it was being staged"):
             resp.staging_completion.result(timeout=60)
         with pytest.raises(FAILS, match="changed in place"):
@@ -294,6 +294,38 @@ def test_async_staging_fails_a_save_whose_tensor_changed_while_staged(tmp_path, 
         w.close()
     _assert_bitwise(before, _load(tmp_path / "a"))  # the last committed checkpoint is untouched
     assert [p.name for p in tmp_path.iterdir()] == ["a"]  # nothing was reserved or written
+
+
+# torch's async_save reports a staging future that is already done when it
+# checks as a success (staging_completion), even if it failed; the upload
+# still waits for it and raises. Staged here by making the upload executor
+# wait for the staging future before async_save checks it.
+def test_async_staging_failing_before_async_save_returns_still_fails_the_upload(tmp_path, staging_gate, monkeypatch):
+    import concurrent.futures
+
+    from torch.distributed.checkpoint import state_dict_saver
+    executor = state_dict_saver._ThreadBasedAsyncCheckpointExecutor
+    execute_save = executor.execute_save
+
+    def execute_after_staging(self, staged, *args, **kwargs):
+        if isinstance(staged, concurrent.futures.Future):
+            concurrent.futures.wait([staged])
+        return execute_save(self, staged, *args, **kwargs)
+    monkeypatch.setattr(executor, "execute_save", execute_after_staging)
+    sd = _mixed_state()
+    dcp.save(sd, storage_writer=EbbtideWriter(tmp_path / "a"))
+    before = _load(tmp_path / "a")
+    w = EbbtideWriter(tmp_path / "a", async_staging=True)
+    staging_gate.then = lambda: sd["w"].add_(1.0)
+    staging_gate.go.set()
+    try:
+        resp = dcp.async_save(sd, storage_writer=w)
+        with pytest.raises(FAILS, match=r"tensor 'w' was changed in place while it was being staged"):
+            resp.upload_completion.result(timeout=60)
+    finally:
+        w.close()
+    _assert_bitwise(before, _load(tmp_path / "a"))
+    assert [p.name for p in tmp_path.iterdir()] == ["a"]
 
 
 # Device state through every path: sync save, async_save (blocking staging and
