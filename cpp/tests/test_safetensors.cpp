@@ -377,11 +377,7 @@ TEST(Safetensors, RandomMutationsNeverCrash) {
   std::vector<unsigned char> a = test::random_bytes(4096 + 100, 1), b = test::random_bytes(6, 2);
   const std::string path = dir.path() + "/v.safetensors";
   save(path, {{"layer.weight", "F32", {1049}, {a.data(), 4196}}, {"bias", "I16", {3}, {b.data(), 6}}}, {{"format", "pt"}});
-  std::string good;
-  {
-    std::ifstream f(path, std::ios::binary);
-    good.assign(std::istreambuf_iterator<char>(f), {});
-  }
+  const std::string good = test::read_file(path);
   std::mt19937_64 rng(1234);
   int accepted = 0, refused = 0;
   for (int iter = 0; iter < 1500; ++iter) {

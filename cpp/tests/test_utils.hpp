@@ -7,6 +7,8 @@
 #include <cstring>
 #include <stdexcept>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <optional>
 #include <mutex>
 #include <random>
@@ -105,6 +107,12 @@ class ScopedEnv {
   std::string name_;
   std::optional<std::string> old_;
 };
+
+// A file's bytes.
+inline std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
 
 // Deterministic pseudo-random bytes.
 inline std::vector<unsigned char> random_bytes(size_t n, uint64_t seed) {

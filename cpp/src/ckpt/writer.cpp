@@ -24,6 +24,23 @@
 // being written, so the save costs about max(copy, write) instead of the sum.
 // Only host blobs without compression; others take the path above.
 //
+// Note [Save ring]
+// A pipelined save copies through a ring, not a copy of the whole state: the
+// arena is used as a ring of EBBTIDE_CKPT_RING bytes (default max(64 MiB, two
+// chunks per write in flight)). The submitting thread places chunk after
+// chunk in the ring, each at the next 4 KiB-aligned position (never across
+// the ring's end: a chunk that does not fit before it starts again at 0), so
+// small blobs stay contiguous and their writes coalesce as before. A chunk is
+// placed, and its copy posted, only when the bytes it covers are free: every
+// write of the chunks before it in the ring has completed (`written`, set by
+// the writes' completions on the submitting thread; the tail is the first
+// chunk not yet written). It places chunks ahead until the ring is full, and
+// waits for writes only when the chunk it is about to submit has no room.
+// So a synchronous save of any size holds one ring, and its first save no
+// longer faults in a state-sized arena (on the 2-core VM, fresh memory costs
+// 0.3-2.6 s per GB). Saves that snapshot first (async, device blobs,
+// compression) still need the whole state in the arena, which grows for them.
+//
 // Note [Gated commit]
 // A request with `gated` writes and syncs everything, then waits before the
 // commit (and before done()) until the caller calls approve() or reject() on
@@ -92,6 +109,7 @@ WriterOptions WriterOptions::with_env() const {
   if (auto v = config::env_int("EBBTIDE_CKPT_THREADS")) o.threads = static_cast<unsigned>(*v);
   if (auto v = config::env_int("EBBTIDE_CKPT_ZSTD_LEVEL")) o.zstd_level = static_cast<int>(*v);
   if (auto v = config::env_bool("EBBTIDE_CKPT_DIRECT")) o.direct = *v;
+  if (auto v = config::env_bytes("EBBTIDE_CKPT_RING")) o.ring_bytes = *v;
   io::EngineOptions eo;
   eo.backend = o.backend;
   o.backend = eo.with_env().backend;
@@ -158,8 +176,10 @@ namespace {
 constexpr uint64_t kSegmentBytes = 64ull << 20;  // arena segment = one registered io buffer
 
 // Bytes [off, off + n) of blob `b` as stored: head, then b.data, then tail
-// (Note [Framed blobs]). The range must lie within stored_nbytes().
-void copy_stored(const BlobSource& b, uint64_t off, uint64_t n, char* dst) {
+// (Note [Framed blobs]). The range must lie within stored_nbytes(). With
+// `crc`, their crc32c is accumulated from the source, which the copy has
+// just read into cache (its streamed destination is not in cache).
+void copy_stored(const BlobSource& b, uint64_t off, uint64_t n, char* dst, uint32_t* crc = nullptr) {
   const std::pair<const char*, uint64_t> parts[] = {
       {b.head.data(), b.head.size()},
       {static_cast<const char*>(b.data.ptr), b.data.nbytes},
@@ -167,7 +187,10 @@ void copy_stored(const BlobSource& b, uint64_t off, uint64_t n, char* dst) {
   uint64_t start = 0;
   for (const auto& [src, len] : parts) {
     const uint64_t lo = std::max(off, start), hi = std::min(off + n, start + len);
-    if (lo < hi) mem::stream_copy(dst + (lo - off), src + (lo - start), hi - lo);  // read back only by the disk
+    if (lo < hi) {
+      mem::stream_copy(dst + (lo - off), src + (lo - start), hi - lo);  // read back only by the disk
+      if (crc != nullptr) *crc = crc32c(src + (lo - start), hi - lo, *crc);
+    }
     start += len;
   }
 }
@@ -186,6 +209,7 @@ struct ChunkJob {
   uint16_t stripe = 0;
   const BlobSource* src = nullptr;  // pipelined: the blob the job copies its range of into the arena
   uint32_t pad = 0;           // pipelined: zero bytes after the blob's last chunk
+  uint64_t ring_pos = 0;      // pipelined: position in the ring's unwrapped sequence (Note [Save ring])
   // results
   uint32_t stored = 0;
   uint32_t crc = 0;
@@ -220,6 +244,14 @@ struct CheckpointWriter::Impl {
   unsigned staging_count() const { return std::max(2u, 2 * workers.size()); }
 
   uint64_t arena_segments() const { return arena.size() / kSegmentBytes; }
+
+  // Note [Save ring]: bytes a pipelined save of `req` copies through.
+  uint64_t ring_bytes(const SaveRequest& req) const {
+    const uint64_t chunk = opt.chunk_bytes;
+    if (opt.ring_bytes != 0) return align_up(std::max(opt.ring_bytes, 2 * chunk), kBlockBytes);
+    const uint64_t in_flight = uint64_t{opt.queue_depth} * (1 + req.stripe_files.size()) * chunk;
+    return std::max<uint64_t>(64ull << 20, 2 * in_flight);
+  }
 
   void ensure_arena(uint64_t bytes) {
     uint64_t segs = std::max<uint64_t>(1, (bytes + kSegmentBytes - 1) / kSegmentBytes);
@@ -293,7 +325,7 @@ struct CheckpointWriter::Impl {
       plan[i].arena_offset = off;
       off += align_up(b.stored_nbytes(), kBlockBytes);
     }
-    ensure_arena(off);
+    ensure_arena(copy ? off : std::min(off, ring_bytes(req)));  // Note [Save ring]
     if (!copy) return plan;
     auto* base = static_cast<char*>(arena.data());
     mem::cuda::Driver* drv = nullptr;
@@ -392,6 +424,7 @@ struct CheckpointWriter::Impl {
     // Adjacent raw chunks coalesced into one write (contiguous in arena and file).
     struct Run {
       uint64_t arena = 0, len = 0, file = 0;
+      size_t first_job = 0, last_job = 0;  // the run's chunks, consecutive
     };
 
     Impl& w;
@@ -412,6 +445,13 @@ struct CheckpointWriter::Impl {
     std::vector<uint64_t> cursor;     // next data offset, per file
     std::vector<Run> runs;            // one per file
     size_t next_dispatch = 0;         // next chunk to hand to a compression worker
+    // Note [Save ring] (pipelined saves)
+    bool ring = false;
+    uint64_t ring_cap = 0;
+    uint64_t ring_head = 0;        // where the next chunk may start, unwrapped
+    size_t next_ring = 0;          // next chunk to place in the ring
+    size_t ring_tail = 0;          // first chunk whose write has not completed
+    std::vector<uint8_t> written;  // per chunk: its write completed
     uint64_t stored_total = 0;
     std::string hdr;
     uint64_t hdr_off = 0, file_bytes = 0, total_file_bytes = 0;
@@ -467,6 +507,9 @@ struct CheckpointWriter::Impl {
         h.blobs.push_back(std::move(be));
       }
       h.chunks.resize(jobs.size());
+      ring = pipelined;
+      ring_cap = pipelined ? std::min<uint64_t>(w.arena.size(), w.ring_bytes(req)) : 0;
+      written.assign(pipelined ? jobs.size() : 0, 0);
     }
 
     void finish_job(ChunkJob* j) {
@@ -484,42 +527,75 @@ struct CheckpointWriter::Impl {
       w.workers.post(std::move(fn));
     }
 
-    // Raw chunks: copy (pipelined) and crc32c on the workers, all queued up
-    // front in chunk order; write_chunks consumes them in the same order.
+    // Raw chunks of a snapshot: crc32c on the workers, all queued up front in
+    // chunk order; submit_chunks consumes them in the same order. Pipelined
+    // saves post theirs as they find room in the ring (place_in_ring).
     void post_raw_checksums() {
-      for (auto& j : jobs) {
-        if (j.codec != Codec::kNone) continue;
-        ChunkJob* jp = &j;
-        post([this, jp, abase = abase] {
-          char* dst = abase + jp->arena_offset;
-          try {
-            if (jp->src != nullptr) {
-              // Copy and checksum in cache-sized pieces: the crc reads bytes still in cache.
-              constexpr uint64_t kStep = 256 << 10;
-              uint32_t crc = 0;
-              for (uint64_t o = 0; o < jp->raw; o += kStep) {
-                uint64_t n = std::min<uint64_t>(kStep, jp->raw - o);
-                copy_stored(*jp->src, jp->raw_offset + o, n, dst + o);
-                crc = crc32c(dst + o, n, crc);
-              }
-              if (jp->pad) std::memset(dst + jp->raw, 0, jp->pad);
-              jp->crc = crc;
-            } else {
-              jp->crc = crc32c(dst, jp->raw);
-            }
-          } catch (...) {
-            jp->error = std::current_exception();
+      if (ring) return;
+      for (auto& j : jobs)
+        if (j.codec == Codec::kNone) post_raw(&j);
+    }
+
+    // Copy (pipelined) and crc32c of one raw chunk on a worker.
+    void post_raw(ChunkJob* jp) {
+      post([this, jp, abase = abase] {
+        char* dst = abase + jp->arena_offset;
+        try {
+          if (jp->src != nullptr) {
+            // Copy and checksum in cache-sized pieces: the crc reads the source bytes still in cache.
+            constexpr uint64_t kStep = 256 << 10;
+            uint32_t crc = 0;
+            for (uint64_t o = 0; o < jp->raw; o += kStep)
+              copy_stored(*jp->src, jp->raw_offset + o, std::min<uint64_t>(kStep, jp->raw - o), dst + o, &crc);
+            if (jp->pad) std::memset(dst + jp->raw, 0, jp->pad);
+            jp->crc = crc;
+          } else {
+            jp->crc = crc32c(dst, jp->raw);
           }
-          finish_job(jp);
-        });
+        } catch (...) {
+          jp->error = std::current_exception();
+        }
+        finish_job(jp);
+      });
+    }
+
+    // Note [Save ring]: places chunks in the ring from next_ring on and posts
+    // their copies while there is room; waits for writes only while chunk
+    // `need` (the next to submit; every earlier one is submitted) has none.
+    void place_in_ring(size_t need) {
+      while (next_ring < jobs.size()) {
+        ChunkJob& j = jobs[next_ring];
+        const uint64_t len = align_up(j.raw, kBlockBytes);
+        uint64_t pos = ring_head;
+        if (pos % ring_cap + len > ring_cap) pos = (pos / ring_cap + 1) * ring_cap;  // starts again at 0
+        while (ring_tail < next_ring && written[ring_tail]) ++ring_tail;
+        const uint64_t tail = ring_tail < next_ring ? jobs[ring_tail].ring_pos : pos;
+        if (pos + len - tail > ring_cap) {
+          if (next_ring > need) return;  // copies are ahead of the writes
+          flush_runs();
+          w.loop->poll(true);  // a write in flight completes (or its error is thrown)
+          continue;
+        }
+        j.ring_pos = pos;
+        j.arena_offset = pos % ring_cap;
+        ring_head = pos + len;
+        post_raw(&j);
+        ++next_ring;
       }
     }
 
     void flush_run(size_t f) {
       Run& r = runs[f];
       if (r.len == 0) return;
-      for (auto& p : detail::split_by_segment(r.arena, r.len, kSegmentBytes, w.loop_has_arena))
-        w.loop->submit(*files[f], true, abase + p.offset, p.len, r.file + (p.offset - r.arena), p.buf_index);
+      const auto pieces = detail::split_by_segment(r.arena, r.len, kSegmentBytes, w.loop_has_arena);
+      std::function<void()> done;
+      if (ring) {  // the run's chunks free their ring bytes once all its pieces are written
+        done = [this, left = std::make_shared<size_t>(pieces.size()), first = r.first_job, last = r.last_job] {
+          if (--*left == 0) std::fill(written.begin() + first, written.begin() + last + 1, 1);
+        };
+      }
+      for (const auto& p : pieces)
+        w.loop->submit(*files[f], true, abase + p.offset, p.len, r.file + (p.offset - r.arena), p.buf_index, done);
       r.len = 0;
     }
 
@@ -527,14 +603,17 @@ struct CheckpointWriter::Impl {
       for (size_t f = 0; f < nfiles; ++f) flush_run(f);
     }
 
-    void submit_raw(size_t f, uint64_t aoff, uint64_t len) {
+    void submit_raw(size_t f, size_t job, uint64_t aoff, uint64_t len) {
       Run& r = runs[f];
-      if (r.len > 0 && (r.arena + r.len != aoff || cursor[f] != r.file + r.len || r.len >= w.opt.chunk_bytes))
+      if (r.len > 0 && (r.arena + r.len != aoff || cursor[f] != r.file + r.len || r.len >= w.opt.chunk_bytes ||
+                        job != r.last_job + 1))
         flush_run(f);
       if (r.len == 0) {
         r.arena = aoff;
         r.file = cursor[f];
+        r.first_job = job;
       }
+      r.last_job = job;
       r.len += len;
     }
 
@@ -608,7 +687,7 @@ struct CheckpointWriter::Impl {
         ce.codec = Codec::kNone;
         ce.stored_bytes = j.raw;
         ce.crc = j.crc;
-        submit_raw(f, j.arena_offset, align_up(j.raw, kBlockBytes));
+        submit_raw(f, i, j.arena_offset, align_up(j.raw, kBlockBytes));
       } else {
         flush_run(f);
         ce.codec = j.used;
@@ -628,7 +707,8 @@ struct CheckpointWriter::Impl {
     void submit_chunks() {
       for (size_t i = 0; i < jobs.size(); ++i) {
         ChunkJob& j = jobs[i];
-        if (j.codec != Codec::kNone) fill_compression_ring(i);
+        if (ring) place_in_ring(i);
+        else if (j.codec != Codec::kNone) fill_compression_ring(i);
         wait_until_ready(j);
         if (j.error) std::rethrow_exception(j.error);
         submit_chunk(i);

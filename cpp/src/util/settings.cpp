@@ -71,6 +71,8 @@ std::vector<Setting> make_table() {
       make("EBBTIDE_CKPT_ZSTD_LEVEL", K::kInt, ckpt, "`1`", "zstd level for lossless compression (-7..19).", -7, 19),
       make("EBBTIDE_CKPT_DIRECT", K::kBool, ckpt, "on",
        "O_DIRECT where the filesystem allows it (checkpoints and safetensors files)."),
+      make("EBBTIDE_CKPT_RING", K::kBytes, ckpt, "max(`64MiB`, two chunks per write in flight)",
+       "buffer a synchronous checkpoint save copies through, reused round the ring (at least two chunks)."),
       make("EBBTIDE_DCP_TEST_PARK", K::kChoice, ckpt, "unset",
        "test hook: `before-commit` parks a DCP save (`ebbtide.dcp`) after its `.metadata` is written, before "
        "the rename, and writes `EBBTIDE_DCP_TEST_PARK_MARKER`; crash tests kill it there.",

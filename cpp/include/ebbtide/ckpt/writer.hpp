@@ -25,6 +25,10 @@ struct WriterOptions {
   int zstd_level = 1;
   bool direct = true;                 // O_DIRECT where the filesystem allows it
   io::BackendKind backend = io::BackendKind::kAuto;  // engine backend (EBBTIDE_IO_BACKEND)
+  // Buffer of a synchronous (pipelined) save, reused round the ring (Note
+  // [Save ring] in writer.cpp; EBBTIDE_CKPT_RING): 0 = max(64 MiB, two
+  // chunks per write in flight); otherwise at least two chunks.
+  uint64_t ring_bytes = 0;
   // Copy with EBBTIDE_CKPT_* environment overrides applied; bad values throw
   // InvalidArgument naming the variable.
   WriterOptions with_env() const;
@@ -54,7 +58,8 @@ struct SaveRequest {
   std::vector<std::string> stripe_files;
   // The caller waits for the save and keeps every blob's memory unchanged
   // until wait() returns: the snapshot then overlaps the writes
-  // (Note [Pipelined save]). Host blobs without compression only; other
+  // (Note [Pipelined save]) through a bounded ring (Note [Save ring]), not a
+  // copy of the whole state. Host blobs without compression only; other
   // requests fall back to snapshot-then-write.
   bool pipelined = false;
   // The write waits before its commit until approve() or reject() is called
@@ -146,7 +151,7 @@ class CheckpointWriter {
   // beside a save in flight.
   void copy(const std::vector<HostCopy>& copies);
   const WriterOptions& options() const { return options_; }
-  uint64_t snapshot_capacity() const;  // bytes of reusable snapshot buffers held
+  uint64_t snapshot_capacity() const;  // bytes of reusable snapshot (or save ring) buffers held
 
  private:
   struct Impl;
