@@ -16,6 +16,7 @@
 #include "ebbtide/ckpt/transaction.hpp"
 #include "ebbtide/ckpt/writer.hpp"
 #include "ebbtide/util/error.hpp"
+#include "sim_driver.hpp"
 #include "test_utils.hpp"
 
 namespace ebbtide::ckpt {
@@ -582,6 +583,71 @@ TEST_P(CkptWriterTest, PipelinedSaveGoesRoundASmallRing) {
       EXPECT_EQ(got, want) << "blob " << i << (pipelined ? ", pipelined" : ", snapshot");
     }
     files.push_back(test::read_file(d.path() + (pipelined ? "/p.ebt" : "/s.ebt")));
+  }
+  EXPECT_EQ(files[0], files[1]);
+}
+
+// Device blobs (a simulated GPU): a synchronous save copies them chunk by
+// chunk into the page-locked ring on each blob's stream, waiting for the
+// stream before the chunk is checksummed; a save that snapshots first copies
+// each whole blob. Both write the same file.
+TEST_P(CkptWriterTest, DeviceBlobsThroughTheRingAndTheSnapshot) {
+  TempDir d;
+  test::SimDriver sim(1e9, 1e9);
+  auto dev_a = test::random_bytes((1 << 20) + 3, 130), host = test::random_bytes(70000, 131),
+       dev_b = test::random_bytes(5, 132);
+  auto head = test::random_bytes(300, 133), tail = test::random_bytes(90001, 134);
+  auto device = [](const std::vector<unsigned char>& v, mem::cuda::Stream s) {
+    mem::Buffer b = test::host_buffer(v);
+    b.device = 0;
+    b.stream = s;
+    return b;
+  };
+  std::vector<std::string> files;
+  for (bool pipelined : {true, false}) {
+    const size_t copies_before = sim.copies().size();
+    const double produced = sim.launch(7, 0.5) + 0.5;  // the blob's producer: its copies must come after it
+    WriterOptions o = options(64 << 10);
+    o.ring_bytes = 256 << 10;
+    o.cuda_driver = &sim;
+    CheckpointWriter w(o);
+    SaveRequest r;
+    const std::string file = d.path() + (pipelined ? "/p.ebt" : "/s.ebt");
+    r.file = file;
+    r.blobs = {{"a", device(dev_a, 7), 1, Codec::kNone},
+               {"h", test::host_buffer(host), 1, Codec::kNone},
+               {"b", device(dev_b, 9), 1, Codec::kNone}};
+    r.blobs[0].head.assign(head.begin(), head.end());
+    r.blobs[0].tail.assign(tail.begin(), tail.end());
+    r.meta = "{}";
+    r.pipelined = pipelined;
+    auto res = w.save(std::move(r)).wait();
+    EXPECT_EQ(res.backend.find("pipelined") != std::string::npos, pipelined) << res.backend;
+    EXPECT_GE(sim.registers(), 1) << "device copies go into page-locked memory";
+    const auto copies = sim.copies();
+    uint64_t on7 = 0, on9 = 0;
+    for (size_t i = copies_before; i < copies.size(); ++i) {
+      const auto& c = copies[i];
+      EXPECT_TRUE(c.d2h);
+      if (c.stream == 7) EXPECT_GE(c.start, produced) << "a copy ran before the stream's earlier work";
+      if (pipelined) EXPECT_LE(c.n, 64u << 10) << "one chunk at a time";
+      (c.stream == 7 ? on7 : on9) += c.n;
+      EXPECT_TRUE(c.stream == 7 || c.stream == 9) << c.stream;
+    }
+    EXPECT_EQ(on7, dev_a.size());
+    EXPECT_EQ(on9, dev_b.size());
+    EXPECT_GE(sim.host_time(), sim.tail(7)) << "the save waited for its copies";
+    ShardReader rd(file);
+    EXPECT_TRUE(rd.verify().empty());
+    std::vector<unsigned char> want(head);
+    want.insert(want.end(), dev_a.begin(), dev_a.end());
+    want.insert(want.end(), tail.begin(), tail.end());
+    std::vector<unsigned char> got(want.size()), got_h(host.size()), got_b(dev_b.size());
+    rd.read({{0, test::host_buffer(got)}, {1, test::host_buffer(got_h)}, {2, test::host_buffer(got_b)}});
+    EXPECT_EQ(got, want);
+    EXPECT_EQ(got_h, host);
+    EXPECT_EQ(got_b, dev_b);
+    files.push_back(test::read_file(file));
   }
   EXPECT_EQ(files[0], files[1]);
 }

@@ -22,7 +22,7 @@
 // need not finish the snapshot before writing: the workers copy chunk k into
 // the arena (and checksum it while the bytes are in cache) while chunk k-1 is
 // being written, so the save costs about max(copy, write) instead of the sum.
-// Only host blobs without compression; others take the path above.
+// Only blobs without compression (host or device); others take the path above.
 //
 // Note [Save ring]
 // A pipelined save copies through a ring, not a copy of the whole state: the
@@ -38,8 +38,13 @@
 // waits for writes only when the chunk it is about to submit has no room.
 // So a synchronous save of any size holds one ring, and its first save no
 // longer faults in a state-sized arena (on the 2-core VM, fresh memory costs
-// 0.3-2.6 s per GB). Saves that snapshot first (async, device blobs,
-// compression) still need the whole state in the arena, which grows for them.
+// 0.3-2.6 s per GB). Device blobs go the same way: a worker copies its
+// chunk's device bytes with cuMemcpyDtoHAsync on the blob's stream into the
+// ring (page-locked then: 64 MiB, not the state) and waits for that stream
+// before the crc, so a synchronous save of GPU state neither page-locks a
+// state-sized buffer nor waits for all of it to reach the host before the
+// first write. Saves that snapshot first (async, compression) still need the
+// whole state in the arena, which grows for them.
 //
 // Note [Gated commit]
 // A request with `gated` writes and syncs everything, then waits before the
@@ -177,17 +182,30 @@ constexpr uint64_t kSegmentBytes = 64ull << 20;  // arena segment = one register
 
 // Bytes [off, off + n) of blob `b` as stored: head, then b.data, then tail
 // (Note [Framed blobs]). The range must lie within stored_nbytes(). With
-// `crc`, their crc32c is accumulated from the source, which the copy has
-// just read into cache (its streamed destination is not in cache).
-void copy_stored(const BlobSource& b, uint64_t off, uint64_t n, char* dst, uint32_t* crc = nullptr) {
-  const std::pair<const char*, uint64_t> parts[] = {
-      {b.head.data(), b.head.size()},
-      {static_cast<const char*>(b.data.ptr), b.data.nbytes},
-      {b.tail.data(), b.tail.size()}};
+// `crc`, their crc32c is accumulated: of host bytes from the source, which
+// the copy has just read into cache (its streamed destination is not); of
+// device bytes (copied with `drv` on the blob's stream, which is waited for)
+// from the destination.
+void copy_stored(const BlobSource& b, uint64_t off, uint64_t n, char* dst, uint32_t* crc = nullptr,
+                 mem::cuda::Driver* drv = nullptr) {
+  struct Part {
+    const char* src;
+    uint64_t len;
+    bool device;
+  };
+  const Part parts[] = {{b.head.data(), b.head.size(), false},
+                        {static_cast<const char*>(b.data.ptr), b.data.nbytes, b.data.on_device()},
+                        {b.tail.data(), b.tail.size(), false}};
   uint64_t start = 0;
-  for (const auto& [src, len] : parts) {
+  for (const auto& [src, len, device] : parts) {
     const uint64_t lo = std::max(off, start), hi = std::min(off + n, start + len);
-    if (lo < hi) {
+    if (lo < hi && device) {
+      const auto dev = reinterpret_cast<mem::cuda::DevicePtr>(src) + (lo - start);
+      drv->bind_context_of(dev);
+      drv->memcpy_dtoh_async(dst + (lo - off), dev, hi - lo, b.data.stream);
+      drv->stream_synchronize(b.data.stream);
+      if (crc != nullptr) *crc = crc32c(dst + (lo - off), hi - lo, *crc);
+    } else if (lo < hi) {
       mem::stream_copy(dst + (lo - off), src + (lo - start), hi - lo);  // read back only by the disk
       if (crc != nullptr) *crc = crc32c(src + (lo - start), hi - lo, *crc);
     }
@@ -228,6 +246,7 @@ struct CheckpointWriter::Impl {
   unsigned loop_depth = 0;
   bool loop_has_arena = false;  // the arena's segments are registered buffers of `loop`
   bool arena_used = false;      // a save has written from this arena (Note [Fresh arena])
+  mem::cuda::Driver* ring_driver = nullptr;  // a pipelined save's device copies (Note [Save ring])
   std::mutex mu;
   std::thread bg;
   std::shared_ptr<detail::SaveState> inflight;
@@ -244,6 +263,15 @@ struct CheckpointWriter::Impl {
   unsigned staging_count() const { return std::max(2u, 2 * workers.size()); }
 
   uint64_t arena_segments() const { return arena.size() / kSegmentBytes; }
+
+  // The driver for device blob `b`: the options' or the process's.
+  mem::cuda::Driver* need_driver(const BlobSource& b) const {
+    if (opt.cuda_driver != nullptr) return opt.cuda_driver;
+    mem::cuda::Driver* drv = mem::cuda::driver();
+    EBB_CHECK(drv != nullptr, "blob '", b.name, "' is in CUDA device memory but no CUDA driver is usable: ",
+              mem::cuda::unavailable_reason());
+    return drv;
+  }
 
   // Note [Save ring]: bytes a pipelined save of `req` copies through.
   uint64_t ring_bytes(const SaveRequest& req) const {
@@ -308,7 +336,7 @@ struct CheckpointWriter::Impl {
   static bool can_pipeline(const SaveRequest& req) {
     if (!req.pipelined) return false;
     for (const auto& b : req.blobs)
-      if (b.data.on_device() || b.codec != Codec::kNone) return false;
+      if (b.codec != Codec::kNone) return false;
     return true;
   }
 
@@ -326,7 +354,15 @@ struct CheckpointWriter::Impl {
       off += align_up(b.stored_nbytes(), kBlockBytes);
     }
     ensure_arena(copy ? off : std::min(off, ring_bytes(req)));  // Note [Save ring]
-    if (!copy) return plan;
+    ring_driver = nullptr;
+    if (!copy) {  // the workers copy device bytes into the ring: page-locked for async copies
+      for (const auto& b : req.blobs)
+        if (b.data.on_device() && b.data.nbytes > 0 && ring_driver == nullptr) {
+          ring_driver = need_driver(b);
+          arena.pin(ring_driver);
+        }
+      return plan;
+    }
     auto* base = static_cast<char*>(arena.data());
     mem::cuda::Driver* drv = nullptr;
     // Device copies are queued first so they run while the host copies do.
@@ -359,9 +395,7 @@ struct CheckpointWriter::Impl {
       const auto& b = req.blobs[i];
       if (!b.data.on_device() || b.data.nbytes == 0) continue;
       if (drv == nullptr) {
-        drv = mem::cuda::driver();
-        EBB_CHECK(drv != nullptr, "blob '", b.name, "' is in CUDA device memory but no CUDA driver is usable: ",
-                  mem::cuda::unavailable_reason());
+        drv = need_driver(b);
         copies.caller = drv->current_context();
         copies.drv = drv;
       }
@@ -538,15 +572,16 @@ struct CheckpointWriter::Impl {
 
     // Copy (pipelined) and crc32c of one raw chunk on a worker.
     void post_raw(ChunkJob* jp) {
-      post([this, jp, abase = abase] {
+      post([this, jp, abase = abase, drv = w.ring_driver] {
         char* dst = abase + jp->arena_offset;
         try {
           if (jp->src != nullptr) {
             // Copy and checksum in cache-sized pieces: the crc reads the source bytes still in cache.
-            constexpr uint64_t kStep = 256 << 10;
+            // Device bytes: one copy (and one wait for the stream) per chunk.
+            const uint64_t step = jp->src->data.on_device() ? jp->raw : uint64_t{256} << 10;
             uint32_t crc = 0;
-            for (uint64_t o = 0; o < jp->raw; o += kStep)
-              copy_stored(*jp->src, jp->raw_offset + o, std::min<uint64_t>(kStep, jp->raw - o), dst + o, &crc);
+            for (uint64_t o = 0; o < jp->raw; o += step)
+              copy_stored(*jp->src, jp->raw_offset + o, std::min<uint64_t>(step, jp->raw - o), dst + o, &crc, drv);
             if (jp->pad) std::memset(dst + jp->raw, 0, jp->pad);
             jp->crc = crc;
           } else {

@@ -15,6 +15,7 @@
 #include "ebbtide/ckpt/format.hpp"
 #include "ebbtide/io/engine.hpp"
 #include "ebbtide/mem/buffer.hpp"
+#include "ebbtide/mem/cuda_shim.hpp"
 
 namespace ebbtide::ckpt {
 
@@ -29,6 +30,9 @@ struct WriterOptions {
   // [Save ring] in writer.cpp; EBBTIDE_CKPT_RING): 0 = max(64 MiB, two
   // chunks per write in flight); otherwise at least two chunks.
   uint64_t ring_bytes = 0;
+  // Device blobs' copies: null = the process-wide driver (mem::cuda::driver());
+  // tests give a simulated one, which must outlive the writer.
+  mem::cuda::Driver* cuda_driver = nullptr;
   // Copy with EBBTIDE_CKPT_* environment overrides applied; bad values throw
   // InvalidArgument naming the variable.
   WriterOptions with_env() const;
@@ -59,8 +63,8 @@ struct SaveRequest {
   // The caller waits for the save and keeps every blob's memory unchanged
   // until wait() returns: the snapshot then overlaps the writes
   // (Note [Pipelined save]) through a bounded ring (Note [Save ring]), not a
-  // copy of the whole state. Host blobs without compression only; other
-  // requests fall back to snapshot-then-write.
+  // copy of the whole state. Blobs without compression only (host or
+  // device); other requests fall back to snapshot-then-write.
   bool pipelined = false;
   // The write waits before its commit until approve() or reject() is called
   // on the handle (Note [Gated commit] in writer.cpp).
