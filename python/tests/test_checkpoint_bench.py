@@ -26,3 +26,14 @@ def test_ckpt_bench_safetensors_small(tmp_path, run_bench):
         assert r[k] > 0, k
     assert "ebbtide load_safetensors" in p.stdout
     assert os.listdir(tmp_path / "d") == []
+
+
+@pytest.mark.parametrize("mode", ["native", "dcp"])
+def test_ckpt_first_save_small(tmp_path, run_bench, mode):
+    # 0.1 GB: more than one 64 MiB arena segment, so a writer that kept a
+    # state-sized snapshot would hold 128 MiB; synchronous saves hold the ring.
+    p, r = run_bench("ckpt_first_save.py", "--mode", mode, "--size", "0.1", "--saves", "2",
+                     "--dir", str(tmp_path / "d"))
+    assert r["state_bytes"] > 64 << 20
+    assert r["first_s"] > 0 and len(r["later_s"]) == 1 and len(r["cpu_s"]) == 2
+    assert r["writer_buffers_mb"] == 64, r
