@@ -214,21 +214,42 @@ def safetensors_bench(args, work, res):
 
     def ebb_load_into():
         ckpt.load_safetensors(ebb, into=dst)
+
+    def ebb_load_device():  # --device cuda: pinned staging (or cuFile) into device memory
+        d = ckpt.load_safetensors(ebb, device=args.device)
+        torch.cuda.synchronize()
+        return d
+
+    def ref_load_device():
+        drop_file_cache(ref)
+        d = sft.load_file(ref, device=args.device)
+        torch.cuda.synchronize()
+        return d
+    on_device = args.device != "cpu"
+    if on_device and not torch.cuda.is_available():
+        raise SystemExit(f"ckpt_bench.py --device {args.device}: torch sees no CUDA device")
     res["ebbtide_save_first_s"], info = timed(lambda: ckpt.save_safetensors(tensors, ebb))
     res["ebbtide_backend"] = info["backend"]
     res["ebbtide_load_first_s"], first = timed(ebb_load)
     assert all(torch.equal(first[k].view(torch.uint8), tensors[k].view(torch.uint8)) for k in tensors)
     del first
+    if on_device:
+        first = ebb_load_device()
+        assert all(torch.equal(first[k].cpu().view(torch.uint8), tensors[k].view(torch.uint8)) for k in tensors)
+        del first
     res["safetensors_save_first_s"] = timed(ref_save)[0]
     res["safetensors_load_first_s"] = timed(ref_load)[0]
     rounds = {k: [] for k in ("ebbtide_save_s", "ebbtide_load_s", "ebbtide_load_into_s", "safetensors_save_s",
-                              "safetensors_load_s")}
+                              "safetensors_load_s") + (("ebbtide_load_device_s", "safetensors_load_device_s")
+                                                       if on_device else ())}
     fws, frs = [], []
     for rnd in range(max(1, args.repeat)):
         steps = [("ebbtide_save_s", lambda: ckpt.save_safetensors(tensors, ebb)), ("safetensors_save_s", ref_save)]
         if not args.no_fio:
             steps.append(("fio_write", None))
         loads = [("ebbtide_load_s", ebb_load), ("ebbtide_load_into_s", ebb_load_into), ("safetensors_load_s", ref_load)]
+        if on_device:
+            loads += [("ebbtide_load_device_s", ebb_load_device), ("safetensors_load_device_s", ref_load_device)]
         if not args.no_fio:
             loads.append(("fio_read", None))
         for seq in (steps, loads):  # who goes first rotates per round
@@ -283,6 +304,11 @@ def safetensors_bench(args, work, res):
     row("safetensors load_file (first call, cache dropped)", res["safetensors_load_first_s"])
     row("safetensors load_file (cache dropped)", med["safetensors_load_s"],
         f"ebbtide {med['safetensors_load_s'] / med['ebbtide_load_s']:.2f}x faster")
+    if on_device:
+        row(f"ebbtide load_safetensors(device={args.device!r})", med["ebbtide_load_device_s"],
+            f"{(gb / med['ebbtide_load_device_s']) / fr['GBps']:.0%} of fio read" if fr and "GBps" in fr else "")
+        row(f"safetensors load_file(device={args.device!r}, cache dropped)", med["safetensors_load_device_s"],
+            f"ebbtide {med['safetensors_load_device_s'] / med['ebbtide_load_device_s']:.2f}x faster")
     print(f"\nsafetensors file: {len(tensors)} tensors, {gb:.3f} GB of weights; dir {work}; "
           f"backend {res['ebbtide_backend']}")
     print(f"medians of {max(1, args.repeat)} round(s) after the first calls; load average "
@@ -369,6 +395,8 @@ def main(argv=None):
     ap.add_argument("--size", type=float, default=1.0, help="state size in GB (params + 2 AdamW moments, fp32)")
     ap.add_argument("--json", default=None, help="write results as JSON to this file")
     ap.add_argument("--no-fio", action="store_true")
+    ap.add_argument("--device", default="cpu",
+                    help="with --safetensors: also load into this device (cuda) with ebbtide and with safetensors")
     ap.add_argument("--no-torch", action="store_true", help="skip torch.save / torch.load / DCP")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds of (fio write, ebbtide save, fio read / load / load into in turns, async save, "
@@ -380,6 +408,8 @@ def main(argv=None):
     ap.add_argument("--stripe-dirs", nargs="*", default=None,
                     help="also time a save/load striped over --dir plus these directories")
     args = ap.parse_args(argv)
+    if args.device != "cpu" and not args.safetensors:
+        ap.error("--device is for --safetensors runs")
 
     base = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-", dir=".")
     os.makedirs(base, exist_ok=True)

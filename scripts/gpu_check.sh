@@ -28,6 +28,10 @@
 #   pytest   the whole pytest suite (CPU tests included)
 #   demo     ebbtide demo on CUDA, every method
 #   io       ebbtide bench io (device <-> file)
+#   ckpt     bench/ckpt_bench.py, safetensors (with loads into the GPU) and
+#            DCP/native checkpoints, 2 GB each: issue 16's numbers on a
+#            machine whose fresh memory is cheap (fio, where installed, is the
+#            reference; `io` gives the engine's own rates otherwise)
 #   dist     bench/dist_offload.py under torchrun (nccl)
 # Logs and JSON go to out/gpu (on the device: packed into $OUT, below), and a
 # summary table is printed last. A stage that fails does not stop the next.
@@ -120,9 +124,9 @@ sys.exit(0 if f.startswith('$build/') and t.__file__.startswith('$build/') else 
 
 for stage in "${stages[@]}"; do
   case $stage in
-    build | test | offload | offload2 | shape_a | shape_a_compiled | shape_b | shape_c | pytest | demo | io | dist) ;;
+    build | test | offload | offload2 | shape_a | shape_a_compiled | shape_b | shape_c | pytest | demo | io | ckpt | dist) ;;
     *)
-      say "unknown stage '$stage' (valid: build test offload offload2 shape_a shape_a_compiled shape_b shape_c pytest demo io dist)"
+      say "unknown stage '$stage' (valid: build test offload offload2 shape_a shape_a_compiled shape_b shape_c pytest demo io ckpt dist)"
       summary+=("$(printf '%-22s rc=%-3s' "$stage" "?")")
       continue
       ;;
@@ -195,6 +199,16 @@ for stage in "${stages[@]}"; do
       mkdir -p /tmp/ebbtide-io
       step bench_io bench_io.json 300 "$py" -m ebbtide bench io --dir /tmp/ebbtide-io --size 4GiB --chunk 1MiB \
         --qd 16 --repeat 3 --json
+      ;;
+    ckpt)
+      mkdir -p /tmp/ebbtide-ckpt
+      dev=$("$py" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
+      step ckpt_safetensors ckpt_safetensors.txt 240 "$py" bench/ckpt_bench.py --safetensors --size 2.0 --repeat 3 \
+        --device "$dev" --dir /tmp/ebbtide-ckpt --json "$out/ckpt_safetensors.json"
+      tail -n 16 "$out/ckpt_safetensors.txt"
+      step ckpt_dcp ckpt_dcp.txt 300 "$py" bench/ckpt_bench.py --size 2.0 --repeat 2 --dir /tmp/ebbtide-ckpt \
+        --json "$out/ckpt_dcp.json"
+      tail -n 36 "$out/ckpt_dcp.txt"
       ;;
     dist)
       step dist_offload dist_offload.txt 300 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 \
