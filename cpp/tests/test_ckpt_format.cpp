@@ -652,6 +652,50 @@ TEST_P(CkptWriterTest, DeviceBlobsThroughTheRingAndTheSnapshot) {
   EXPECT_EQ(files[0], files[1]);
 }
 
+// Reads into device memory (a simulated GPU): each chunk is copied on the
+// destination's stream, raw chunks straight from their staging buffer,
+// compressed ones after decoding, parts of a blob too; the stream is waited
+// for before the buffer is reused, and a caller's driver page-locks nothing.
+TEST_P(CkptWriterTest, ReadsIntoDeviceMemory) {
+  TempDir d;
+  auto a = test::random_bytes((1 << 20) + 4096 * 3 + 5, 140), b = test::random_bytes(9000, 141);
+  std::vector<uint16_t> z(200000);
+  for (size_t i = 0; i < z.size(); ++i) z[i] = static_cast<uint16_t>(0x3c00 + i % 251);
+  const Codec zc = have_zstd() ? Codec::kFloatZstd : Codec::kNone;
+  const std::string file = d.path() + "/r.ebt";
+  {
+    CheckpointWriter w(options(64 << 10));
+    SaveRequest r;
+    r.file = file;
+    r.blobs = {{"a", test::host_buffer(a), 1, Codec::kNone}, {"b", test::host_buffer(b), 1, Codec::kNone},
+               {"z", test::host_buffer(z), 2, zc}};
+    r.meta = "{}";
+    w.save(std::move(r)).wait();
+  }
+  test::SimDriver sim(1e9, 1e9);
+  const double produced = sim.launch(11, 0.25) + 0.25;  // the destination's earlier work on its stream
+  std::vector<unsigned char> ga(a.size()), gb_part(5000);
+  std::vector<uint16_t> gz(z.size());
+  auto device = [](void* p, uint64_t n) { return mem::Buffer{p, n, 0, 11}; };
+  ShardReader rd(file);
+  BlobTarget part{1, device(gb_part.data(), gb_part.size()), 3000, true};
+  rd.read({{0, device(ga.data(), ga.size())}, part, {2, device(gz.data(), gz.size() * 2)}}, 2, &sim);
+  EXPECT_EQ(ga, a);
+  EXPECT_EQ(0, std::memcmp(gb_part.data(), b.data() + 3000, gb_part.size()));
+  EXPECT_EQ(gz, z);
+  uint64_t copied = 0;
+  for (const auto& c : sim.copies()) {
+    EXPECT_FALSE(c.d2h);
+    EXPECT_EQ(c.stream, 11u);
+    EXPECT_GE(c.start, produced);
+    EXPECT_LE(c.n, 64u << 10) << "one chunk at a time";
+    copied += c.n;
+  }
+  EXPECT_EQ(copied, a.size() + gb_part.size() + z.size() * 2);
+  EXPECT_GE(sim.host_time(), sim.tail(11)) << "the reads waited for their copies";
+  EXPECT_EQ(sim.registers(), 0) << "staging is not page-locked with a caller's driver";
+}
+
 // A pipelined save's ring is bounded by EBBTIDE_CKPT_RING whatever the
 // state's size; a save that snapshots first grows the arena to the state,
 // and later pipelined saves go round all of it.

@@ -73,8 +73,10 @@ struct ShardReader::Impl {
   }
   // `direct[i]`, when set, is where chunk i's stored bytes are read (in place,
   // Note [Read pipeline]); `process` then gets that pointer.
+  // `page_lock`: register the staging buffers with the process's CUDA driver
+  // (device targets are copied from them).
   void run_chunks(const std::vector<const ChunkEntry*>& chunks, const std::vector<char*>& direct, unsigned threads,
-                  const std::function<void(size_t, const char*)>& process);
+                  const std::function<void(size_t, const char*)>& process, bool page_lock = false);
 
   void decode_chunk(const ChunkEntry& c, const char* stored, char* dst, char* scratch) {
     const auto& b = h.blobs[c.blob];
@@ -187,7 +189,8 @@ size_t ShardReader::stripe_count() const { return impl_->sb.stripe_count; }
 // In-place destinations are faulted in ahead of the reads (PagePopulator,
 // Note [Populate ahead] in shard_io.cpp).
 void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks, const std::vector<char*>& direct,
-                                   unsigned threads, const std::function<void(size_t, const char*)>& process) {
+                                   unsigned threads, const std::function<void(size_t, const char*)>& process,
+                                   bool page_lock) {
   if (chunks.empty()) return;
   uint64_t need = kBlockBytes;
   for (size_t i = 0; i < chunks.size(); ++i)
@@ -196,10 +199,14 @@ void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks,
   // A staging buffer per transfer in flight plus one per worker decoding: fewer
   // would cap the staged reads' queue depth below the loop's.
   const unsigned depth = 8 * static_cast<unsigned>(files.size());
-  mem::PinnedPoolOptions host_only;  // device targets are copied from worker memory, not from staging
+  mem::PinnedPoolOptions host_only;
   host_only.cuda_register = false;
   const auto staging_owner = mem::borrow_pinned_pool(need, depth + nthreads, host_only);  // Note [Reused staging]
   mem::PinnedPool& staging = *staging_owner;
+  // Device targets are copied from the staging buffers: page-locked then,
+  // with the process's driver only (the pool outlives a caller's driver in
+  // the idle cache). Unlocked, the copies stay correct, only slower.
+  if (page_lock) staging.ensure_registered();
   io::TransferLoop loop(depth, detail::buffers_of(staging), io::BackendKind::kAuto, "checkpoint");
   std::vector<std::pair<char*, uint64_t>> in_place;
   for (size_t i = 0; i < direct.size(); ++i)
@@ -220,12 +227,12 @@ void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks,
   detail::pipelined_reads(chunks.size(), read, loop, &staging, nthreads, process);
 }
 
-void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads) {
+void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads, mem::cuda::Driver* cuda_driver) {
   auto& I = *impl_;
   std::vector<const ChunkEntry*> chunks;
   std::vector<const BlobTarget*> owner;
   std::vector<char*> direct;
-  mem::cuda::Driver* drv = nullptr;
+  mem::cuda::Driver* drv = nullptr;  // of the device targets
   for (const auto& t : targets) {
     EBB_CHECK(t.blob < I.h.blobs.size(), path(), ": blob index ", t.blob, " out of range (", I.h.blobs.size(), " blobs)");
     const auto& b = I.h.blobs[t.blob];
@@ -239,7 +246,7 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads)
     }
     if (t.dst.nbytes == 0) continue;
     if (t.dst.on_device() && drv == nullptr) {
-      drv = mem::cuda::driver();
+      drv = cuda_driver != nullptr ? cuda_driver : mem::cuda::driver();
       EBB_CHECK(drv != nullptr, "tensor '", b.name, "' is to be loaded into CUDA memory but no CUDA driver is usable: ",
                 mem::cuda::unavailable_reason());
     }
@@ -266,8 +273,8 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads)
     const uint64_t from = std::max(c.raw_offset, t.offset);
     const uint64_t to = std::min(c.raw_offset + c.raw_bytes, t.offset + t.dst.nbytes);
     const bool whole = from == c.raw_offset && to == c.raw_offset + c.raw_bytes;
-    const char* raw = stored;  // a raw chunk is its own decoding (device copies go from worker memory, as ever)
-    if (t.dst.on_device() || c.codec != Codec::kNone || c.stored_bytes != c.raw_bytes) {
+    const char* raw = stored;  // a raw chunk is its own decoding (device copies go from its staging buffer)
+    if (c.codec != Codec::kNone || c.stored_bytes != c.raw_bytes) {
       if (scratch.size() < c.raw_bytes) scratch.resize(c.raw_bytes);
       if (!t.dst.on_device() && whole) {  // decoded straight into the tensor
         I.decode_chunk(c, stored, static_cast<char*>(t.dst.ptr) + (c.raw_offset - t.offset), scratch.data());
@@ -285,8 +292,8 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads)
     auto dst = reinterpret_cast<mem::cuda::DevicePtr>(t.dst.ptr) + (from - t.offset);
     drv->bind_context_of(dst);
     drv->memcpy_htod_async(dst, src, to - from, t.dst.stream);
-    drv->stream_synchronize(t.dst.stream);
-  });
+    drv->stream_synchronize(t.dst.stream);  // before the staging buffer (or `host`) is reused
+  }, drv != nullptr && cuda_driver == nullptr);
 }
 
 std::vector<VerifyProblem> ShardReader::verify(unsigned threads) {

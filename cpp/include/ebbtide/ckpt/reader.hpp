@@ -10,6 +10,7 @@
 
 #include "ebbtide/ckpt/format.hpp"
 #include "ebbtide/mem/buffer.hpp"
+#include "ebbtide/mem/cuda_shim.hpp"
 
 namespace ebbtide::ckpt {
 
@@ -50,8 +51,11 @@ class ShardReader {
 
   // Reads the given blobs; ChecksumError / InvalidArgument name the blob and
   // the file offset of the bad chunk. A destination whose size is not the
-  // blob's is refused (InvalidArgument) before anything is read.
-  void read(const std::vector<BlobTarget>& targets, unsigned threads = 0);
+  // blob's is refused (InvalidArgument) before anything is read. Device
+  // destinations are copied with `cuda_driver` (null: the process's; tests
+  // give a simulated one): raw chunks straight from the page-locked staging
+  // buffer they were read into, on the destination's stream.
+  void read(const std::vector<BlobTarget>& targets, unsigned threads = 0, mem::cuda::Driver* cuda_driver = nullptr);
   // Reads and checks every chunk (checksum, decompression); never throws for
   // bad data, returns the problems found.
   std::vector<VerifyProblem> verify(unsigned threads = 0);
