@@ -29,7 +29,7 @@
 #   demo     ebbtide demo on CUDA, every method
 #   io       ebbtide bench io (device <-> file)
 #   ckpt     bench/ckpt_bench.py, safetensors (with loads into the GPU) and
-#            DCP/native checkpoints, 2 GB each: issue 16's numbers on a
+#            DCP/native checkpoints, 2 GB each (CKPT_SIZE=GB): issue 16's numbers on a
 #            machine whose fresh memory is cheap (fio, where installed, is the
 #            reference; `io` gives the engine's own rates otherwise)
 #   dist     bench/dist_offload.py under torchrun (nccl)
@@ -203,10 +203,10 @@ for stage in "${stages[@]}"; do
     ckpt)
       mkdir -p /tmp/ebbtide-ckpt
       dev=$("$py" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
-      step ckpt_safetensors ckpt_safetensors.txt 240 "$py" bench/ckpt_bench.py --safetensors --size 2.0 --repeat 3 \
+      step ckpt_safetensors ckpt_safetensors.txt 240 "$py" bench/ckpt_bench.py --safetensors --size "${CKPT_SIZE:-2.0}" --repeat 3 \
         --device "$dev" --dir /tmp/ebbtide-ckpt --json "$out/ckpt_safetensors.json"
-      tail -n 16 "$out/ckpt_safetensors.txt"
-      step ckpt_dcp ckpt_dcp.txt 300 "$py" bench/ckpt_bench.py --size 2.0 --repeat 2 --dir /tmp/ebbtide-ckpt \
+      tail -n 20 "$out/ckpt_safetensors.txt"
+      step ckpt_dcp ckpt_dcp.txt 300 "$py" bench/ckpt_bench.py --size "${CKPT_SIZE:-2.0}" --repeat 2 --dir /tmp/ebbtide-ckpt \
         --json "$out/ckpt_dcp.json"
       tail -n 36 "$out/ckpt_dcp.txt"
       ;;
