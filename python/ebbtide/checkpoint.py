@@ -171,7 +171,9 @@ def wait_for_snapshots():
 
 
 class Writer:
-    """Holds the reusable snapshot buffers and the background writer thread.
+    """Holds the reusable snapshot buffers (synchronous saves: a 64 MiB ring,
+    EBBTIDE_CKPT_RING; async ones: a copy of the state) and the background
+    writer thread.
     At most one save in flight: a second async save raises StateError, unless
     `block=True` (then it waits for the first). Options default from
     EBBTIDE_CKPT_* environment variables."""

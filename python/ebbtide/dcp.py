@@ -234,8 +234,9 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
     One file per rank, crash-safe: every rank writes into ``PATH.tmp-*``; the
     coordinator writes ``.metadata`` and commits the directory by rename, so
     PATH is always the previous complete checkpoint or the new one. Reuse one
-    writer across saves to keep its pinned snapshot buffers (and, for
-    async_save, its staged copy of the state).
+    writer across saves to keep its buffers (a 64 MiB ring the writes go
+    through, EBBTIDE_CKPT_RING; and, for async_save, its staged copy of the
+    state).
 
     Args:
         path: checkpoint directory (replaced as a whole by each save).
