@@ -60,6 +60,7 @@ record as hostile: each entry must be a stripe directory of this checkpoint
 id), else ValueError naming the entry.
 """
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -165,6 +166,13 @@ def _torch_frame(t, nbytes):
         else:
             tail[pos - gap[1]:pos - gap[1] + len(data)] = data
     return bytes(head), bytes(tail)
+
+
+@functools.lru_cache(maxsize=None)
+def _direct_devices():
+    """Devices whose tensors a load reads into directly (Note [Reading into
+    the targets]): CUDA only where the core can drive it."""
+    return ("cpu", "cuda") if _core.cuda_available() else ("cpu",)
 
 
 def _owned_storage(t):
@@ -927,7 +935,10 @@ class EbbtideReader(_DirectoryId, StorageReader):
                 k = blob_of(r)
                 target = self._whole_target(shard, k, r, planner)
                 if target is not None:
-                    into.append((r, target, (k, shard.items[k]["head"], target.data_ptr(), target.nbytes)))
+                    on_dev = target.device.type == "cuda"
+                    stream = torch.cuda.current_stream(target.device).cuda_stream if on_dev else 0
+                    into.append((r, target, (k, shard.items[k]["head"], target.data_ptr(), target.nbytes, on_dev,
+                                             stream)))
                     continue
                 rest.append((r, k))
                 if k not in bufs:
@@ -962,8 +973,11 @@ class EbbtideReader(_DirectoryId, StorageReader):
     # are a byte range of the blob (ShardReader::read with a part, checksums
     # verified chunk by chunk as ever), so no buffer of the blob is allocated
     # (fresh memory costs more than the read on some VMs: docs/benchmarks.md)
-    # and nothing is copied twice. Resharded requests, other dtypes or
-    # layouts, device targets and bytes items take the buffer path.
+    # and nothing is copied twice. CUDA targets too (FSDP's shards on the
+    # GPU), where the core can drive CUDA: each chunk goes from its pinned
+    # staging buffer to the device on the target's current stream, and the
+    # read waits for those copies. Resharded requests, other dtypes or
+    # layouts and bytes items take the buffer path.
     @staticmethod
     def _whole_target(shard, k, req, planner):
         it = shard.items[k]
@@ -979,7 +993,7 @@ class EbbtideReader(_DirectoryId, StorageReader):
         if stride != want[::-1]:
             return None
         target = planner.resolve_tensor(req).detach()
-        if (target.device.type != "cpu" or target.dtype != it["_dtype"] or list(target.shape) != size
+        if (target.device.type not in _direct_devices() or target.dtype != it["_dtype"] or list(target.shape) != size
                 or not target.is_contiguous() or target.is_conj() or target.is_neg()):
             return None
         return target

@@ -170,16 +170,18 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
            },
            nb::arg("targets"), nb::arg("threads") = 0)
       .def("read_parts",
-           [](ShardReader& r, const std::vector<std::tuple<uint32_t, uint64_t, uintptr_t, uint64_t>>& targets,
+           [](ShardReader& r,
+              const std::vector<std::tuple<uint32_t, uint64_t, uintptr_t, uint64_t, bool, uintptr_t>>& targets,
               unsigned threads) {
              std::vector<BlobTarget> t;
-             for (const auto& [blob, offset, ptr, nbytes] : targets)
-               t.push_back({blob, ebbtide::py::pointer_buffer(ptr, nbytes, false, 0), offset, true});
+             for (const auto& [blob, offset, ptr, nbytes, device, stream] : targets)
+               t.push_back({blob, ebbtide::py::pointer_buffer(ptr, nbytes, device, stream), offset, true});
              ebbtide::py::gil_release g;
              r.read(t, threads);
            },
            nb::arg("targets"), nb::arg("threads") = 0,
-           "Reads (blob, byte offset, host pointer, nbytes): part of each blob, bounds-checked against it.")
+           "Reads (blob, byte offset, pointer, nbytes, device, stream): part of each blob, bounds-checked against "
+           "it, into host memory or (device) CUDA memory on that stream.")
       .def("verify", [](ShardReader& r) {
         std::vector<VerifyProblem> p;
         {

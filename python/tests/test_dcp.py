@@ -701,8 +701,8 @@ def test_read_parts_refuses_a_range_outside_the_blob(tmp_path):
     buf = torch.zeros(64, dtype=torch.uint8)
     for off in (n - 63, n, 1 << 62, (1 << 64) - 1):
         with pytest.raises(ValueError, match="its destination asks for 64 at byte"):
-            r.read_parts([(k, off, buf.data_ptr(), 64)])
-    r.read_parts([(k, n - 64, buf.data_ptr(), 64)])  # the last 64 bytes: the tail of torch.save's frame
+            r.read_parts([(k, off, buf.data_ptr(), 64, False, 0)])
+    r.read_parts([(k, n - 64, buf.data_ptr(), 64, False, 0)])  # the last 64 bytes: the tail of torch.save's frame
     raw = (tmp_path / "e" / "__0_0.distcp").read_bytes()
     assert bytes(buf.numpy()) in raw
 
