@@ -696,6 +696,53 @@ TEST_P(CkptWriterTest, ReadsIntoDeviceMemory) {
   EXPECT_EQ(sim.registers(), 0) << "staging is not page-locked with a caller's driver";
 }
 
+// Device memory without a usable CUDA driver (CI): saves and reads refuse it,
+// naming the blob or tensor and why, before anything is written.
+TEST_P(CkptWriterTest, DeviceMemoryWithoutADriverIsRefusedByName) {
+  if (mem::cuda::driver() != nullptr) GTEST_SKIP() << "a CUDA driver is usable here";
+  TempDir d;
+  auto a = test::random_bytes(5000, 150);
+  mem::Buffer dev = test::host_buffer(a);
+  dev.device = 0;
+  for (bool pipelined : {true, false}) {
+    CheckpointWriter w(options(64 << 10));
+    SaveRequest r;
+    r.file = d.path() + "/x.ebt";
+    r.blobs = {{"g", dev, 1, Codec::kNone}};
+    r.meta = "{}";
+    r.pipelined = pipelined;
+    try {
+      w.save(std::move(r)).wait();
+      ADD_FAILURE() << "a save from device memory without a driver succeeded";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("blob 'g' is in CUDA device memory but no CUDA driver is usable: "),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_FALSE(std::filesystem::exists(d.path() + "/x.ebt"));
+  }
+  {
+    CheckpointWriter w(options(64 << 10));
+    SaveRequest r;
+    r.file = d.path() + "/h.ebt";
+    r.blobs = {{"g", test::host_buffer(a), 1, Codec::kNone}};
+    r.meta = "{}";
+    w.save(std::move(r)).wait();
+  }
+  ShardReader rd(d.path() + "/h.ebt");
+  std::vector<unsigned char> got(a.size());
+  mem::Buffer dst = test::host_buffer(got);
+  dst.device = 0;
+  try {
+    rd.read({{0, dst}});
+    ADD_FAILURE() << "a read into device memory without a driver succeeded";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 'g' is to be loaded into CUDA memory but no CUDA driver is usable: "),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // A pipelined save's ring is bounded by EBBTIDE_CKPT_RING whatever the
 // state's size; a save that snapshots first grows the arena to the state,
 // and later pipelined saves go round all of it.

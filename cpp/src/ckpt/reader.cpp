@@ -246,9 +246,7 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads,
     }
     if (t.dst.nbytes == 0) continue;
     if (t.dst.on_device() && drv == nullptr) {
-      drv = cuda_driver != nullptr ? cuda_driver : mem::cuda::driver();
-      EBB_CHECK(drv != nullptr, "tensor '", b.name, "' is to be loaded into CUDA memory but no CUDA driver is usable: ",
-                mem::cuda::unavailable_reason());
+      drv = detail::device_driver(cuda_driver, "tensor '", b.name, "' is to be loaded into CUDA memory");
     }
     const uint64_t lo = t.offset, hi = t.offset + t.dst.nbytes;
     for (uint32_t k = 0; k < b.chunk_count; ++k) {

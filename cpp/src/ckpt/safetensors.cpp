@@ -287,11 +287,7 @@ struct CallerContext {
 };
 
 mem::cuda::Driver* need_driver(const std::string& tensor, const IoOptions& opt) {
-  if (opt.cuda_driver != nullptr) return opt.cuda_driver;
-  mem::cuda::Driver* drv = mem::cuda::driver();
-  EBB_CHECK(drv != nullptr, "tensor ", quoted(tensor), " is in CUDA device memory but no CUDA driver is usable: ",
-            mem::cuda::unavailable_reason());
-  return drv;
+  return detail::device_driver(opt.cuda_driver, "tensor ", quoted(tensor), " is in CUDA device memory");
 }
 
 // Page-locks a staging pool for asynchronous copies with the process-wide

@@ -13,7 +13,9 @@
 
 #include "ebbtide/io/direct_file.hpp"
 #include "ebbtide/io/transfer.hpp"
+#include "ebbtide/mem/cuda_shim.hpp"
 #include "ebbtide/mem/pinned_pool.hpp"
+#include "ebbtide/util/error.hpp"
 
 namespace ebbtide::ckpt::detail {
 
@@ -41,6 +43,17 @@ class PagePopulator {
   std::thread thread_;
 };
 
+// The CUDA driver for device memory that `what` names (e.g. "tensor 'w' is
+// in CUDA device memory"): `given` (a test's simulated one), else the
+// process's; InvalidArgument naming it and the reason when none is usable.
+template <class... What>
+mem::cuda::Driver* device_driver(mem::cuda::Driver* given, const What&... what) {
+  if (given != nullptr) return given;
+  mem::cuda::Driver* drv = mem::cuda::driver();
+  EBB_CHECK(drv != nullptr, what..., " but no CUDA driver is usable: ", mem::cuda::unavailable_reason());
+  return drv;
+}
+
 // The buffers of `pool`, one iovec each (a TransferLoop's fixed buffers).
 std::vector<iovec> buffers_of(const mem::PinnedPool& pool);
 
@@ -58,8 +71,9 @@ struct PipelinedRead {
 // loop as its fixed buffers, one per slot; may be null when no read is
 // staged), waiting while every buffer is with the kernel or the workers.
 // Each finished read goes with its buffer to process(i, buf) on `threads`
-// workers, and a staging buffer returns to the ring after. If read(i), process or the I/O throws, nothing more is
-// submitted, what is in flight is drained, and the first error is rethrown.
+// workers, and a staging buffer returns to the ring after. If read(i),
+// process or the I/O throws, nothing more is submitted, what is in flight is
+// drained, and the first error is rethrown.
 void pipelined_reads(size_t n, const std::function<PipelinedRead(size_t)>& read, io::TransferLoop& loop,
                      mem::PinnedPool* staging, unsigned threads,
                      const std::function<void(size_t, const char*)>& process);

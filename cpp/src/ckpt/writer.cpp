@@ -266,11 +266,7 @@ struct CheckpointWriter::Impl {
 
   // The driver for device blob `b`: the options' or the process's.
   mem::cuda::Driver* need_driver(const BlobSource& b) const {
-    if (opt.cuda_driver != nullptr) return opt.cuda_driver;
-    mem::cuda::Driver* drv = mem::cuda::driver();
-    EBB_CHECK(drv != nullptr, "blob '", b.name, "' is in CUDA device memory but no CUDA driver is usable: ",
-              mem::cuda::unavailable_reason());
-    return drv;
+    return detail::device_driver(opt.cuda_driver, "blob '", b.name, "' is in CUDA device memory");
   }
 
   // Note [Save ring]: bytes a pipelined save of `req` copies through.
@@ -357,9 +353,10 @@ struct CheckpointWriter::Impl {
     ring_driver = nullptr;
     if (!copy) {  // the workers copy device bytes into the ring: page-locked for async copies
       for (const auto& b : req.blobs)
-        if (b.data.on_device() && b.data.nbytes > 0 && ring_driver == nullptr) {
+        if (b.data.on_device() && b.data.nbytes > 0) {
           ring_driver = need_driver(b);
           arena.pin(ring_driver);
+          break;
         }
       return plan;
     }
