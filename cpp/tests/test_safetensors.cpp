@@ -15,6 +15,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -343,6 +344,62 @@ TEST(Safetensors, SaveAndReadBack) {
   int entries = 0;
   for ([[maybe_unused]] auto& e : std::filesystem::directory_iterator(dir.path())) ++entries;
   EXPECT_EQ(entries, 1);
+}
+
+// The files this process has open, as (device, inode) pairs.
+std::set<std::pair<dev_t, ino_t>> open_files() {
+  std::set<std::pair<dev_t, ino_t>> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    struct stat st {};
+    if (::stat(e.path().c_str(), &st) == 0) out.insert({st.st_dev, st.st_ino});
+  }
+  return out;
+}
+
+std::pair<dev_t, ino_t> file_id(const std::string& path) {
+  struct stat st {};
+  EXPECT_EQ(::lstat(path.c_str(), &st), 0) << path;
+  return {st.st_dev, st.st_ino};
+}
+
+// Note [Replaced files]: a save over a file keeps the old one open across
+// the rename and closes it on the reaper's thread, so its extents are freed
+// off the save's path; nothing stays open after. A symbolic link at the path
+// is replaced, not followed, and nothing is held for it.
+TEST(Safetensors, SaveOverAFileClosesTheOldOneAfterTheRename) {
+  TempDir dir;
+  const auto a = test::random_bytes(3u << 20, 1), b = test::random_bytes(3u << 20, 2);
+  auto tensors = [](const std::vector<unsigned char>& bytes) {
+    return std::vector<SaveTensor>{{"w", "U8", {bytes.size()}, test::host_buffer(bytes)}};
+  };
+  const std::string path = dir.path() + "/m.safetensors", want = dir.path() + "/want.safetensors";
+  save(want, tensors(b), {});
+  save(path, tensors(a), {});
+  const auto old_file = file_id(path);
+  struct Unpause {
+    ~Unpause() { pause_replaced_files(false); }
+  } unpause;
+  pause_replaced_files(true);
+  save(path, tensors(b), {});
+  EXPECT_EQ(test::read_file(path), test::read_file(want));
+  EXPECT_TRUE(open_files().count(old_file)) << "the replaced file is closed on the reaper's thread, not in save()";
+  pause_replaced_files(false);
+  finish_replaced_files();
+  EXPECT_FALSE(open_files().count(old_file)) << "the replaced file is still open after finish_replaced_files()";
+
+  const std::string target = dir.path() + "/target", link = dir.path() + "/link.safetensors";
+  save(target, tensors(a), {});
+  ASSERT_EQ(::symlink(target.c_str(), link.c_str()), 0);
+  const auto before = open_files();
+  pause_replaced_files(true);
+  save(link, tensors(b), {});
+  EXPECT_EQ(open_files(), before) << "nothing is held for a symbolic link";
+  pause_replaced_files(false);
+  struct stat st {};
+  ASSERT_EQ(::lstat(link.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode));
+  EXPECT_EQ(test::read_file(link), test::read_file(want));
+  EXPECT_NE(test::read_file(target), test::read_file(want)) << "the link's target is left alone";
 }
 
 TEST(Safetensors, SaveRefusesBadTensors) {

@@ -3,6 +3,8 @@
 // [Safetensors save]) through the I/O path (io::TransferLoop).
 #include "ebbtide/ckpt/safetensors.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,6 +24,7 @@
 #include "ebbtide/util/error.hpp"
 #include "ebbtide/util/log.hpp"
 #include "json.hpp"
+#include "reaper.hpp"
 #include "shard_io.hpp"
 #include "workers.hpp"
 
@@ -248,7 +251,10 @@ std::string encode_header(const std::vector<TensorInfo>& tensors, const Metadata
   for (const auto& t : tensors) {
     if (s.size() > 1) s += ',';
     s += json_string(t.name) + ":{\"dtype\":" + json_string(t.dtype) + ",\"shape\":[";
-    for (size_t i = 0; i < t.shape.size(); ++i) s += (i ? "," : "") + std::to_string(t.shape[i]);
+    for (size_t i = 0; i < t.shape.size(); ++i) {
+      if (i) s += ',';
+      s += std::to_string(t.shape[i]);
+    }
     s += "],\"data_offsets\":[" + std::to_string(t.begin) + "," + std::to_string(t.end) + "]}";
   }
   s += '}';
@@ -362,7 +368,43 @@ bool read_into_device(const io::DirectFile& file, mem::cufile::Driver& cf, mem::
   }
 }
 
+// Note [Replaced files]
+// A save over an existing file renames the new one over it. When the old
+// file's last name goes, the kernel frees its extents, and on a
+// discard-mounted ext4 that is ~0.15 s per GB in the rename and in the
+// directory fsync after it (the journal commit issues the discards): a 1 GB
+// save over its predecessor took 0.55 s against 0.41 s for a new name. So
+// the save holds the old file open across the rename (an open file is freed
+// at its last close) and hands the descriptor to a process-wide Reaper that
+// closes it on its own thread, as the directory checkpoints hand theirs over
+// (Note [Deferred removal] in writer.cpp). Nothing is left on disk by a
+// crash: the kernel closes the descriptor at exit, and ext4's orphan list
+// frees an unlinked inode after a power cut. Each save first waits for the
+// closes queued before it, so back-to-back saves on a nearly full disk never
+// hold more than one old file. The Reaper is never destroyed: a forked child
+// (a DataLoader worker) must not join a thread it does not have.
+detail::Reaper& replaced_files() {
+  static auto* reaper = new detail::Reaper;
+  return *reaper;
+}
+
+// The open file at `path` if it is a regular file, else -1 (nothing there, a
+// link, a FIFO: nothing of size to free).
+int hold_replaced(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) return -1;
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 }  // namespace
+
+void finish_replaced_files() { replaced_files().drain(); }
+void pause_replaced_files(bool paused) { replaced_files().pause(paused); }
 
 struct Reader::Impl {
   std::unique_ptr<io::DirectFile> file;
@@ -650,6 +692,7 @@ SaveResult save(const std::string& path, const std::vector<SaveTensor>& tensors,
       if (!keep) ::unlink(tmp.c_str());
     }
   } remove_tmp{tmp};
+  finish_replaced_files();  // Note [Replaced files]: at most one old file held
   const auto file_ptr = detail::open_shard(tmp, true, opt.direct);
   // Note [Preallocated saves] in writer.cpp: no write extends the file.
   file_ptr->grow_to(align_up(total, kBlockBytes));
@@ -760,7 +803,19 @@ SaveResult save(const std::string& path, const std::vector<SaveTensor>& tensors,
   }
   EBB_SYSCALL(::ftruncate(file.fd(), static_cast<off_t>(total)), tmp, static_cast<int64_t>(total));
   file.sync();
+  struct Replaced {  // Note [Replaced files]
+    int fd;
+    bool renamed = false;
+    ~Replaced() {
+      if (fd < 0) return;
+      if (renamed)
+        replaced_files().close_later(fd);
+      else
+        ::close(fd);
+    }
+  } replaced{hold_replaced(path)};
   if (::rename(tmp.c_str(), path.c_str()) != 0) throw_io_error(errno, path, -1, "rename");
+  replaced.renamed = true;
   remove_tmp.keep = true;
   auto slash = path.rfind('/');
   fsync_directory(slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash));

@@ -124,4 +124,11 @@ struct SaveResult {
 SaveResult save(const std::string& path, const std::vector<SaveTensor>& tensors, const Metadata& metadata,
                 const IoOptions& options = IoOptions::from_env());
 
+// Waits until the files that saves renamed over are closed, so their blocks
+// are free (Note [Replaced files] in safetensors.cpp: save() closes the file
+// it replaces on a background thread, and waits for this itself first).
+void finish_replaced_files();
+// Tests: holds (true) or lets go (false) the closing of replaced files.
+void pause_replaced_files(bool paused);
+
 }  // namespace ebbtide::ckpt::safetensors
