@@ -587,6 +587,52 @@ TEST_P(CkptWriterTest, PipelinedSaveGoesRoundASmallRing) {
   EXPECT_EQ(files[0], files[1]);
 }
 
+// A write failing after the ring has gone round several times (copies of
+// later chunks waiting for room, writes in flight): the save reports the
+// error naming the file, the previous checkpoint stays, nothing else is left,
+// and the same writer saves again afterwards.
+TEST_P(CkptWriterTest, PipelinedSaveFailingMidRingLeavesThePreviousOne) {
+  TempDir d;
+  auto a = test::random_bytes(100000, 70), b = test::random_bytes((3 << 20) + 5, 71);
+  WriterOptions o = options(64 << 10);
+  o.ring_bytes = 200 << 10;
+  CheckpointWriter w(o);
+  auto save = [&](const std::vector<unsigned char>& data) {
+    SaveRequest r;
+    std::string tmp = make_temp_dir(d.path() + "/ck");
+    r.file = tmp + "/rank0.ebt";
+    r.blobs = {{"x", test::host_buffer(data), 1, Codec::kNone}};
+    r.meta = "{}";
+    r.commit_dir = tmp;
+    r.commit_path = d.path() + "/ck";
+    r.pipelined = true;
+    return w.save(std::move(r)).wait();
+  };
+  auto read_back = [&] {
+    ShardReader rd(d.path() + "/ck/rank0.ebt");
+    EXPECT_TRUE(rd.verify().empty());
+    std::vector<unsigned char> got(rd.header().blobs[0].nbytes);
+    rd.read({{0, test::host_buffer(got)}});
+    return got;
+  };
+  save(a);
+  inject_write_fault(1 << 20, ENOSPC);  // 16 chunks in: the 200 KiB ring went round 5 times
+  try {
+    save(b);
+    inject_write_fault(0, 0);
+    FAIL() << "the fault was not reported";
+  } catch (const IoError& e) {
+    inject_write_fault(0, 0);
+    EXPECT_EQ(e.err(), ENOSPC);
+    EXPECT_NE(std::string(e.what()).find("rank0.ebt"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(read_back(), a);
+  EXPECT_EQ(d.entries(), 1u) << "the failed save's temporary directory is left";
+  auto res = save(b);
+  EXPECT_NE(res.backend.find("pipelined"), std::string::npos) << res.backend;
+  EXPECT_EQ(read_back(), b);
+}
+
 // Device blobs (a simulated GPU): a synchronous save copies them chunk by
 // chunk into the page-locked ring on each blob's stream, waiting for the
 // stream before the chunk is checksummed; a save that snapshots first copies

@@ -21,6 +21,7 @@
 
 #include "ebbtide/ckpt/format.hpp"
 #include "ebbtide/ckpt/safetensors.hpp"
+#include "ebbtide/ckpt/writer.hpp"
 #include "ebbtide/util/error.hpp"
 #include "sim_driver.hpp"
 #include "test_utils.hpp"
@@ -400,6 +401,34 @@ TEST(Safetensors, SaveOverAFileClosesTheOldOneAfterTheRename) {
   EXPECT_TRUE(S_ISREG(st.st_mode));
   EXPECT_EQ(test::read_file(link), test::read_file(want));
   EXPECT_NE(test::read_file(target), test::read_file(want)) << "the link's target is left alone";
+}
+
+// A write failing part-way through a save over an existing file (disk
+// full): IoError naming the file, the old file intact and not held open, no
+// temporary left beside it.
+TEST(Safetensors, FailedSaveLeavesTheOldFile) {
+  TempDir dir;
+  const auto a = test::random_bytes(1u << 20, 3), b = test::random_bytes(9u << 20, 4);
+  const std::string path = dir.path() + "/m.safetensors";
+  save(path, {{"w", "U8", {a.size()}, test::host_buffer(a)}}, {});
+  const std::string before = test::read_file(path);
+  const auto before_open = open_files();
+  inject_write_fault(5u << 20, ENOSPC);  // past the first pieces of the ring
+  try {
+    save(path, {{"w", "U8", {b.size()}, test::host_buffer(b)}}, {});
+    inject_write_fault(0, 0);
+    ADD_FAILURE() << "the fault was not reported";
+  } catch (const IoError& e) {
+    inject_write_fault(0, 0);
+    EXPECT_EQ(e.err(), ENOSPC);
+    EXPECT_TRUE(contains(e.what(), "m.safetensors")) << e.what();
+  }
+  finish_replaced_files();
+  EXPECT_EQ(test::read_file(path), before);
+  EXPECT_EQ(open_files(), before_open);
+  int entries = 0;
+  for ([[maybe_unused]] auto& e : std::filesystem::directory_iterator(dir.path())) ++entries;
+  EXPECT_EQ(entries, 1);
 }
 
 TEST(Safetensors, SaveRefusesBadTensors) {

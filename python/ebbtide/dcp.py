@@ -448,6 +448,10 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         self.save_id = str(uuid.uuid4())
 
     def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
+        # A new id for every save, also when DCP does not reset() the writer
+        # (dcp.save without checkpoint_id): a save without collectives names
+        # its data file after it.
+        self.save_id = str(uuid.uuid4())
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank") or 0
         self.use_collectives = bool(kwargs.get("use_collectives", True))
@@ -468,6 +472,41 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan, planner):
+        sd = plan.storage_data
+        file = os.path.join(sd.tmp_dir, f"{sd.prefix}0.distcp")
+        ours = not os.path.lexists(file)  # the native save creates it (O_EXCL) or fails
+        try:
+            return self._write_data(plan, planner)
+        except BaseException:
+            self._drop_failed_save(file if ours else None)
+            raise
+
+    # Note [Failed DCP saves]
+    # A save whose write_data fails is never finished: DCP raises without
+    # calling finish, and gives the storage layer no other signal. Where this
+    # process is the only writer (no process group, or a group of one), its
+    # save directories are discarded at once; a rank saving without
+    # collectives removes the data file it was writing (its name is new to
+    # this save, so nothing else refers to it). With several ranks writing
+    # into one directory, no rank knows when the others have stopped, so the
+    # directories stay until the next save to PATH removes them
+    # (SaveTransaction.reserve). The previous checkpoint is untouched either way.
+    def _drop_failed_save(self, file):
+        if not self.use_collectives:
+            try:
+                if file is not None:
+                    os.unlink(file)
+            except FileNotFoundError:
+                pass
+            return
+        alone = not (torch.distributed.is_available() and torch.distributed.is_initialized()
+                     and torch.distributed.get_world_size() > 1)
+        txn = getattr(self, "_txn", None)
+        if alone and self.is_coordinator and txn is not None:
+            self._txn = None
+            txn.discard()
+
+    def _write_data(self, plan, planner):
         sd = plan.storage_data
         name = f"{sd.prefix}0.distcp"
         file = os.path.join(sd.tmp_dir, name)

@@ -2,6 +2,7 @@
 FSDP2 on two gloo ranks, resharded loads, FileSystemWriter/Reader cross
 loads, async_save, compression, kill -9 during a save, hostile metadata."""
 import copy
+import errno
 import os
 import pickle
 import signal
@@ -479,6 +480,38 @@ def test_compression_round_trip_and_filesystem_reader_refuses(tmp_path):
     _assert_bitwise(sd, out)
     with pytest.raises(FAILS, match="Unknown extension name='ebbtide-zstd'"):
         dcp.load(_zeros_like_state(sd), storage_reader=FileSystemReader(tmp_path / "z"))
+
+
+@pytest.mark.parametrize("collectives", [True, False])
+def test_a_failing_write_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path, collectives):
+    """A write failing part-way (disk full, after several chunks went round
+    the save ring): the save raises with the errno's text and the file's
+    name, the previous checkpoint loads, the failed save's files are gone at
+    once (Note [Failed DCP saves]: this process is the only writer), and the
+    same writer saves again."""
+    path = tmp_path / "ck"
+    w = EbbtideWriter(path, chunk_bytes=64 << 10)
+
+    def save(value):
+        dcp.save({"w": torch.full((512, 512), value)}, storage_writer=w, use_collectives=collectives)
+
+    def load():
+        out = {"w": torch.zeros(512, 512)}
+        dcp.load(out, storage_reader=EbbtideReader(path))
+        return out["w"]
+    save(1.0)
+    files = sorted(os.listdir(path))
+    _core.ckpt_inject_write_fault(256 << 10, errno.ENOSPC)
+    try:
+        with pytest.raises(FAILS) as ei:
+            save(2.0)
+    finally:
+        _core.ckpt_inject_write_fault(0, 0)
+    assert os.strerror(errno.ENOSPC) in str(ei.value) and "0.distcp" in str(ei.value), str(ei.value)
+    assert torch.equal(load(), torch.full((512, 512), 1.0))
+    assert sorted(os.listdir(tmp_path)) == ["ck"] and sorted(os.listdir(path)) == files
+    save(3.0)
+    assert torch.equal(load(), torch.full((512, 512), 3.0))
 
 
 _KILLED_SAVE = r"""
