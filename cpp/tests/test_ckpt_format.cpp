@@ -478,8 +478,14 @@ TEST_P(CkptWriterTest, StripedAndPipelinedRoundTrip) {
   } catch (const IoError& e) {
     EXPECT_NE(std::string(e.what()).find("s2/a.ebt"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("tensor 'a'"), std::string::npos) << e.what();
+    EXPECT_EQ(e.err(), ENOENT);
+    const std::string msg = e.what(), errno_text = std::strerror(ENOENT);
+    EXPECT_EQ(msg.find(errno_text), msg.rfind(errno_text)) << "the errno's text once: " << msg;
+    EXPECT_EQ(msg.find("[file "), msg.rfind("[file ")) << "the file once: " << msg;
   }
-  EXPECT_FALSE(rd.verify().empty());
+  const auto problems = rd.verify();
+  ASSERT_FALSE(problems.empty());
+  EXPECT_NE(problems[0].message.find(std::strerror(ENOENT)), std::string::npos) << problems[0].message;
 }
 
 // Superblocks of more files than one staging buffer holds (4 KiB chunks: two

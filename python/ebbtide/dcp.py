@@ -914,6 +914,7 @@ class EbbtideReader(_DirectoryId, StorageReader):
         # rank: the rank-local metadata of a save without collectives (Note
         # [DCP without collectives]); DCP asks for it when .metadata is missing.
         rank = kwargs.get("rank")
+        self._stripes = None  # a reader kept across loads (no reset) reads the stripes of the checkpoint as it is now
         self._metadata_file = os.path.join(self.path, _metadata_name(rank))
         md = load_metadata(self.path, rank=rank)
         if md.storage_meta is None:

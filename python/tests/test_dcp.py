@@ -932,6 +932,28 @@ def test_striped_overwrite_leaves_no_stale_stripes_and_spares_foreign_dirs(tmp_p
         dcp.save(sd, storage_writer=EbbtideWriter(path, stripe_dirs=ssds), use_collectives=False)
 
 
+@pytest.mark.parametrize("collectives", [True, False])
+def test_one_writer_and_one_reader_serve_many_saves_and_loads(tmp_path, collectives):
+    """A training loop's habit: one EbbtideWriter and one EbbtideReader kept
+    for the run, dcp.save/load without checkpoint_id (so DCP never calls
+    reset): every save gets a new id and new stripe directories, and every
+    load reads the checkpoint as it is now, not the stripes of an earlier one."""
+    path, ssds = tmp_path / "ck", _ssds(str(tmp_path))
+    writer = EbbtideWriter(path, stripe_dirs=ssds if collectives else None, chunk_bytes=64 << 10)
+    reader = EbbtideReader(path)
+    sd = _mixed_state()
+    for step in range(3):
+        sd["w"].add_(1.0)
+        dcp.save(sd, storage_writer=writer, use_collectives=collectives)
+        out = _zeros_like_state(_mixed_state())
+        dcp.load(out, storage_reader=reader)
+        _assert_bitwise(sd, out, f"save {step}")
+    if collectives:
+        assert all(len(os.listdir(d)) == 1 for d in ssds), [os.listdir(d) for d in ssds]
+    else:
+        assert len([n for n in os.listdir(path) if n.endswith(".distcp")]) == 1, os.listdir(path)
+
+
 @pytest.mark.parametrize("stage", ["data", "before-commit"])
 def test_kill_9_during_striped_save_keeps_previous_checkpoint(tmp_path, stage):
     path, ssds = tmp_path / "ck", _ssds(str(tmp_path))

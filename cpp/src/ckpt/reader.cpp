@@ -6,10 +6,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <cstdlib>
 #include <functional>
 #include <mutex>
-#include <cstring>
 #include <memory>
 #include <thread>
 
@@ -112,7 +112,13 @@ struct ShardReader::Impl {
                                                         " bytes on disk, its superblock says ", s.file_bytes, ")"));
       } catch (const IoError& e) {
         stripe_errno[k] = e.err();
-        stripe_error[k] = e.what();
+        // check_stripe and verify add the file and the errno's text
+        if (e.path() != p)
+          stripe_error[k] = e.what();
+        else if (e.offset() < 0)
+          stripe_error[k] = e.cause();
+        else
+          stripe_error[k] = ebbtide::detail::concat(e.cause(), " at offset ", e.offset());
       } catch (const std::exception& e) {
         stripe_error[k] = e.what();
       }
@@ -309,7 +315,9 @@ std::vector<VerifyProblem> ShardReader::verify(unsigned threads) {
   std::vector<const ChunkEntry*> readable;
   for (const auto* c : chunks) {
     if (!I.stripe_error[c->stripe].empty()) {
-      note(*c, I.stripe_error[c->stripe]);
+      const int err = I.stripe_errno[c->stripe];
+      note(*c, err == 0 ? I.stripe_error[c->stripe]
+                        : ebbtide::detail::concat(I.stripe_error[c->stripe], ": ", std::strerror(err)));
     } else if (!fits_within(c->file_offset, align_up(c->stored_bytes, kBlockBytes), I.sizes[c->stripe])) {
       note(*c, "chunk lies beyond the end of the file (truncated shard)");
     } else {

@@ -17,7 +17,7 @@ std::string io_message(int err, const std::string& path, int64_t offset, const s
 }  // namespace
 
 IoError::IoError(int err, std::string path, int64_t offset, const std::string& what)
-    : Error(io_message(err, path, offset, what)), err_(err), path_(std::move(path)), offset_(offset) {}
+    : Error(io_message(err, path, offset, what)), err_(err), path_(std::move(path)), offset_(offset), cause_(what) {}
 
 ChecksumError::ChecksumError(std::string path, int64_t offset, uint32_t expected, uint32_t actual)
     : IoError(EIO, std::move(path), offset,

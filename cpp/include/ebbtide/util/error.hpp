@@ -47,11 +47,15 @@ class IoError : public Error {
   int err() const noexcept { return err_; }
   const std::string& path() const noexcept { return path_; }
   int64_t offset() const noexcept { return offset_; }
+  // `what` as given, without the file, offset and errno text what() adds:
+  // for an error that wraps this one with the same file and errno.
+  const std::string& cause() const noexcept { return cause_; }
 
  private:
   int err_;
   std::string path_;
   int64_t offset_;
+  std::string cause_;
 };
 
 // Data read back does not match the checksum recorded when it was written.
