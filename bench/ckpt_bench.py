@@ -10,7 +10,9 @@ FileSystemWriter/Reader and with ebbtide's DCP storage plugin).
 --safetensors compares one safetensors file of model weights written and read
 by ebbtide (checkpoint.save_safetensors / load_safetensors) with the
 safetensors package (save_file + fsync / load_file, page cache dropped) and
-fio on the same file; the first call in the process is reported apart.
+fio on the same file; the first call in the process is reported apart, and
+a model start (each loader in a fresh process after a pause, --fresh-rounds)
+too.
 
 Save times are until durable (fsync'd and committed); loads read from the
 device (O_DIRECT for ebbtide, page cache dropped per file for torch.load).
@@ -186,6 +188,42 @@ def weights_like(size_gb):
     return out
 
 
+_FRESH_LOAD = r"""
+import sys, time
+sys.path[:0] = sys.argv[3:]
+import torch
+import ckpt_bench as cb
+path, who = sys.argv[1], sys.argv[2]
+cb.drop_file_cache(path)
+t = time.perf_counter()
+if who == "ebbtide":
+    from ebbtide import checkpoint
+    d = checkpoint.load_safetensors(path)
+else:
+    import safetensors.torch
+    d = safetensors.torch.load_file(path)
+cb.touch_pages(d)
+print(time.perf_counter() - t)
+"""
+
+
+def fresh_process_loads(path, rounds, pause):
+    """A model start: each load in a process of its own, after `pause`
+    seconds (on a VM whose hypervisor takes back freed memory, so that
+    neither loader gets pages another one just freed), ebbtide and
+    safetensors alternating, who goes first rotating per round. The time
+    covers the load and touching every page, not the interpreter's start."""
+    out = {"ebbtide": [], "safetensors": []}
+    here = os.path.dirname(os.path.abspath(__file__))
+    for rnd in range(rounds):
+        for who in (("ebbtide", "safetensors") if rnd % 2 == 0 else ("safetensors", "ebbtide")):
+            time.sleep(pause)
+            r = subprocess.run([sys.executable, "-c", _FRESH_LOAD, path, who, here] + [p for p in sys.path if p],
+                               capture_output=True, text=True, check=True)
+            out[who].append(float(r.stdout.strip().splitlines()[-1]))
+    return out
+
+
 def safetensors_bench(args, work, res):
     import statistics
 
@@ -276,6 +314,11 @@ def safetensors_bench(args, work, res):
         return {"GBps": os.path.getsize(ebb) / secs / 1e9, "seconds": secs}
     if not args.no_fio:
         res["fio_write"], res["fio_read"] = med_fio(fws), med_fio(frs)
+    if args.fresh_rounds > 0:
+        fresh = fresh_process_loads(ebb, args.fresh_rounds, args.fresh_pause)
+        res["fresh_process_rounds"] = fresh
+        res["ebbtide_load_fresh_s"] = statistics.median(fresh["ebbtide"])
+        res["safetensors_load_fresh_s"] = statistics.median(fresh["safetensors"])
     res["load_average"] = os.getloadavg()
     res["fault_in_s"] = fault_in_seconds(nbytes)
     fw, fr = res.get("fio_write"), res.get("fio_read")
@@ -304,6 +347,12 @@ def safetensors_bench(args, work, res):
     row("safetensors load_file (first call, cache dropped)", res["safetensors_load_first_s"])
     row("safetensors load_file (cache dropped)", med["safetensors_load_s"],
         f"ebbtide {med['safetensors_load_s'] / med['ebbtide_load_s']:.2f}x faster")
+    if args.fresh_rounds > 0:
+        n = args.fresh_rounds
+        row(f"ebbtide load_safetensors, fresh process (x{n})", res["ebbtide_load_fresh_s"],
+            f"{(gb / res['ebbtide_load_fresh_s']) / fr['GBps']:.0%} of fio read" if fr and "GBps" in fr else "")
+        row(f"safetensors load_file, fresh process (x{n})", res["safetensors_load_fresh_s"],
+            f"ebbtide {res['safetensors_load_fresh_s'] / res['ebbtide_load_fresh_s']:.2f}x faster")
     if on_device:
         row(f"ebbtide load_safetensors(device={args.device!r})", med["ebbtide_load_device_s"],
             f"{(gb / med['ebbtide_load_device_s']) / fr['GBps']:.0%} of fio read" if fr and "GBps" in fr else "")
@@ -401,6 +450,10 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds of (fio write, ebbtide save, fio read / load / load into in turns, async save, "
                          "background save beside a training step); medians are reported")
+    ap.add_argument("--fresh-rounds", type=int, default=3,
+                    help="--safetensors: rounds of model-start loads, each loader in a fresh process (0: none)")
+    ap.add_argument("--fresh-pause", type=float, default=5.0,
+                    help="--safetensors: seconds before each fresh-process load (freed memory goes back to the host)")
     ap.add_argument("--safetensors", action="store_true",
                     help="compare safetensors save/load (ebbtide, the safetensors package, fio) instead")
     ap.add_argument("--no-dcp-plugin", action="store_true",

@@ -19,11 +19,12 @@ def test_ckpt_bench_small(tmp_path, run_bench):
 
 def test_ckpt_bench_safetensors_small(tmp_path, run_bench):
     pytest.importorskip("safetensors")
-    p, r = run_bench("ckpt_bench.py", "--safetensors", "--size", "0.02", "--dir", str(tmp_path / "d"), "--no-fio")
+    p, r = run_bench("ckpt_bench.py", "--safetensors", "--size", "0.02", "--dir", str(tmp_path / "d"), "--no-fio",
+                     "--fresh-rounds", "1", "--fresh-pause", "0")
     for k in ("ebbtide_save_s", "ebbtide_load_s", "ebbtide_load_into_s", "safetensors_save_s", "safetensors_load_s",
-              "ebbtide_save_first_s",
-              "ebbtide_load_first_s"):
+              "ebbtide_save_first_s", "ebbtide_load_first_s", "ebbtide_load_fresh_s", "safetensors_load_fresh_s"):
         assert r[k] > 0, k
+    assert "fresh process (x1)" in p.stdout
     assert "ebbtide load_safetensors" in p.stdout
     assert os.listdir(tmp_path / "d") == []
 
