@@ -54,6 +54,8 @@ def _torch_dtype(dt, file, name):
 
 def _device(device):
     d = torch.device("cpu" if device is None else device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"safetensors: device {str(device)!r} asked for, but torch sees no CUDA device")
     if d.type == "cuda" and d.index is None:  # "cuda" means the current device
         d = torch.device("cuda", torch.cuda.current_device())
     if d.type not in ("cpu", "cuda"):

@@ -1,4 +1,7 @@
 // Errors, logging and small utilities shared by every area.
+#include <map>
+#include <string>
+
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
@@ -17,8 +20,46 @@ PyObject* g_io_error = nullptr;
 PyObject* g_checksum_error = nullptr;
 PyObject* g_state_error = nullptr;
 
+PyObject* g_module = nullptr;
+
+// Note [Errno subclasses]
+// Python code catches FileNotFoundError, PermissionError, IsADirectoryError
+// ... by errno; OSError(errno, ...) picks those itself, a subclass such as
+// IoError does not. So an IoError is raised as a class deriving from both
+// IoError and the errno's builtin class (FileNotFoundIoError for ENOENT:
+// `except FileNotFoundError` and `except IoError` both catch it), made once
+// per errno under the GIL and put in the module so that pickling finds it
+// (DCP's checkpoint process sends exceptions back pickled). Errnos without
+// a builtin class (EIO, ENOSPC) raise IoError itself.
+PyObject* io_error_type(int err) {
+  static std::map<int, PyObject*> types;
+  if (auto it = types.find(err); it != types.end()) return it->second;
+  PyObject* type = g_io_error;
+  if (PyObject* probe = PyObject_CallFunction(PyExc_OSError, "is", err, "")) {
+    auto* builtin = reinterpret_cast<PyObject*>(Py_TYPE(probe));
+    if (builtin != PyExc_OSError) {
+      std::string name = reinterpret_cast<PyTypeObject*>(builtin)->tp_name;  // e.g. "FileNotFoundError"
+      if (name.size() > 5 && name.compare(name.size() - 5, 5, "Error") == 0) name.resize(name.size() - 5);
+      name += "IoError";
+      PyObject* bases = PyTuple_Pack(2, g_io_error, builtin);
+      PyObject* made = bases ? PyErr_NewException(("ebbtide._core." + name).c_str(), bases, nullptr) : nullptr;
+      Py_XDECREF(bases);
+      if (made != nullptr && g_module != nullptr && PyObject_SetAttrString(g_module, name.c_str(), made) == 0)
+        type = made;
+      else
+        PyErr_Clear();
+    }
+    Py_DECREF(probe);
+  } else {
+    PyErr_Clear();
+  }
+  types.emplace(err, type);
+  return type;
+}
+
 // Raises `type` (an OSError subclass) with errno, message, filename and offset.
 void raise_os_error(PyObject* type, const ebbtide::IoError& e) {
+  if (type == g_io_error) type = io_error_type(e.err());
   PyObject* args = Py_BuildValue("(is)", e.err(), e.what());
   PyObject* exc = args ? PyObject_CallObject(type, args) : nullptr;
   Py_XDECREF(args);
@@ -92,6 +133,7 @@ void ebbtide::py::bind_util(nb::module_& m) {
   g_state_error = PyErr_NewExceptionWithDoc(
       "ebbtide._core.StateError", "An operation is not valid in the object's current state.",
       PyExc_RuntimeError, nullptr);
+  g_module = m.ptr();  // the module lives as long as the process
   m.attr("IoError") = nb::handle(g_io_error);
   m.attr("ChecksumError") = nb::handle(g_checksum_error);
   m.attr("StateError") = nb::handle(g_state_error);

@@ -168,6 +168,14 @@ def test_writer_error_propagates_and_nothing_visible(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["c"]
 
 
+def test_save_over_a_file_fails_before_writing(tmp_path):
+    (tmp_path / "c").write_text("not a checkpoint")
+    with pytest.raises(FileExistsError, match="the path exists and is not a directory") as ei:
+        ckpt.save({"x": torch.randn(1 << 20)}, tmp_path / "c")
+    assert ei.value.filename == str(tmp_path / "c")
+    assert sorted(os.listdir(tmp_path)) == ["c"] and (tmp_path / "c").read_text() == "not a checkpoint"
+
+
 def test_read_only_directory(tmp_path):
     if os.geteuid() == 0:
         pytest.skip("root ignores directory permissions")

@@ -2,6 +2,7 @@
 and a small benchmark run."""
 import errno
 import os
+import pickle
 
 import pytest
 
@@ -68,11 +69,13 @@ def test_buffers_kept_alive_until_done(engine):
 
 
 def test_errors_are_typed(engine, tmp_path):
-    with pytest.raises(OSError) as e:
+    with pytest.raises(FileNotFoundError) as e:  # the errno's builtin class too (Note [Errno subclasses])
         io.Engine([str(tmp_path / "missing")])
     assert e.value.errno == errno.ENOENT
     assert isinstance(e.value, io.IoError)
     assert "missing" in str(e.value)
+    again = pickle.loads(pickle.dumps(e.value))  # DCP's checkpoint process sends errors back pickled
+    assert type(again) is type(e.value) and again.errno == errno.ENOENT and str(again) == str(e.value)
     with pytest.raises(ValueError):
         engine.allocate(0)
     slot = engine.allocate(10)

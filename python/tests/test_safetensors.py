@@ -108,9 +108,23 @@ def test_save_refuses_what_the_format_cannot_hold(tmp_path):
         ckpt.save_safetensors({"__metadata__": torch.ones(1)}, p)
     with pytest.raises(ValueError, match="only dense"):
         ckpt.save_safetensors({"s": torch.eye(3).to_sparse()}, p)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="cannot create the safetensors file: no such directory"):
         ckpt.save_safetensors({"a": torch.ones(1)}, tmp_path / "no" / "dir.safetensors")
     assert os.listdir(tmp_path) == []
+    (tmp_path / "d").mkdir()
+    with pytest.raises(IsADirectoryError, match="the path is a directory") as ei:  # before writing anything
+        ckpt.save_safetensors({"a": torch.ones(1 << 20)}, tmp_path / "d")
+    assert ei.value.filename == str(tmp_path / "d")
+    assert os.listdir(tmp_path) == ["d"] and os.listdir(tmp_path / "d") == []
+
+
+def test_missing_files_and_devices_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="safetensors file does not exist"):
+        ckpt.load_safetensors(tmp_path / "missing.safetensors")
+    if not torch.cuda.is_available():
+        ckpt.save_safetensors({"a": torch.ones(1)}, tmp_path / "x.safetensors")
+        with pytest.raises(RuntimeError, match="device 'cuda' asked for, but torch sees no CUDA device"):
+            ckpt.load_safetensors(tmp_path / "x.safetensors", device="cuda")
 
 
 def _tiny_llama():

@@ -418,7 +418,7 @@ Reader::Reader(const std::string& path, const IoOptions& options) : impl_(std::m
   auto& I = *impl_;
   I.opt = options;
   // Buffered while the header is read (exact lengths at any offset), O_DIRECT after.
-  I.file = detail::open_shard(path, false, false);
+  I.file = detail::open_shard(path, false, false, "safetensors file");
   I.size = I.file->size();
   auto bad = [&](auto&&... what) {
     return InvalidArgument(ebbtide::detail::concat(path, ": invalid safetensors file (", what..., ")"));
@@ -692,8 +692,13 @@ SaveResult save(const std::string& path, const std::vector<SaveTensor>& tensors,
       if (!keep) ::unlink(tmp.c_str());
     }
   } remove_tmp{tmp};
+  {  // fail before writing a byte, not at the rename
+    struct stat st {};
+    if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
+      throw IoError(EISDIR, path, -1, "cannot save a safetensors file there: the path is a directory");
+  }
   finish_replaced_files();  // Note [Replaced files]: at most one old file held
-  const auto file_ptr = detail::open_shard(tmp, true, opt.direct);
+  const auto file_ptr = detail::open_shard(tmp, true, opt.direct, "safetensors file");
   // Note [Preallocated saves] in writer.cpp: no write extends the file.
   file_ptr->grow_to(align_up(total, kBlockBytes));
   const io::DirectFile& file = *file_ptr;

@@ -19,9 +19,9 @@ void inject_write_fault(uint64_t after_bytes, int err) { io::inject_file_write_f
 
 namespace detail {
 
-std::unique_ptr<io::DirectFile> open_shard(const std::string& path, bool write, bool want_direct) {
+std::unique_ptr<io::DirectFile> open_shard(const std::string& path, bool write, bool want_direct, const char* what) {
   return std::make_unique<io::DirectFile>(path, write ? io::DirectFile::Mode::kCreate : io::DirectFile::Mode::kRead,
-                                          want_direct, kBlockBytes, "checkpoint shard");
+                                          want_direct, kBlockBytes, what);
 }
 
 void enable_direct(io::DirectFile& file) { file.enable_direct(kBlockBytes); }

@@ -22,8 +22,9 @@ namespace ebbtide::ckpt::detail {
 // Opens a checkpoint file: created (O_EXCL) for writing, or a regular file
 // for reading (Note [Regular files only] in io/direct_file.cpp); O_DIRECT
 // when asked for and the device's alignment fits the format's 4 KiB blocks.
-// IoError naming the path.
-std::unique_ptr<io::DirectFile> open_shard(const std::string& path, bool write, bool want_direct);
+// IoError naming the path and `what` the file is.
+std::unique_ptr<io::DirectFile> open_shard(const std::string& path, bool write, bool want_direct,
+                                           const char* what = "checkpoint shard");
 // Switches an open checkpoint file to O_DIRECT under the same rule.
 void enable_direct(io::DirectFile& file);
 

@@ -329,6 +329,11 @@ SaveTransaction SaveTransaction::reserve(const std::string& path_in, const std::
   fs::create_directories(parent, ec);
   if (ec) throw IoError(ec.value(), parent, -1, "cannot create the checkpoint's parent directory");
 
+  {  // fail before writing a byte, not at the commit
+    struct stat st {};
+    if (::lstat(t.path_.c_str(), &st) == 0 && !S_ISDIR(st.st_mode))
+      throw IoError(EEXIST, t.path_, -1, "cannot save a checkpoint there: the path exists and is not a directory");
+  }
   remove_stale_temps(t.path_);
   std::optional<Record> old;
   if (!record.empty()) old = read_record(t.path_ + "/" + record);
