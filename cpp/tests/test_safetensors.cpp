@@ -4,6 +4,7 @@
 // through staging return the bytes written.
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -401,6 +402,44 @@ TEST(Safetensors, SaveOverAFileClosesTheOldOneAfterTheRename) {
   EXPECT_TRUE(S_ISREG(st.st_mode));
   EXPECT_EQ(test::read_file(link), test::read_file(want));
   EXPECT_NE(test::read_file(target), test::read_file(want)) << "the link's target is left alone";
+}
+
+// A forked child (a DataLoader worker) inherits the parent's count of
+// replaced files still being closed, not the threads closing them: its own
+// saves over files must neither wait for those nor be held by the parent's
+// pause (Note [Replaced files]).
+TEST(Safetensors, ForkedChildSavesOverFilesWhileTheParentsClosesArePending) {
+  TempDir dir;
+  const auto a = test::random_bytes(1u << 20, 5);
+  const std::vector<SaveTensor> tensors{{"w", "U8", {a.size()}, test::host_buffer(a)}};
+  const std::string path = dir.path() + "/m.safetensors", other = dir.path() + "/c.safetensors";
+  save(path, tensors, {});
+  save(other, tensors, {});
+  struct Unpause {
+    ~Unpause() { pause_replaced_files(false); }
+  } unpause;
+  pause_replaced_files(true);
+  save(path, tensors, {});  // one close pending, held by the pause
+  pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::alarm(60);  // a hang ends the child by SIGALRM, which the parent sees
+    int rc = 0;
+    try {
+      save(other, tensors, {});  // waits for the closes queued before it: none of the child's
+      save(other, tensors, {});  // and for its own
+      finish_replaced_files();
+    } catch (...) {
+      rc = 2;
+    }
+    ::_exit(rc);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "the child's saves hung or failed (status " << status << ")";
+  pause_replaced_files(false);
+  finish_replaced_files();
 }
 
 // A write failing part-way through a save over an existing file (disk

@@ -478,7 +478,11 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         try:
             return self._write_data(plan, planner)
         except BaseException:
-            self._drop_failed_save(file if ours else None)
+            try:
+                self._drop_failed_save(file if ours else None)
+            except Exception as e:  # the write's error is the one to report
+                warnings.warn(f"EbbtideWriter: the failed save's files could not be removed ({e}); the next save "
+                              "of the checkpoint removes them")
             raise
 
     # Note [Failed DCP saves]

@@ -149,7 +149,6 @@ Reaper::~Reaper() {
   {
     std::lock_guard lock(mu_);
     stop_ = true;
-    paused_ = false;
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
@@ -161,21 +160,9 @@ void Reaper::remove(std::string dir) {
     std::lock_guard lock(g_removing_mu);
     g_removing.insert(dir);
   }
-  push({std::move(dir), -1});
-}
-
-void Reaper::close_later(int fd) { push({{}, fd}); }
-
-void Reaper::push(Job job) {
   std::lock_guard lock(mu_);
-  queue_.push_back(std::move(job));
+  queue_.push_back(std::move(dir));
   if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
-  cv_.notify_all();
-}
-
-void Reaper::pause(bool paused) {
-  std::lock_guard lock(mu_);
-  paused_ = paused;
   cv_.notify_all();
 }
 
@@ -187,21 +174,19 @@ void Reaper::drain() {
 void Reaper::run() {
   std::unique_lock lock(mu_);
   for (;;) {
-    cv_.wait(lock, [&] { return !paused_ && (stop_ || !queue_.empty()); });
+    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
     if (queue_.empty()) return;  // stop_ with nothing left
-    Job job = std::move(queue_.front());
+    std::string dir = std::move(queue_.front());
     queue_.pop_front();
     busy_ = true;
     lock.unlock();
-    if (job.fd >= 0) {
-      ::close(job.fd);  // frees the replaced file's extents; nothing to report to anyone
-    } else {
-      std::error_code ec;
-      fs::remove_all(job.dir, ec);
-      if (ec && ec != std::errc::no_such_file_or_directory)
-        log::warn("checkpoint committed but the previous one at ", job.dir, " could not be removed: ", ec.message());
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    if (ec && ec != std::errc::no_such_file_or_directory)
+      log::warn("checkpoint committed but the previous one at ", dir, " could not be removed: ", ec.message());
+    {
       std::lock_guard g(g_removing_mu);
-      g_removing.erase(g_removing.find(job.dir));
+      g_removing.erase(g_removing.find(dir));
     }
     lock.lock();
     busy_ = false;

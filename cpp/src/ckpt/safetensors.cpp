@@ -8,11 +8,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
 #include <numeric>
 #include <random>
+#include <system_error>
+#include <thread>
 #include <unordered_set>
 
 #include "ebbtide/ckpt/format.hpp"
@@ -24,7 +27,6 @@
 #include "ebbtide/util/error.hpp"
 #include "ebbtide/util/log.hpp"
 #include "json.hpp"
-#include "reaper.hpp"
 #include "shard_io.hpp"
 #include "workers.hpp"
 
@@ -375,17 +377,60 @@ bool read_into_device(const io::DirectFile& file, mem::cufile::Driver& cf, mem::
 // directory fsync after it (the journal commit issues the discards): a 1 GB
 // save over its predecessor took 0.55 s against 0.41 s for a new name. So
 // the save holds the old file open across the rename (an open file is freed
-// at its last close) and hands the descriptor to a process-wide Reaper that
-// closes it on its own thread, as the directory checkpoints hand theirs over
-// (Note [Deferred removal] in writer.cpp). Nothing is left on disk by a
-// crash: the kernel closes the descriptor at exit, and ext4's orphan list
-// frees an unlinked inode after a power cut. Each save first waits for the
-// closes queued before it, so back-to-back saves on a nearly full disk never
-// hold more than one old file. The Reaper is never destroyed: a forked child
-// (a DataLoader worker) must not join a thread it does not have.
-detail::Reaper& replaced_files() {
-  static auto* reaper = new detail::Reaper;
-  return *reaper;
+// at its last close) and closes it on a thread of its own after the save,
+// as the directory checkpoints hand theirs to a Reaper (Note [Deferred
+// removal] in writer.cpp). Nothing is left on disk by a crash: the kernel
+// closes the descriptor at exit, and ext4's orphan list frees an unlinked
+// inode after a power cut. Each save first waits for the closes queued
+// before it, so back-to-back saves on a nearly full disk never hold more
+// than one old file.
+// Fork: a child (a DataLoader worker, a multiprocessing pool) inherits the
+// count of closes in flight but not the threads doing them, so the state
+// belongs to the process that made it and a child starts afresh (its copies
+// of the parent's held descriptors stay open until it exits). Hence no
+// mutex or long-lived thread here: an atomic count, waited on by futex.
+class ReplacedFiles {
+ public:
+  void close_later(int fd) {
+    adopt();
+    in_flight_.fetch_add(1);
+    try {
+      std::thread([this, fd] {
+        for (bool p = paused_.load(); p; p = paused_.load()) paused_.wait(true);
+        ::close(fd);
+        if (in_flight_.fetch_sub(1) == 1) in_flight_.notify_all();
+      }).detach();
+    } catch (const std::system_error&) {  // no thread to be had: close here
+      ::close(fd);
+      if (in_flight_.fetch_sub(1) == 1) in_flight_.notify_all();
+    }
+  }
+  void drain() {
+    adopt();
+    for (int n = in_flight_.load(); n != 0; n = in_flight_.load()) in_flight_.wait(n);
+  }
+  void pause(bool paused) {
+    adopt();
+    paused_ = paused;
+    paused_.notify_all();
+  }
+
+ private:
+  void adopt() {  // a forked child starts afresh (see the Note)
+    if (owner_.load() == ::getpid()) return;
+    in_flight_ = 0;
+    paused_ = false;
+    owner_ = ::getpid();
+  }
+  std::atomic<pid_t> owner_{::getpid()};
+  std::atomic<int> in_flight_{0};
+  std::atomic<bool> paused_{false};  // tests: closes wait while set
+};
+
+// Never destroyed: a close may still run while the process exits.
+ReplacedFiles& replaced_files() {
+  static auto* files = new ReplacedFiles;
+  return *files;
 }
 
 // The open file at `path` if it is a regular file, else -1 (nothing there, a
