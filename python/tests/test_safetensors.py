@@ -374,6 +374,10 @@ def test_cli_inspect(tmp_path, capsys):
     assert r.returncode == 1
     bad = [ln for ln in r.stderr.splitlines() if ln.startswith("BAD FILE:")]
     assert len(bad) == 1 and "part-2.safetensors" in bad[0] and "runs past the end of the file" in bad[0], r.stderr
+    (tmp_path / "empty").mkdir()
+    r = _cli(capsys, tmp_path / "empty")  # no format's files: all three are named
+    assert r.returncode == 2 and "not a checkpoint in a format this reads" in r.stderr, r.stderr
+    assert all(f in r.stderr for f in ("index.json", ".metadata", "model.safetensors.index.json")), r.stderr
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -50,6 +50,12 @@ def _inspect(args):
         ranks = dcp.rank_metadata_ranks(args.path)
         if ranks:  # saved without collectives: one metadata per rank
             return max(_inspect_dcp(args, rank) for rank in ranks)
+    if os.path.isdir(args.path) and not os.path.lexists(os.path.join(args.path, checkpoint.INDEX_NAME)):
+        print(f"ebbtide ckpt inspect: error: {args.path} is not a checkpoint in a format this reads: it has no "
+              f"{checkpoint.INDEX_NAME} (ebbtide.checkpoint), .metadata or __<rank>.metadata "
+              "(torch.distributed.checkpoint), model.safetensors or model.safetensors.index.json (safetensors)",
+              file=sys.stderr)
+        return 2
     try:
         info = checkpoint.inspect(args.path, verify=not args.no_verify)
     except (OSError, ValueError, NotImplementedError) as e:
