@@ -204,7 +204,7 @@ for stage in "${stages[@]}"; do
       mkdir -p /tmp/ebbtide-ckpt
       dev=$("$py" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
       step ckpt_safetensors ckpt_safetensors.txt 240 "$py" bench/ckpt_bench.py --safetensors --size "${CKPT_SIZE:-2.0}" --repeat 3 \
-        --device "$dev" --dir /tmp/ebbtide-ckpt --json "$out/ckpt_safetensors.json"
+        --fresh-rounds 2 --fresh-pause 1 --device "$dev" --dir /tmp/ebbtide-ckpt --json "$out/ckpt_safetensors.json"
       tail -n 20 "$out/ckpt_safetensors.txt"
       step ckpt_dcp ckpt_dcp.txt 300 "$py" bench/ckpt_bench.py --size "${CKPT_SIZE:-2.0}" --repeat 2 --dir /tmp/ebbtide-ckpt \
         --json "$out/ckpt_dcp.json"
