@@ -38,6 +38,12 @@ def dtype_from_name(name, where=""):
         raise ValueError(f"{where}: dtype {name!r} is not known to this torch build") from None
 
 
+def core_stream(device):
+    """The current CUDA stream of `device` as the core takes it (0 for the
+    CPU): device copies of a save or load are ordered on it."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
 def codec_for(dtype, compress):
     """Lossless codec name for a storage whose elements are `dtype`."""
     if not compress:

@@ -12,6 +12,7 @@ import os
 import torch
 
 from ebbtide import _ckpt_check as check
+from ebbtide import _ckpt_tree as tree
 from ebbtide import _core
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -63,11 +64,6 @@ def _device(device):
     return d
 
 
-def _stream(device):
-    """The current CUDA stream of `device` as the core takes it (0 for the CPU)."""
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-
-
 def save(tensors, path, metadata=None):
     if not isinstance(tensors, dict):
         raise TypeError(f"save_safetensors: tensors must be a dict of name -> tensor, not {type(tensors).__name__}")
@@ -89,7 +85,7 @@ def save(tensors, path, metadata=None):
             raise ValueError(f"save_safetensors: tensor {name!r} is on {t.device}; move it to the CPU or a CUDA device")
         keep.append(t)
         entries.append((name, _dtype_name(t, name), list(t.shape), t.data_ptr(), t.nbytes, t.device.type == "cuda",
-                        _stream(t.device)))
+                        tree.core_stream(t.device)))
     return _core.safetensors_save(os.fspath(path), entries, list(metadata.items()))
 
 
@@ -110,7 +106,7 @@ def _read(reader, device, names=None):
     all) onto `device`; returns {name: tensor}."""
     file = reader.path
     out, targets = {}, []
-    stream = _stream(device)
+    stream = tree.core_stream(device)
     for i, (name, dt, shape, offset, nbytes) in enumerate(reader.tensors):
         if names is not None and name not in names:
             continue
@@ -238,7 +234,8 @@ def _load_into(path, into, strict):
                 if not t.is_contiguous() or t.is_conj() or t.is_neg():
                     dst = torch.empty(t.shape, dtype=t.dtype, device=t.device)
                     copies.append((t, dst))
-                reads.append((i, dst.data_ptr(), nbytes, dst.device.type == "cuda", _stream(dst.device), False))
+                reads.append((i, dst.data_ptr(), nbytes, dst.device.type == "cuda", tree.core_stream(dst.device),
+                              False))
             reader.read(reads)
             for t, dst in copies:
                 t.copy_(dst)

@@ -707,9 +707,8 @@ def _load_shard(file, reader, meta, device, threads=0, dests=None, before_read=N
             buf = torch.empty(s["nbytes"], dtype=torch.uint8, device=dev)
         storages.append(buf)
         if s["nbytes"]:  # its blob has the same size (check.check_meta)
-            on_dev = dev.type == "cuda"
-            stream = torch.cuda.current_stream(dev).cuda_stream if on_dev else 0
-            targets.append((s["blob"], buf.untyped_storage().data_ptr(), s["nbytes"], on_dev, stream))
+            targets.append((s["blob"], buf.untyped_storage().data_ptr(), s["nbytes"], dev.type == "cuda",
+                            tree.core_stream(dev)))
     reader.read(targets, threads)
     tensors = []
     for t in meta["tensors"]:

@@ -979,10 +979,8 @@ class EbbtideReader(_DirectoryId, StorageReader):
                 k = blob_of(r)
                 target = self._whole_target(shard, k, r, planner)
                 if target is not None:
-                    on_dev = target.device.type == "cuda"
-                    stream = torch.cuda.current_stream(target.device).cuda_stream if on_dev else 0
-                    into.append((r, target, (k, shard.items[k]["head"], target.data_ptr(), target.nbytes, on_dev,
-                                             stream)))
+                    into.append((r, target, (k, shard.items[k]["head"], target.data_ptr(), target.nbytes,
+                                             target.device.type == "cuda", tree.core_stream(target.device))))
                     continue
                 rest.append((r, k))
                 if k not in bufs:

@@ -6,8 +6,8 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <mutex>
 #include <memory>
@@ -73,10 +73,11 @@ struct ShardReader::Impl {
   }
   // `direct[i]`, when set, is where chunk i's stored bytes are read (in place,
   // Note [Read pipeline]); `process` then gets that pointer.
-  // `page_lock`: register the staging buffers with the process's CUDA driver
-  // (device targets are copied from them).
+  // `device`: the driver copying from the staging buffers into device
+  // targets, `given` the caller's (detail::lock_staging).
   void run_chunks(const std::vector<const ChunkEntry*>& chunks, const std::vector<char*>& direct, unsigned threads,
-                  const std::function<void(size_t, const char*)>& process, bool page_lock = false);
+                  const std::function<void(size_t, const char*)>& process,
+                  const mem::cuda::Driver* device = nullptr, const mem::cuda::Driver* given = nullptr);
 
   void decode_chunk(const ChunkEntry& c, const char* stored, char* dst, char* scratch) {
     const auto& b = h.blobs[c.blob];
@@ -196,7 +197,7 @@ size_t ShardReader::stripe_count() const { return impl_->sb.stripe_count; }
 // Note [Populate ahead] in shard_io.cpp).
 void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks, const std::vector<char*>& direct,
                                    unsigned threads, const std::function<void(size_t, const char*)>& process,
-                                   bool page_lock) {
+                                   const mem::cuda::Driver* device, const mem::cuda::Driver* given) {
   if (chunks.empty()) return;
   uint64_t need = kBlockBytes;
   for (size_t i = 0; i < chunks.size(); ++i)
@@ -209,10 +210,7 @@ void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks,
   host_only.cuda_register = false;
   const auto staging_owner = mem::borrow_pinned_pool(need, depth + nthreads, host_only);  // Note [Reused staging]
   mem::PinnedPool& staging = *staging_owner;
-  // Device targets are copied from the staging buffers: page-locked then,
-  // with the process's driver only (the pool outlives a caller's driver in
-  // the idle cache). Unlocked, the copies stay correct, only slower.
-  if (page_lock) staging.ensure_registered();
+  detail::lock_staging(staging, device, given);  // device targets are copied from the staging buffers
   io::TransferLoop loop(depth, detail::buffers_of(staging), io::BackendKind::kAuto, "checkpoint");
   std::vector<std::pair<char*, uint64_t>> in_place;
   for (size_t i = 0; i < direct.size(); ++i)
@@ -297,7 +295,7 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads,
     drv->bind_context_of(dst);
     drv->memcpy_htod_async(dst, src, to - from, t.dst.stream);
     drv->stream_synchronize(t.dst.stream);  // before the staging buffer (or `host`) is reused
-  }, drv != nullptr && cuda_driver == nullptr);
+  }, drv, cuda_driver);
 }
 
 std::vector<VerifyProblem> ShardReader::verify(unsigned threads) {

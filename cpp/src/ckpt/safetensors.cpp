@@ -298,13 +298,6 @@ mem::cuda::Driver* need_driver(const std::string& tensor, const IoOptions& opt) 
   return detail::device_driver(opt.cuda_driver, "tensor ", quoted(tensor), " is in CUDA device memory");
 }
 
-// Page-locks a staging pool for asynchronous copies with the process-wide
-// driver. A given driver (a test's) is not used: the pool may outlive it in
-// the idle cache (Note [Reused staging]).
-void register_staging(mem::PinnedPool& pool, const IoOptions& opt) {
-  if (opt.cuda_driver == nullptr) pool.ensure_registered();
-}
-
 // A device target's file range [a, b) and its memory.
 struct DeviceRead {
   uint64_t a, b;
@@ -397,12 +390,10 @@ class ReplacedFiles {
     try {
       std::thread([this, fd] {
         for (bool p = paused_.load(); p; p = paused_.load()) paused_.wait(true);
-        ::close(fd);
-        if (in_flight_.fetch_sub(1) == 1) in_flight_.notify_all();
+        close_counted(fd);
       }).detach();
     } catch (const std::system_error&) {  // no thread to be had: close here
-      ::close(fd);
-      if (in_flight_.fetch_sub(1) == 1) in_flight_.notify_all();
+      close_counted(fd);
     }
   }
   void drain() {
@@ -416,6 +407,10 @@ class ReplacedFiles {
   }
 
  private:
+  void close_counted(int fd) {
+    ::close(fd);
+    if (in_flight_.fetch_sub(1) == 1) in_flight_.notify_all();
+  }
   void adopt() {  // a forked child starts afresh (see the Note)
     if (owner_.load() == ::getpid()) return;
     in_flight_ = 0;
@@ -596,7 +591,7 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
   if (any_staged) {
     // A buffer per read in flight and one per worker copying out of one.
     staging = mem::borrow_pinned_pool(kPieceBytes, depth + threads, host_only);
-    if (drv != nullptr) register_staging(*staging, I.opt);  // asynchronous host-to-device copies
+    detail::lock_staging(*staging, drv, I.opt.cuda_driver);  // asynchronous host-to-device copies
   }
   // Staged tensors before first_staged[i] end before piece i.
   std::vector<size_t> first_staged(pieces.size());
@@ -755,7 +750,7 @@ SaveResult save(const std::string& path, const std::vector<SaveTensor>& tensors,
   // Note [Reused staging]: periodic saves of one model borrow the same ring.
   const auto ring_owner = mem::borrow_pinned_pool(kPieceBytes, std::min<uint64_t>(npieces, depth + 2), host_only);
   mem::PinnedPool& ring = *ring_owner;
-  if (drv != nullptr) register_staging(ring, opt);
+  detail::lock_staging(ring, drv, opt.cuda_driver);
   const size_t nbuf = ring.count();
   std::mutex mu;
   std::condition_variable cv;

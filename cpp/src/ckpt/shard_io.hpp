@@ -55,6 +55,15 @@ mem::cuda::Driver* device_driver(mem::cuda::Driver* given, const What&... what) 
   return drv;
 }
 
+// Page-locks borrowed staging `pool` when device memory is copied to or
+// from it (`device`, the driver copying, non-null) for asynchronous copies,
+// with the process-wide driver only: a given driver (`given`, a test's) is
+// not used, as the pool may outlive it in the idle cache (Note [Reused
+// staging]). Unlocked, the copies stay correct, only slower.
+inline void lock_staging(mem::PinnedPool& pool, const mem::cuda::Driver* device, const mem::cuda::Driver* given) {
+  if (device != nullptr && given == nullptr) pool.ensure_registered();
+}
+
 // The buffers of `pool`, one iovec each (a TransferLoop's fixed buffers).
 std::vector<iovec> buffers_of(const mem::PinnedPool& pool);
 
