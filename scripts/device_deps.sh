@@ -34,8 +34,10 @@ done
 # torchtune is pure Python. Its package __init__ imports torchao, HF datasets,
 # torchdata and more, none of which OffloadActivations uses: ebbtide.demo loads
 # that class from its own file when the package import fails, so it needs only
-# psutil (the GPU image has it) and no other wheel. The Python version and
-# platform are the lent machine's (Python 3.12, x86-64).
+# psutil (the GPU image has it) and no other wheel, torchao included
+# (python/tests/test_torchtune_offload_loading.py loads it that way, with
+# torchao and those packages hidden). The Python version and platform are
+# the lent machine's (Python 3.12, x86-64).
 wheels=(nanobind==3.1.0 torchtune==0.6.1)
 rm -rf "$deps/wheels"
 mkdir -p "$deps/wheels"
