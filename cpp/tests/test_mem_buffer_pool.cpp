@@ -1,13 +1,22 @@
 // HostMapping and HostBufferPool: page-aligned mappings, reuse by size, the
-// spare bound, and registration with the driver only when asked (against the
-// simulated driver, which counts cuMemHostRegister / Unregister calls).
+// spare bound, registration with the driver only when asked
+// and only in the context of the device bound (against the simulated driver,
+// which counts cuMemHostRegister / Unregister calls and the contexts made).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
 #include <utility>
+#include <vector>
 
+#include "ebbtide/cache/store.hpp"
 #include "ebbtide/mem/buffer_pool.hpp"
 #include "ebbtide/mem/host_mapping.hpp"
 #include "ebbtide/util/error.hpp"
@@ -18,11 +27,61 @@ namespace {
 
 bool page_aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % HostMapping::page_size() == 0; }
 
-HostBufferPoolOptions pinning_with(test::SimDriver& drv) {
+HostBufferPoolOptions pinning_with(cuda::Driver& drv) {
   HostBufferPoolOptions o;
   o.driver = &drv;
   return o;
 }
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+test::SimDriver::Options two_devices() {
+  test::SimDriver::Options o;
+  o.devices = 2;
+  return o;
+}
+
+// The context of device `d` as the simulated driver names it (0: none).
+cuda::Context context_of(int d) { return static_cast<cuda::Context>(d + 1); }
+
+// The simulated driver, noting the context current at each unregistration.
+class UnregisterLog final : public cuda::Driver {
+ public:
+  explicit UnregisterLog(test::SimDriver& sim) : sim_(sim) {}
+  std::vector<cuda::Context> contexts() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return contexts_;
+  }
+  void host_unregister(void* p) override {
+    sim_.host_unregister(p);
+    std::lock_guard<std::mutex> lock(mu_);
+    contexts_.push_back(sim_.current_context());
+  }
+  bool host_register(void* p, size_t n) override { return sim_.host_register(p, n); }
+  void bind_context_of(cuda::DevicePtr p) override { sim_.bind_context_of(p); }
+  void bind_device(int d) override { sim_.bind_device(d); }
+  cuda::Context current_context() override { return sim_.current_context(); }
+  void set_current_context(cuda::Context c) override { sim_.set_current_context(c); }
+  bool is_device_pointer(const void* p) override { return sim_.is_device_pointer(p); }
+  void memcpy_dtoh_async(void* d, cuda::DevicePtr s, size_t n, cuda::Stream st) override { sim_.memcpy_dtoh_async(d, s, n, st); }
+  void memcpy_htod_async(cuda::DevicePtr d, const void* s, size_t n, cuda::Stream st) override { sim_.memcpy_htod_async(d, s, n, st); }
+  cuda::Event event_create() override { return sim_.event_create(); }
+  void event_destroy(cuda::Event e) override { sim_.event_destroy(e); }
+  void event_record(cuda::Event e, cuda::Stream st) override { sim_.event_record(e, st); }
+  void event_synchronize(cuda::Event e) override { sim_.event_synchronize(e); }
+  bool event_query(cuda::Event e) override { return sim_.event_query(e); }
+  void stream_wait_event(cuda::Stream st, cuda::Event e) override { sim_.stream_wait_event(st, e); }
+  cuda::Stream stream_create() override { return sim_.stream_create(); }
+  void stream_destroy(cuda::Stream st) override { sim_.stream_destroy(st); }
+  void stream_synchronize(cuda::Stream st) override { sim_.stream_synchronize(st); }
+  int device_count() override { return sim_.device_count(); }
+  std::string device_name(int d) override { return sim_.device_name(d); }
+
+ private:
+  test::SimDriver& sim_;
+  std::mutex mu_;
+  std::vector<cuda::Context> contexts_;
+};
 
 TEST(HostMapping, MapsWholeZeroedPages) {
   const size_t page = HostMapping::page_size();
@@ -77,6 +136,7 @@ TEST(HostMapping, RejectsBadSizesNamingTheOwner) {
 
 TEST(HostMapping, PinsOnceAndUnregistersWithTheSameDriver) {
   test::SimDriver drv(1e9, 1e9);
+  drv.bind_device(0);  // pinning needs the device the memory serves bound (Note [Registration context])
   {
     HostMapping m(4096, "test");
     EXPECT_TRUE(m.pin(&drv));
@@ -92,6 +152,7 @@ TEST(HostMapping, PinsOnceAndUnregistersWithTheSameDriver) {
 
 TEST(HostMapping, ARefusedPinIsNotRetried) {
   test::SimDriver drv(1e9, 1e9);
+  drv.bind_device(0);  // Note [Registration context]
   drv.allow_register = false;
   {
     HostMapping m(4096, "test");
@@ -177,6 +238,7 @@ TEST(HostBufferPool, PlainBuffersNeverTouchTheDriver) {
 
 TEST(HostBufferPool, PinnedBuffersAreRegisteredOnceAndReusedRegistered) {
   test::SimDriver drv(1e9, 1e9);
+  drv.bind_device(0);  // Note [Registration context]
   {
     HostBufferPool pool(pinning_with(drv));
     HostBufferPool::Buffer a = pool.take(5000, /*pin=*/true);
@@ -200,6 +262,7 @@ TEST(HostBufferPool, PinnedBuffersAreRegisteredOnceAndReusedRegistered) {
 
 TEST(HostBufferPool, ARefusedBufferIsReusedUnpinnedWithoutAskingAgain) {
   test::SimDriver drv(1e9, 1e9);
+  drv.bind_device(0);  // Note [Registration context]
   drv.allow_register = false;
   {
     HostBufferPool pool(pinning_with(drv));
@@ -233,6 +296,102 @@ TEST(HostBufferPool, PinWithoutADriverMapsUnpinnedPages) {
   EXPECT_TRUE(page_aligned(a.data));
   EXPECT_EQ(a.bytes, HostMapping::page_size());
   pool.give(a.data);
+}
+
+// Note [Registration context]: no context current, no registration, and no
+// context made up for it; the mapping can be pinned once a device is bound.
+TEST(HostMapping, PinningWithoutAContextFailsNamingTheCallAndMakesNone) {
+  test::SimDriver drv(two_devices());
+  HostMapping m(4096, "test");
+  std::thread([&] {
+    try {
+      m.pin(&drv);
+      ADD_FAILURE() << "pinned on a thread without a context";
+    } catch (const IoError& e) {
+      EXPECT_TRUE(contains(e.what(), "cuMemHostRegister")) << e.what();
+      EXPECT_TRUE(contains(e.what(), "CUDA_ERROR_INVALID_CONTEXT")) << e.what();
+    }
+    EXPECT_EQ(drv.current_context(), 0u);
+  }).join();
+  EXPECT_FALSE(m.pinned());
+  EXPECT_FALSE(m.pin_tried()) << "an error is not a refusal: pin() may be called again";
+  EXPECT_TRUE(drv.contexts().empty());
+  drv.bind_device(1);
+  EXPECT_TRUE(m.pin(&drv));
+  EXPECT_EQ(drv.contexts(), std::set<int>{1});
+}
+
+TEST(HostBufferPool, APinnedTakeWithoutAContextFailsAndTakesNothing) {
+  test::SimDriver drv(two_devices());
+  HostBufferPool pool(pinning_with(drv));
+  std::thread([&] {
+    EXPECT_THROW(pool.take(5000, /*pin=*/true), IoError);
+    pool.give(pool.take(5000).data);  // plain memory needs no context
+  }).join();
+  EXPECT_EQ(pool.out_bytes(), 0u);
+  EXPECT_EQ(drv.registers(), 0);
+  EXPECT_TRUE(drv.contexts().empty());
+}
+
+// Note [Registration context]: buffers pinned for device 1 are unregistered
+// in device 1's context by whichever thread frees them, and that thread's
+// context is left as it was: none here (the test's thread never bound one),
+// so device 0's context is never made.
+TEST(HostBufferPool, PinnedOnDeviceOneAndFreedOnAThreadWithoutAContext) {
+  test::SimDriver sim(two_devices());
+  UnregisterLog drv(sim);
+  std::optional<HostBufferPool> pool(std::in_place, pinning_with(drv));
+  void* kept = nullptr;
+  std::thread([&] {
+    drv.bind_device(1);
+    HostBufferPool::Buffer spare = pool->take(5000, /*pin=*/true);
+    HostBufferPool::Buffer out = pool->take(3 << 20, /*pin=*/true);
+    EXPECT_TRUE(spare.pinned && out.pinned);
+    pool->give(spare.data);
+    kept = out.data;
+  }).join();
+  pool->give(kept);
+  pool.reset();  // unregisters the spare and the buffer given back
+  EXPECT_EQ(drv.current_context(), 0u) << "the freeing thread was left a context";
+  EXPECT_EQ(sim.unregisters(), 2);
+  EXPECT_EQ(drv.contexts(), (std::vector<cuda::Context>{context_of(1), context_of(1)}));
+  EXPECT_EQ(sim.contexts(), std::set<int>{1}) << "a context was made on device 0";
+  EXPECT_TRUE(sim.errors().empty()) << test::SimDriver::join_lines(sim.errors());
+}
+
+// ... and a thread with another device current gets it back.
+TEST(HostMapping, UnregistersInThePinningContextAndRestoresTheCallers) {
+  test::SimDriver sim(two_devices());
+  UnregisterLog drv(sim);
+  HostMapping m(4096, "test");
+  std::thread([&] {
+    drv.bind_device(1);
+    EXPECT_TRUE(m.pin(&drv));
+  }).join();
+  drv.bind_device(0);
+  m = HostMapping();
+  EXPECT_EQ(drv.contexts(), std::vector<cuda::Context>{context_of(1)});
+  EXPECT_EQ(drv.current_context(), context_of(0));
+  EXPECT_TRUE(sim.errors().empty()) << test::SimDriver::join_lines(sim.errors());
+}
+
+// Note [Host staging]: blobs the driver would not pin are copied through the
+// store's staging pool, registered with the store's driver in the context
+// bound for the copy.
+TEST(HostBufferPool, TheHostStoreStagesWithItsDriverInTheBoundContext) {
+  test::SimDriver drv(two_devices());
+  drv.bind_device(1);
+  drv.allow_register = false;
+  auto store = cache::make_host_store(cache::HostStoreOptions{0, 1 << 16, &drv});
+  std::vector<unsigned char> device(100000, 0x5C), back(100000);
+  const cache::Location loc = store->put(mem::Buffer{device.data(), device.size(), 1, 0}, cache::kTierFirst);
+  store->get(loc, mem::Buffer{back.data(), back.size(), 1, 0});
+  EXPECT_EQ(back, device);
+  store->free(loc);
+  EXPECT_EQ(drv.registers(), 2) << "the blob, then the staging pool, with the store's driver";
+  store.reset();
+  EXPECT_EQ(drv.contexts(), std::set<int>{1});
+  EXPECT_TRUE(drv.errors().empty()) << test::SimDriver::join_lines(drv.errors());
 }
 
 }  // namespace

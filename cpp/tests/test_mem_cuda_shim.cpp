@@ -8,8 +8,10 @@
 #include <vector>
 
 #include "ebbtide/mem/cuda_shim.hpp"
+#include "ebbtide/mem/host_mapping.hpp"
 #include "ebbtide/mem/pinned_pool.hpp"
 #include "ebbtide/util/error.hpp"
+#include "ebbtide/util/log.hpp"
 #include "test_utils.hpp"
 
 namespace ebbtide::mem {
@@ -193,6 +195,46 @@ TEST_F(CudaShimGpu, WorkerThreadsBindTheContextOfAPointer) {
   worker.join();
   EXPECT_EQ(error, "");
   drv_->mem_free(dev);
+}
+
+// Note [Registration context]: host registration uses the calling thread's
+// context and never makes one current; memory pinned on one thread is
+// unregistered on another that has none, and that thread is left without one.
+TEST_F(CudaShimGpu, HostRegistrationUsesTheCurrentContextOnly) {
+  std::vector<std::string> warnings;
+  log::set_sink([&](log::Level level, const std::string& msg) {
+    if (level <= log::Level::kWarn) warnings.push_back(msg);
+  });
+  HostMapping m(1 << 20, "test");
+  std::string error;
+  std::thread([&] {
+    try {
+      if (drv_->current_context() != 0) throw std::runtime_error("a fresh thread has a context");
+      try {
+        drv_->host_register(m.data(), m.size());
+        error = "host_register succeeded without a context";
+      } catch (const IoError& e) {
+        if (!contains(e.what(), "cuMemHostRegister") || !contains(e.what(), "CUDA_ERROR_INVALID_CONTEXT"))
+          error = std::string("unexpected message: ") + e.what();
+      }
+      if (drv_->current_context() != 0) error += "; host_register made a context current";
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }).join();
+  EXPECT_EQ(error, "");
+  EXPECT_TRUE(m.pin(drv_));  // device 0, bound by SetUp
+  std::thread([&] {
+    try {
+      m = HostMapping();
+      if (drv_->current_context() != 0) error = "unregistering left a context current";
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }).join();
+  log::set_sink(nullptr);
+  EXPECT_EQ(error, "");
+  EXPECT_TRUE(warnings.empty()) << warnings.front();
 }
 
 TEST_F(CudaShimGpu, FailuresNameTheCallAndTheCudaError) {

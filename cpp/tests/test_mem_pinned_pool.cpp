@@ -4,13 +4,16 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "ebbtide/mem/cuda_shim.hpp"
 #include "ebbtide/mem/pinned_pool.hpp"
 #include "ebbtide/util/error.hpp"
+#include "sim_driver.hpp"
 
 namespace ebbtide::mem {
 namespace {
@@ -198,6 +201,7 @@ TEST(PinnedPool, OptionsPopulateAndNoRegistration) {
 }
 
 TEST(PinnedPool, RegisteredExactlyWhenADriverAccepts) {
+  if (cuda::driver() != nullptr) cuda::driver()->bind_device(0);  // the device the pool serves
   PinnedPool pool(1 << 20, 2);
   if (cuda::driver() == nullptr) {
     EXPECT_FALSE(pool.registered());
@@ -213,11 +217,73 @@ TEST(PinnedPool, RegistersOnFirstNeedWhenMadeHostOnly) {
   PinnedPool pool(4096, 2, o);
   EXPECT_FALSE(pool.registered());
   const bool expect = cuda::driver() != nullptr;
+  if (expect) cuda::driver()->bind_device(0);  // the device the pool serves
   EXPECT_EQ(pool.ensure_registered(), expect);
   EXPECT_EQ(pool.registered(), expect);
   EXPECT_EQ(pool.ensure_registered(), expect) << "idempotent";
   auto lease = pool.acquire();
   std::memset(lease.data(), 1, lease.size());
+}
+
+test::SimDriver::Options two_devices() {
+  test::SimDriver::Options o;
+  o.devices = 2;
+  return o;
+}
+
+PinnedPoolOptions registering_with(cuda::Driver& drv) {
+  PinnedPoolOptions o;
+  o.driver = &drv;
+  return o;
+}
+
+// Note [Registration context] in host_mapping.cpp: a pool registers in the
+// context current where it is made and is released in it on any thread,
+// leaving that thread's context as it was (none here: the test's thread never
+// bound one, so no context is made on device 0).
+TEST(PinnedPool, RegistersInTheContextCurrentAndIsReleasedInItAnywhere) {
+  test::SimDriver drv(two_devices());
+  std::optional<PinnedPool> pool;
+  std::thread([&] {
+    drv.bind_device(1);
+    pool.emplace(4096, 2, registering_with(drv));
+    EXPECT_TRUE(pool->registered());
+  }).join();
+  pool.reset();
+  EXPECT_EQ(drv.current_context(), 0u);
+  EXPECT_EQ(drv.registers(), 1);
+  EXPECT_EQ(drv.unregisters(), 1);
+  EXPECT_EQ(drv.contexts(), std::set<int>{1});
+  EXPECT_TRUE(drv.errors().empty()) << test::SimDriver::join_lines(drv.errors());
+}
+
+// A pool made where no context is current stays pageable (no context is made
+// for it) until ensure_registered() runs with its device bound, or is given one.
+TEST(PinnedPool, MadeWithoutAContextWaitsForEnsureRegistered) {
+  test::SimDriver drv(two_devices());
+  std::thread([&] {
+    PinnedPool pool(4096, 2, registering_with(drv));
+    EXPECT_FALSE(pool.registered());
+    EXPECT_EQ(drv.registers(), 0);
+    try {
+      pool.ensure_registered();
+      ADD_FAILURE() << "registered without a context";
+    } catch (const IoError& e) {
+      EXPECT_NE(std::string(e.what()).find("cuMemHostRegister"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(pool.ensure_registered(1));
+    EXPECT_EQ(drv.current_context(), 0u) << "ensure_registered(1) left device 1 bound";
+    EXPECT_TRUE(pool.ensure_registered(0)) << "idempotent, binding nothing";
+  }).join();
+  EXPECT_EQ(drv.registers(), 1);
+  EXPECT_EQ(drv.unregisters(), 1);
+  EXPECT_EQ(drv.contexts(), std::set<int>{1});
+  EXPECT_EQ(drv.errors().size(), 1u) << test::SimDriver::join_lines(drv.errors());
+}
+
+TEST(BorrowPinnedPool, RegistersWithTheProcessDriverOnly) {
+  test::SimDriver drv(1e9, 1e9);
+  EXPECT_THROW(borrow_pinned_pool(4096, 1, registering_with(drv)), InvalidArgument);
 }
 
 // Note [Reused staging]: a borrowed pool of the same shape comes back (the

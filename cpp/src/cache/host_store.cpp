@@ -28,7 +28,11 @@ constexpr size_t kBlobAlign = 64;
 // container), that blob is ordinary memory and its copies go chunk by chunk
 // through the staging pool (mem::PinnedPool), which is made on the first such
 // copy. Host tensors use plain blobs and memcpy: CPU-only runs never pin
-// memory.
+// memory. Memory is pinned in the context of the device it serves, which the
+// caller has bound (the tensor cache binds the entry's device around
+// reserve_host and on its workers; put() and get() of device buffers run
+// with it bound), never in one made up for it (Note [Registration context]
+// in mem/host_mapping.cpp).
 constexpr size_t kStagingBuffers = 4;
 
 class HostStore final : public Store {
@@ -171,9 +175,14 @@ class HostStore final : public Store {
     }
   }
 
+  // Made, and registered in the context bound for the copy, on first need.
   mem::PinnedPool& staging() {
     std::lock_guard<std::mutex> lock(staging_mu_);
-    if (!staging_) staging_ = std::make_unique<mem::PinnedPool>(opts_.staging_bytes, kStagingBuffers);
+    if (!staging_) {
+      mem::PinnedPoolOptions o;
+      o.driver = opts_.driver;
+      staging_ = std::make_unique<mem::PinnedPool>(opts_.staging_bytes, kStagingBuffers, o);
+    }
     return *staging_;
   }
 

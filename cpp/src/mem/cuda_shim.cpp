@@ -33,6 +33,8 @@ DevicePtr Driver::mem_alloc(size_t) { throw Unsupported("cuda::Driver: mem_alloc
 void Driver::mem_free(DevicePtr) { throw Unsupported("cuda::Driver: mem_free not implemented"); }
 Event Driver::event_create_timed() { throw Unsupported("cuda::Driver: timed events not implemented"); }
 float Driver::event_elapsed_ms(Event, Event) { throw Unsupported("cuda::Driver: timed events not implemented"); }
+bool Driver::stream_is_capturing(Stream) { return false; }
+void Driver::relax_capture_mode() {}
 
 namespace {
 
@@ -73,6 +75,8 @@ struct Api {
   decltype(&cuMemAlloc) mem_alloc{};
   decltype(&cuMemFree) mem_free{};
   decltype(&cuEventElapsedTime) event_elapsed_time{};
+  decltype(&cuStreamIsCapturing) stream_is_capturing{};
+  decltype(&cuThreadExchangeStreamCaptureMode) exchange_capture_mode{};
 };
 
 // Fills `api` from `lib`; returns the first missing symbol, or "" when all are there.
@@ -110,6 +114,8 @@ std::string load_api(void* lib, Api& api) {
   get(api.mem_host_unregister, "cuMemHostUnregister");
   get(api.mem_alloc, "cuMemAlloc_v2");
   get(api.mem_free, "cuMemFree_v2");
+  get(api.stream_is_capturing, "cuStreamIsCapturing");
+  get(api.exchange_capture_mode, "cuThreadExchangeStreamCaptureMode");
   // Optional (timed events only): _v2 in CUDA 12.8+ headers, the same signature before.
   for (const char* name : {"cuEventElapsedTime_v2", "cuEventElapsedTime"}) {
     if (void* sym = ::dlsym(lib, name)) {
@@ -215,7 +221,9 @@ class DriverImpl final : public Driver {
 
   Event event_create() override {
     CUevent e = nullptr;
-    check(api_.event_create(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    // Blocking sync: a host thread waiting on it sleeps instead of spinning
+    // on a core the training process needs (Note [Spill readiness] in tensor_cache.cpp).
+    check(api_.event_create(&e, CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC), "cuEventCreate");
     return reinterpret_cast<Event>(e);
   }
   Event event_create_timed() override {
@@ -254,9 +262,21 @@ class DriverImpl final : public Driver {
   void stream_synchronize(Stream s) override {
     check(api_.stream_synchronize(stream(s)), "cuStreamSynchronize");
   }
+  bool stream_is_capturing(Stream s) override {
+    CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+    check(api_.stream_is_capturing(stream(s), &status), "cuStreamIsCapturing");
+    return status != CU_STREAM_CAPTURE_STATUS_NONE;
+  }
+  void relax_capture_mode() override {
+    CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    check(api_.exchange_capture_mode(&mode), "cuThreadExchangeStreamCaptureMode");
+  }
 
+  // In the calling thread's context, never one made up for the call (Note
+  // [Registration context] in host_mapping.cpp): without one, an error, not
+  // a refusal.
   bool host_register(void* p, size_t n) override {
-    ensure_context();
+    need_context("cuMemHostRegister");
     CUresult r = api_.mem_host_register(p, n, CU_MEMHOSTREGISTER_PORTABLE);
     if (r == CUDA_SUCCESS) return true;
     // Refusals (RLIMIT_MEMLOCK in containers, already registered, ...) cost
@@ -268,7 +288,7 @@ class DriverImpl final : public Driver {
     return false;
   }
   void host_unregister(void* p) override {
-    ensure_context();
+    need_context("cuMemHostUnregister");
     check(api_.mem_host_unregister(p), "cuMemHostUnregister");
   }
 
@@ -295,6 +315,12 @@ class DriverImpl final : public Driver {
   void check(CUresult r, const char* call) const {
     if (r != CUDA_SUCCESS) [[unlikely]] throw_cuda(api_, r, call);
   }
+  // CUDA_ERROR_INVALID_CONTEXT for `call` when the calling thread has no current context.
+  void need_context(const char* call) const {
+    CUcontext cur = nullptr;
+    check(api_.ctx_get_current(&cur), "cuCtxGetCurrent");
+    if (cur == nullptr) throw_cuda(api_, CUDA_ERROR_INVALID_CONTEXT, call);
+  }
   static CUstream stream(Stream s) { return reinterpret_cast<CUstream>(s); }
   static CUevent event(Event e) { return reinterpret_cast<CUevent>(e); }
 
@@ -308,15 +334,6 @@ class DriverImpl final : public Driver {
     check(api_.primary_ctx_retain(&ctx, dev), "cuDevicePrimaryCtxRetain");
     contexts_.emplace(ordinal, ctx);
     return ctx;
-  }
-
-  // Calls that need some context but not a particular one (host registration
-  // is PORTABLE: visible to every context) use device 0's primary context
-  // when the thread has none.
-  void ensure_context() {
-    CUcontext cur = nullptr;
-    check(api_.ctx_get_current(&cur), "cuCtxGetCurrent");
-    if (cur == nullptr) check(api_.ctx_set_current(primary_context(0)), "cuCtxSetCurrent");
   }
 
   void* lib_;

@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <utility>
 
 #include "ebbtide/mem/cuda_shim.hpp"
@@ -41,6 +42,21 @@ namespace ebbtide::mem {
 // 0.9-1.3 s, until Note [Fresh arena] in ckpt/writer.cpp. MADV_POPULATE_WRITE
 // stands in for MAP_POPULATE, which would fault in small pages before the
 // advice is given.
+//
+// Note [Registration context]
+// cuMemHostRegister works in the calling thread's current context (PORTABLE
+// then makes the memory usable from every context), and a context costs
+// hundreds of MiB of device memory. The shim never makes one up: pinning on
+// a thread with no current context is an error (CUDA_ERROR_INVALID_CONTEXT),
+// so a rank on cuda:k never grows a context on GPU 0 because it pinned
+// memory on a thread that had not bound its device. Callers bind the device
+// the memory serves first: the tensor cache on the training thread and on
+// its workers, the host store's copies, a PinnedPool in the context current
+// when it is made, at ensure_registered(), or of the device it is given. A
+// mapping remembers its context and unregisters in it, bound for that call
+// only (cuda::ContextScope), so memory released on any thread (a pool
+// destroyed from Python, a worker that never used CUDA) neither fails for
+// want of a context nor touches another device.
 
 size_t HostMapping::page_size() {
   static const size_t kPage = [] {
@@ -86,6 +102,7 @@ HostMapping::HostMapping(HostMapping&& o) noexcept
     : data_(std::exchange(o.data_, nullptr)),
       size_(std::exchange(o.size_, 0)),
       pinned_by_(std::exchange(o.pinned_by_, nullptr)),
+      context_(std::exchange(o.context_, 0)),
       pin_tried_(std::exchange(o.pin_tried_, false)) {}
 
 HostMapping& HostMapping::operator=(HostMapping&& o) noexcept {
@@ -94,23 +111,31 @@ HostMapping& HostMapping::operator=(HostMapping&& o) noexcept {
     data_ = std::exchange(o.data_, nullptr);
     size_ = std::exchange(o.size_, 0);
     pinned_by_ = std::exchange(o.pinned_by_, nullptr);
+    context_ = std::exchange(o.context_, 0);
     pin_tried_ = std::exchange(o.pin_tried_, false);
   }
   return *this;
 }
 
+// Note [Registration context]: pin_tried_ is set only once the driver has
+// answered, so a call without a context can be repeated with one.
 bool HostMapping::pin(cuda::Driver* driver) {
-  if (driver != nullptr && data_ != nullptr && !pin_tried_) {
-    pin_tried_ = true;
-    if (driver->host_register(data_, size_)) pinned_by_ = driver;
-  }
-  return pinned();
+  if (driver == nullptr || data_ == nullptr || pin_tried_) return pinned();
+  const cuda::Context context = driver->current_context();
+  const bool ok = driver->host_register(data_, size_);
+  pin_tried_ = true;
+  if (!ok) return false;
+  pinned_by_ = driver;
+  context_ = context;
+  return true;
 }
 
 void HostMapping::release() noexcept {
   if (data_ == nullptr) return;
-  if (pinned_by_ != nullptr) {
+  if (pinned()) {
     try {
+      std::optional<cuda::ContextScope> scope;  // Note [Registration context]
+      if (context_ != 0) scope.emplace(pinned_by_, context_);
       pinned_by_->host_unregister(data_);
     } catch (const std::exception& e) {
       log::warn("host memory: unregistering ", size_, " bytes from CUDA failed: ", e.what());
@@ -120,6 +145,7 @@ void HostMapping::release() noexcept {
   data_ = nullptr;
   size_ = 0;
   pinned_by_ = nullptr;
+  context_ = 0;
   pin_tried_ = false;
 }
 

@@ -19,7 +19,7 @@ PinnedPool::PinnedPool(size_t buffer_bytes, size_t count)
     : PinnedPool(buffer_bytes, count, PinnedPoolOptions{}) {}
 
 PinnedPool::PinnedPool(size_t buffer_bytes, size_t count, const PinnedPoolOptions& options)
-    : buffer_bytes_(buffer_bytes), count_(count) {
+    : buffer_bytes_(buffer_bytes), count_(count), driver_(options.driver) {
   EBB_CHECK(buffer_bytes > 0, "pinned pool: buffer size must be > 0 bytes");
   EBB_CHECK(count > 0, "pinned pool: buffer count must be > 0");
   const size_t page = page_size();
@@ -30,7 +30,15 @@ PinnedPool::PinnedPool(size_t buffer_bytes, size_t count, const PinnedPoolOption
             " buffers of ", buffer_bytes_, " bytes overflow the address space");
   mapping_ = HostMapping(buffer_bytes_ * count_, detail::concat("pinned pool of ", count_, " x ", buffer_bytes_, " bytes"),
                          options.populate, /*huge=*/true);
-  if (options.cuda_register) mapping_.pin(cuda::driver());
+  if (options.cuda_register) {
+    // Not in a context made up for it (Note [Registration context]): a thread
+    // without one leaves the pool to ensure_registered().
+    if (driver_ == nullptr) driver_ = cuda::driver();
+    if (driver_ != nullptr && driver_->current_context() != 0) mapping_.pin(driver_);
+    else if (driver_ != nullptr)
+      log::info("pinned pool: no CUDA context is current; ", count_, " x ", buffer_bytes_,
+                " bytes stay pageable until ensure_registered() runs with a device bound");
+  }
 
   free_.reserve(count_);
   for (size_t i = count_; i-- > 0;) free_.push_back(i);  // index 0 is handed out first
@@ -49,7 +57,16 @@ PinnedPool::~PinnedPool() {
 
 bool PinnedPool::ensure_registered() {
   std::lock_guard lock(mu_);
-  return mapping_.pin(cuda::driver());
+  if (driver_ == nullptr) driver_ = cuda::driver();
+  return mapping_.pin(driver_);
+}
+
+bool PinnedPool::ensure_registered(int device) {
+  std::lock_guard lock(mu_);
+  if (driver_ == nullptr) driver_ = cuda::driver();
+  if (driver_ == nullptr || mapping_.pin_tried()) return mapping_.pinned();
+  cuda::DeviceScope scope(driver_, device);
+  return mapping_.pin(driver_);
 }
 
 void* PinnedPool::buffer(size_t index) const {
@@ -152,6 +169,7 @@ void ReturnPinnedPool::operator()(PinnedPool* pool) const noexcept {
 }
 
 BorrowedPinnedPool borrow_pinned_pool(size_t buffer_bytes, size_t count, const PinnedPoolOptions& options) {
+  EBB_CHECK(options.driver == nullptr, "borrow_pinned_pool: idle pools register with the process's CUDA driver only");
   const size_t page = PinnedPool::page_size();
   const size_t rounded = buffer_bytes <= std::numeric_limits<size_t>::max() - (page - 1)
                              ? (buffer_bytes + page - 1) / page * page

@@ -5,7 +5,9 @@
 // the most bytes ever handed out at once (so a steady state allocates
 // nothing). Plain buffers are heap memory aligned to `align`; buffers taken
 // with `pin` are whole-page HostMappings page-locked through the pool's
-// driver. Thread safe; give() may run on any thread (it never calls back).
+// driver in the calling thread's current context (Note [Registration
+// context] in host_mapping.cpp). Thread safe; give() may run on any thread
+// (it never calls back), and so may the destructor.
 #pragma once
 
 #include <cstddef>
@@ -44,7 +46,9 @@ class HostBufferPool {
 
   // A buffer of at least `nbytes` (> 0). With `pin`, a page-locked buffer when
   // the driver accepts one: a pinned spare, else a spare the driver refused
-  // before (not retried), else a new mapping pinned now; `pinned` tells which.
+  // before (not retried), else a new mapping pinned now, which needs the
+  // device the memory serves bound on the calling thread (IoError from the
+  // driver otherwise, and nothing is taken); `pinned` tells which.
   // Without, plain memory (never page-locked, never touching the driver).
   // IoError(ENOMEM) when memory is exhausted.
   Buffer take(size_t nbytes, bool pin = false);

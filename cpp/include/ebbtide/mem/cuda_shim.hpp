@@ -36,7 +36,7 @@ class Driver {
   virtual bool is_device_pointer(const void* ptr) = 0;
   virtual void memcpy_dtoh_async(void* dst, DevicePtr src, size_t n, Stream s) = 0;
   virtual void memcpy_htod_async(DevicePtr dst, const void* src, size_t n, Stream s) = 0;
-  virtual Event event_create() = 0;       // disable-timing event
+  virtual Event event_create() = 0;       // disable-timing, blocking-sync event (a host wait sleeps)
   virtual void event_destroy(Event e) = 0;
   virtual void event_record(Event e, Stream s) = 0;
   virtual void event_synchronize(Event e) = 0;
@@ -45,8 +45,21 @@ class Driver {
   virtual Stream stream_create() = 0;     // non-blocking stream in the current context
   virtual void stream_destroy(Stream s) = 0;
   virtual void stream_synchronize(Stream s) = 0;
-  // cuMemHostRegister(PORTABLE); false (and one warning) when refused. On a
-  // thread with no current context these two make device 0's primary current.
+  // True while `s` is being captured into a CUDA graph (cuStreamIsCapturing;
+  // legal during a capture). Work enqueued on it then does not run, and host
+  // synchronisation, queries and host registration are illegal (Note [Graph
+  // capture] in cache/tensor_cache.cpp). Default: false.
+  virtual bool stream_is_capturing(Stream s);
+  // Lets the calling thread make host-synchronising calls while another
+  // thread captures a graph in global mode (cuThreadExchangeStreamCaptureMode
+  // RELAXED): for worker threads that never touch a capturing stream.
+  // Default: nothing.
+  virtual void relax_capture_mode();
+  // cuMemHostRegister(PORTABLE) in the calling thread's current context; false
+  // (and one warning) when refused. Unregistration belongs in the context that
+  // registered (Note [Registration context] in host_mapping.cpp). With no
+  // context current both throw IoError (CUDA_ERROR_INVALID_CONTEXT, naming
+  // the call) and make none current.
   virtual bool host_register(void* p, size_t n) = 0;
   virtual void host_unregister(void* p) = 0;
   virtual int device_count() = 0;
@@ -62,27 +75,37 @@ class Driver {
   virtual float event_elapsed_ms(Event start, Event end);
 };
 
-// Makes device `ordinal`'s primary context current for a scope and restores
-// the caller's context after (Note [Caller's context]): calls made on the
-// training thread (a pack hook, an unpack) must neither depend on which device
-// the thread happens to have current nor change it.
-class DeviceScope {
+// Restores the calling thread's current context when the scope ends, so the
+// calls inside may bind another (Note [Caller's context] in
+// cache/tensor_cache.cpp); with `c` (from current_context()), makes it
+// current now: for releasing, on any thread, what was made in a known context.
+class ContextScope {
  public:
-  DeviceScope(Driver* driver, int ordinal) : driver_(driver), previous_(driver->current_context()) {
-    driver_->bind_device(ordinal);
+  explicit ContextScope(Driver* driver) : driver_(driver), previous_(driver->current_context()) {}
+  ContextScope(Driver* driver, Context c) : ContextScope(driver) {
+    if (c != previous_) driver_->set_current_context(c);
   }
-  ~DeviceScope() {
+  ~ContextScope() {
     try {
       driver_->set_current_context(previous_);
     } catch (...) {  // a destructor must not throw; the next call reports a broken driver
     }
   }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
+  ContextScope(const ContextScope&) = delete;
+  ContextScope& operator=(const ContextScope&) = delete;
 
- private:
+ protected:
   Driver* driver_;
   Context previous_;
+};
+
+// Makes device `ordinal`'s primary context current for a scope and restores
+// the caller's context after (Note [Caller's context]): calls made on the
+// training thread (a pack hook, an unpack) must neither depend on which device
+// the thread happens to have current nor change it.
+class DeviceScope : public ContextScope {
+ public:
+  DeviceScope(Driver* driver, int ordinal) : ContextScope(driver) { driver_->bind_device(ordinal); }
 };
 
 // The process-wide driver, or nullptr when libcuda.so.1 cannot be loaded, has

@@ -4,17 +4,16 @@
 // [Pinned staging memory]): the fixed-slot PinnedPool, the page-locked buffers
 // of HostBufferPool and the checkpoint writer's snapshot arena all stand on
 // it. The memory starts zeroed. Move-only; not thread safe (owners serialise
-// pin() against their own use); the destructor unregisters and unmaps.
+// pin() against their own use); the destructor unregisters (in the context
+// that pinned, on any thread) and unmaps.
 #pragma once
 
 #include <cstddef>
 #include <string_view>
 
-namespace ebbtide::mem {
+#include "ebbtide/mem/cuda_shim.hpp"
 
-namespace cuda {
-class Driver;
-}
+namespace ebbtide::mem {
 
 class HostMapping {
  public:
@@ -37,10 +36,14 @@ class HostMapping {
   size_t size() const { return size_; }  // whole pages
   explicit operator bool() const { return data_ != nullptr; }
 
-  // Registers the whole mapping with `driver` (cuMemHostRegister) unless it
-  // was tried already; a refusal (false, warned once by the shim) is not
-  // retried. nullptr (no driver) leaves it unpinned. Returns pinned(). The
-  // driver must outlive the mapping, which unregisters with it.
+  // Registers the whole mapping with `driver` (cuMemHostRegister) in the
+  // calling thread's current context, which must be that of the device the
+  // memory serves (Note [Registration context]), unless it was tried
+  // already; a refusal (false, warned once by the shim) is not retried.
+  // nullptr (no driver) leaves it unpinned. With no context current the
+  // driver's IoError propagates, nothing is registered and pin() may be
+  // called again. Returns pinned(). The driver must outlive the mapping,
+  // which unregisters with it.
   bool pin(cuda::Driver* driver);
   bool pinned() const { return pinned_by_ != nullptr; }
   bool pin_tried() const { return pin_tried_; }
@@ -52,6 +55,7 @@ class HostMapping {
   void* data_ = nullptr;
   size_t size_ = 0;
   cuda::Driver* pinned_by_ = nullptr;
+  cuda::Context context_ = 0;  // current when pinned: unregistration binds it
   bool pin_tried_ = false;
 };
 

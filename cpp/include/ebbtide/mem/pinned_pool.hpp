@@ -1,11 +1,12 @@
 // A bounded pool of page-aligned host buffers for staging I/O.
 //
 // Buffers are fixed slots of one HostMapping, registered with the CUDA driver
-// when a driver is present (cuMemHostRegister) so device copies from and to
-// them are truly asynchronous; one mapping lets an io_uring ring register
-// every slot at once (base()). acquire() blocks while every buffer is in use
-// (bounded memory); buffers are reused, never freed until the pool dies.
-// Thread safe.
+// when a driver is present (cuMemHostRegister, in the context of the device
+// they serve: Note [Registration context] in host_mapping.cpp) so device
+// copies from and to them are truly asynchronous; one mapping lets an
+// io_uring ring register every slot at once (base()). acquire() blocks while
+// every buffer is in use (bounded memory); buffers are reused, never freed
+// until the pool dies (on any thread). Thread safe.
 // The pool must outlive every Lease taken from it: destroying it with leases
 // out is a bug and aborts the process with a message.
 #pragma once
@@ -23,8 +24,11 @@
 namespace ebbtide::mem {
 
 struct PinnedPoolOptions {
-  bool populate = false;      // MAP_POPULATE: fault every page in at construction
-  bool cuda_register = true;  // cuMemHostRegister when a CUDA driver is present
+  bool populate = false;  // MAP_POPULATE: fault every page in at construction
+  // cuMemHostRegister at construction, in the context current there; with no
+  // context current, or false, the pool stays pageable until ensure_registered().
+  bool cuda_register = true;
+  cuda::Driver* driver = nullptr;  // registers with it; nullptr: the process's (cuda::driver())
 };
 
 class PinnedPool {
@@ -67,11 +71,15 @@ class PinnedPool {
   size_t count() const { return count_; }
   size_t in_use() const;
   bool registered() const { return mapping_.pinned(); }  // pinned with the CUDA driver
-  // Registers a pool made with cuda_register = false, once, when a CUDA driver
-  // is present (pools that may never see a device copy register on first
-  // need, so CPU-only work never initialises CUDA). Returns registered().
+  // Registers a pool that is not yet, once, when a CUDA driver is present
+  // (pools that may never see a device copy register on first need, so
+  // CPU-only work never initialises CUDA), in the calling thread's current
+  // context: bind the device the buffers serve first (IoError from the driver
+  // when none is current). With `device`, that device's primary context is
+  // bound for the call instead (cuda::DeviceScope). Returns registered().
   // Call before leasing buffers for device copies; not concurrent with them.
   bool ensure_registered();
+  bool ensure_registered(int device);
   void* base() const { return mapping_.data(); }  // for io_uring buffer registration
   size_t total_bytes() const { return buffer_bytes_ * count_; }
   // Start of buffer `index` (< count()); the same address every time it is leased.
@@ -84,7 +92,8 @@ class PinnedPool {
   void release(size_t index);
   size_t buffer_bytes_;
   size_t count_;
-  HostMapping mapping_;  // pinning guarded by mu_
+  cuda::Driver* driver_;  // registers the mapping; nullptr: no CUDA
+  HostMapping mapping_;   // pinning guarded by mu_
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<size_t> free_;
@@ -99,7 +108,9 @@ class PinnedPool {
 // recycled). borrow_pinned_pool() lends a pool from a process-wide cache of
 // idle ones of the same shape (buffer size, count, registration wanted) and
 // takes it back when the borrower drops it; at most kMaxIdlePinnedBytes stay
-// idle (the rest is unmapped), and they stay until the process exits.
+// idle (the rest is unmapped), and they stay until the process exits. They
+// register with the process's driver only (options.driver must be nullptr:
+// InvalidArgument), as a pool may outlive any other.
 struct ReturnPinnedPool {
   void operator()(PinnedPool* pool) const noexcept;
 };
