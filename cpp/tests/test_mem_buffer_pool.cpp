@@ -1,5 +1,5 @@
-// HostMapping and HostBufferPool: page-aligned mappings, reuse by size, the
-// spare bound, registration with the driver only when asked
+// HostMapping and HostBufferPool: page-aligned mappings, reuse by size and
+// size class, the spare bound, registration with the driver only when asked
 // and only in the context of the device bound (against the simulated driver,
 // which counts cuMemHostRegister / Unregister calls and the contexts made).
 #include <gtest/gtest.h>
@@ -10,6 +10,7 @@
 #include <limits>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -375,6 +376,89 @@ TEST(HostMapping, UnregistersInThePinningContextAndRestoresTheCallers) {
   EXPECT_TRUE(sim.errors().empty()) << test::SimDriver::join_lines(sim.errors());
 }
 
+// Note [Buffer reuse]: whole pages up to 8, then at most 1/8 of slack.
+TEST(HostBufferPool, PinnedSizeClassesLeaveAtMostAnEighthUnused) {
+  const size_t page = HostMapping::page_size();
+  EXPECT_EQ(HostBufferPool::pinned_size_class(1), page);
+  EXPECT_EQ(HostBufferPool::pinned_size_class(8 * page), 8 * page);
+  EXPECT_EQ(HostBufferPool::pinned_size_class(8 * page + 1), 9 * page);
+  EXPECT_EQ(HostBufferPool::pinned_size_class(size_t{100} << 20), size_t{104} << 20);
+  std::mt19937_64 rng(3);
+  size_t last = 0;
+  for (size_t n = 1; n < (size_t{1} << 34); n += 1 + rng() % (n / 3 + 1)) {
+    const size_t c = HostBufferPool::pinned_size_class(n);
+    const size_t pages = (n + page - 1) / page * page;
+    ASSERT_GE(c, pages) << n;
+    ASSERT_LE(c - pages, pages / 8) << n;
+    ASSERT_EQ(c % page, 0u) << n;
+    ASSERT_EQ(HostBufferPool::pinned_size_class(c), c) << n;
+    ASSERT_GE(c, last) << n;
+    last = c;
+  }
+}
+
+// A take() is served by the smallest spare of at least its class, up to twice it.
+TEST(HostBufferPool, APinnedTakeGetsTheSmallestFittingSpare) {
+  const size_t page = HostMapping::page_size();
+  test::SimDriver drv(1e9, 1e9);
+  drv.bind_device(0);
+  HostBufferPool pool(pinning_with(drv));
+  std::vector<HostBufferPool::Buffer> first;
+  for (size_t pages : {16, 12, 10}) first.push_back(pool.take(pages * page, /*pin=*/true));
+  for (const auto& b : first) pool.give(b.data);
+  HostBufferPool::Buffer nine = pool.take(9 * page - 100, /*pin=*/true);
+  EXPECT_EQ(nine.data, first[2].data);
+  EXPECT_EQ(nine.bytes, 10 * page);
+  EXPECT_TRUE(nine.pinned);
+  HostBufferPool::Buffer five = pool.take(5 * page, /*pin=*/true);  // 12 and 16 pages: more than twice
+  EXPECT_EQ(five.bytes, 5 * page);
+  EXPECT_EQ(drv.registers(), 4);
+  HostBufferPool::Buffer eleven = pool.take(11 * page, /*pin=*/true);
+  EXPECT_EQ(eleven.data, first[1].data);
+  EXPECT_EQ(pool.reused(), 2u);
+  for (void* p : {nine.data, five.data, eleven.data}) pool.give(p);
+  EXPECT_EQ(pool.registrations(), 4u);
+}
+
+// Note [Buffer reuse], dynamic shapes: a step's activations all scale with
+// its sequence length. Once the longest has been seen, steps of any length
+// down to half of it register nothing new, and spares stay within the most
+// bytes ever out at once.
+TEST(HostBufferPool, VariableSizesWithinASeenRangeRegisterNothingAfterTheFirstStep) {
+  test::SimDriver drv(1e9, 1e9);
+  drv.bind_device(0);
+  HostBufferPool pool(pinning_with(drv));
+  size_t most_out = 0;
+  auto step = [&](size_t seq) {
+    std::vector<void*> out;
+    for (int layer = 0; layer < 4; ++layer) {
+      for (size_t per_token : {16, 2048, 2048, 8192, 8192}) {  // a norm's statistics, inputs, a wide MLP's
+        const size_t n = seq * per_token;
+        HostBufferPool::Buffer b = pool.take(n, /*pin=*/true);
+        EXPECT_TRUE(b.pinned);
+        EXPECT_GE(b.bytes, n);
+        static_cast<unsigned char*>(b.data)[0] = 1;
+        static_cast<unsigned char*>(b.data)[n - 1] = 1;
+        out.push_back(b.data);
+      }
+    }
+    most_out = std::max(most_out, pool.out_bytes());
+    for (void* p : out) pool.give(p);
+  };
+  step(1024);
+  const int first = drv.registers();
+  EXPECT_EQ(first, 20);
+  std::mt19937 rng(7);
+  for (int i = 0; i < 30; ++i) {
+    const size_t seq = i == 0 ? 512 : i == 1 ? 1024 : 512 + rng() % 513;
+    step(seq);
+    EXPECT_EQ(drv.registers(), first) << "step " << i << ", sequence length " << seq;
+    EXPECT_LE(pool.spare_bytes(), most_out);
+    EXPECT_EQ(pool.out_bytes(), 0u);
+  }
+  EXPECT_EQ(pool.registrations(), static_cast<uint64_t>(first));
+}
+
 // Note [Host staging]: blobs the driver would not pin are copied through the
 // store's staging pool, registered with the store's driver in the context
 // bound for the copy.
@@ -392,6 +476,24 @@ TEST(HostBufferPool, TheHostStoreStagesWithItsDriverInTheBoundContext) {
   store.reset();
   EXPECT_EQ(drv.contexts(), std::set<int>{1});
   EXPECT_TRUE(drv.errors().empty()) << test::SimDriver::join_lines(drv.errors());
+}
+
+// The host store counts the registrations of its blobs (StoreStats), and
+// reuses a larger pinned blob for a smaller one.
+TEST(HostBufferPool, TheHostStoreCountsItsRegistrations) {
+  test::SimDriver drv(1e9, 1e9);
+  drv.bind_device(0);
+  auto store = cache::make_host_store(cache::HostStoreOptions{0, 1 << 16, &drv});
+  for (uint64_t n : {uint64_t{3} << 20, uint64_t{2} << 20, uint64_t{3} << 20}) {
+    cache::HostSpace space = store->reserve_host(n);
+    EXPECT_TRUE(space.pinned);
+    store->free(space.loc);
+  }
+  EXPECT_EQ(store->stats().host_registrations, 1u);
+  drv.allow_register = false;
+  store->free(store->reserve_host(100000).loc);  // a new blob, refused: still a call
+  EXPECT_EQ(store->stats().host_registrations, 2u);
+  EXPECT_EQ(drv.registers(), 2);
 }
 
 }  // namespace

@@ -22,17 +22,18 @@ constexpr size_t kBlobAlign = 64;
 // put is a pinned buffer of the store's mem::HostBufferPool, so one
 // cuMemcpyDtoHAsync (and one HtoD on reload) moves it at full PCIe speed,
 // with no extra memcpy. Registration costs about as much as pinning the pages
-// once; the pool keeps freed blobs by size (Note [Buffer reuse] in
-// mem/buffer_pool.cpp), so from the second step on every blob is reused
-// already registered. When registration is refused (RLIMIT_MEMLOCK in a
-// container), that blob is ordinary memory and its copies go chunk by chunk
-// through the staging pool (mem::PinnedPool), which is made on the first such
-// copy. Host tensors use plain blobs and memcpy: CPU-only runs never pin
-// memory. Memory is pinned in the context of the device it serves, which the
-// caller has bound (the tensor cache binds the entry's device around
-// reserve_host and on its workers; put() and get() of device buffers run
-// with it bound), never in one made up for it (Note [Registration context]
-// in mem/host_mapping.cpp).
+// once; the pool keeps freed blobs in size classes (Note [Buffer reuse] in
+// mem/buffer_pool.cpp), so once the largest sizes have been seen every blob
+// is reused already registered, also when sizes vary from step to step
+// (StoreStats::host_registrations counts the registrations). When
+// registration is refused (RLIMIT_MEMLOCK in a container), that blob is
+// ordinary memory and its copies go chunk by chunk through the staging pool
+// (mem::PinnedPool), which is made on the first such copy. Host tensors use
+// plain blobs and memcpy: CPU-only runs never pin memory. Memory is pinned
+// in the context of the device it serves, which the caller has bound (the
+// tensor cache binds the entry's device around reserve_host and on its
+// workers; put() and get() of device buffers run with it bound), never in
+// one made up for it (Note [Registration context] in mem/host_mapping.cpp).
 constexpr size_t kStagingBuffers = 4;
 
 class HostStore final : public Store {
@@ -106,8 +107,15 @@ class HostStore final : public Store {
   }
 
   StoreStats stats() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return StoreStats{held_, blobs_.size(), opts_.capacity_bytes, {}};
+    StoreStats out;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      out.bytes_held = held_;
+      out.blobs = blobs_.size();
+      out.capacity = opts_.capacity_bytes;
+    }
+    out.host_registrations = blob_pool_.registrations();
+    return out;
   }
 
   std::string describe() const override {

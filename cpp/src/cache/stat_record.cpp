@@ -62,6 +62,7 @@ StatRecord stat_record(const CacheStats& s) {
       {"store_bytes_held", s.store.bytes_held},
       {"store_blobs", s.store.blobs},
       {"store_bytes_staged", s.store.bytes_staged},
+      {"store_host_registrations", s.store.host_registrations},
       {"tiers", tier_records(s.store)},
   };
 }

@@ -1,6 +1,7 @@
 #include "ebbtide/mem/buffer_pool.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <cerrno>
 #include <cstdlib>
 
@@ -9,14 +10,21 @@
 namespace ebbtide::mem {
 
 // Note [Buffer reuse]
-// Training stores and reloads the same shapes every step: keeping freed
-// buffers by exact size spares the allocator's mmap/munmap, the kernel's
-// zeroing and faulting of fresh pages and, for pinned buffers, a
-// cuMemHostRegister (which costs about as much as touching every page) per
-// buffer per step. Spares are bounded by the most bytes ever handed out at
-// once, so a pool never holds more than twice its peak. Plain buffers come
-// from the heap, where small ones share pages; pinned ones are mappings of
-// whole pages, as registration pins pages, never parts of them.
+// Training stores and reloads similar shapes every step: keeping freed
+// buffers spares the allocator's mmap/munmap, the kernel's zeroing and
+// faulting of fresh pages and, for pinned buffers, a cuMemHostRegister
+// (milliseconds per MiB, on the training thread) per buffer per step. Plain
+// buffers are kept by their rounded size: they come from the heap, where
+// small ones share pages, and a new one costs little. Pinned buffers are
+// mappings of whole pages (registration pins pages, never parts of them) in
+// size classes: whole pages, then multiples of 1/8 of the largest power of
+// two not above the size (at most 12.5% slack). A request takes the smallest
+// spare of at least its class and at most twice it, so activations whose
+// sizes change from step to step (variable sequence lengths) reuse pinned
+// buffers: once the largest have been seen, sizes down to half of theirs
+// register nothing new, at the price of up to half a buffer unused while it
+// is out. Spares are bounded by the most bytes ever handed out at once, so a
+// pool never holds more than twice its peak.
 
 HostBufferPool::HostBufferPool(HostBufferPoolOptions options) : opts_(std::move(options)) {
   EBB_CHECK(opts_.align > 0 && (opts_.align & (opts_.align - 1)) == 0, opts_.name, ": alignment ", opts_.align,
@@ -29,6 +37,14 @@ HostBufferPool::~HostBufferPool() {
   for (auto& [p, b] : out_) free_block(b);
 }
 
+size_t HostBufferPool::pinned_size_class(size_t nbytes) {
+  const size_t page = HostMapping::page_size();
+  const size_t pages = (nbytes + page - 1) / page * page;
+  if (pages <= 8 * page) return pages;
+  const size_t step = std::bit_floor(pages) / 8;  // a power of two, at least a page
+  return (pages + step - 1) / step * step;
+}
+
 void HostBufferPool::free_block(Block& b) noexcept {
   if (b.kind == Kind::kHeap) std::free(b.data);
   b.mapping = HostMapping();  // unregisters and unmaps
@@ -36,11 +52,14 @@ void HostBufferPool::free_block(Block& b) noexcept {
 }
 
 bool HostBufferPool::take_spare(size_t bytes, Kind kind, Block& out) {
-  auto it = spare_.find({bytes, kind});
-  if (it == spare_.end() || it->second.empty()) return false;
+  auto it = spare_.lower_bound({kind, bytes});
+  if (it == spare_.end() || it->first.first != kind) return false;
+  const size_t have = it->first.second;
+  if (kind == Kind::kHeap ? have != bytes : have / 2 > bytes) return false;  // Note [Buffer reuse]
   out = std::move(it->second.back());
   it->second.pop_back();
-  spare_bytes_ -= bytes;
+  if (it->second.empty()) spare_.erase(it);
+  spare_bytes_ -= out.bytes;
   ++reused_;
   return true;
 }
@@ -50,7 +69,13 @@ HostBufferPool::Block HostBufferPool::allocate(size_t bytes, bool pin) {
   b.bytes = bytes;
   if (pin) {
     b.mapping = HostMapping(bytes, opts_.name);
-    b.kind = b.mapping.pin(opts_.driver) ? Kind::kPinned : Kind::kRefused;  // a refusal is warned once by the shim
+    if (opts_.driver != nullptr) {
+      const bool pinned = b.mapping.pin(opts_.driver);  // a refusal is warned once by the shim
+      registrations_.fetch_add(1, std::memory_order_relaxed);
+      b.kind = pinned ? Kind::kPinned : Kind::kRefused;
+    } else {
+      b.kind = Kind::kRefused;
+    }
     b.data = b.mapping.data();
     return b;
   }
@@ -61,9 +86,8 @@ HostBufferPool::Block HostBufferPool::allocate(size_t bytes, bool pin) {
 
 HostBufferPool::Buffer HostBufferPool::take(size_t nbytes, bool pin) {
   EBB_CHECK(nbytes > 0, opts_.name, ": empty buffer requested");
-  const size_t granule = pin ? HostMapping::page_size() : opts_.align;
-  EBB_CHECK(nbytes <= SIZE_MAX - (granule - 1), opts_.name, ": ", nbytes, " bytes is too large");
-  const size_t bytes = (nbytes + granule - 1) / granule * granule;
+  EBB_CHECK(nbytes <= SIZE_MAX / 2, opts_.name, ": ", nbytes, " bytes is too large");
+  const size_t bytes = pin ? pinned_size_class(nbytes) : (nbytes + opts_.align - 1) / opts_.align * opts_.align;
   Block b;
   bool found = false;
   {
@@ -72,11 +96,11 @@ HostBufferPool::Buffer HostBufferPool::take(size_t nbytes, bool pin) {
                 : take_spare(bytes, Kind::kHeap, b);
   }
   if (!found) b = allocate(bytes, pin);
-  const Buffer out{b.data, bytes, b.kind == Kind::kPinned};
+  const Buffer out{b.data, b.bytes, b.kind == Kind::kPinned};
   std::lock_guard<std::mutex> lock(mu_);
-  out_.emplace(out.data, std::move(b));
-  out_bytes_ += bytes;
+  out_bytes_ += b.bytes;
   high_water_ = std::max(high_water_, out_bytes_);
+  out_.emplace(out.data, std::move(b));
   return out;
 }
 
@@ -91,7 +115,7 @@ void HostBufferPool::give(void* p) {
     out_bytes_ -= b.bytes;
     if (spare_bytes_ + b.bytes <= high_water_) {
       spare_bytes_ += b.bytes;
-      const auto key = std::make_pair(b.bytes, b.kind);
+      const auto key = std::make_pair(b.kind, b.bytes);
       spare_[key].push_back(std::move(b));
       return;
     }

@@ -45,6 +45,7 @@ struct StoreStats {
   uint64_t capacity = 0;     // 0 = unlimited
   uint64_t bytes_staged = 0; // host bytes copied through staging buffers on their way (ssd)
   TierMeter tiers[kTiers];   // filled by tiered stores only
+  uint64_t host_registrations = 0;  // cuMemHostRegister calls for host blobs so far (cpu)
 };
 
 // Host memory that a caller fills itself, e.g. with a device-to-host copy it
