@@ -1,17 +1,22 @@
 // HostMapping and HostBufferPool: page-aligned mappings, reuse by size and
 // size class, the spare bound, registration with the driver only when asked
 // and only in the context of the device bound (against the simulated driver,
-// which counts cuMemHostRegister / Unregister calls and the contexts made).
+// which counts cuMemHostRegister / Unregister calls and the contexts made),
+// and pinned memory across fork().
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <mutex>
 #include <optional>
 #include <random>
 #include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -494,6 +499,99 @@ TEST(HostBufferPool, TheHostStoreCountsItsRegistrations) {
   store->free(store->reserve_host(100000).loc);  // a new blob, refused: still a call
   EXPECT_EQ(store->stats().host_registrations, 2u);
   EXPECT_EQ(drv.registers(), 2);
+}
+
+// Whether the mapping holding `p` has `flag` among its VmFlags in
+// /proc/self/smaps ("dc": not copied on fork); nullopt when not found.
+std::optional<bool> vm_flag(const void* p, const std::string& flag) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto addr = reinterpret_cast<uintptr_t>(p);
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    uintptr_t lo = 0, hi = 0;
+    char dash = 0;
+    std::istringstream head(line);
+    if (head >> std::hex >> lo >> dash >> hi && dash == '-' && line.find(':') > line.find(' ')) {
+      inside = lo <= addr && addr < hi;
+      continue;
+    }
+    if (inside && line.rfind("VmFlags:", 0) == 0) {
+      std::istringstream flags(line.substr(8));
+      for (std::string f; flags >> f;)
+        if (f == flag) return true;
+      return false;
+    }
+  }
+  return std::nullopt;
+}
+
+// Note [Pinned memory across fork]: pinned ranges are not copied into a
+// forked child; the child's copies of the objects see fresh, writable,
+// unpinned memory at the same addresses, reuse and free it without calling
+// the driver, and the parent's pinned memory is untouched and still pinned.
+// Unpinned memory is inherited as usual.
+TEST(HostMapping, AForkedChildGetsFreshUnpinnedMemoryAndNeverCallsTheDriver) {
+  const size_t page = HostMapping::page_size();
+  test::SimDriver drv(1e9, 1e9);
+  drv.bind_device(0);
+  HostMapping pinned(3 * page, "test");
+  ASSERT_TRUE(pinned.pin(&drv));
+  std::memset(pinned.data(), 0x11, pinned.size());
+  HostMapping plain(2 * page, "test");
+  std::memset(plain.data(), 0x33, plain.size());
+  std::optional<HostBufferPool> pool(std::in_place, pinning_with(drv));
+  HostBufferPool::Buffer buf = pool->take(5 * page, /*pin=*/true);
+  ASSERT_TRUE(buf.pinned);
+  std::memset(buf.data, 0x22, buf.bytes);
+  EXPECT_EQ(vm_flag(pinned.data(), "dc"), std::optional<bool>(true));
+  EXPECT_EQ(vm_flag(buf.data, "dc"), std::optional<bool>(true));
+  EXPECT_EQ(vm_flag(plain.data(), "dc"), std::optional<bool>(false));
+  const int registers = drv.registers();
+  const int unregisters = drv.unregisters();
+  const size_t errors = drv.errors().size();
+
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {  // the child: no gtest assertions, a bit of the exit status per failed check
+    int failed = 0;
+    auto check = [&](bool ok, int bit) {
+      if (!ok) failed |= 1 << bit;
+    };
+    auto all = [](const void* p, size_t n, unsigned char v) {
+      const auto* b = static_cast<const unsigned char*>(p);
+      for (size_t i = 0; i < n; ++i)
+        if (b[i] != v) return false;
+      return true;
+    };
+    check(!pinned.pinned(), 0);
+    check(all(pinned.data(), pinned.size(), 0), 1);  // fresh: pinned contents are not inherited
+    std::memset(pinned.data(), 0x55, pinned.size());
+    check(all(plain.data(), plain.size(), 0x33), 2);
+    pool->give(buf.data);
+    HostBufferPool::Buffer again = pool->take(5 * page, /*pin=*/true);
+    check(again.data == buf.data && !again.pinned, 3);
+    std::memset(again.data, 0x66, again.bytes);
+    pool->give(again.data);
+    pool.reset();
+    pinned = HostMapping();
+    check(drv.registers() == registers && drv.unregisters() == unregisters && drv.errors().size() == errors, 4);
+    ::_exit(failed);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child died: status " << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "failed checks in the child (bits: 0 pinned, 1 contents inherited, "
+                                       "2 unpinned memory lost, 3 pool buffer, 4 driver called)";
+  const auto* p = static_cast<const unsigned char*>(pinned.data());
+  EXPECT_EQ(std::count(p, p + pinned.size(), 0x11), static_cast<std::ptrdiff_t>(pinned.size()));
+  const auto* q = static_cast<const unsigned char*>(buf.data);
+  EXPECT_EQ(std::count(q, q + buf.bytes, 0x22), static_cast<std::ptrdiff_t>(buf.bytes));
+  EXPECT_TRUE(pinned.pinned());
+  pool->give(buf.data);
+  pool.reset();
+  pinned = HostMapping();
+  EXPECT_EQ(drv.unregisters(), unregisters + 2);
+  EXPECT_TRUE(drv.errors().empty()) << test::SimDriver::join_lines(drv.errors());
 }
 
 }  // namespace

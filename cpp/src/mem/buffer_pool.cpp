@@ -96,7 +96,8 @@ HostBufferPool::Buffer HostBufferPool::take(size_t nbytes, bool pin) {
                 : take_spare(bytes, Kind::kHeap, b);
   }
   if (!found) b = allocate(bytes, pin);
-  const Buffer out{b.data, b.bytes, b.kind == Kind::kPinned};
+  // pinned(), not the kind: a forked child's buffers are no longer pinned (Note [Pinned memory across fork]).
+  const Buffer out{b.data, b.bytes, b.mapping.pinned()};
   std::lock_guard<std::mutex> lock(mu_);
   out_bytes_ += b.bytes;
   high_water_ = std::max(high_water_, out_bytes_);

@@ -147,6 +147,7 @@ void PinnedPool::Lease::reset() {
 namespace {
 struct IdlePools {
   std::mutex mu;
+  LockedAcrossFork fork_lock{mu};  // Note [Pinned memory across fork]
   std::vector<std::pair<bool, std::unique_ptr<PinnedPool>>> pools;  // (registered with CUDA, pool)
   size_t bytes = 0;
 };

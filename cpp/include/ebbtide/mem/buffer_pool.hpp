@@ -86,6 +86,7 @@ class HostBufferPool {
 
   const HostBufferPoolOptions opts_;
   mutable std::mutex mu_;
+  LockedAcrossFork fork_lock_{mu_};  // Note [Pinned memory across fork]
   std::unordered_map<void*, Block> out_;
   std::map<std::pair<Kind, size_t>, std::vector<Block>> spare_;  // no empty vectors
   size_t out_bytes_ = 0;

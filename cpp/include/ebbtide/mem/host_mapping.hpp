@@ -5,10 +5,14 @@
 // of HostBufferPool and the checkpoint writer's snapshot arena all stand on
 // it. The memory starts zeroed. Move-only; not thread safe (owners serialise
 // pin() against their own use); the destructor unregisters (in the context
-// that pinned, on any thread) and unmaps.
+// that pinned, on any thread) and unmaps. A child made by fork() inherits
+// pinned mappings as fresh, zeroed, unpinned memory at the same address
+// (Note [Pinned memory across fork]).
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <mutex>
 #include <string_view>
 
 #include "ebbtide/mem/cuda_shim.hpp"
@@ -45,7 +49,8 @@ class HostMapping {
   // called again. Returns pinned(). The driver must outlive the mapping,
   // which unregisters with it.
   bool pin(cuda::Driver* driver);
-  bool pinned() const { return pinned_by_ != nullptr; }
+  // Page-locked by this process (false in a forked child).
+  bool pinned() const;
   bool pin_tried() const { return pin_tried_; }
 
   static size_t page_size();
@@ -56,7 +61,25 @@ class HostMapping {
   size_t size_ = 0;
   cuda::Driver* pinned_by_ = nullptr;
   cuda::Context context_ = 0;  // current when pinned: unregistration binds it
+  uint64_t generation_ = 0;    // the process's fork generation when pinned
   bool pin_tried_ = false;
+  bool dontfork_ = false;  // advised MADV_DONTFORK: a child gets fresh memory here
+};
+
+// Keeps `mu` locked across every fork() of the process (pthread_atfork), so a
+// forked child never finds it held by a thread it does not have (Note
+// [Pinned memory across fork]): a member declared right after the mutex of a
+// pool whose state a child may use. Code holding `mu` must not fork, nor wait
+// for another such mutex.
+class LockedAcrossFork {
+ public:
+  explicit LockedAcrossFork(std::mutex& mu);
+  ~LockedAcrossFork();
+  LockedAcrossFork(const LockedAcrossFork&) = delete;
+  LockedAcrossFork& operator=(const LockedAcrossFork&) = delete;
+
+ private:
+  std::mutex* mu_;
 };
 
 }  // namespace ebbtide::mem

@@ -95,6 +95,7 @@ class PinnedPool {
   cuda::Driver* driver_;  // registers the mapping; nullptr: no CUDA
   HostMapping mapping_;   // pinning guarded by mu_
   mutable std::mutex mu_;
+  LockedAcrossFork fork_lock_{mu_};  // Note [Pinned memory across fork]
   std::condition_variable cv_;
   std::vector<size_t> free_;
 };
