@@ -10,6 +10,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "ebbtide/cache/store.hpp"
@@ -79,33 +80,49 @@ struct StepResult {
   uint64_t offloaded = 0;
   uint64_t copy_waits = 0;
   bool bitwise = true;
+  std::vector<std::string> races;
+  std::vector<std::string> errors;
 };
 
 // One step: offload[b] says whether block b's tensors are offloaded;
 // release_after[b] is the scope released after block b's forward (-1: none).
-// The test is the glue: it holds each saved tensor until poll() reports its
-// release, and frees it then on the compute stream.
+// The test is the glue and the model: activations and reload buffers come
+// from the simulator's caching allocator on the compute stream, kernels
+// write the activations and read them (or their reloads) back in backward,
+// checking the bytes on the device's clock, and the glue frees each saved
+// tensor when poll() reports its release.
 StepResult run_step(SimDriver& drv, TensorCache& cache, const Workload& w, const std::vector<bool>& offload,
                     const std::vector<int64_t>& release_after) {
   const mem::cuda::Stream compute = 7;
   DeviceMemory mem;
   struct Held {
-    std::vector<unsigned char> bytes;
+    std::vector<unsigned char> want;
+    mem::cuda::DevicePtr ptr = 0;
     size_t span = 0;
     bool live = true;
   };
   std::map<EntryId, Held> held;
-  std::map<EntryId, std::vector<EntryId>> unused;
   std::vector<std::vector<EntryId>> ids(static_cast<size_t>(w.blocks));
+  StepResult out;
+  auto drop = [&](Held& h, double at) {
+    h.live = false;
+    mem.free(h.span, at);
+    drv.free(h.ptr);
+  };
   auto ack = [&](const std::vector<Completion>& done) {
     for (const auto& c : done) {
       auto it = held.find(c.id);
       if (it == held.end() || !it->second.live) continue;
-      it->second.live = false;
-      mem.free(it->second.span, drv.tail(compute));
+      drop(it->second, drv.tail(compute));
     }
   };
   auto poll = [&] { ack(cache.poll()); };
+  // A kernel reading `n` bytes at `p` in backward, checking them against `want`.
+  auto read_kernel = [&](double seconds, mem::cuda::DevicePtr p, const std::vector<unsigned char>* want) {
+    drv.launch(compute, seconds, [&out, p, want] {
+      out.bitwise = out.bitwise && std::memcmp(reinterpret_cast<const void*>(p), want->data(), want->size()) == 0;
+    });
+  };
   cache.begin_step();
   const double kernel = w.block_seconds / w.tensors_per_block;
   uint64_t key = 1;
@@ -113,11 +130,16 @@ StepResult run_step(SimDriver& drv, TensorCache& cache, const Workload& w, const
     cache.scope_end(0, b - 1);
     for (int i = 0; i < w.tensors_per_block; ++i) {
       Held h;
-      h.bytes = test::random_bytes(w.tensor_bytes, key);
-      h.span = mem.alloc(drv.launch(compute, kernel), w.tensor_bytes);
+      h.want = test::random_bytes(w.tensor_bytes, key);
+      h.ptr = drv.alloc(w.tensor_bytes, compute, "activation " + std::to_string(key));
+      const unsigned char* src = h.want.data();
+      const mem::cuda::DevicePtr dst = h.ptr;
+      const uint64_t n = w.tensor_bytes;
+      h.span = mem.alloc(drv.launch(compute, kernel, [src, dst, n] { std::memcpy(reinterpret_cast<void*>(dst), src, n); }),
+                         w.tensor_bytes);
       SaveRequest r;
       r.key = key++;
-      r.src = {h.bytes.data(), w.tensor_bytes, 0, compute};
+      r.src = {reinterpret_cast<void*>(h.ptr), w.tensor_bytes, 0, compute};
       r.offload = offload[static_cast<size_t>(b)];
       SaveResult res = cache.save(r);
       const EntryId id = res.id;
@@ -132,17 +154,16 @@ StepResult run_step(SimDriver& drv, TensorCache& cache, const Workload& w, const
       poll();
     }
   }
-  StepResult out;
   out.forward_end = drv.tail(compute);
   // Backward: all copies of the micro-batch are released when it begins.
   cache.release_copies(0, INT64_MAX, compute);
   poll();
-  std::map<EntryId, std::pair<std::vector<unsigned char>, size_t>> bufs;
+  std::map<EntryId, std::pair<mem::cuda::DevicePtr, size_t>> bufs;
   auto load = [&](EntryId id, uint64_t n) {
     auto& buf = bufs[id];
-    buf.first.assign(n, 0);
+    buf.first = drv.alloc(n, compute, "reload buffer of entry " + std::to_string(id));
     buf.second = mem.alloc(drv.tail(compute), n);
-    cache.start_load(id, buf.first.data(), compute);
+    cache.start_load(id, reinterpret_cast<void*>(buf.first), compute);
   };
   for (int b = w.blocks - 1; b >= 0; --b) {
     for (auto [id, n, orig] : cache.prefetch_scope(0, b)) load(id, n);
@@ -156,18 +177,19 @@ StepResult run_step(SimDriver& drv, TensorCache& cache, const Workload& w, const
       if (r == Reload::kNeedBuffer || r == Reload::kPending) {
         EXPECT_FALSE(h.live) << "entry " << id << " reloaded while the glue still holds it";
         cache.wait(id, compute);
-        out.bitwise = out.bitwise && bufs.at(id).first == h.bytes;
+        read_kernel(kernel * w.backward_factor, bufs.at(id).first, &h.want);
         cache.consume(id);
       } else {
         EXPECT_TRUE(h.live) << "entry " << id << " answered as resident after its tensor was dropped";
+        read_kernel(kernel * w.backward_factor, h.ptr, &h.want);
       }
-      drv.launch(compute, kernel * w.backward_factor);
       const double done = drv.tail(compute);
-      if (h.live) {
-        h.live = false;
-        mem.free(h.span, done);
+      if (h.live) drop(h, done);
+      if (auto bit = bufs.find(id); bit != bufs.end()) {
+        mem.free(bit->second.second, done);
+        drv.free(bit->second.first);
+        bufs.erase(bit);
       }
-      if (auto bit = bufs.find(id); bit != bufs.end()) mem.free(bit->second.second, done);
       cache.release(id);
       poll();
     }
@@ -175,9 +197,12 @@ StepResult run_step(SimDriver& drv, TensorCache& cache, const Workload& w, const
   out.step_end = drv.tail(compute);
   auto s = cache.stats();
   cache.end_step();
+  drv.synchronize_all();  // the step's kernels (and their checks) run
   out.peak = mem.peak();
   out.offloaded = s.step.bytes_offloaded;
   out.copy_waits = s.step.copy_waits;
+  out.races = drv.races();
+  out.errors = drv.errors();
   return out;
 }
 
@@ -249,6 +274,8 @@ TEST(CacheStreamOrdered, PlannedPeakIsWithinTenPercentOfTheLinkLimit) {
     const double eligible = static_cast<double>(w.total_bytes() - w.block_bytes());
     const double link_limit_peak = static_cast<double>(w.total_bytes()) - std::min(eligible, d2h * none.forward_end);
     EXPECT_TRUE(r.bitwise);
+    EXPECT_TRUE(r.races.empty()) << SimDriver::join_lines(r.races);
+    EXPECT_TRUE(r.errors.empty()) << SimDriver::join_lines(r.errors);
     EXPECT_GT(r.offloaded, 0u);
     RecordProperty("peak_over_link_limit_" + std::to_string(int(ratio * 100)),
                    std::to_string(static_cast<double>(r.peak) / link_limit_peak));
@@ -277,6 +304,7 @@ TEST(CacheStreamOrdered, CopyBoundCapsThePeakWhenTheLinkIsSlow) {
     auto cache = sim_cache(drv, bound, w.block_bytes());
     StepResult r = run_step(drv, *cache, w, all, none_released);
     EXPECT_TRUE(r.bitwise);
+    EXPECT_TRUE(r.races.empty()) << SimDriver::join_lines(r.races);
     EXPECT_GT(r.copy_waits, 0u);
     EXPECT_LE(r.peak, bound + 2 * w.block_bytes()) << "peak " << r.peak;
     cache->close();
@@ -320,7 +348,8 @@ TEST(CacheStreamOrdered, ReloadWaitsForTheStoreCopyOnTheDevice) {
   ASSERT_EQ(cache->request(id), Reload::kNeedBuffer);
   cache->start_load(id, out.data(), compute);
   cache->wait(id, compute);
-  EXPECT_EQ(out, data);
+  bool bitwise = false;
+  drv.launch(compute, 1e-6, [&] { bitwise = out == data; });  // the kernel that reads it
   auto copies = drv.copies();
   ASSERT_EQ(copies.size(), 2u);
   EXPECT_TRUE(copies[0].d2h);
@@ -330,6 +359,8 @@ TEST(CacheStreamOrdered, ReloadWaitsForTheStoreCopyOnTheDevice) {
   EXPECT_GE(copies[1].start, copies[0].end) << "the reload starts after the store copy ended";
   EXPECT_GE(drv.tail(compute), copies[1].end) << "compute waits for the reload";
   EXPECT_EQ(drv.host_time(), 0.0) << "nothing synchronised the host";
+  drv.synchronize_all();
+  EXPECT_TRUE(bitwise);
   cache->consume(id);
   cache->release(id);
   cache->close();

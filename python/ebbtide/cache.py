@@ -694,6 +694,9 @@ class TensorCache:
             raise
         if done is not None:
             native.ack(done)
+        if off and t.is_cuda:
+            # Note [Stream-ordered drops] (tensor_cache.cpp), as in the C++ hooks.
+            t.record_stream(torch.cuda.current_stream(t.device))
         if is_new:
             native.note_plan(nbytes, off, decision == "offload", tier)
         return native.handle(t, eid, hid, version, key, nbytes)
@@ -735,6 +738,8 @@ class TensorCache:
         with self._lock:
             if self._closed:
                 return
+            if self._on_cuda() and torch.cuda.is_current_stream_capturing():
+                return  # Note [Graph capture] (tensor_cache.cpp): nothing to release or load inside one
             if self._on_cuda():
                 # Note [Release points]: backward of the micro-batch begins.
                 self._core.release_copies(mb, _ALL_SCOPES, self._stream())

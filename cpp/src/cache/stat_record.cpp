@@ -20,6 +20,7 @@ StatRecord counters_record(const Counters& c) {
       {"store_failures", c.store_failures},
       {"load_failures", c.load_failures},
       {"copy_waits", c.copy_waits},
+      {"tensors_in_capture", c.tensors_in_capture},
       {"saved_bytes_total", c.saved_bytes_total},
       {"peak_resident_bytes", c.peak_resident_bytes},
       {"stall_seconds", c.stall_seconds},

@@ -156,8 +156,9 @@ struct TensorCache::Entry {
   EntryState state = EntryState::kKept;
   bool acked = true;
   bool busy = false;
+  bool worker_busy = false;  // `busy` on a worker thread: a release abandons it (Note [Abandoned work])
   bool load_started = false;
-  bool abandoned = false;  // released while its store ran (Note [Abandoned stores])
+  bool abandoned = false;  // released while a worker ran its work (Note [Abandoned work])
   int handles = 0;
   int unpacks_left = 0;
   int64_t consumed_task = -1;  // graph task that consumed the last load
@@ -181,6 +182,7 @@ struct TensorCache::Entry {
   bool loaded_once = false;            // a host-to-device copy read `blob` (load_done_ev)
   bool spilling = false;               // a worker is writing `blob` to the SSD
   uint64_t copy_through = 0;           // the lane's `enqueued` once its copy was
+  mem::cuda::Stream src_stream = 0;    // the stream the saved tensor was produced on
   // Note [Glue objects].
   GlueObj live;
   GlueObj orig;
@@ -188,6 +190,8 @@ struct TensorCache::Entry {
   bool buf_host = false;               // `buf` is a host pool buffer; `dst` is `buf_phase` bytes in
   uint64_t buf_phase = 0;
   mem::cuda::Stream buf_stream = 0;    // glue buffer: the stream it was allocated on
+  bool load_enqueued = false;          // a host-to-device copy into `buf` was enqueued (load_done_ev)
+  bool load_waited = false;            // ... and a stream of the glue was made to wait for it
   size_t order_pos = SIZE_MAX;         // its place in its micro-batch's order, if it has one
 };
 
@@ -245,6 +249,7 @@ void fold(Counters& total, const Counters& step) {
   total.store_failures += step.store_failures;
   total.load_failures += step.load_failures;
   total.copy_waits += step.copy_waits;
+  total.tensors_in_capture += step.tensors_in_capture;
   total.saved_bytes_total += step.saved_bytes_total;
   total.peak_resident_bytes = std::max(total.peak_resident_bytes, step.peak_resident_bytes);
   total.stall_seconds += step.stall_seconds;
@@ -353,6 +358,19 @@ void TensorCache::give_event_locked(int device, mem::cuda::Event& ev) {
 
 void TensorCache::add_stall(double s) { step_c_.stall_seconds += s; }
 
+// Note [Graph capture]
+// While a stream is captured into a CUDA graph (torch.cuda.graph,
+// make_graphed_callables) nothing enqueued on it runs, and in torch's global
+// capture mode host synchronisation, event queries, host registration and
+// stream creation are illegal. A save whose producing stream is capturing is
+// therefore kept resident, with no driver call beyond the capture query
+// (counted as tensors_in_capture): the graph's private pool holds its memory
+// and a replay rewrites it, so an offload could not be replayed anyway.
+// Release points and prefetches on a capturing stream do nothing (the copies
+// are released at the next point outside the capture); a reload of an entry
+// saved outside the capture is refused with a clear error; drops that need a
+// wait on a capturing stream are deferred (Note [Stream-ordered drops]).
+// Workers relax their own capture mode (Note [Spill readiness]).
 SaveResult TensorCache::save(const SaveRequest& r) {
   std::vector<GlueObj> dead;
   Lock lock(mu_);
@@ -387,7 +405,14 @@ SaveResult TensorCache::save(const SaveRequest& r) {
   e->handles = 1;
   e->state = EntryState::kKept;
   e->orig = r.orig;
+  e->src_stream = r.src.stream;
   bool offload = r.offload && !stop_offload_;
+  if (r.src.on_device() && capturing_locked(r.src.device, r.src.stream)) {
+    offload = false;  // Note [Graph capture]
+    step_c_.tensors_in_capture += 1;
+  } else if (r.src.on_device() && !deferred_.empty()) {
+    flush_deferred_locked(false);
+  }
   if (offload && opts_.max_inflight_bytes != 0 && inflight_ + r.src.nbytes > opts_.max_inflight_bytes) {
     // Note [Store backpressure]: bounds the memory held for pending stores
     // when the store is slower than compute (the wait counts as stall).
@@ -453,8 +478,13 @@ SaveResult TensorCache::save(const SaveRequest& r) {
   entries_.emplace(id, std::move(e));
   const HandleId h = new_handle_locked(id);
   if (stream_ordered) {
-    mem::cuda::DeviceScope scope(opts_.driver, r.src.device);
-    bound_copies_locked(lanes_.at(r.src.device), r.src.stream);
+    try {  // the entry and its handle exist: a failed bound only leaves its copies held
+      mem::cuda::DeviceScope scope(opts_.driver, r.src.device);
+      bound_copies_locked(lanes_.at(r.src.device), r.src.stream);
+    } catch (const std::exception& ex) {
+      log::warn_once("cache.copy_bound", detail::concat("tensor cache: bounding the device copies in flight failed (",
+                                                        ex.what(), "); they stay held until a release point"));
+    }
   }
   return SaveResult{id, h, true, offload, take_completions_locked()};
 }
@@ -586,6 +616,7 @@ TensorCache::DevicePath TensorCache::offload_device_locked(Entry& e, const SaveR
   Lane* lane = nullptr;
   mem::cuda::Event ready = 0;
   mem::cuda::Event copy = 0;
+  bool enqueued = false;
   try {
     lane = &lane_locked(r.src.device);
     ready = take_event_locked(r.src.device);
@@ -593,17 +624,29 @@ TensorCache::DevicePath TensorCache::offload_device_locked(Entry& e, const SaveR
     drv->stream_wait_event(lane->copy, ready);
     give_event_locked(r.src.device, ready);  // the wait captured the record: the event may be reused
     drv->memcpy_dtoh_async(space.ptr, reinterpret_cast<mem::cuda::DevicePtr>(r.src.ptr), r.src.nbytes, lane->copy);
+    enqueued = true;
     copy = take_event_locked(r.src.device);
     drv->event_record(copy, lane->copy);
   } catch (...) {
     give_event_locked(r.src.device, ready);
     give_event_locked(r.src.device, copy);
-    owner->free(space.loc);
+    // A copy already enqueued still writes the blob: freed only once it ran.
+    bool free_it = !enqueued;
+    if (enqueued) {
+      try {
+        drv->stream_synchronize(lane->copy);
+        free_it = true;
+      } catch (const std::exception& ex) {
+        log::error("tensor cache: a failed offload's copy could not be waited for (", ex.what(),
+                   "); its host blob is kept");
+      }
+    }
+    if (free_it) owner->free(space.loc);
     throw;
   }
   lane->enqueued += r.src.nbytes;
   ref_event_locked(copy);
-  lane->pending.push_back(Lane::Copy{lane->enqueued, copy, e.id});
+  lane->pending.push_back(Lane::Copy{lane->enqueued, copy, e.id, r.src.stream});
   e.stream_ordered = true;
   e.blob = space.ptr;
   e.blob_store = owner;
@@ -623,30 +666,39 @@ TensorCache::DevicePath TensorCache::offload_device_locked(Entry& e, const SaveR
 }
 
 // Note [Release points]: reports the entries whose copies are done up to
-// `through` in the lane, after making `compute` wait for the copy that ends
-// there (skipped when a host query already saw it complete).
-void TensorCache::release_through_locked(Lane& lane, uint64_t through, mem::cuda::Stream compute) {
+// `through` in the lane, after making the streams their tensors were produced
+// on (and `compute`, when given) wait for the copy that ends there (skipped
+// when a host query already saw it complete). The glue then drops the
+// tensors: each is freed to the stream it was produced on, or held by the
+// allocator until that stream passed the wait (record_stream at save), so no
+// stream reuses memory a copy still reads (Note [Stream-ordered drops]).
+void TensorCache::release_through_locked(Lane& lane, uint64_t through, const mem::cuda::Stream* compute) {
   auto* drv = opts_.driver;
+  // The waits first: when one fails (or a stream is being captured) nothing
+  // is released and the copies stay held for a later point.
   mem::cuda::Event last = 0;
-  bool waited = false;
+  std::vector<mem::cuda::Stream> streams;
+  if (compute != nullptr) streams.push_back(*compute);
+  for (const auto& c : lane.pending) {
+    if (c.through > through) break;
+    if (std::find(streams.begin(), streams.end(), c.src) == streams.end()) streams.push_back(c.src);
+    if (c.through == through) last = c.ev;
+  }
+  if (last == 0) return;
+  for (mem::cuda::Stream s : streams)
+    if (drv->stream_is_capturing(s)) return;  // Note [Graph capture]
+  if (!drv->event_query(last)) {
+    for (mem::cuda::Stream s : streams) drv->stream_wait_event(s, last);
+    step_c_.copy_waits += 1;
+  }
   while (!lane.pending.empty() && lane.pending.front().through <= through) {
     Lane::Copy c = lane.pending.front();
     lane.pending.pop_front();
-    if (c.through == through) {
-      if (!drv->event_query(c.ev)) {
-        drv->stream_wait_event(compute, c.ev);
-        step_c_.copy_waits += 1;
-      }
-      waited = true;
-      last = c.ev;
-    } else {
-      give_event_locked(lane.device, c.ev);
-    }
+    give_event_locked(lane.device, c.ev);
     auto it = entries_.find(c.id);
     if (it != entries_.end() && it->second->state == EntryState::kStored && !it->second->acked)
       completions_.push_back({c.id, true});
   }
-  if (waited) give_event_locked(lane.device, last);
   lane.waited = std::max(lane.waited, through);
 }
 
@@ -660,19 +712,22 @@ void TensorCache::bound_copies_locked(Lane& lane, mem::cuda::Stream compute) {
     if (!drv->event_query(c.ev)) break;
     seen_done = c.through;
   }
-  if (seen_done != 0) release_through_locked(lane, seen_done, compute);
+  if (seen_done != 0) release_through_locked(lane, seen_done, &compute);
   const uint64_t limit = opts_.device_inflight_bytes;
   if (limit == 0 || lane.enqueued - lane.waited <= limit) return;
   for (const auto& c : lane.pending) {
     if (lane.enqueued - c.through <= limit) {
-      release_through_locked(lane, c.through, compute);
+      release_through_locked(lane, c.through, &compute);
       return;
     }
   }
 }
 
 void TensorCache::release_copies(int microbatch, int64_t scope, mem::cuda::Stream compute) {
+  std::vector<GlueObj> dead;
   Lock lock(mu_);
+  Reaper reaper{graveyard_, dead};
+  if (!deferred_.empty()) flush_deferred_locked(false);
   auto m = microbatches_.find(microbatch);
   // Nothing held (e.g. every block's backward after the first released all):
   // no walk over the order.
@@ -695,7 +750,7 @@ void TensorCache::release_copies(int microbatch, int64_t scope, mem::cuda::Strea
   }
   for (auto [device, t] : through) {
     mem::cuda::DeviceScope ds(opts_.driver, device);  // Note [Caller's context]
-    release_through_locked(lanes_.at(device), t, compute);
+    release_through_locked(lanes_.at(device), t, &compute);
   }
 }
 
@@ -728,7 +783,7 @@ void TensorCache::sweep_fenced_locked(bool wait) {
       done = wait || drv->event_query(it->fence);
     } catch (const std::exception& ex) {
       log::error("tensor cache: waiting for a device copy before freeing its host blob: ", ex.what());
-      done = wait;
+      done = false;  // kept: never freed under a copy that may still run
     }
     if (!done) {
       ++it;
@@ -746,43 +801,61 @@ void TensorCache::sweep_fenced_locked(bool wait) {
 
 void TensorCache::wait_idle_locked(Lock& lock, Entry& e) {
   if (!e.busy) return;
+  const EntryId id = e.id;  // `e` may be gone when the wait ends (another release)
   auto t0 = std::chrono::steady_clock::now();
-  done_cv_.wait(lock, [&] { return !e.busy; });
+  done_cv_.wait(lock, [&] {
+    auto it = entries_.find(id);
+    return it == entries_.end() || !it->second->busy;
+  });
   add_stall(seconds_since(t0));
 }
 
-// Note [Abandoned stores]
-// Releasing an entry whose copy runs on a worker waits for the copy: the glue
-// frees the memory the worker reads or writes right after. One exception: a
-// device entry forwarded while its store runs. Its stored bytes are never
-// read, and the device memory stays valid for the copy after the glue drops
-// the tensor (the caching allocator keeps it; a cudaFree synchronizes the
-// device first), so the worker may read bytes that are being reused: harmless.
-// Waiting there stalled backward for whole stores (hundreds of MiB at PCIe
-// speed) on a GPU whose compute outruns the stores. The entry moves to
-// abandoned_ and the worker frees its space and drops it when the copy ends.
+// Note [Abandoned work]
+// Releasing an entry never waits for a worker: backward's autograd thread
+// releases entries as their nodes die, and a wait there for a running store,
+// spill or load (hundreds of MiB at disk or PCIe speed) stalls backward. An
+// entry whose work runs on a worker (`worker_busy`) moves to abandoned_ with
+// everything that work touches: the saved tensor the store reads (device
+// memory stays mapped and unused by anyone else while the glue's reference
+// lives, so neither a reuse by the caching allocator nor an unmap by
+// empty_cache() with expandable segments can pull it from under the copy),
+// the reload buffer a load writes, the bounce blob a spill reads. When the
+// work ends, the worker disposes of all of it (glue objects through the
+// graveyard, stream-ordered where a device copy may still run: Note
+// [Stream-ordered drops]) and drops the entry. Bytes stored for an entry
+// that is gone are counted as discarded. Loads the caller's thread runs itself
+// (Note [Host copies on the caller]) are still waited for: the releasing
+// thread is another one, and the copy is a short memcpy.
+//
+// Note [Stream-ordered drops]
+// Dropping a glue object that is device memory frees it to torch's caching
+// allocator on the stream it was allocated on, which hands it to that
+// stream's next allocation at once. So before the drop, every device copy
+// that may still touch it must be ordered before that stream's next work:
+//   - a reload buffer (`buf`, allocated on `buf_stream`) whose host-to-device
+//     copy no unpack waited for (the entry was released before its backward,
+//     answered from its original, its backward raised): `buf_stream` waits
+//     for `load_done_ev`;
+//   - a saved tensor whose device-to-host copy was not released yet (the
+//     graph died during forward): the stream it was produced on waits for
+//     `copy_ev`. The glue records that stream on the tensor at save
+//     (record_stream), so a tensor allocated on another stream (MoE
+//     all-to-all, communication overlap) is held by the allocator until that
+//     stream passed this wait too.
+// The waits are on the device; the host never synchronises. A wait on a stream
+// that is being captured into a CUDA graph is illegal: such drops are
+// deferred (deferred_) to the next call on an uncaptured stream, or to close.
 void TensorCache::erase_locked(Lock& lock, EntryId id) {
   auto it = entries_.find(id);
   if (it == entries_.end()) return;
   Entry& e = *it->second;
-  const bool abandon = e.busy && e.device >= 0 && e.state == EntryState::kForwarded;
-  if (!abandon) wait_idle_locked(lock, e);
-  mutate(e, EntryState::kStored, true);  // leaves resident and window sums
-  if (e.has_loc) {
-    try {
-      store_->free(e.loc);
-    } catch (const std::exception& ex) {
-      log::error("tensor cache: freeing entry ", id, ": ", ex.what());
-    }
+  const bool abandon = e.busy && e.worker_busy;
+  if (!abandon && e.busy) {
+    wait_idle_locked(lock, e);  // the lock was released: look the entry up again
+    erase_locked(lock, id);
+    return;
   }
-  free_blob_locked(e);
-  bury_locked(e.live);
-  bury_locked(e.orig);
-  bury_locked(e.buf);
-  give_event_locked(e.device, e.copy_ev);
-  give_event_locked(e.device, e.ready_ev);
-  give_event_locked(e.device, e.dst_ready_ev);
-  give_event_locked(e.device, e.load_done_ev);
+  mutate(e, EntryState::kStored, true);  // leaves resident and window sums
   if (auto k = by_key_.find({e.key, e.version}); k != by_key_.end() && k->second == id) by_key_.erase(k);
   if (auto m = microbatches_.find(e.microbatch); m != microbatches_.end()) {
     if (e.order_pos != SIZE_MAX && --m->second.live == 0) {
@@ -792,8 +865,113 @@ void TensorCache::erase_locked(Lock& lock, EntryId id) {
   if (abandon) {
     e.abandoned = true;
     abandoned_.emplace(id, std::move(it->second));
+  } else {
+    dispose_locked(e);
   }
   entries_.erase(it);
+}
+
+// Frees what an entry holds: its stored bytes, its host blob (fenced), its
+// glue objects (Note [Stream-ordered drops]) and its events.
+void TensorCache::dispose_locked(Entry& e) {
+  if (e.has_loc) {
+    try {
+      store_->free(e.loc);
+    } catch (const std::exception& ex) {
+      log::error("tensor cache: freeing entry ", e.id, ": ", ex.what());
+    }
+    e.has_loc = false;
+  }
+  if (e.stream_ordered && e.live && e.copy_ev != 0) {
+    // Not released yet: the copy may still read it.
+    fence_drop_locked(e.device, e.src_stream, e.copy_ev, e.live);
+  }
+  free_blob_locked(e);
+  bury_locked(e.live);
+  bury_locked(e.orig);
+  drop_buf_locked(e);
+  give_event_locked(e.device, e.copy_ev);
+  give_event_locked(e.device, e.ready_ev);
+  give_event_locked(e.device, e.dst_ready_ev);
+  give_event_locked(e.device, e.load_done_ev);
+}
+
+// A worker's work on an abandoned entry ended (Note [Abandoned work]).
+void TensorCache::finish_abandoned_locked(Entry& e) {
+  const EntryId id = e.id;
+  dispose_locked(e);
+  abandoned_.erase(id);  // destroys `e`
+  done_cv_.notify_all();
+}
+
+// Note [Stream-ordered drops], for the reload buffer.
+void TensorCache::drop_buf_locked(Entry& e) {
+  if (e.buf && !e.buf_host && e.device >= 0 && e.load_enqueued && !e.load_waited && e.load_done_ev != 0)
+    fence_drop_locked(e.device, e.buf_stream, e.load_done_ev, e.buf);
+  bury_locked(e.buf);
+  e.load_enqueued = false;
+  e.load_waited = false;
+}
+
+// Note [Graph capture]: a reload (or a wait for one) of an entry saved
+// outside the capture cannot be captured.
+void TensorCache::refuse_in_capture_locked(const Entry& e, mem::cuda::Stream stream) {
+  EBB_CHECK_STATE(!capturing_locked(e.device, stream), "tensor cache: entry ", e.id,
+                  " was saved outside a CUDA graph capture and is unpacked inside one: its reload cannot be "
+                  "captured (capture the whole step, or none of its backward)");
+}
+
+bool TensorCache::capturing_locked(int device, mem::cuda::Stream stream) {
+  if (opts_.driver == nullptr || device < 0) return false;
+  mem::cuda::DeviceScope scope(opts_.driver, device);  // Note [Caller's context]
+  return opts_.driver->stream_is_capturing(stream);
+}
+
+// `stream` waits for `fence`, then `obj` is dropped (Note [Stream-ordered drops]).
+void TensorCache::fence_drop_locked(int device, mem::cuda::Stream stream, mem::cuda::Event fence, GlueObj& obj) {
+  if (!obj) return;
+  try {
+    mem::cuda::DeviceScope scope(opts_.driver, device);  // Note [Caller's context]
+    if (!opts_.driver->stream_is_capturing(stream)) {
+      opts_.driver->stream_wait_event(stream, fence);
+      bury_locked(obj);
+      return;
+    }
+  } catch (const std::exception& ex) {
+    // Held until close, which synchronises the device first.
+    log::error("tensor cache: ordering a drop after device ", device, "'s copy failed (", ex.what(),
+               "); the memory is held until the cache closes");
+  }
+  ref_event_locked(fence);
+  deferred_.push_back(DeferredDrop{device, stream, fence, std::move(obj)});
+  obj.reset();
+}
+
+// Deferred drops whose streams are no longer captured (all: every one, the
+// device being idle, at close).
+void TensorCache::flush_deferred_locked(bool all) {
+  for (auto it = deferred_.begin(); it != deferred_.end();) {
+    bool done = all;
+    if (!all) {
+      try {
+        mem::cuda::DeviceScope scope(opts_.driver, it->device);
+        if (!opts_.driver->stream_is_capturing(it->stream)) {
+          opts_.driver->stream_wait_event(it->stream, it->fence);
+          done = true;
+        }
+      } catch (const std::exception& ex) {
+        log::warn_once("cache.deferred_drop", detail::concat("tensor cache: ordering a deferred drop failed (",
+                                                             ex.what(), "); it is held until the cache closes"));
+      }
+    }
+    if (!done) {
+      ++it;
+      continue;
+    }
+    bury_locked(it->obj);
+    give_event_locked(it->device, it->fence);
+    it = deferred_.erase(it);
+  }
 }
 
 // Note [Interrupted release]
@@ -911,13 +1089,16 @@ void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream, Gl
   Reaper reaper{graveyard_, dead};
   EBB_CHECK_STATE(!closed_, "tensor cache: load on a closed cache");
   Entry& e = find(id, "start_load");
-  start_load_locked(e, dst, stream);
+  EBB_CHECK_STATE(e.state == EntryState::kStored, "tensor cache: start_load of entry ", id, " in state ",
+                  to_string(e.state), " (expected stored)");
   adopt_buffer_locked(e, std::move(owner), stream);
+  start_load_locked(e, dst, stream);
 }
 
 // The glue's buffer `owner` (allocated on `stream`) holds the entry's reload.
+// Called before the load into it starts (the old buffer's flags go with it).
 void TensorCache::adopt_buffer_locked(Entry& e, GlueObj owner, mem::cuda::Stream stream) {
-  bury_locked(e.buf);
+  drop_buf_locked(e);
   e.buf = std::move(owner);
   e.buf_host = false;
   e.buf_phase = 0;
@@ -942,8 +1123,9 @@ void TensorCache::start_loads(const std::vector<EntryId>& ids,
       start_load_locked(e, e.dst, 0);
     } else {
       EBB_CHECK(i < buffers.size() && buffers[i].first != 0, "tensor cache: no buffer for device entry ", e.id);
-      start_load_locked(e, reinterpret_cast<void*>(buffers[i].first), stream);
+      if (capturing_locked(e.device, stream)) return;  // Note [Graph capture]: no prefetch inside one
       adopt_buffer_locked(e, buffers[i].second, stream);
+      start_load_locked(e, reinterpret_cast<void*>(buffers[i].first), stream);
     }
   }
 }
@@ -977,6 +1159,7 @@ void TensorCache::start_load_locked(Entry& e, void* dst, mem::cuda::Stream strea
   e.dst = dst;
   e.load_started = false;
   e.load_error = nullptr;
+  refuse_in_capture_locked(e, stream);
   if (e.stream_ordered && e.blob != nullptr) {
     // Note [Stream-ordered offload]: enqueued here, after the buffer's
     // allocation and the store's copy, with no host wait.
@@ -989,7 +1172,14 @@ void TensorCache::start_load_locked(Entry& e, void* dst, mem::cuda::Stream strea
     drv->stream_wait_event(lane.load, e.dst_ready_ev);
     drv->stream_wait_event(lane.load, e.copy_ev);
     drv->memcpy_htod_async(reinterpret_cast<mem::cuda::DevicePtr>(dst), e.blob, e.nbytes, lane.load);
-    drv->event_record(e.load_done_ev, lane.load);
+    try {
+      drv->event_record(e.load_done_ev, lane.load);
+    } catch (...) {
+      drv->stream_synchronize(lane.load);  // the buffer may be dropped once the copy ran
+      throw;
+    }
+    e.load_enqueued = true;
+    e.load_waited = false;
     e.loaded_once = true;
     e.spill_queued = false;  // the bytes stay in host memory: backward reads them now
     e.load_started = true;
@@ -1030,8 +1220,10 @@ void TensorCache::wait(EntryId id, mem::cuda::Stream stream) {
   EBB_CHECK_STATE(f.state == EntryState::kLoaded, "tensor cache: wait on entry ", id, " in state ",
                   to_string(f.state), " (no load started)");
   if (f.device >= 0 && f.load_done_ev != 0) {
+    refuse_in_capture_locked(f, stream);
     mem::cuda::DeviceScope scope(opts_.driver, f.device);  // Note [Caller's context]
     opts_.driver->stream_wait_event(stream, f.load_done_ev);
+    f.load_waited = true;  // on `stream`; the glue records it on the buffer when it is another
   }
 }
 
@@ -1057,7 +1249,7 @@ void TensorCache::consume_locked(Entry& e, int64_t task) {
   e.consumed_task = task;
   mutate(e, EntryState::kStored, true);
   e.dst = nullptr;
-  bury_locked(e.buf);
+  drop_buf_locked(e);
   if (e.stream_ordered && e.has_loc) free_blob_locked(e);  // a bounce blob: the SSD still has the bytes
 }
 
@@ -1163,15 +1355,17 @@ Unpacked TensorCache::unpack(EntryId id, mem::cuda::Stream stream, int64_t task,
     if (e->load_error) {
       auto err = e->load_error;
       e->load_error = nullptr;
-      bury_locked(e->buf);
+      drop_buf_locked(*e);
       std::rethrow_exception(err);
     }
   }
   EBB_CHECK_STATE(e->state == EntryState::kLoaded, "tensor cache: unpack of entry ", id, " in state ",
                   to_string(e->state), " without its tensor");
   if (e->device >= 0 && e->load_done_ev != 0) {
+    refuse_in_capture_locked(*e, stream);
     mem::cuda::DeviceScope scope(opts_.driver, e->device);  // Note [Caller's context]
     opts_.driver->stream_wait_event(stream, e->load_done_ev);
+    e->load_waited = true;  // on `stream`; the glue records it on the buffer when it is another
   }
   out.kind = Unpacked::Kind::kBuffer;
   out.obj = e->buf;
@@ -1234,7 +1428,7 @@ void TensorCache::count_reload_locked(Entry& e) {
 // are answered from the live tensor (counted as forwarded). The forward's
 // peak, which held them, has passed; storing them now would only spend the
 // link on bytes that this same backward reads back, while its loads wait for
-// the link. Stores already running finish (Note [Abandoned stores] for what
+// the link. Stores already running finish (Note [Abandoned work] for what
 // they wrote). Seen on an H100: stores lagged the forward so far that the
 // workers went on storing the first blocks through backward and then reloaded
 // them. A later forward of the micro-batch re-arms the mark.
@@ -1322,11 +1516,24 @@ void TensorCache::begin_step() {
   std::erase_if(microbatches_, [](const auto& kv) { return kv.second.live == 0; });
   step_c_.peak_resident_bytes = resident_;
   stop_offload_ = false;
-  if (!fenced_.empty()) sweep_fenced_locked(false);
+  // No sweep of fenced frees here: a step may begin inside a graph capture,
+  // where the query is illegal (Note [Graph capture]); saves sweep them.
 }
 
 void TensorCache::end_step() {
+  std::vector<GlueObj> dead;
   Lock lock(mu_);
+  Reaper reaper{graveyard_, dead};
+  // The step's counters close once its abandoned work ended (Note [Abandoned
+  // work]): what its stores wrote is then all counted, offloaded or
+  // discarded. Backward has ended; this is one wait at the step's end, for
+  // disk writes of entries released mid-write, instead of one per release.
+  const auto t0 = std::chrono::steady_clock::now();
+  done_cv_.wait(lock, [&] {
+    return std::none_of(abandoned_.begin(), abandoned_.end(),
+                        [&](const auto& kv) { return kv.second->step == step_; });
+  });
+  add_stall(seconds_since(t0));
   fold(total_c_, step_c_);
   steps_ += 1;
 }
@@ -1341,6 +1548,13 @@ std::vector<EntryId> TensorCache::release_step(uint64_t step) {
   }
   std::sort(ids.begin(), ids.end());
   for (EntryId id : ids) erase_locked(lock, id);
+  // An aborted step leaves nothing behind when this returns: its abandoned
+  // work (Note [Abandoned work]), this call's or its handles' before it, is
+  // waited for here, off the hot path.
+  done_cv_.wait(lock, [&] {
+    return std::none_of(abandoned_.begin(), abandoned_.end(),
+                        [&](const auto& kv) { return step == 0 || kv.second->step == step; });
+  });
   done_cv_.notify_all();
   return ids;
 }
@@ -1351,8 +1565,14 @@ uint64_t TensorCache::current_step() const {
 }
 
 void TensorCache::drain() {
+  std::vector<GlueObj> dead;
   Lock lock(mu_);
+  Reaper reaper{graveyard_, dead};
   auto t0 = std::chrono::steady_clock::now();
+  for (auto& [device, lane] : lanes_) {  // first: spills wait for these copies (Note [Spill readiness])
+    mem::cuda::DeviceScope scope(opts_.driver, device);
+    opts_.driver->stream_synchronize(lane.copy);
+  }
   done_cv_.wait(lock, [&] {
     return closed_ || ((store_q_.empty() || stores_paused_) && load_q_.empty() && busy_ == 0);
   });
@@ -1362,7 +1582,7 @@ void TensorCache::drain() {
       opts_.driver->stream_synchronize(lane.copy);
       opts_.driver->stream_synchronize(lane.load);
       // Every copy is done: release them all, no wait is enqueued.
-      if (!lane.pending.empty()) release_through_locked(lane, lane.pending.back().through, 0);
+      if (!lane.pending.empty()) release_through_locked(lane, lane.pending.back().through, nullptr);
     }
     if (!fenced_.empty()) sweep_fenced_locked(false);
   }
@@ -1437,6 +1657,7 @@ void TensorCache::close() {
   for (auto& c : completions_) bury_locked(c.live);
   completions_.clear();
   dead.swap(graveyard_);
+  bool idle = true;  // every copy the cache enqueued has run
   if (opts_.driver != nullptr) {
     for (auto& [device, lane] : lanes_) {
       try {
@@ -1444,12 +1665,38 @@ void TensorCache::close() {
         opts_.driver->stream_synchronize(lane.copy);
         opts_.driver->stream_synchronize(lane.load);
       } catch (const std::exception& ex) {
+        idle = false;
         log::error("tensor cache: synchronizing the copy streams of device ", device, ": ", ex.what());
       }
       for (auto& c : lane.pending) give_event_locked(device, c.ev);
       lane.pending.clear();
     }
+  }
+  if (!idle) {
+    // Note [Close without a sync]: inside a graph capture, or with a broken
+    // device, copies may still run: nothing they may touch is freed. The
+    // stores (their pinned blobs) and the held glue objects are leaked on
+    // purpose, for the life of the process.
+    log::error("tensor cache: closed while its copies could not be waited for; their host memory is kept "
+               "for the life of the process");
+    static auto* leaked = new std::vector<std::unique_ptr<Store>>();
+    static auto* leaked_glue = new std::vector<GlueObj>();
+    if (staging_) leaked->push_back(std::move(staging_));
+    for (auto& d : deferred_) leaked_glue->push_back(std::move(d.obj));
+    deferred_.clear();
+    fenced_.clear();
+    lanes_.clear();
+    free_events_.clear();
+    closed_store_stats_ = store_ ? store_->stats() : StoreStats{};
+    closed_describe_ = store_ ? store_->describe() : std::string();
+    if (store_) leaked->push_back(std::move(store_));
+    return;
+  }
+  if (opts_.driver != nullptr) {
     sweep_fenced_locked(true);
+    flush_deferred_locked(true);  // the copies they waited for are done
+    for (auto& g : graveyard_) dead.push_back(std::move(g));
+    graveyard_.clear();
     for (auto& [device, lane] : lanes_) {
       try {
         mem::cuda::DeviceScope scope(opts_.driver, device);
@@ -1530,20 +1777,77 @@ std::string TensorCache::describe() const {
                         config::format_bytes(double(opts_.prefetch_window_bytes)));
 }
 
+// Note [Spill readiness]
+// A spill (Note [SSD below the link]) can start only once its device-to-host
+// copy has run, and on a GPU that copy waits behind the compute stream, which
+// the CPU runs far ahead of. A worker that waited for it in
+// cuEventSynchronize would sit there (spinning, unless the event blocks)
+// while loads, which backward waits for, queue behind it. So a worker takes
+// a spill only once a query finds its copy done, takes any other queued work
+// first, and when only unready spills are left it looks again after
+// kSpillPoll (or when new work arrives). Worker threads relax their graph
+// capture mode (Note [Graph capture]): their queries and copies never touch a
+// captured stream, and a capture on the training thread must not fail them.
+namespace {
+constexpr auto kSpillPoll = std::chrono::microseconds(250);
+}  // namespace
+
+bool TensorCache::spill_ready_locked(const Entry& e) {
+  try {
+    opts_.driver->bind_device(e.device);
+    return opts_.driver->event_query(e.copy_ev);
+  } catch (const std::exception& ex) {
+    log::error("tensor cache: querying the copy of entry ", e.id, " before its spill: ", ex.what());
+    return true;  // run_spill reports the failure
+  }
+}
+
 void TensorCache::worker_main(unsigned index) {
   std::map<int, mem::cuda::Stream> side;  // per device, this worker's copy stream
+  if (opts_.driver != nullptr) {
+    try {
+      opts_.driver->relax_capture_mode();
+    } catch (const std::exception& ex) {
+      log::warn_once("cache.relax_capture", detail::concat("tensor cache: worker ", index,
+                                                           " cannot relax its CUDA graph capture mode: ", ex.what()));
+    }
+  }
   Lock lock(mu_);
   for (;;) {
-    work_cv_.wait(lock, [&] { return closed_ || (!store_q_.empty() && !stores_paused_) || !load_q_.empty(); });
     if (closed_) break;
     EntryId id = 0;
     bool load = !load_q_.empty();
     if (load) {
       id = load_q_.front();
       load_q_.pop_front();
+    } else if (!store_q_.empty() && !stores_paused_) {
+      // Copies of one device complete in the order they were enqueued (one
+      // copy stream, spills queued in that order): one query per device.
+      auto pick = store_q_.end();
+      std::vector<int> unready;
+      for (auto it = store_q_.begin(); it != store_q_.end(); ++it) {
+        auto e = entries_.find(*it);
+        if (e == entries_.end() || !e->second->spill_queued) {
+          pick = it;
+          break;
+        }
+        const int dev = e->second->device;
+        if (std::find(unready.begin(), unready.end(), dev) != unready.end()) continue;
+        if (spill_ready_locked(*e->second)) {
+          pick = it;
+          break;
+        }
+        unready.push_back(dev);
+      }
+      if (pick == store_q_.end()) {  // only spills whose copies have not run
+        work_cv_.wait_for(lock, kSpillPoll);
+        continue;
+      }
+      id = *pick;
+      store_q_.erase(pick);
     } else {
-      id = store_q_.front();
-      store_q_.pop_front();
+      work_cv_.wait(lock);
+      continue;
     }
     busy_ += 1;
     if (load) run_load(lock, id, side);
@@ -1584,6 +1888,7 @@ void TensorCache::run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Str
   Entry& e = *it->second;
   mutate(e, EntryState::kStoring, true);
   e.busy = true;
+  e.worker_busy = true;
   mem::Buffer src{e.src, e.nbytes, e.device};
   mem::cuda::Event ready = e.ready_ev;
   lock.unlock();
@@ -1600,6 +1905,7 @@ void TensorCache::run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Str
   }
   lock.lock();
   e.busy = false;  // erased only when not busy, or kept in abandoned_: `e` is still valid
+  e.worker_busy = false;
   give_event_locked(e.device, e.ready_ev);
   if (!err && (e.abandoned || e.state != EntryState::kStoring)) {
     // Forwarded or released while the copy ran: the bytes are not needed.
@@ -1610,8 +1916,8 @@ void TensorCache::run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Str
       log::error("tensor cache: freeing abandoned store of entry ", id, ": ", ex.what());
     }
   }
-  if (e.abandoned) {  // Note [Abandoned stores]
-    abandoned_.erase(id);
+  if (e.abandoned) {  // Note [Abandoned work]
+    finish_abandoned_locked(e);
     return;
   }
   if (err) {
@@ -1646,6 +1952,7 @@ void TensorCache::run_load(Lock& lock, EntryId id, std::map<int, mem::cuda::Stre
     return;
   }
   e.busy = true;
+  e.worker_busy = true;
   e.load_started = true;
   mem::Buffer dst{e.dst, e.nbytes, e.device};
   Location loc = e.loc;
@@ -1665,6 +1972,11 @@ void TensorCache::run_load(Lock& lock, EntryId id, std::map<int, mem::cuda::Stre
   }
   lock.lock();
   e.busy = false;
+  e.worker_busy = false;
+  if (e.abandoned) {  // Note [Abandoned work]; a device copy was synchronous in get()
+    finish_abandoned_locked(e);
+    return;
+  }
   if (err) {
     step_c_.load_failures += 1;
     e.load_error = err;
@@ -1676,14 +1988,15 @@ void TensorCache::run_load(Lock& lock, EntryId id, std::map<int, mem::cuda::Stre
   count_reload_locked(e);
 }
 
-// Note [SSD below the link]: the worker waits for the store's copy on its own
-// thread, then writes the bounce blob to the SSD. Releasing the entry waits
-// for this (the glue frees nothing the worker reads, but the blob is freed
-// after). A failed write leaves the bytes in host memory.
+// Note [SSD below the link]: the worker writes the bounce blob to the SSD once
+// its copy ran (Note [Spill readiness]). A release meanwhile abandons the
+// entry (Note [Abandoned work]): the blob is freed after the write. A failed
+// write leaves the bytes in host memory.
 void TensorCache::run_spill(Lock& lock, Entry& e) {
   e.spill_queued = false;
   e.spilling = true;
   e.busy = true;
+  e.worker_busy = true;
   void* blob = e.blob;
   const uint64_t n = e.nbytes;
   const int dev = e.device;
@@ -1693,6 +2006,7 @@ void TensorCache::run_spill(Lock& lock, Entry& e) {
   std::exception_ptr err;
   try {
     opts_.driver->bind_device(dev);
+    // Found complete by a query (Note [Spill readiness]): no wait; it orders the read after the copy.
     opts_.driver->event_synchronize(copy);
     loc = store_->put(mem::Buffer{blob, n}, kTierSsd);
   } catch (...) {
@@ -1700,7 +2014,17 @@ void TensorCache::run_spill(Lock& lock, Entry& e) {
   }
   lock.lock();
   e.busy = false;
+  e.worker_busy = false;
   e.spilling = false;
+  if (e.abandoned) {
+    if (!err) {
+      step_c_.bytes_discarded += n;
+      e.loc = loc;
+      e.has_loc = true;
+    }
+    finish_abandoned_locked(e);
+    return;
+  }
   if (err) {
     step_c_.store_failures += 1;
     log::warn_once("cache.spill_failed." + std::to_string(reinterpret_cast<uintptr_t>(this)),
@@ -1717,6 +2041,7 @@ void TensorCache::run_spill(Lock& lock, Entry& e) {
 // host-to-device copy on the load stream after the buffer's allocation.
 void TensorCache::run_device_load(Lock& lock, Entry& e) {
   e.busy = true;
+  e.worker_busy = true;
   e.load_started = true;
   const Location loc = e.loc;
   const uint64_t n = e.nbytes;
@@ -1729,20 +2054,32 @@ void TensorCache::run_device_load(Lock& lock, Entry& e) {
   lock.unlock();
   HostSpace space;
   bool have = false;
+  bool enqueued = false;
   std::exception_ptr err;
   try {
+    opts_.driver->bind_device(dev);  // before pinning: Note [Caller's context]
     space = st.reserve_host(n);
     have = true;
     store_->get(loc, mem::Buffer{space.ptr, n});
-    opts_.driver->bind_device(dev);
     opts_.driver->stream_wait_event(load, ready);
     opts_.driver->memcpy_htod_async(reinterpret_cast<mem::cuda::DevicePtr>(dst), space.ptr, n, load);
+    enqueued = true;
     opts_.driver->event_record(done, load);
   } catch (...) {
     err = std::current_exception();
+    if (enqueued) {  // the copy reads the blob and writes the buffer: neither goes before it ran
+      try {
+        opts_.driver->stream_synchronize(load);
+      } catch (const std::exception& ex) {
+        log::error("tensor cache: a failed reload's copy could not be waited for (", ex.what(),
+                   "); its bounce blob is kept");
+        have = false;
+      }
+    }
   }
   lock.lock();
   e.busy = false;
+  e.worker_busy = false;
   if (err) {
     if (have) {
       try {
@@ -1750,6 +2087,10 @@ void TensorCache::run_device_load(Lock& lock, Entry& e) {
       } catch (const std::exception& ex) {
         log::error("tensor cache: freeing a bounce blob: ", ex.what());
       }
+    }
+    if (e.abandoned) {
+      finish_abandoned_locked(e);
+      return;
     }
     step_c_.load_failures += 1;
     e.load_error = err;
@@ -1761,6 +2102,12 @@ void TensorCache::run_device_load(Lock& lock, Entry& e) {
   e.blob_store = &st;
   e.blob_loc = space.loc;
   e.loaded_once = true;
+  e.load_enqueued = true;
+  e.load_waited = false;
+  if (e.abandoned) {  // the copy into its buffer may still run: Note [Stream-ordered drops]
+    finish_abandoned_locked(e);
+    return;
+  }
   mutate(e, EntryState::kLoaded, true);
   count_reload_locked(e);
 }

@@ -403,10 +403,12 @@ struct Hooks {
     r.src.ptr = const_cast<void*>(t.storage().data());  // only read (mem/buffer.hpp)
     r.src.nbytes = nbytes;
     r.src.device = device;
+    std::optional<c10::Stream> cur;
     if (device >= 0) {
       // The copy is ordered after the stream that produced the tensor: the current one.
       c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
-      r.src.stream = reinterpret_cast<uintptr_t>(guard.getStream(t.device()).native_handle());
+      cur = guard.getStream(t.device());
+      r.src.stream = reinterpret_cast<uintptr_t>(cur->native_handle());
     }
     r.microbatch = fwd_mb;
     r.offload = true;
@@ -423,6 +425,11 @@ struct Hooks {
       throw nb::python_error();
     }
     ack(res.done);
+    // Note [Stream-ordered drops] (tensor_cache.cpp): the release makes this
+    // stream wait for the copy; a tensor allocated on another stream (an
+    // all-to-all's output) is then held by the allocator until this stream
+    // passed that wait. A no-op for a tensor allocated on this stream.
+    if (cur && res.offloaded) t.record_stream(*cur);
     if (res.is_new) note_plan(nbytes, res.offloaded, true, place_tier);
     return make_handle(self, obj, t, res.id, res.handle, version, key, nbytes);
   }

@@ -151,11 +151,13 @@ struct Counters {
   uint64_t tensors_reused = 0;     // stored entries answered from their original, still alive
   uint64_t bytes_reused = 0;       // (Note [Originals still alive]): no reload needed
   uint64_t bytes_discarded = 0;    // stores that finished after their entry was forwarded or
-                                   // released: written, never read (Note [Abandoned stores])
+                                   // released: written, never read (Note [Abandoned work])
   uint64_t store_failures = 0;
   uint64_t load_failures = 0;
   uint64_t copy_waits = 0;         // times the compute stream was made to wait for an older
                                    // device copy (Note [Copy bound])
+  uint64_t tensors_in_capture = 0; // device saves made during a CUDA graph capture, kept
+                                   // resident (Note [Graph capture])
   uint64_t saved_bytes_total = 0;  // bytes of new entries (after dedup)
   uint64_t peak_resident_bytes = 0;
   double stall_seconds = 0;        // caller time blocked on loads and stores
@@ -329,8 +331,17 @@ class TensorCache {
       uint64_t through = 0;  // `enqueued` once this copy was
       mem::cuda::Event ev = 0;
       EntryId id = 0;
+      mem::cuda::Stream src = 0;  // the stream the saved tensor was produced on
     };
     std::deque<Copy> pending;  // copies whose entries the glue still holds, in copy order
+  };
+  // A glue object dropped once `stream` passed `fence`, held while `stream`
+  // is being captured (Note [Stream-ordered drops]).
+  struct DeferredDrop {
+    int device = 0;
+    mem::cuda::Stream stream = 0;
+    mem::cuda::Event fence = 0;
+    GlueObj obj;
   };
   // A host blob freed once `fence` (a device copy touching it) completed.
   struct FencedFree {
@@ -359,8 +370,16 @@ class TensorCache {
   Lane& lane_locked(int device);
   Store& staging_locked();
   void bound_copies_locked(Lane& lane, mem::cuda::Stream compute);
-  void release_through_locked(Lane& lane, uint64_t through, mem::cuda::Stream compute);
+  void release_through_locked(Lane& lane, uint64_t through, const mem::cuda::Stream* compute);
   void free_blob_locked(Entry& e);
+  void dispose_locked(Entry& e);
+  void finish_abandoned_locked(Entry& e);
+  void drop_buf_locked(Entry& e);
+  void fence_drop_locked(int device, mem::cuda::Stream stream, mem::cuda::Event fence, GlueObj& obj);
+  void flush_deferred_locked(bool all);
+  bool capturing_locked(int device, mem::cuda::Stream stream);
+  void refuse_in_capture_locked(const Entry& e, mem::cuda::Stream stream);
+  bool spill_ready_locked(const Entry& e);
   void sweep_fenced_locked(bool wait);
   void run_spill(Lock& lock, Entry& e);
   void run_device_load(Lock& lock, Entry& e);
@@ -392,8 +411,8 @@ class TensorCache {
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
   std::unordered_map<EntryId, std::unique_ptr<Entry>> entries_;
-  // Released device entries whose (forwarded) store still runs on a worker:
-  // the worker frees their space and drops them (Note [Abandoned stores]).
+  // Released entries whose store, spill or load still runs on a worker:
+  // the worker disposes of them when it ends (Note [Abandoned work]).
   std::unordered_map<EntryId, std::unique_ptr<Entry>> abandoned_;
   // (storage key, version) -> entry: the dedup of save(), looked up once per pack.
   struct KeyHash {
@@ -413,6 +432,7 @@ class TensorCache {
   std::unordered_map<mem::cuda::Event, int> event_refs_;       // holders of taken events
   std::map<int, Lane> lanes_;
   std::deque<FencedFree> fenced_;
+  std::vector<DeferredDrop> deferred_;
   std::unique_ptr<Store> staging_;  // pinned bounce blobs for the SSD (made on first use)
   StoreStats closed_store_stats_;   // the store's last stats, once close() released it
   std::string closed_describe_;
