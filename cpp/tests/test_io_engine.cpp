@@ -23,6 +23,7 @@
 #include "ebbtide/io/engine.hpp"
 #include "ebbtide/mem/cuda_shim.hpp"
 #include "ebbtide/util/error.hpp"
+#include "sim_driver.hpp"
 #include "test_utils.hpp"
 
 namespace io = ebbtide::io;
@@ -712,6 +713,45 @@ TEST_P(IoEngine, DeviceBuffersRoundTripOrAreUnsupported) {
   EXPECT_EQ(0, std::memcmp(src.data(), back.data(), n));
   drv->mem_free(dev);
   drv->mem_free(dev2);
+}
+
+// The staged device path on the simulated GPU (Note [Simulated GPU]): each
+// chunk's copy runs on the caller's stream after the kernels queued there
+// (a write reads what the kernel produced, a read lands before the kernel
+// that consumes it), the staging is page-locked in the buffer's device's
+// context on the engine's worker, and no context is made on another device.
+TEST_P(IoEngine, DeviceBuffersOnTheSimulatedGpuFollowTheCallersStream) {
+  TempDir d;
+  ebbtide::test::SimDriver::Options so;
+  so.devices = 2;
+  so.d2h_bps = so.h2d_bps = 4e9;
+  ebbtide::test::SimDriver drv(so);
+  auto o = options({d.path()});
+  o.checksum = true;
+  o.try_cufile = false;
+  o.cuda_driver = &drv;
+  MAKE_OR_SKIP(e, o);
+  const mem::cuda::Stream s = 7;
+  drv.declare_stream(s, 1);
+  const size_t n = 3 * kMiB + 4097;
+  auto want = std::make_shared<TestBuffer>(n);
+  want->fill(23);
+  const auto src = drv.alloc(n, s, "written tensor", 1);
+  const auto dst = drv.alloc(n, s, "read tensor", 1);
+  drv.launch(s, 5e-3, [src, want, n] { std::memcpy(reinterpret_cast<void*>(src), want->data(), n); }, 1);
+  auto slot = e->allocate(n);
+  e->write(slot, mem::Buffer{reinterpret_cast<void*>(src), n, 1, s}).wait();
+  e->read(slot, mem::Buffer{reinterpret_cast<void*>(dst), n, 1, s}).wait();
+  bool ok = false;
+  drv.launch(s, 1e-6, [dst, want, n, &ok] { ok = std::memcmp(reinterpret_cast<void*>(dst), want->data(), n) == 0; }, 1);
+  drv.synchronize_all();
+  EXPECT_TRUE(ok);
+  EXPECT_TRUE(drv.races().empty()) << ebbtide::test::SimDriver::join_lines(drv.races());
+  EXPECT_TRUE(drv.errors().empty()) << ebbtide::test::SimDriver::join_lines(drv.errors());
+  EXPECT_EQ(drv.contexts(), std::set<int>{1});
+  EXPECT_GE(drv.registers(), 1) << "the staging was page-locked for the device copies";
+  for (const auto& c : drv.copies()) EXPECT_EQ(c.stream, s);
+  e.reset();
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, IoEngine,

@@ -68,6 +68,7 @@ std::unique_ptr<Store> make_ssd_store(SsdStoreOptions options) {
   eo.capacity_bytes = options.capacity_bytes;
   if (options.apply_env) eo = eo.with_env();
   eo.cuda_register = options.cuda;
+  eo.cuda_driver = options.cuda ? options.cuda_driver : nullptr;
   return std::make_unique<SsdStore>(std::move(eo));
 }
 

@@ -21,6 +21,7 @@ std::unique_ptr<Store> make_store(const StoreSpec& spec) {
     o.dirs = spec.dirs;
     o.capacity_bytes = spec.capacity_bytes;
     o.cuda = spec.driver != nullptr;  // a CPU-training cache never initialises CUDA
+    o.cuda_driver = spec.driver;
     t.ssd = make_ssd_store(o);
     t.ssd_max_write_bps = spec.max_write_bps;
   }

@@ -64,6 +64,7 @@ Engine::Impl::Impl(EngineOptions o) : opt(std::move(o)) {
   size_t nstaging = std::max<uint64_t>(1, opt.staging_bytes / opt.chunk_bytes);
   mem::PinnedPoolOptions po;
   po.cuda_register = opt.cuda_register;
+  po.driver = opt.cuda_driver;
   staging = std::make_unique<mem::PinnedPool>(opt.chunk_bytes, nstaging, po);
   cufile_handles.assign(slabs.size(), 0);
 
@@ -285,7 +286,7 @@ ReqPtr Engine::Impl::submit(SlotId slot, const mem::Buffer& b, Callback cb, bool
   const char* what = write ? "write" : "read";
   EBB_CHECK(b.nbytes > 0, what, " of slot ", slot, ": size must be positive (got 0 bytes)");
   EBB_CHECK(b.ptr != nullptr, what, " of slot ", slot, ": buffer pointer is null");
-  if (b.on_device() && mem::cuda::driver() == nullptr)
+  if (b.on_device() && cuda() == nullptr)
     throw Unsupported(ebbtide::detail::concat(what, " of slot ", slot, ": device buffer given but CUDA is unavailable (",
                                               mem::cuda::unavailable_reason(), ")"));
   auto req = std::make_shared<RequestState>();

@@ -30,11 +30,17 @@ void wait_for_stream(mem::cuda::Driver& drv, mem::cuda::Stream stream) {
 // worker keeps up to queue_depth disk transfers in flight meanwhile, so the
 // PCIe copy of chunk i+1 overlaps the disk transfer of chunk i.
 void Engine::Impl::copy_device(Chunk* c, bool to_device) {
-  auto* drv = mem::cuda::driver();
+  auto* drv = cuda();
   EBB_ASSERT(drv != nullptr, "device chunk without a CUDA driver");
   const auto dptr = static_cast<mem::cuda::DevicePtr>(reinterpret_cast<uintptr_t>(c->user));
   const auto stream = c->req->buf.stream;
   drv->bind_context_of(dptr);
+  // Staging made where no context was current is page-locked now, in the
+  // context of the device it serves (Note [Registration context]).
+  if (opt.cuda_register && !staging_pin_tried.load(std::memory_order_acquire)) {
+    staging->ensure_registered();
+    staging_pin_tried.store(true, std::memory_order_release);
+  }
   if (to_device) drv->memcpy_htod_async(dptr, c->io_buf + c->delta, c->len, stream);
   else drv->memcpy_dtoh_async(c->io_buf + c->delta, dptr, c->len, stream);
   wait_for_stream(*drv, stream);
@@ -61,7 +67,7 @@ bool Engine::Impl::try_cufile(Chunk* c) {
       if (cufile_handles[c->slab_index] == 0) cufile_handles[c->slab_index] = cf->handle_register(c->slab->fd());
       h = cufile_handles[c->slab_index];
     }
-    auto* drv = mem::cuda::driver();
+    auto* drv = cuda();
     const auto dptr = static_cast<mem::cuda::DevicePtr>(reinterpret_cast<uintptr_t>(c->user));
     drv->bind_context_of(dptr);
     // cuFile is not stream-ordered: wait until the work queued on the caller's

@@ -107,6 +107,9 @@ struct Engine::Impl {
   std::vector<std::unique_ptr<Device>> devices;
   std::vector<Device*> slab_device;
   std::unique_ptr<mem::PinnedPool> staging;
+  std::atomic<bool> staging_pin_tried{false};
+  // The driver of device buffers (EngineOptions::cuda_driver, else the process's).
+  mem::cuda::Driver* cuda() const { return opt.cuda_driver != nullptr ? opt.cuda_driver : mem::cuda::driver(); }
   std::mutex cufile_mu;
   std::vector<mem::cufile::Handle> cufile_handles;  // per slab, 0 = not registered
   std::atomic<bool> cufile_off{false};

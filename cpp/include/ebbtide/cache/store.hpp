@@ -101,6 +101,7 @@ struct SsdStoreOptions {
   uint64_t capacity_bytes = 0;        // per directory; 0 = until the disk is full
   bool apply_env = true;              // EBBTIDE_IO_* overrides of the engine options
   bool cuda = true;                   // device tensors may be stored (staging registered with CUDA)
+  mem::cuda::Driver* cuda_driver = nullptr;  // their driver; nullptr: the process's
 };
 
 // target "ssd": blobs in slab files through io::Engine (O_DIRECT, io_uring).

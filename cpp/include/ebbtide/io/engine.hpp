@@ -20,6 +20,7 @@
 #include "ebbtide/io/faults.hpp"
 #include "ebbtide/io/transfer.hpp"
 #include "ebbtide/mem/buffer.hpp"
+#include "ebbtide/mem/cuda_shim.hpp"
 
 namespace ebbtide::io {
 
@@ -35,6 +36,7 @@ struct EngineOptions {
   bool direct = true;                   // O_DIRECT where the filesystem allows it
   bool try_cufile = true;               // AUTO: try cuFile for device buffers
   bool cuda_register = true;            // register staging with CUDA (false: host buffers only)
+  mem::cuda::Driver* cuda_driver = nullptr;  // device buffers' driver; nullptr: the process's
 
   // Returns a copy with EBBTIDE_* environment overrides applied
   // (docs/configuration.md); bad values throw InvalidArgument naming the variable.
