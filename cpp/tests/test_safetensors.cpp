@@ -740,6 +740,39 @@ TEST(Safetensors, DeviceTargetsThroughCufile) {
   EXPECT_GT(htod_copies(sim), 0u);
 }
 
+// Note [Reads into device memory]: torch's default stream is handle 0 on
+// every device, a different stream on each. Targets on two GPUs, both on
+// stream 0, and a kernel still running on device 1's default stream: cuFile
+// may write into device 1's memory only after it, so each device's default
+// stream is waited for, in its own context (device 0's target comes first,
+// so waits keyed by the handle alone would skip device 1's).
+TEST(Safetensors, CufileWaitsForTheDefaultStreamOfEveryDevice) {
+  TempDir dir;
+  const auto a = test::random_bytes((5u << 20) + 3, 170), b = test::random_bytes(70001, 171);
+  const std::string path = dir.path() + "/two.safetensors";
+  save(path, {{"a", "U8", {a.size()}, test::host_buffer(a)}, {"b", "U8", {b.size()}, test::host_buffer(b)}}, {});
+  test::SimDriver sim(test::SimDriver::Options{.devices = 2});
+  FakeCufile cf(sim);
+  IoOptions o;
+  o.cuda_driver = &sim;
+  o.cufile_driver = &cf;
+  Reader r(path, o);
+  ASSERT_TRUE(r.direct()) << "the test directory takes O_DIRECT";
+  const size_t ia = r.header().tensors[0].name == "a" ? 0 : 1;
+  const auto on0 = sim.alloc(a.size(), 0, "a on device 0", 0), on1 = sim.alloc(b.size(), 0, "b on device 1", 1);
+  sim.launch(0, 0.5, {}, 0);
+  const double busy_until = sim.launch(0, 5.0, {}, 1) + 5.0;  // still using device 1's memory
+  std::string how = r.read({{ia, {sim.bytes(on0), a.size(), 0, 0}}, {1 - ia, {sim.bytes(on1), b.size(), 1, 0}}});
+  EXPECT_NE(how.find("cuFile"), std::string::npos) << how;
+  EXPECT_GE(cf.earliest_read(), busy_until)
+      << "cuFile wrote into device 1's memory before its default stream's kernel ended";
+  sim.synchronize_all();
+  EXPECT_EQ(std::memcmp(sim.bytes(on0), a.data(), a.size()), 0);
+  EXPECT_EQ(std::memcmp(sim.bytes(on1), b.data(), b.size()), 0);
+  EXPECT_EQ(sim.current_context(), 0u) << "the caller's (no) context is restored";
+  EXPECT_TRUE(sim.errors().empty()) << test::SimDriver::join_lines(sim.errors());
+}
+
 TEST(Safetensors, CufileFailureFallsBackToStaging) {
   DeviceReadCase c;
   test::SimDriver sim(1e9, 1e9);

@@ -74,10 +74,11 @@ struct ShardReader::Impl {
   // `direct[i]`, when set, is where chunk i's stored bytes are read (in place,
   // Note [Read pipeline]); `process` then gets that pointer.
   // `device`: the driver copying from the staging buffers into device
-  // targets, `given` the caller's (detail::lock_staging).
+  // targets, `given` the caller's, `served` one of those targets
+  // (detail::lock_staging).
   void run_chunks(const std::vector<const ChunkEntry*>& chunks, const std::vector<char*>& direct, unsigned threads,
-                  const std::function<void(size_t, const char*)>& process,
-                  const mem::cuda::Driver* device = nullptr, const mem::cuda::Driver* given = nullptr);
+                  const std::function<void(size_t, const char*)>& process, mem::cuda::Driver* device = nullptr,
+                  const mem::cuda::Driver* given = nullptr, const void* served = nullptr);
 
   void decode_chunk(const ChunkEntry& c, const char* stored, char* dst, char* scratch) {
     const auto& b = h.blobs[c.blob];
@@ -197,7 +198,7 @@ size_t ShardReader::stripe_count() const { return impl_->sb.stripe_count; }
 // Note [Populate ahead] in shard_io.cpp).
 void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks, const std::vector<char*>& direct,
                                    unsigned threads, const std::function<void(size_t, const char*)>& process,
-                                   const mem::cuda::Driver* device, const mem::cuda::Driver* given) {
+                                   mem::cuda::Driver* device, const mem::cuda::Driver* given, const void* served) {
   if (chunks.empty()) return;
   uint64_t need = kBlockBytes;
   for (size_t i = 0; i < chunks.size(); ++i)
@@ -210,7 +211,7 @@ void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks,
   host_only.cuda_register = false;
   const auto staging_owner = mem::borrow_pinned_pool(need, depth + nthreads, host_only);  // Note [Reused staging]
   mem::PinnedPool& staging = *staging_owner;
-  detail::lock_staging(staging, device, given);  // device targets are copied from the staging buffers
+  detail::lock_staging(staging, device, given, served);  // device targets are copied from the staging buffers
   io::TransferLoop loop(depth, detail::buffers_of(staging), io::BackendKind::kAuto, "checkpoint");
   std::vector<std::pair<char*, uint64_t>> in_place;
   for (size_t i = 0; i < direct.size(); ++i)
@@ -237,6 +238,8 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads,
   std::vector<const BlobTarget*> owner;
   std::vector<char*> direct;
   mem::cuda::Driver* drv = nullptr;  // of the device targets
+  const void* served = nullptr;      // one device target
+  uint64_t decoded_bytes = 0;        // largest compressed chunk bound for a device target
   for (const auto& t : targets) {
     EBB_CHECK(t.blob < I.h.blobs.size(), path(), ": blob index ", t.blob, " out of range (", I.h.blobs.size(), " blobs)");
     const auto& b = I.h.blobs[t.blob];
@@ -251,6 +254,7 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads,
     if (t.dst.nbytes == 0) continue;
     if (t.dst.on_device() && drv == nullptr) {
       drv = detail::device_driver(cuda_driver, "tensor '", b.name, "' is to be loaded into CUDA memory");
+      served = t.dst.ptr;
     }
     const uint64_t lo = t.offset, hi = t.offset + t.dst.nbytes;
     for (uint32_t k = 0; k < b.chunk_count; ++k) {
@@ -258,6 +262,8 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads,
       if (c.raw_offset >= hi || c.raw_offset + c.raw_bytes <= lo) continue;  // outside the part asked for
       chunks.push_back(&c);
       owner.push_back(&t);
+      if (t.dst.on_device() && (c.codec != Codec::kNone || c.stored_bytes != c.raw_bytes))
+        decoded_bytes = std::max<uint64_t>(decoded_bytes, c.raw_bytes);
       const bool whole = c.raw_offset >= lo && c.raw_offset + c.raw_bytes <= hi;
       char* dst = t.dst.on_device() || !whole ? nullptr : static_cast<char*>(t.dst.ptr) + (c.raw_offset - lo);
       bool in_place = dst != nullptr && c.codec == Codec::kNone && c.stored_bytes == c.raw_bytes &&
@@ -265,7 +271,21 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads,
       direct.push_back(in_place ? dst : nullptr);
     }
   }
-  I.run_chunks(chunks, direct, threads, [&](size_t i, const char* stored) {
+  // Note [Decoded device chunks]
+  // A compressed chunk bound for device memory is decoded into a pinned
+  // buffer of its own (one per worker, page-locked like the staging), not
+  // into pageable memory: a host-to-device copy from pageable memory is
+  // staged by the driver through its own bounce buffer and blocks the
+  // calling thread, so it neither overlaps nor stays on the target's stream.
+  const unsigned nthreads = threads ? threads : detail::default_threads();
+  mem::BorrowedPinnedPool decoded;  // Note [Reused staging]
+  if (decoded_bytes > 0) {
+    mem::PinnedPoolOptions host_only;
+    host_only.cuda_register = false;
+    decoded = mem::borrow_pinned_pool(decoded_bytes, nthreads, host_only);
+    detail::lock_staging(*decoded, drv, cuda_driver, served);
+  }
+  I.run_chunks(chunks, direct, nthreads, [&](size_t i, const char* stored) {
     thread_local std::vector<char> scratch, host;
     const ChunkEntry& c = *chunks[i];
     const BlobTarget& t = *owner[i];
@@ -276,15 +296,22 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads,
     const uint64_t to = std::min(c.raw_offset + c.raw_bytes, t.offset + t.dst.nbytes);
     const bool whole = from == c.raw_offset && to == c.raw_offset + c.raw_bytes;
     const char* raw = stored;  // a raw chunk is its own decoding (device copies go from its staging buffer)
+    mem::PinnedPool::Lease lease;  // a device target's decoded chunk, held until its copy is done
     if (c.codec != Codec::kNone || c.stored_bytes != c.raw_bytes) {
       if (scratch.size() < c.raw_bytes) scratch.resize(c.raw_bytes);
       if (!t.dst.on_device() && whole) {  // decoded straight into the tensor
         I.decode_chunk(c, stored, static_cast<char*>(t.dst.ptr) + (c.raw_offset - t.offset), scratch.data());
         return;
       }
-      if (host.size() < c.raw_bytes) host.resize(c.raw_bytes);
-      I.decode_chunk(c, stored, host.data(), scratch.data());
-      raw = host.data();
+      if (t.dst.on_device()) {  // Note [Decoded device chunks]
+        lease = decoded->acquire();
+        I.decode_chunk(c, stored, static_cast<char*>(lease.data()), scratch.data());
+        raw = static_cast<const char*>(lease.data());
+      } else {
+        if (host.size() < c.raw_bytes) host.resize(c.raw_bytes);
+        I.decode_chunk(c, stored, host.data(), scratch.data());
+        raw = host.data();
+      }
     }
     const char* src = raw + (from - c.raw_offset);
     if (!t.dst.on_device()) {  // into the tensor being loaded, read again only after the load
@@ -294,8 +321,8 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads,
     auto dst = reinterpret_cast<mem::cuda::DevicePtr>(t.dst.ptr) + (from - t.offset);
     drv->bind_context_of(dst);
     drv->memcpy_htod_async(dst, src, to - from, t.dst.stream);
-    drv->stream_synchronize(t.dst.stream);  // before the staging buffer (or `host`) is reused
-  }, drv, cuda_driver);
+    drv->stream_synchronize(t.dst.stream);  // before the staging buffer (or the decoded one) is reused
+  }, drv, cuda_driver, served);
 }
 
 std::vector<VerifyProblem> ShardReader::verify(unsigned threads) {

@@ -275,25 +275,6 @@ IoOptions IoOptions::from_env() {
 
 namespace {
 
-// Restores the calling thread's CUDA context on scope exit (Note [Caller's
-// context] in tensor_cache.cpp); inert without device work.
-struct CallerContext {
-  mem::cuda::Driver* drv = nullptr;
-  mem::cuda::Context ctx = 0;
-  void take(mem::cuda::Driver* d) {
-    if (drv != nullptr) return;
-    drv = d;
-    ctx = d->current_context();
-  }
-  ~CallerContext() {
-    if (drv == nullptr) return;
-    try {
-      drv->set_current_context(ctx);
-    } catch (...) {  // the error in flight, if any, is the one to report
-    }
-  }
-};
-
 mem::cuda::Driver* need_driver(const std::string& tensor, const IoOptions& opt) {
   return detail::device_driver(opt.cuda_driver, "tensor ", quoted(tensor), " is in CUDA device memory");
 }
@@ -311,8 +292,10 @@ struct DeviceRead {
 // pinned staging and no host copy. cuFile is not stream-ordered, so each
 // target's stream is synchronized first (its memory may still be in use by
 // kernels queued there, as memory the caching allocator just handed out
-// again can be); the reads are synchronous, 4 MiB each, on the workers, and
-// done when this returns. The tensors of a safetensors file start at any
+// again can be), in the target's own context: stream handle 0 is a
+// different stream on every device, so the waits are keyed by (context,
+// stream), not by handle (detail::StreamWaits). The reads are synchronous,
+// 4 MiB each, on the workers, and done when this returns. The tensors of a safetensors file start at any
 // byte, which cuFile takes (through its own bounce buffers when unaligned).
 // Any cuFile failure turns it off for this reader, says so once, and sends
 // the device targets through pinned staging, which reports real disk errors
@@ -330,12 +313,13 @@ bool read_into_device(const io::DirectFile& file, mem::cufile::Driver& cf, mem::
         }
       }
     } reg{cf, cf.handle_register(file.fd())};
-    std::vector<mem::cuda::Stream> synced;
-    for (const auto& r : reads) {
-      if (std::find(synced.begin(), synced.end(), r.t->dst.stream) != synced.end()) continue;
-      drv.bind_context_of(reinterpret_cast<mem::cuda::DevicePtr>(r.t->dst.ptr));
-      drv.stream_synchronize(r.t->dst.stream);
-      synced.push_back(r.t->dst.stream);
+    {  // each target's stream, in its device's context (stream handle 0 is each device's own)
+      detail::StreamWaits busy;
+      for (const auto& r : reads) {
+        drv.bind_context_of(reinterpret_cast<mem::cuda::DevicePtr>(r.t->dst.ptr));
+        busy.add(&drv, r.t->dst.stream);
+      }
+      busy.synchronize();
     }
     struct Piece {
       const DeviceRead* r;
@@ -524,7 +508,7 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
   std::vector<bool> seen(I.h.tensors.size(), false);
   mem::cuda::Driver* drv = nullptr;
   mem::cufile::Driver* cf = nullptr;
-  CallerContext caller;
+  detail::CallerContext caller;
   auto cut = [&](uint64_t off, uint64_t end, char* dst, bool owned) {
     for (uint64_t o = off; o < end; o += kPieceBytes)
       pieces.push_back({o, std::min(kPieceBytes, end - o), dst == nullptr ? nullptr : dst + (o - off), owned});
@@ -591,7 +575,13 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
   if (any_staged) {
     // A buffer per read in flight and one per worker copying out of one.
     staging = mem::borrow_pinned_pool(kPieceBytes, depth + threads, host_only);
-    detail::lock_staging(*staging, drv, I.opt.cuda_driver);  // asynchronous host-to-device copies
+    const void* served = nullptr;  // a device target copied from the staging buffers
+    for (const auto& st : staged)
+      if (st.t->dst.on_device()) {
+        served = st.t->dst.ptr;
+        break;
+      }
+    detail::lock_staging(*staging, drv, I.opt.cuda_driver, served);  // asynchronous host-to-device copies
   }
   // Staged tensors before first_staged[i] end before piece i.
   std::vector<size_t> first_staged(pieces.size());
@@ -600,10 +590,13 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
     first_staged[i] = k;
   }
   // Copies the staged tensors' bytes out of piece i's buffer (on a worker:
-  // pieces are disjoint, so are their destinations).
+  // pieces are disjoint, so are their destinations). Device copies are all
+  // queued, then each (context, stream) waited for once before the buffer is
+  // reused: a piece of many small tensors costs one wait, not one per tensor.
   auto scatter = [&](size_t i, const char* buf) {
     const Piece& p = pieces[i];
     if (p.dst != nullptr) return;  // read in place
+    detail::StreamWaits copies;
     for (size_t k = first_staged[i]; k < staged.size() && staged[k].a < p.off + p.len; ++k) {
       uint64_t lo = std::max(staged[k].a, p.off), hi = std::min(staged[k].b, p.off + p.len);
       if (lo >= hi) continue;
@@ -616,8 +609,9 @@ std::string Reader::read(const std::vector<ReadTarget>& targets) {
       auto d = reinterpret_cast<mem::cuda::DevicePtr>(dst);
       drv->bind_context_of(d);
       drv->memcpy_htod_async(d, buf + (lo - p.off), hi - lo, t.dst.stream);
-      drv->stream_synchronize(t.dst.stream);  // before the staging buffer is reused
+      copies.add(drv, t.dst.stream);
     }
+    copies.synchronize();  // before the staging buffer is reused
   };
   io::TransferLoop loop(depth, any_staged ? detail::buffers_of(*staging) : std::vector<iovec>{}, I.opt.backend,
                        "checkpoint");
@@ -750,18 +744,26 @@ SaveResult save(const std::string& path, const std::vector<SaveTensor>& tensors,
   // Note [Reused staging]: periodic saves of one model borrow the same ring.
   const auto ring_owner = mem::borrow_pinned_pool(kPieceBytes, std::min<uint64_t>(npieces, depth + 2), host_only);
   mem::PinnedPool& ring = *ring_owner;
-  detail::lock_staging(ring, drv, opt.cuda_driver);
+  const void* served = nullptr;  // a device tensor copied into the ring
+  for (const auto& e : extents)
+    if (e.device) {
+      served = e.src;
+      break;
+    }
+  detail::lock_staging(ring, drv, opt.cuda_driver, served);
   const size_t nbuf = ring.count();
   std::mutex mu;
   std::condition_variable cv;
   std::vector<int> filled(nbuf, 0);      // 1: piece in the buffer is ready, -1: its copy failed
   std::vector<int> writing(nbuf, 0);     // 1 while a write from the buffer is in flight
   std::exception_ptr fill_error;
-  CallerContext caller;
+  detail::CallerContext caller;
   if (drv != nullptr) caller.take(drv);
 
-  // Copies file bytes [off, off + len) into `out` (a worker thread).
+  // Copies file bytes [off, off + len) into `out` (a worker thread). Device
+  // copies are all queued, then each (context, stream) waited for once.
   auto fill = [&](uint64_t off, uint64_t len, char* out) {
+    detail::StreamWaits copies;
     auto it = std::upper_bound(extents.begin(), extents.end(), off,
                                [](uint64_t o, const Extent& e) { return o < e.off; });
     for (--it; it != extents.end() && it->off < off + len; ++it) {
@@ -774,8 +776,9 @@ SaveResult save(const std::string& path, const std::vector<SaveTensor>& tensors,
       auto src = reinterpret_cast<mem::cuda::DevicePtr>(it->src) + (lo - it->off);
       drv->bind_context_of(src);
       drv->memcpy_dtoh_async(out + (lo - off), src, hi - lo, it->stream);
-      drv->stream_synchronize(it->stream);
+      copies.add(drv, it->stream);
     }
+    copies.synchronize();
   };
   std::string backend;
   {

@@ -55,14 +55,100 @@ mem::cuda::Driver* device_driver(mem::cuda::Driver* given, const What&... what) 
   return drv;
 }
 
+// Note [Pinning context]
+// Page-locking (cuMemHostRegister) acts in the calling thread's current
+// context, and the threads that pin checkpoint memory (the caller of a save
+// or load, a background snapshot thread) may have none, or another device's:
+// pinning there would make device 0's primary context current, a stray
+// context (hundreds of MB) on a GPU the process may not even use. So every
+// checkpoint path pins with the context of a device its copies serve bound
+// (bind_context_of that device's memory), and restores the caller's after.
+// Registrations are PORTABLE: pinned once, the memory serves copies on every
+// device. The memory is unregistered in the context that registered it
+// (HostMapping).
+
+// Restores the calling thread's CUDA context on scope exit (Note [Caller's
+// context] in cache/tensor_cache.cpp): take() notes it before the first
+// device call binds another; inert when nothing was taken.
+class CallerContext {
+ public:
+  CallerContext() = default;
+  ~CallerContext() {
+    if (drv_ == nullptr) return;
+    try {
+      drv_->set_current_context(ctx_);
+    } catch (...) {  // the error in flight, if any, is the one to report
+    }
+  }
+  CallerContext(const CallerContext&) = delete;
+  CallerContext& operator=(const CallerContext&) = delete;
+  void take(mem::cuda::Driver* drv) {
+    if (drv_ != nullptr) return;
+    drv_ = drv;
+    ctx_ = drv->current_context();
+  }
+
+ private:
+  mem::cuda::Driver* drv_ = nullptr;
+  mem::cuda::Context ctx_ = 0;
+};
+
 // Page-locks borrowed staging `pool` when device memory is copied to or
 // from it (`device`, the driver copying, non-null) for asynchronous copies,
 // with the process-wide driver only: a given driver (`given`, a test's) is
 // not used, as the pool may outlive it in the idle cache (Note [Reused
-// staging]). Unlocked, the copies stay correct, only slower.
-inline void lock_staging(mem::PinnedPool& pool, const mem::cuda::Driver* device, const mem::cuda::Driver* given) {
-  if (device != nullptr && given == nullptr) pool.ensure_registered();
+// staging]). `served` is device memory the copies serve (null: none,
+// nothing to pin for): its device's context is bound while pinning (Note
+// [Pinning context]). Unlocked, the copies stay correct, only slower.
+inline void lock_staging(mem::PinnedPool& pool, mem::cuda::Driver* device, const mem::cuda::Driver* given,
+                         const void* served) {
+  if (device == nullptr || given != nullptr || served == nullptr || pool.registered()) return;
+  CallerContext caller;
+  caller.take(device);
+  device->bind_context_of(reinterpret_cast<mem::cuda::DevicePtr>(served));
+  pool.ensure_registered();
 }
+
+// Streams that copies of one batch were queued on, each in the context that
+// queued it: a stream handle names a stream of the current context only (0
+// is each device's own default stream), so a wait is keyed by (context,
+// stream) and made with that context current. synchronize() waits for each
+// once; the destructor does too (errors dropped), so a batch that fails
+// half-way never leaves copies running into memory about to be reused.
+// Leaves the last waited-for context current: for worker threads, which bind
+// before every copy. Not thread safe.
+class StreamWaits {
+ public:
+  StreamWaits() = default;
+  ~StreamWaits() {
+    try {
+      synchronize();
+    } catch (...) {  // the error in flight is the one to report
+    }
+  }
+  StreamWaits(const StreamWaits&) = delete;
+  StreamWaits& operator=(const StreamWaits&) = delete;
+  // Stream `s` of the calling thread's current context; one driver per batch.
+  void add(mem::cuda::Driver* drv, mem::cuda::Stream s) {
+    drv_ = drv;
+    const std::pair<mem::cuda::Context, mem::cuda::Stream> key{drv->current_context(), s};
+    for (const auto& k : streams_)
+      if (k == key) return;
+    streams_.push_back(key);
+  }
+  void synchronize() {
+    while (!streams_.empty()) {
+      const auto [ctx, s] = streams_.back();
+      streams_.pop_back();
+      drv_->set_current_context(ctx);
+      drv_->stream_synchronize(s);
+    }
+  }
+
+ private:
+  mem::cuda::Driver* drv_ = nullptr;
+  std::vector<std::pair<mem::cuda::Context, mem::cuda::Stream>> streams_;
+};
 
 // The buffers of `pool`, one iovec each (a TransferLoop's fixed buffers).
 std::vector<iovec> buffers_of(const mem::PinnedPool& pool);

@@ -355,54 +355,33 @@ struct CheckpointWriter::Impl {
       for (const auto& b : req.blobs)
         if (b.data.on_device() && b.data.nbytes > 0) {
           ring_driver = need_driver(b);
+          detail::CallerContext caller;  // Note [Pinning context] in shard_io.hpp
+          caller.take(ring_driver);
+          ring_driver->bind_context_of(reinterpret_cast<mem::cuda::DevicePtr>(b.data.ptr));
           arena.pin(ring_driver);
           break;
         }
       return plan;
     }
     auto* base = static_cast<char*>(arena.data());
-    mem::cuda::Driver* drv = nullptr;
-    // Device copies are queued first so they run while the host copies do.
-    // Streams are per context (handle 0 is each device's own legacy stream),
-    // so each is synchronised with its own context current; the caller's
-    // context is restored after (Note [Caller's context] in tensor_cache.cpp),
-    // and on any error every queued copy is waited for before the arena can
-    // be reused or unmapped.
-    struct DeviceCopies {
-      mem::cuda::Driver* drv = nullptr;
-      mem::cuda::Context caller = 0;
-      std::vector<std::pair<mem::cuda::Context, mem::cuda::Stream>> streams;  // (context, stream)
-      void sync() {
-        for (auto [ctx, s] : streams) {
-          drv->set_current_context(ctx);
-          drv->stream_synchronize(s);
-        }
-        streams.clear();
-      }
-      ~DeviceCopies() {
-        if (drv == nullptr) return;
-        try {
-          sync();
-          drv->set_current_context(caller);
-        } catch (...) {  // the error already in flight is the one to report
-        }
-      }
-    } copies;
+    // Device copies are queued first so they run while the host copies do,
+    // each with its blob's device current, and each (context, stream) is
+    // waited for once after (detail::StreamWaits: handle 0 is each device's
+    // own default stream). The caller's context is restored after (Note
+    // [Caller's context] in tensor_cache.cpp), and on any error every queued
+    // copy is waited for before the arena can be reused or unmapped.
+    detail::CallerContext caller;
+    detail::StreamWaits device_copies;
     for (size_t i = 0; i < req.blobs.size(); ++i) {
       const auto& b = req.blobs[i];
       if (!b.data.on_device() || b.data.nbytes == 0) continue;
-      if (drv == nullptr) {
-        drv = need_driver(b);
-        copies.caller = drv->current_context();
-        copies.drv = drv;
-      }
+      mem::cuda::Driver* drv = need_driver(b);
+      caller.take(drv);
       drv->bind_context_of(reinterpret_cast<mem::cuda::DevicePtr>(b.data.ptr));
-      arena.pin(drv);  // async device copies need page-locked memory
-      const std::pair<mem::cuda::Context, mem::cuda::Stream> key{drv->current_context(), b.data.stream};
+      arena.pin(drv);  // async device copies need page-locked memory (Note [Pinning context])
       drv->memcpy_dtoh_async(base + plan[i].arena_offset + b.head.size(), reinterpret_cast<mem::cuda::DevicePtr>(b.data.ptr),
                              b.data.nbytes, b.data.stream);
-      if (std::find(copies.streams.begin(), copies.streams.end(), key) == copies.streams.end())
-        copies.streams.push_back(key);
+      device_copies.add(drv, b.data.stream);
     }
     std::vector<HostCopy> host;
     for (size_t i = 0; i < req.blobs.size(); ++i) {
@@ -416,11 +395,7 @@ struct CheckpointWriter::Impl {
       if (!b.data.on_device()) host.push_back({dst, b.data.ptr, b.data.nbytes});
     }
     copy_host(host);
-    if (copies.drv != nullptr) {
-      copies.sync();  // errors thrown here: the destructor still restores the caller's context
-      copies.drv->set_current_context(copies.caller);
-      copies.drv = nullptr;
-    }
+    device_copies.synchronize();
     return plan;
   }
 
