@@ -12,6 +12,7 @@ reusable pinned buffers, background O_DIRECT writes with crc32c per chunk,
 header last, commit by atomic rename. Loading executes no code.
 """
 import atexit
+import contextlib
 import json
 import logging
 import mmap
@@ -110,7 +111,9 @@ class SaveHandle:
 #   and are not seen.
 # CUDA tensors are copied on a side stream that waits for the work queued
 # before save() only, so the copies overlap the next forward on the copy
-# engine instead of queueing behind it.
+# engine instead of queueing behind it. Under torch.distributed the thread
+# also reserves the save's directories, a collective (Note [Checkpoint
+# collectives]), so save() waits neither for the GPU nor for the other ranks.
 _background = weakref.WeakSet()  # handles whose snapshot is running
 _hook = None
 
@@ -128,6 +131,15 @@ def _snapshot_stream(device):
         s = _snapshot_streams[device] = torch.cuda.Stream(device)
     s.wait_stream(torch.cuda.current_stream(device))
     return s
+
+
+def _copy_streams(devices, background):
+    """The stream each CUDA device's copies are ordered on (its handle, as the
+    core takes it), for the devices in `devices`: the current stream, or for
+    a background snapshot the device's side stream, ordered after the
+    current one once per save and device (one event each, not one per
+    tensor)."""
+    return {d: (_snapshot_stream(d) if background else torch.cuda.current_stream(d)).cuda_stream for d in devices}
 
 
 def _wait_for_snapshots(optimizer, args, kwargs):
@@ -248,6 +260,64 @@ def _dist():
     return None, 0, 1
 
 
+# Note [Checkpoint collectives]
+# Under torch.distributed the ranks agree on a save twice: rank 0 reserves
+# the save's directories and broadcasts their names (reserve_directories),
+# and in wait() every rank reports its outcome and rank 0 its commit
+# (commit_across_ranks). Both are object collectives, which under NCCL move
+# their pickles through CUDA tensors and make the host wait for the GPU: the
+# training thread would wait for all the kernels queued before save(). So
+# they run over a gloo group of all ranks, made once per default group on
+# the first save (new_group is itself a collective: every rank makes it at
+# the same point of the program, on the caller's thread), or over the
+# default group where it already moves objects through host memory.
+# A background snapshot (snapshot="background") also reserves on its own
+# thread, so under torch.distributed save() returns without waiting for the
+# other ranks either (a reservation error then comes from wait(), on every
+# rank). Collectives on a group must be issued in one order on every rank;
+# with reservations on snapshot threads beside the caller's waits, each
+# save's reservation and each wait() takes a ticket on the caller's thread,
+# in program order, and runs its collectives in ticket order.
+class _Collectives:
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._issued = 0  # tickets handed out
+        self._done = 0  # tickets whose collectives are over
+        self._groups = None  # (default group, group of the checkpoint collectives: None = the default)
+
+    def group(self, dist):
+        """The group checkpoint collectives use (None: the default group).
+        Collective when first called for a default group: on the caller's thread."""
+        world = dist.group.WORLD
+        if self._groups is None or self._groups[0] is not world:
+            backend = str(dist.get_backend())
+            on_cpu = backend == "gloo" or "cpu:gloo" in backend
+            self._groups = (world, None if on_cpu else dist.new_group(backend="gloo"))
+        return self._groups[1]
+
+    def ticket(self):
+        with self._cv:
+            self._issued += 1
+            return self._issued - 1
+
+    @contextlib.contextmanager
+    def turn(self, ticket):
+        """Runs the body once the collectives of every earlier ticket are over.
+        Every ticket must be turned exactly once (a failed save turns its
+        reservation's with an empty body)."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._done == ticket)
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._done += 1
+                self._cv.notify_all()
+
+
+_collectives = _Collectives()
+
+
 def _stripe_dir_list(stripe_dirs):
     """`stripe_dirs` as a list of paths; SaveTransaction checks the directories."""
     if stripe_dirs is None:
@@ -323,6 +393,7 @@ class _Save:
         self.lossy_error = self.delta = self.original_bytes = None
         self.stripes, self.tmp, self.ckpt_id, self.txn = [], None, None, None
         self.native = self.stage_error = self.keep = None
+        self.group = self.reserve_ticket = None  # Note [Checkpoint collectives]
         self.staged = threading.Event() if background else None
         self.shard = f"rank{self.rank}.ebt"
 
@@ -347,14 +418,12 @@ class _Save:
             meta["delta"] = self.delta
         if self.lossy_error is not None:
             meta["lossy_error"] = self.lossy_error
+        streams = _copy_streams({device for _, _, _, device, _, _ in fl.blobs if device.type == "cuda"},
+                                self.background)
         blobs = []
         for name, st, nbytes, device, elem, codec in fl.blobs:
             on_dev = device.type == "cuda"
-            stream = 0
-            if on_dev:
-                stream = (_snapshot_stream(device) if self.background
-                          else torch.cuda.current_stream(device)).cuda_stream
-            blobs.append((name, st.data_ptr() if nbytes else 0, nbytes, on_dev, stream, elem, codec))
+            blobs.append((name, st.data_ptr() if nbytes else 0, nbytes, on_dev, streams.get(device, 0), elem, codec))
         self.meta, self.blobs, self.fl, self.state_dict = meta, blobs, fl, state_dict
         self.versions = fl.versions
 
@@ -378,7 +447,9 @@ class _Save:
         if self.dist is not None:
             box = [(self.tmp, self.ckpt_id, self.stripes,
                     None if failed is None else (isinstance(failed, ValueError), str(failed)))]
-            self.dist.broadcast_object_list(box, src=0)
+            ticket, self.reserve_ticket = self.reserve_ticket, None
+            with _collectives.turn(ticket):  # Note [Checkpoint collectives]
+                self.dist.broadcast_object_list(box, src=0, group=self.group)
             self.tmp, self.ckpt_id, self.stripes, error = box[0]
             if failed is not None:
                 raise failed
@@ -388,6 +459,22 @@ class _Save:
         self.meta["id"] = self.ckpt_id
         if self.stripes:
             self.meta["stripes"] = self.stripes
+        self.created = time.time()
+        self.index = self.index_json()
+
+    def take_ticket(self):
+        """Under torch.distributed, on the caller's thread: the group and the
+        place in line of this save's reservation (Note [Checkpoint collectives])."""
+        if self.dist is not None:
+            self.group = _collectives.group(self.dist)
+            self.reserve_ticket = _collectives.ticket()
+
+    def drop_ticket(self):
+        """A reservation that will not run gives its turn up."""
+        ticket, self.reserve_ticket = self.reserve_ticket, None
+        if ticket is not None:
+            with _collectives.turn(ticket):
+                pass
 
     def index_json(self):
         index = {"format": "ebbtide-checkpoint", "format_version": self.version, "id": self.ckpt_id,
@@ -430,10 +517,13 @@ class _Save:
         tensor changed meanwhile."""
         self.keep = (self.fl, self.blobs, self.state_dict)
         try:
+            if self.reserve_ticket is not None:  # Note [Checkpoint collectives]
+                self.reserve_directories()
             if cuda_device is not None:
                 torch.cuda.set_device(cuda_device)
             n = self.start()
         except BaseException as e:  # noqa: BLE001 - raised by wait()
+            self.drop_ticket()
             self.w._native.release_claim()  # in case the core's save() was not reached
             self.stage_error = e
         else:
@@ -474,19 +564,20 @@ class _Save:
         after rank 0 discarded the new directories."""
         dist, rank = self.dist, self.rank
         errs = [None] * self.world
-        dist.all_gather_object(errs, None if err is None else f"rank {rank}: {err}")
-        failed = [e for e in errs if e]
-        if not failed and rank == 0:
-            try:  # the commit; the replaced checkpoint goes on the writer's thread, its stripes now
-                self.w._native.commit(self.txn, [(INDEX_NAME, self.index.encode())])
-            except BaseException as e:  # noqa: BLE001
-                failed = [f"rank 0 commit: {e}"]
-                err = e
-        status = [failed if rank == 0 else None]
-        dist.broadcast_object_list(status, src=0)
+        with _collectives.turn(_collectives.ticket()):  # Note [Checkpoint collectives]
+            dist.all_gather_object(errs, None if err is None else f"rank {rank}: {err}", group=self.group)
+            failed = [e for e in errs if e]
+            if not failed and rank == 0:
+                try:  # the commit; the replaced checkpoint goes on the writer's thread, its stripes now
+                    self.w._native.commit(self.txn, [(INDEX_NAME, self.index.encode())])
+                except BaseException as e:  # noqa: BLE001
+                    failed = [f"rank 0 commit: {e}"]
+                    err = e
+            status = [failed if rank == 0 else None]
+            dist.broadcast_object_list(status, src=0, group=self.group)
         failed = status[0]
         if failed:
-            if rank == 0:
+            if rank == 0 and self.txn is not None:  # None: the reservation failed
                 self.txn.discard()
             if err is not None:
                 raise err
@@ -499,7 +590,8 @@ class _Save:
         if self.dist is not None:
             self.commit_across_ranks(err)
         elif err is not None:  # the writer removed the temporary directory and the stripe files
-            self.txn.discard()
+            if self.txn is not None:
+                self.txn.discard()
             raise err
         else:  # the writer committed
             self.txn.committed()
@@ -528,12 +620,14 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_d
     try:  # until the core's save() (on the snapshot thread for background saves) takes the claim
         s.encode(state_dict, base, lossy)
         del state_dict
-        s.reserve_directories()
-        s.created = time.time()
-        s.index = s.index_json()
+        s.take_ticket()
+        # Note [Checkpoint collectives]: a background snapshot under torch.distributed reserves on its thread.
+        if not (background and s.dist is not None):
+            s.reserve_directories()
         if not background:
             s.start_blocking()
     except BaseException:
+        s.drop_ticket()
         w._native.release_claim()
         raise
     handle = SaveHandle(s.finish)
@@ -549,8 +643,16 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_d
         cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         # The thread holds the writer (and so its C++ half) until the snapshot is
         # decided: a writer is never destroyed with a gated save waiting on it.
-        threading.Thread(target=lambda: (w, s.stage(handle, cuda_device)), name="ebbtide-ckpt-snapshot",
-                         daemon=False).start()
+        try:
+            threading.Thread(target=lambda: (w, s.stage(handle, cuda_device)), name="ebbtide-ckpt-snapshot",
+                             daemon=False).start()
+        except BaseException as e:  # no thread: the handle reports it too
+            s.drop_ticket()
+            w._native.release_claim()
+            s.stage_error = e
+            s.staged.set()
+            _background.discard(handle)
+            raise
     if async_:
         return handle
     return handle.wait()

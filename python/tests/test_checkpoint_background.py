@@ -196,6 +196,41 @@ def test_load_into_module_with_tied_weights(tmp_path, monkeypatch):
     assert torch.equal(b["emb"].weight, a["emb"].weight) and b["head"].weight is b["emb"].weight
 
 
+# CUDA state, faked on the CPU (test_checkpoint_gpu.py has the real one):
+# the storages are reported on two devices. A background snapshot orders
+# each device's side stream after the caller's current stream once per save
+# (each wait_stream records a CUDA event on the training thread), not once
+# per tensor; a snapshot that blocks takes each device's current stream once.
+@pytest.mark.parametrize("background", [True, False], ids=["background", "blocking"])
+def test_snapshot_streams_are_taken_once_per_device(tmp_path, monkeypatch, background):
+    taken = []
+
+    class FakeStream:
+        def __init__(self, device):
+            taken.append(device)
+            self.cuda_stream = 1000 + device.index
+
+    class OnTwoDevices(ckpt.tree.Flattener):
+        def tensor(self, t, path):
+            n = len(self.blobs)
+            out = super().tensor(t, path)
+            for b in self.blobs[n:]:
+                b[3] = torch.device("cuda", len(self.blobs) % 2)
+            return out
+
+    monkeypatch.setattr(ckpt.tree, "Flattener", OnTwoDevices)
+    monkeypatch.setattr(ckpt, "_snapshot_stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", FakeStream)
+    state = {f"t{i}": torch.randn(8) for i in range(40)}
+    s = ckpt._Save(ckpt.Writer(), tmp_path / "c", async_=True, compress=None, block=False, background=background,
+                   stripe_dirs=None)
+    s.encode(state, None, None)
+    assert sorted(d.index for d in taken) == [0, 1]
+    assert len(s.blobs) == 40
+    for name, ptr, nbytes, on_dev, stream, elem, codec in s.blobs:
+        assert on_dev and stream in (1000, 1001), (name, stream)
+
+
 def test_load_into_other_layouts_falls_back_to_copies(tmp_path, monkeypatch):
     base = torch.randn(64, 32)
     ckpt.save({"w": base, "a": torch.randn(8), "b": torch.randn(8)}, tmp_path / "c")
