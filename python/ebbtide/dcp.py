@@ -175,15 +175,47 @@ def _direct_devices():
     return ("cpu", "cuda") if _core.cuda_available() else ("cpu",)
 
 
-def _owned_storage(t):
-    """A CPU tensor equal to `t` that is the whole of its storage (like
-    FileSystemWriter, which clones such tensors before torch.save)."""
+def _owned_storage(t, on_device=False):
+    """A tensor equal to `t` that is the whole of its storage (like
+    FileSystemWriter, which clones such tensors before torch.save): on the
+    CPU, or with `on_device` on t's device (cloned there when needed)."""
     t = t.detach()
-    if t.device.type != "cpu":
+    if t.device.type != "cpu" and not on_device:
         t = t.cpu()
     if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
         t = t.clone(memory_format=torch.contiguous_format)
     return t
+
+
+# Note [Device shards]
+# A synchronous dcp.save of CUDA tensors (FSDP shards on the GPU) hands them
+# to the core's device path when the core can drive CUDA: the writer's
+# workers copy each chunk from device memory into its page-locked save ring
+# on the tensor's current stream (Note [Save ring] in
+# cpp/src/ckpt/writer.cpp) while earlier chunks are written, instead of a
+# synchronous copy of every tensor to fresh pageable host memory first. The
+# file is the same: torch.save's frame around the storage is made from a CPU
+# tensor of the same layout (a CUDA tensor's frame would record its device),
+# so FileSystemReader loads the tensors onto the CPU as before. Other tensors
+# (conjugate or negative views, empty ones) take the host copy.
+def _device_source(t):
+    """CUDA tensor `t` as the whole of a storage on its device, to be saved
+    from device memory (Note [Device shards]), or None when it takes the
+    host copy."""
+    if t.device.type != "cuda" or t.is_conj() or t.is_neg() or t.numel() == 0 or not _core.cuda_available():
+        return None
+    return _owned_storage(t, on_device=True)
+
+
+def _frame_stand_in(t):
+    """A CPU tensor with t's dtype, shape, strides and storage size, whose
+    torch.save frame is that of t copied to the CPU (its bytes are never
+    read: the frame is made under skip_data)."""
+    cpu = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    if cpu.untyped_storage().nbytes() != t.untyped_storage().nbytes():
+        raise RuntimeError(f"ebbtide.dcp: no CPU stand-in for a tensor of shape {tuple(t.shape)} and strides "
+                           f"{t.stride()} over {t.untyped_storage().nbytes()} bytes")
+    return cpu
 
 
 _unpickled_natives = {}  # options -> native writer, for writers unpickled here (Note [Writer in another process])
@@ -208,20 +240,42 @@ class _StagingHandle:
         _checkpoint._background.discard(self)
 
 
-def _saved_versions(obj, path=""):
-    """(tensor, version counter, path) for each tensor in a state dict, the
-    local tensor of a DTensor: what an in-place change bumps."""
+def _local_tensors(obj, path=""):
+    """(tensor, path) for each tensor in a state dict, the local tensor of a DTensor."""
     if isinstance(obj, torch.Tensor):
         local = getattr(obj, "_local_tensor", None)
-        t = local if isinstance(local, torch.Tensor) else obj
-        if not t.is_inference():
-            yield t, t._version, path
+        yield (local if isinstance(local, torch.Tensor) else obj), path
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _saved_versions(v, f"{path}.{k}" if path else str(k))
+            yield from _local_tensors(v, f"{path}.{k}" if path else str(k))
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            yield from _saved_versions(v, f"{path}.{i}" if path else str(i))
+            yield from _local_tensors(v, f"{path}.{i}" if path else str(i))
+
+
+def _saved_versions(obj):
+    """(tensor, version counter, path) for each tensor in a state dict: what
+    an in-place change bumps."""
+    for t, path in _local_tensors(obj):
+        if not t.is_inference():
+            yield t, t._version, path
+
+
+def _cuda_devices(obj):
+    """The CUDA devices holding tensors of a state dict."""
+    return {t.device for t, _ in _local_tensors(obj) if t.device.type == "cuda"}
+
+
+def _record_callers_streams(devices):
+    """On the caller's thread: an event after the work queued so far on the
+    current stream of each device in `devices` (Note [Async staging]).
+    Blocking-sync events: the staging thread that waits for them sleeps."""
+    events = []
+    for d in sorted(devices, key=lambda d: d.index if d.index is not None else -1):
+        ev = torch.cuda.Event(blocking=True)
+        ev.record(torch.cuda.current_stream(d))
+        events.append(ev)
+    return events
 
 
 class _DirectoryId:
@@ -345,13 +399,16 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         if not self.async_staging:
             return self._stage_now(state_dict)
         versions = list(_saved_versions(state_dict))
+        devices = _cuda_devices(state_dict)
+        ready = _record_callers_streams(devices)  # Note [Async staging]: the caller's streams, now
+        device = torch.cuda.current_device() if devices else None
         handle = _StagingHandle()
         _checkpoint._install_optimizer_hook()
         _checkpoint._background.add(handle)
         if self._stager is None:
             self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ebbtide-dcp-staging")
         try:
-            return self._stager.submit(self._stage_checked, state_dict, versions, handle)
+            return self._stager.submit(self._stage_checked, state_dict, versions, handle, ready, device)
         except BaseException:
             handle.done()
             raise
@@ -377,8 +434,20 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
     # carries the error only if the staging ends after async_save has
     # returned (torch's async_save reports a staging future that is already
     # done as a success), so wait for upload_completion to know the outcome.
-    def _stage_checked(self, state_dict, versions, handle):
+    # CUDA tensors: the staging thread's copies run on its own current
+    # stream, which is not ordered after the caller's (a step queued on a
+    # side stream could be copied half done, and no version counter would
+    # tell). So async_save records an event on the current stream of each
+    # device holding saved tensors, on the caller's thread, and the staging
+    # thread waits for those events before it copies; it also makes the
+    # caller's device its own, so the pinned staged copy is made in that
+    # device's context, not in a new one on GPU 0.
+    def _stage_checked(self, state_dict, versions, handle, ready=(), device=None):
         try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            for ev in ready:
+                ev.synchronize()
             _test_hook_gate("staging")
             staged = self._stage_now(state_dict)
             changed = [path for t, v, path in versions if t._version != v]
@@ -526,16 +595,19 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
                 frames.append((b"", b""))
                 layout.append({"kind": "bytes"})
                 continue
-            t = _owned_storage(data)
+            t = _device_source(data)  # Note [Device shards]
+            on_device = t is not None
+            if not on_device:
+                t = _owned_storage(data)
             keep.append(t)
             nbytes = t.untyped_storage().nbytes()
             # torch.save's bytes around a storage depend only on the tensor's layout.
             key = (t.dtype, tuple(t.shape), t.stride(), nbytes)
             if key not in self._frames:
-                self._frames[key] = _torch_frame(t, nbytes)
+                self._frames[key] = _torch_frame(_frame_stand_in(t) if on_device else t, nbytes)
             head, tail = self._frames[key]
-            blobs.append((fqn, t.untyped_storage().data_ptr(), nbytes, False, 0, t.element_size(),
-                          tree.codec_for(t.dtype, self.compress)))
+            blobs.append((fqn, t.untyped_storage().data_ptr(), nbytes, on_device, tree.core_stream(t.device),
+                          t.element_size(), tree.codec_for(t.dtype, self.compress)))
             frames.append((head, tail))
             layout.append({"kind": "tensor", "head": len(head), "dtype": tree.dtype_name(t.dtype),
                            "size": list(t.shape), "stride": list(t.stride())})

@@ -297,6 +297,79 @@ def test_async_staging_fails_a_save_whose_tensor_changed_while_staged(tmp_path, 
     assert [p.name for p in tmp_path.iterdir()] == ["a"]  # nothing was reserved or written
 
 
+# Note [Async staging]: CUDA tensors are staged after the work queued before
+# async_save() on the caller's current streams: async_save records an event
+# per device on the caller's thread, and the staging thread waits for each
+# before it copies. Fake events stand in on the CPU (test_checkpoint_gpu.py
+# runs it on a GPU, with the update queued on a side stream).
+def test_async_staging_waits_for_the_callers_streams_before_copying(tmp_path, monkeypatch):
+    import threading
+
+    from ebbtide import dcp as edcp
+    log = []
+
+    class FakeEvent:
+        def synchronize(self):
+            log.append(("wait", threading.current_thread().name))
+
+    def record(devices):
+        log.append(("record", threading.current_thread().name))
+        return [FakeEvent(), FakeEvent()]
+
+    stage_now = EbbtideWriter._stage_now
+
+    def copy(self, state_dict):
+        log.append(("copy", threading.current_thread().name))
+        return stage_now(self, state_dict)
+    monkeypatch.setattr(edcp, "_record_callers_streams", record)
+    monkeypatch.setattr(EbbtideWriter, "_stage_now", copy)
+    sd = _mixed_state()
+    w = EbbtideWriter(tmp_path / "a", async_staging=True)
+    try:
+        dcp.async_save(sd, storage_writer=w).upload_completion.result(timeout=60)
+    finally:
+        w.close()
+    assert log[0] == ("record", threading.current_thread().name), log
+    assert [what for what, _ in log[1:]] == ["wait", "wait", "copy"], log
+    assert all(thread.startswith("ebbtide-dcp-staging") for _, thread in log[1:]), log
+    _assert_bitwise(sd, _load(tmp_path / "a"))
+
+
+def test_callers_streams_are_recorded_once_per_device(monkeypatch):
+    from ebbtide import dcp as edcp
+
+    class FakeEvent:
+        def __init__(self, blocking=False):
+            self.blocking, self.stream = blocking, None
+
+        def record(self, stream):
+            self.stream = stream
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d: f"current stream of {d}")
+    events = edcp._record_callers_streams({torch.device("cuda", 1), torch.device("cuda", 0)})
+    assert [e.stream for e in events] == ["current stream of cuda:0", "current stream of cuda:1"]
+    assert all(e.blocking for e in events), "the staging thread sleeps while it waits"
+    assert edcp._record_callers_streams(edcp._cuda_devices(_mixed_state())) == []  # CPU state: no CUDA calls
+
+
+# Note [Device shards]: a CUDA tensor saved from device memory is framed by
+# torch.save's bytes for a CPU tensor of its layout, which must be the frame
+# of the host copy the other path makes (Tensor.cpu() keeps the strides of
+# a dense tensor and makes others contiguous, as clone() does here), so the
+# file is the same either way and FileSystemReader loads it onto the CPU.
+def test_device_shards_are_framed_like_their_host_copies():
+    from ebbtide import dcp as edcp
+    base = torch.randn(6, 8)
+    for t in (base, base.t(), base[:, 2:5], base[1], base[2:4], torch.arange(10, dtype=torch.int16),
+              torch.zeros((), dtype=torch.bfloat16), torch.randn(3, 4, 5).permute(2, 0, 1)):
+        device = edcp._owned_storage(t, on_device=True)  # the device path's tensor, were t on a GPU
+        host = edcp._owned_storage(t.clone())  # what the host path saves of t.cpu()
+        nbytes = host.untyped_storage().nbytes()
+        assert device.untyped_storage().nbytes() == nbytes and device.stride() == host.stride()
+        assert edcp._torch_frame(edcp._frame_stand_in(device), nbytes) == edcp._torch_frame(host, nbytes)
+    assert edcp._device_source(base) is None  # a CPU tensor takes the host path
+
+
 # torch's async_save reports a staging future that is already done when it
 # checks as a success (staging_completion), even if it failed; the upload
 # still waits for it and raises. Staged here by making the upload executor
