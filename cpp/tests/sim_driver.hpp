@@ -38,6 +38,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <functional>
@@ -348,7 +349,7 @@ class SimDriver final : public mem::cuda::Driver {
   void set_current_context(mem::cuda::Context c) override {
     Lock lock(mu_);
     const int d = static_cast<int>(c) - 1;
-    if (d < 0) current_[std::this_thread::get_id()] = -1;
+    if (d < 0) current_[thread_token()] = -1;
     else make_current_locked(d);
   }
   bool is_device_pointer(const void* p) override {
@@ -466,7 +467,7 @@ class SimDriver final : public mem::cuda::Driver {
   }
   void relax_capture_mode() override {
     Lock lock(mu_);
-    relaxed_.insert(std::this_thread::get_id());
+    relaxed_.insert(thread_token());
   }
   // Page-locking needs a current context; it succeeds unless a test refuses
   // it (as a container with a small RLIMIT_MEMLOCK would). Both calls are counted.
@@ -563,12 +564,20 @@ class SimDriver final : public mem::cuda::Driver {
                          : detail::concat("stream ", k.second, " of device ", k.first);
   }
 
+  // A thread's identity for its context and capture mode: unlike
+  // std::thread::id, never reused by a later thread, which starts with no
+  // context as on a real driver.
+  static uint64_t thread_token() {
+    static std::atomic<uint64_t> next{0};
+    thread_local const uint64_t token = ++next;
+    return token;
+  }
   int current_locked() {
-    auto it = current_.find(std::this_thread::get_id());
+    auto it = current_.find(thread_token());
     return it == current_.end() ? -1 : it->second;
   }
   void make_current_locked(int d) {
-    current_[std::this_thread::get_id()] = d;
+    current_[thread_token()] = d;
     contexts_.insert(d);
   }
   struct Injection {
@@ -594,7 +603,7 @@ class SimDriver final : public mem::cuda::Driver {
   // Global-mode capture: a thread that did not relax its mode may not make
   // potentially unsafe calls while it, or any thread, captures.
   void unsafe_in_capture_locked(const char* call) {
-    if (capturing_.empty() || relaxed_.count(std::this_thread::get_id())) return;
+    if (capturing_.empty() || relaxed_.count(thread_token())) return;
     fail_locked(call, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (a CUDA graph capture is under way)");
   }
   // A stream handle in the current context: 0 is the context's default
@@ -714,8 +723,8 @@ class SimDriver final : public mem::cuda::Driver {
   std::map<Event, EventState> events_;
   std::map<Stream, int> created_;
   std::map<Stream, int> declared_;
-  std::map<std::thread::id, int> current_;
-  std::set<std::thread::id> relaxed_;
+  std::map<uint64_t, int> current_;  // by thread_token()
+  std::set<uint64_t> relaxed_;
   std::map<int, std::pair<double, double>> engines_;  // per device: d2h, h2d engines free at
   std::multimap<std::pair<double, uint64_t>, std::function<void()>> pending_;
   uint64_t order_ = 0;

@@ -815,6 +815,7 @@ class TensorCache:
         out["entries"] = s["entries"]
         out["store_bytes_held"] = s["store_bytes_held"]
         out["store_bytes_staged"] = s["store_bytes_staged"]
+        out["store_host_registrations"] = s["store_host_registrations"]
         out["target"] = self.target
         out["plan"] = self.plan()
         out["tiers"] = s["tiers"]

@@ -118,6 +118,7 @@ class TieredStore final : public Store {
       out.bytes_held += s.bytes_held;
       out.blobs += s.blobs;
       out.bytes_staged += s.bytes_staged;
+      out.host_registrations += s.host_registrations;
       unlimited = unlimited || s.capacity == 0;
       out.capacity = unlimited ? 0 : out.capacity + s.capacity;
       TierMeter& m = out.tiers[t];
