@@ -1527,11 +1527,17 @@ void TensorCache::end_step() {
   // The step's counters close once its abandoned work ended (Note [Abandoned
   // work]): what its stores wrote is then all counted, offloaded or
   // discarded. Backward has ended; this is one wait at the step's end, for
-  // disk writes of entries released mid-write, instead of one per release.
+  // host I/O of entries released mid-write, instead of one per release. It
+  // never waits for a GPU: a spill starts only once its copy ran (Note
+  // [Spill readiness]) and a reload's device copy is only enqueued; a device
+  // store on the worker path (pageable blobs) waits behind the compute
+  // stream, so it is not waited for here (its bytes count in the next step).
   const auto t0 = std::chrono::steady_clock::now();
   done_cv_.wait(lock, [&] {
-    return std::none_of(abandoned_.begin(), abandoned_.end(),
-                        [&](const auto& kv) { return kv.second->step == step_; });
+    return std::none_of(abandoned_.begin(), abandoned_.end(), [&](const auto& kv) {
+      const Entry& e = *kv.second;
+      return e.step == step_ && !(e.device >= 0 && !e.stream_ordered);
+    });
   });
   add_stall(seconds_since(t0));
   fold(total_c_, step_c_);
