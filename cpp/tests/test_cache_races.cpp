@@ -169,11 +169,11 @@ void returns_without_waiting_for_the_gate(test::Gate& gate, F fn) {
 // Saves one device tensor written by a kernel on `stream`, releases its copy
 // and drops the tensor (the glue's ack). Returns the entry.
 EntryId offload_one(Glue& g, TensorCache& c, const std::vector<unsigned char>& data, mem::cuda::Stream stream,
-                    uint64_t key) {
+                    uint64_t key, int tier = kTierFirst) {
   DevicePtr act = 0;
   GlueObj live = g.block(act, kBytes, stream, "activation " + std::to_string(key));
   g.write(stream, act, data);
-  SaveResult res = c.save(device_request(act, key, stream, std::move(live)));
+  SaveResult res = c.save(device_request(act, key, stream, std::move(live), g.device, tier));
   EXPECT_TRUE(res.offloaded);
   c.release_copies(0, INT64_MAX, stream);
   for (auto& done : c.poll()) done.live.reset();  // the glue drops the tensor
@@ -367,15 +367,10 @@ TEST(CacheRaces, ReleaseDuringASpillDoesNotWaitForTheWrite) {
   Glue g{drv};
   c->begin_step();
   gate.set_open(false);
-  DevicePtr act = 0;
-  GlueObj live = g.block(act, kBytes, kCompute, "activation bound for the SSD");
-  g.write(kCompute, act, test::random_bytes(kBytes, 8));
-  SaveResult res = c->save(device_request(act, 8, kCompute, std::move(live), 0, kTierSsd));
-  c->release_copies(0, INT64_MAX, kCompute);
-  for (auto& done : c->poll()) done.live.reset();
+  const EntryId res_id = offload_one(g, *c, test::random_bytes(kBytes, 8), kCompute, 8, kTierSsd);
   drv.advance_host(1.0);  // the copy into the bounce blob ran
   gate.wait_started(1);   // the spill is writing
-  returns_without_waiting_for_the_gate(gate, [&] { EXPECT_TRUE(c->release(res.id)); });
+  returns_without_waiting_for_the_gate(gate, [&] { EXPECT_TRUE(c->release(res_id)); });
   gate.set_open(true);
   c->drain();
   EXPECT_EQ(c->stats().store.blobs, 0u) << "the abandoned spill's space is freed";
@@ -474,12 +469,7 @@ TEST(CacheRaces, WorkersKeepWorkingDuringACaptureElsewhere) {
   Glue g{drv};
   c->begin_step();
   c->pause_stores(true);
-  DevicePtr act = 0;
-  GlueObj live = g.block(act, kBytes, kCompute, "activation bound for the SSD");
-  g.write(kCompute, act, test::random_bytes(kBytes, 30));
-  SaveResult res = c->save(device_request(act, 30, kCompute, std::move(live), 0, kTierSsd));
-  c->release_copies(0, INT64_MAX, kCompute);
-  for (auto& done : c->poll()) done.live.reset();
+  const EntryId res_id = offload_one(g, *c, test::random_bytes(kBytes, 30), kCompute, 30, kTierSsd);
   drv.begin_capture(kSide);  // the training thread captures a graph on another stream
   drv.advance_host(1.0);
   c->pause_stores(false);
@@ -494,7 +484,7 @@ TEST(CacheRaces, WorkersKeepWorkingDuringACaptureElsewhere) {
   c->drain();
   EXPECT_EQ(c->stats().step.store_failures, 0u);
   EXPECT_EQ(c->stats().store.blobs, 1u);
-  c->release(res.id);
+  c->release(res_id);
   expect_clean(drv);
   c->close();
 }
@@ -510,23 +500,18 @@ TEST(CacheRaces, ACacheOnDeviceOneMakesNoContextOnDeviceZero) {
   Glue g{drv, 1};
   c->begin_step();
   const auto data = test::random_bytes(kBytes, 40);
-  DevicePtr act = 0;
-  GlueObj live = g.block(act, kBytes, kCompute, "activation on device 1");
-  g.write(kCompute, act, data);
-  SaveResult res = c->save(device_request(act, 40, kCompute, std::move(live), 1, kTierSsd));
-  c->release_copies(0, INT64_MAX, kCompute);
-  for (auto& done : c->poll()) done.live.reset();
+  const EntryId res_id = offload_one(g, *c, data, kCompute, 40, kTierSsd);
   c->drain();
   DevicePtr buf = 0;
   GlueObj owner = g.block(buf, kBytes, kCompute, "reload buffer on device 1");
-  ASSERT_EQ(c->request(res.id), Reload::kNeedBuffer);
-  c->start_load(res.id, reinterpret_cast<void*>(buf), kCompute, owner);
-  c->wait(res.id, kCompute);
+  ASSERT_EQ(c->request(res_id), Reload::kNeedBuffer);
+  c->start_load(res_id, reinterpret_cast<void*>(buf), kCompute, owner);
+  c->wait(res_id, kCompute);
   bool ok = false;
   g.check(kCompute, buf, data, ok);
-  c->consume(res.id);
+  c->consume(res_id);
   owner.reset();
-  c->release(res.id);
+  c->release(res_id);
   c->close();
   expect_clean(drv);
   EXPECT_TRUE(ok);
@@ -635,23 +620,18 @@ TEST(CacheRaces, AFailedReloadFreesNothingItsCopyTouches) {
   auto c = ssd_cache(drv, gate);
   Glue g{drv};
   c->begin_step();
-  DevicePtr act = 0;
-  GlueObj live = g.block(act, kBytes, kCompute, "activation");
-  g.write(kCompute, act, test::random_bytes(kBytes, 55));
-  SaveResult r = c->save(device_request(act, 55, kCompute, std::move(live), 0, kTierSsd));
-  c->release_copies(0, INT64_MAX, kCompute);
-  for (auto& d : c->poll()) d.live.reset();
+  const EntryId r_id = offload_one(g, *c, test::random_bytes(kBytes, 55), kCompute, 55, kTierSsd);
   c->drain();
   drv.inject_failure("cuEventRecord", 1, std::this_thread::get_id());  // the worker's record fails
   DevicePtr buf = 0;
   {
     GlueObj owner = g.block(buf, kBytes, kCompute, "reload buffer");
-    ASSERT_EQ(c->request(r.id), Reload::kNeedBuffer);
-    c->start_load(r.id, reinterpret_cast<void*>(buf), kCompute, owner);
+    ASSERT_EQ(c->request(r_id), Reload::kNeedBuffer);
+    c->start_load(r_id, reinterpret_cast<void*>(buf), kCompute, owner);
   }
-  EXPECT_ANY_THROW(c->wait(r.id, kCompute));  // the load's error, whenever the worker failed
-  EXPECT_EQ(c->state(r.id), EntryState::kStored);
-  c->release(r.id);  // drops the reload buffer
+  EXPECT_ANY_THROW(c->wait(r_id, kCompute));  // the load's error, whenever the worker failed
+  EXPECT_EQ(c->state(r_id), EntryState::kStored);
+  c->release(r_id);  // drops the reload buffer
   EXPECT_EQ(g.freed, 2);
   DevicePtr next = drv.alloc(kBytes, kCompute, "next activation");
   g.write(kCompute, next, test::random_bytes(kBytes, 56));
