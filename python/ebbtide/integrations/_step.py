@@ -6,6 +6,54 @@ from typing import Optional
 
 import torch
 
+METRIC_PREFIX = "ebbtide/"
+
+
+class StepMetrics:
+    """Sums the per-step statistics of a TensorCache between two logging steps.
+
+    ``add`` takes the dict of ``cache.stats()`` read after a step ended (the
+    cache keeps it: no device sync, no core call); ``take`` returns the
+    scalars a logger shows ("Logged metrics" in docs/integrations.md)
+    and starts a new window.
+    """
+
+    def __init__(self):
+        self._reset()
+
+    def _reset(self) -> None:
+        self.steps = 0
+        self._offloaded = 0
+        self._saved = 0
+        self._stall = 0.0
+        self._peak = 0
+        self._planner = None
+
+    def add(self, stats: dict) -> None:
+        self.steps += 1
+        self._offloaded += stats["bytes_offloaded"]
+        self._saved += stats["saved_bytes_total"]
+        self._stall += stats["stall_seconds"]
+        self._peak = max(self._peak, stats["peak_resident_bytes"])
+        self._planner = stats.get("planner")
+
+    def take(self) -> dict:
+        """The window's metrics, named ``ebbtide/...``; {} when no step ended since the last take."""
+        if not self.steps:
+            return {}
+        # A store finished late counts in the next step (cache.stats()); the
+        # clamp keeps a window that ends on such a step a fraction.
+        fraction = min(1.0, self._offloaded / self._saved) if self._saved else 0.0
+        out = {"bytes_offloaded": self._offloaded, "stall_seconds": self._stall,
+               "peak_resident_bytes": self._peak, "offloaded_fraction": fraction}
+        if self._planner is not None:  # adaptive: the plan in force at the window's last step
+            modules = self._planner["modules"]
+            kept = sum(m["placement"] == "keep" for m in modules)
+            out.update(plan_kept_blocks=kept, plan_offloaded_blocks=len(modules) - kept,
+                       plan_predicted_stall_seconds=self._planner["predicted_stall_seconds"])
+        self._reset()
+        return {METRIC_PREFIX + k: v for k, v in out.items()}
+
 
 class CallbackStep:
     """Owns (or borrows) a TensorCache and one open ``step()`` at a time.
@@ -25,6 +73,7 @@ class CallbackStep:
         self._owned = cache is None
         self._settings = dict(target=target, path=path, **cache_kwargs)
         self._ctx = None
+        self.metrics = StepMetrics()
 
     def open(self, model: Optional[torch.nn.Module]) -> None:
         """Creates the cache (unless one was given) and attaches it to `model` if it has no model yet."""
@@ -46,12 +95,14 @@ class CallbackStep:
         self._ctx = ctx
 
     def end(self, exc: Optional[BaseException] = None) -> None:
-        """Leaves the open step, if any; with `exc`, as if the step had raised it (its entries are released)."""
+        """Leaves the open step, if any; with `exc`, as if the step had raised it (its entries are released).
+        A step that ends without `exc` adds its statistics to ``metrics``."""
         ctx, self._ctx = self._ctx, None
         if ctx is None:
             return
         if exc is None:
             ctx.__exit__(None, None, None)
+            self.metrics.add(self.cache.stats())
         else:
             ctx.__exit__(type(exc), exc, exc.__traceback__)
 
