@@ -233,6 +233,16 @@ TEST_P(CkptWriterTest, CorruptChunkNamesBlobAndOffset) {
   ASSERT_EQ(problems.size(), 1u);
   EXPECT_EQ(problems[0].blob, "layer.w");
   EXPECT_EQ(problems[0].file_offset, off);
+  // A part of the blob outside the bad chunk fails too (Note [Parts are checked whole]): a load of a DCP
+  // item fails wherever verify() finds a bad chunk of its blob.
+  unsigned char head[10];
+  try {
+    rd.read({{0, {head, sizeof(head)}, 0, true}});
+    FAIL() << "a bad chunk outside the part read was not detected";
+  } catch (const ChecksumError& e) {
+    EXPECT_EQ(e.offset(), static_cast<int64_t>(off));
+    EXPECT_EQ(std::string(e.what()), problems[0].message);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, CkptWriterTest,
@@ -486,6 +496,27 @@ TEST_P(CkptWriterTest, StripedAndPipelinedRoundTrip) {
   const auto problems = rd.verify();
   ASSERT_FALSE(problems.empty());
   EXPECT_NE(problems[0].message.find(std::strerror(ENOENT)), std::string::npos) << problems[0].message;
+  // check_extents() finds it without reading data, with read()'s error.
+  auto error_of = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  const std::string by_read = error_of([&] { rd.read({{0, test::host_buffer(a2)}, {1, test::host_buffer(b2)}}); });
+  EXPECT_FALSE(by_read.empty());
+  EXPECT_EQ(error_of([&] { rd.check_extents(); }), by_read);
+  // A stripe file cut short: the same, an InvalidArgument naming it.
+  std::filesystem::resize_file(d.path() + "/s1/p.ebt", 8192);
+  ShardReader cut(d.path() + "/main-p.ebt", true, {d.path() + "/s1/p.ebt", d.path() + "/s2/p.ebt"});
+  EXPECT_THROW(cut.check_extents(), InvalidArgument);
+  const std::string cut_read = error_of([&] { cut.read({{0, test::host_buffer(a2)}, {1, test::host_buffer(b2)}}); });
+  EXPECT_NE(cut_read.find("s1/p.ebt"), std::string::npos) << cut_read;
+  EXPECT_EQ(error_of([&] { cut.check_extents(); }), cut_read);
+  ShardReader whole(d.path() + "/main-a.ebt", true, {d.path() + "/s1/a.ebt", d.path() + "/s1/a.ebt"});
+  EXPECT_THROW(whole.check_extents(), InvalidArgument) << "stripe 1's file given as stripe 2";
 }
 
 // Superblocks of more files than one staging buffer holds (4 KiB chunks: two

@@ -182,6 +182,9 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
            nb::arg("targets"), nb::arg("threads") = 0,
            "Reads (blob, byte offset, pointer, nbytes, device, stream): part of each blob, bounds-checked against "
            "it, into host memory or (device) CUDA memory on that stream.")
+      .def("check_extents", &ShardReader::check_extents,
+           "Raises what read() would for the first chunk it cannot read (a stripe file missing or bad, a chunk "
+           "past the end of its file), without reading data.")
       .def("verify", [](ShardReader& r) {
         std::vector<VerifyProblem> p;
         {

@@ -66,6 +66,17 @@ struct ShardReader::Impl {
     if (stripe_errno[c.stripe] != 0) throw IoError(stripe_errno[c.stripe], path_of(c), -1, what);
     throw InvalidArgument(path_of(c) + ": " + what);
   }
+  // What read() throws for a chunk it cannot read: its stripe file missing
+  // or bad, or its extent past the end of its file.
+  void check_extent(const ChunkEntry& c) const {
+    check_stripe(c);
+    const uint64_t len = align_up(c.stored_bytes, kBlockBytes);
+    if (!fits_within(c.file_offset, len, sizes[c.stripe])) {
+      throw IoError(ENODATA, tensor_at(path_of(c), h.blobs[c.blob].name), static_cast<int64_t>(c.file_offset),
+                    ebbtide::detail::concat("truncated checkpoint file: chunk needs bytes up to ", c.file_offset + len,
+                                            " but the file has ", sizes[c.stripe]));
+    }
+  }
   void check_crc(const ChunkEntry& c, const char* stored) const {
     uint32_t crc = crc32c(stored, c.stored_bytes);
     if (crc != c.crc)
@@ -219,19 +230,21 @@ void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks,
   detail::PagePopulator populate(std::move(in_place));
   auto read = [&](size_t i) {
     const ChunkEntry& c = *chunks[i];
-    check_stripe(c);
-    const io::DirectFile& f = *files[c.stripe];
-    uint64_t len = align_up(c.stored_bytes, kBlockBytes);
-    if (!fits_within(c.file_offset, len, sizes[c.stripe])) {
-      throw IoError(ENODATA, tensor_at(f.path(), h.blobs[c.blob].name), static_cast<int64_t>(c.file_offset),
-                    ebbtide::detail::concat("truncated checkpoint file: chunk needs bytes up to ", c.file_offset + len,
-                                            " but the file has ", sizes[c.stripe]));
-    }
-    return detail::PipelinedRead{&f, c.file_offset, len, direct.empty() ? nullptr : direct[i]};
+    check_extent(c);
+    return detail::PipelinedRead{files[c.stripe], c.file_offset, align_up(c.stored_bytes, kBlockBytes),
+                                 direct.empty() ? nullptr : direct[i]};
   };
   detail::pipelined_reads(chunks.size(), read, loop, &staging, nthreads, process);
 }
 
+// Note [Parts are checked whole]
+// A target with `part` wants a byte range of its blob (a DCP item's tensor
+// inside its torch.save frame), but every chunk of the blob is read and
+// checked (checksum, decoding), the chunks outside the range only to be
+// dropped: a load then fails exactly where verify() finds a bad chunk, so
+// `ebbtide ckpt inspect` and the load agree (Note [One validator] in
+// python/ebbtide/_ckpt_checks.py). Those chunks are the frame's few bytes
+// before and after the tensor's, at most one chunk at each end.
 void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads, mem::cuda::Driver* cuda_driver) {
   auto& I = *impl_;
   std::vector<const ChunkEntry*> chunks;
@@ -259,9 +272,12 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads,
     const uint64_t lo = t.offset, hi = t.offset + t.dst.nbytes;
     for (uint32_t k = 0; k < b.chunk_count; ++k) {
       const ChunkEntry& c = I.h.chunks[b.first_chunk + k];
-      if (c.raw_offset >= hi || c.raw_offset + c.raw_bytes <= lo) continue;  // outside the part asked for
       chunks.push_back(&c);
       owner.push_back(&t);
+      if (c.raw_offset >= hi || c.raw_offset + c.raw_bytes <= lo) {  // Note [Parts are checked whole]
+        direct.push_back(nullptr);
+        continue;
+      }
       if (t.dst.on_device() && (c.codec != Codec::kNone || c.stored_bytes != c.raw_bytes))
         decoded_bytes = std::max<uint64_t>(decoded_bytes, c.raw_bytes);
       const bool whole = c.raw_offset >= lo && c.raw_offset + c.raw_bytes <= hi;
@@ -294,6 +310,14 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads,
     // The chunk's bytes [from, to) go to dst + (from - t.offset) (all of them unless t.part).
     const uint64_t from = std::max(c.raw_offset, t.offset);
     const uint64_t to = std::min(c.raw_offset + c.raw_bytes, t.offset + t.dst.nbytes);
+    if (from >= to) {  // outside the part asked for: checked only
+      if (c.codec != Codec::kNone || c.stored_bytes != c.raw_bytes) {
+        if (scratch.size() < c.raw_bytes) scratch.resize(c.raw_bytes);
+        if (host.size() < c.raw_bytes) host.resize(c.raw_bytes);
+        I.decode_chunk(c, stored, host.data(), scratch.data());
+      }
+      return;
+    }
     const bool whole = from == c.raw_offset && to == c.raw_offset + c.raw_bytes;
     const char* raw = stored;  // a raw chunk is its own decoding (device copies go from its staging buffer)
     mem::PinnedPool::Lease lease;  // a device target's decoded chunk, held until its copy is done
@@ -323,6 +347,10 @@ void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads,
     drv->memcpy_htod_async(dst, src, to - from, t.dst.stream);
     drv->stream_synchronize(t.dst.stream);  // before the staging buffer (or the decoded one) is reused
   }, drv, cuda_driver, served);
+}
+
+void ShardReader::check_extents() const {
+  for (const auto& c : impl_->h.chunks) impl_->check_extent(c);
 }
 
 std::vector<VerifyProblem> ShardReader::verify(unsigned threads) {

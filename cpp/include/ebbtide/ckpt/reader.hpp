@@ -49,6 +49,12 @@ class ShardReader {
   uint64_t file_bytes() const;  // actual size on disk (all stripe files together)
   size_t stripe_count() const;  // files of the shard (1 when not striped)
 
+  // Checks without reading data that read() can read every chunk: its file
+  // (a stripe file opened, its superblock valid) holds the chunk's extent.
+  // Throws what read() would throw for the first chunk in table order that
+  // fails: IoError for a stripe file that cannot be opened or a chunk past
+  // the end of its file, InvalidArgument for a bad stripe file.
+  void check_extents() const;
   // Reads the given blobs; ChecksumError / InvalidArgument name the blob and
   // the file offset of the bad chunk. A destination whose size is not the
   // blob's is refused (InvalidArgument) before anything is read. Device
