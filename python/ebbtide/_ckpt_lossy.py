@@ -22,6 +22,7 @@ import dataclasses
 import torch
 
 from ebbtide import _ckpt_tree as tree
+from ebbtide._ckpt_checks import fail
 
 
 @dataclasses.dataclass
@@ -91,13 +92,17 @@ def _encode_tensor(x, mask, o, mode):
                          "bits": o.bits}}
 
 
-def _decode_values(enc, numel):
-    mask = _unpack_mask(enc["mask"], numel)
-    out = torch.zeros(numel, dtype=torch.float32, device=enc["codebook"].device)
+def _codes(enc):
     codes = enc["codes"]
     if enc["bits"] <= 4:
         codes = torch.stack([codes & 15, codes >> 4], 1).reshape(-1)[:enc["count"]]
-    out[mask.to(out.device)] = enc["codebook"][codes.long().to(out.device)]
+    return codes
+
+
+def _decode_values(enc, numel):
+    mask = _unpack_mask(enc["mask"], numel)
+    out = torch.zeros(numel, dtype=torch.float32, device=enc["codebook"].device)
+    out[mask.to(out.device)] = enc["codebook"][_codes(enc).long().to(out.device)]
     return out
 
 
@@ -219,28 +224,124 @@ def _substitute(obj, replace, path):
                      if isinstance(o, torch.Tensor) else _DESCEND)
 
 
-def decode(state, base_state):
+def decode(state, base_state, where=""):
+    """The state of a delta checkpoint (its lossy tensors still encoded, as
+    check() passed them) with each lossy tensor decoded against `base_state`,
+    the base as loaded. Codes and masks that do not fit (data) raise
+    ValueError naming `where`."""
     base = dict(tree.walk_tensors(base_state))
-    return _decode(state, base, "state")
+    return _map_tree(state, "state", lambda o, p: _decode_leaf(o, base, p, where))
 
 
-def _decode(obj, base, path):
-    return _map_tree(obj, path, lambda o, p: _decode_leaf(o, base, p))
+def _is_encoded(obj):
+    return isinstance(obj, dict) and set(obj) == {"__excp__"}
 
 
-def _decode_leaf(obj, base, path):
-    if not (isinstance(obj, dict) and set(obj) == {"__excp__"}):
+def _decode_leaf(obj, base, path, where):
+    if not _is_encoded(obj):
         return _DESCEND
     e = obj["__excp__"]
-    shape = e["shape"]
+    vals = decode_values(e, path, where)
+    if e["mode"] == "delta":
+        vals = base[path].float().reshape(-1).to(vals.device) + vals
+    return vals.reshape(e["shape"]).to(tree.dtype_from_name(e["dtype"], where))
+
+
+def decode_values(e, path, where):
+    """The values of encoded tensor `e` (at `path`, its layout checked by
+    check()): ValueError naming `where` when its data do not fit (the mask
+    keeps another number of values than `count`, a code lies past the
+    codebook), found before indexing with them (on a GPU an index out of
+    range is a device-side assert, not an error)."""
     numel = 1
-    for s in shape:
+    for s in e["shape"]:
         numel *= s
-    vals = _decode_values(e, numel)
-    dtype = tree.dtype_from_name(e["dtype"], path)
+    kept = int(_unpack_mask(e["mask"], numel).sum())
+    if kept != e["count"]:
+        raise fail("ckpt.delta.values", where, path=path, error=f"its mask keeps {kept} values, its count is "
+                                                               f"{e['count']}")
+    codes = _codes(e)
+    top = int(codes.max()) if codes.numel() else 0
+    if top >= e["codebook"].numel():
+        raise fail("ckpt.delta.values", where, path=path, error=f"code {top} lies past its codebook of "
+                                                               f"{e['codebook'].numel()}")
+    return _decode_values(e, numel)
+
+
+def encoded_tensors(state):
+    """(path, encoding) of every lossy tensor of a state built from a delta
+    checkpoint's tree."""
+    out = []
+
+    def leaf(o, p):
+        if _is_encoded(o):
+            out.append((p, o["__excp__"]))
+            return o
+        return _DESCEND
+    _map_tree(state, "state", leaf)
+    return out
+
+
+# Note [Lossy tensor layout]
+# An encoded tensor holds its dtype, shape and mode ("delta" adds the base's
+# tensor at its path, "direct" stands alone), `bits` (codebook of 2**bits
+# float32 centres), `count` kept values, `mask` (uint8, one bit per element,
+# ceil(numel / 8) bytes) and `codes` (uint8, two 4-bit codes per byte when
+# bits <= 4: ceil(count / 2) bytes; else one per byte). check() holds an
+# encoding to that from the metadata alone (the tensors are stand-ins then);
+# what only the data can tell (the mask has `count` bits set, every code
+# indexes the codebook) decode_values finds while decoding.
+def check(state, base_state, where):
+    """Checks every lossy tensor of `state`, a delta checkpoint's state built
+    on the meta device (Note [Lossy tensor layout]), against `base_state`,
+    its base as it decodes. Returns the state as it decodes: a meta tensor of
+    each encoded tensor's dtype and shape in its place. ValueError naming
+    `where` and the tensor."""
+    base = dict(tree.walk_tensors(base_state))
+
+    def leaf(o, p):
+        if not _is_encoded(o):
+            return _DESCEND
+        dtype, shape = _check_encoding(o["__excp__"], base, p, where)
+        return torch.empty(shape, dtype=dtype, device="meta")
+    return _map_tree(state, "state", leaf)
+
+
+def _check_encoding(e, base, path, where):
+    def bad(what):
+        return fail("ckpt.delta.tensor", where, path=path, what=what)
+    keys = {"mode", "dtype", "shape", "mask", "codes", "codebook", "count", "bits"}
+    if not isinstance(e, dict) or not keys <= set(e):
+        raise bad(f"needs {', '.join(sorted(keys))}")
+    if not isinstance(e["mode"], str) or e["mode"] not in ("delta", "direct"):
+        raise bad(f"mode {str(e['mode'])[:40]!r} is not delta or direct")
+    shape = e["shape"]
+    if (not isinstance(shape, list) or len(shape) > 64
+            or not all(type(n) is int and 0 <= n <= 1 << 62 for n in shape)):
+        raise bad(f"shape {str(shape)[:80]} is not a list of sizes")
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel > 1 << 62:
+        raise bad(f"shape {shape} has more than 2^62 elements")
+    dtype = tree.dtype_from_name(e["dtype"], where) if isinstance(e["dtype"], str) else None
+    if dtype is None or not (dtype.is_floating_point or dtype.is_complex):
+        raise bad(f"dtype {str(e['dtype'])[:40]!r} is not a floating dtype")
+    bits, count = e["bits"], e["count"]
+    if type(bits) is not int or not 0 <= bits <= 16:
+        raise bad(f"bits {str(bits)[:40]!r} is not an integer in [0, 16]")
+    if type(count) is not int or not 0 <= count <= numel:
+        raise bad(f"count {str(count)[:40]!r} is not an integer in [0, {numel}]")
+    want = {"mask": (torch.uint8, (numel + 7) // 8), "codes": (torch.uint8, (count + 1) // 2 if bits <= 4 else count),
+            "codebook": (torch.float32, 1 << bits)}
+    for k, (dt, n) in want.items():
+        t = e[k]
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.dtype != dt or t.dim() != 1 or \
+                t.numel() != n:
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise bad(f"{k} is {got}, not {str(dt).replace('torch.', '')} [{n}]")
     if e["mode"] == "delta":
         b = base.get(path)
         if b is None or list(b.shape) != shape:
-            raise ValueError(f"checkpoint: {path}: delta-compressed tensor has no matching tensor in the base")
-        vals = b.float().reshape(-1).to(vals.device) + vals
-    return vals.reshape(shape).to(dtype)
+            raise fail("ckpt.delta.base_tensor", where, path=path, shape=shape)
+    return dtype, shape

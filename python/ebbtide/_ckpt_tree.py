@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from ebbtide._ckpt_checks import fail
+
 _DTYPES = {
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
     "bfloat16": torch.bfloat16, "complex128": torch.complex128, "complex64": torch.complex64,
@@ -34,8 +36,8 @@ def dtype_name(dtype):
 def dtype_from_name(name, where=""):
     try:
         return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"{where}: dtype {name!r} is not known to this torch build") from None
+    except (KeyError, TypeError):
+        raise fail("dtype.unknown", where, name=name) from None
 
 
 def core_stream(device):
@@ -148,45 +150,59 @@ def _join(path, key):
     return f"{path}.{key}" if isinstance(key, str) else f"{path}[{key!r}]"
 
 
-def build(node, tensors):
-    """JSON tree -> Python objects; `tensors` is the list of rebuilt tensors.
-    The tree is untrusted: a node of the wrong shape, a tensor index that is
-    not one of `tensors` (negative, a bool, out of range) or an unhashable
-    key raises ValueError."""
+# Containers nested deeper than this are refused, whatever the caller's stack
+# depth (a limit set by Python's recursion limit would depend on it, and a
+# load called deep in a program could refuse a tree inspect accepted).
+MAX_TREE_DEPTH = 100
+
+
+def build(node, tensors, where=""):
+    """JSON tree -> Python objects; `tensors` is the list of rebuilt tensors
+    (stand-ins on the meta device when the tree is validated). The tree is
+    untrusted: a node of the wrong shape, a tensor index that is not one of
+    `tensors` (negative, a bool, out of range), an unknown dtype, an
+    unhashable key or containers nested more than MAX_TREE_DEPTH deep raise
+    ValueError naming `where` (Note [One validator] in _ckpt_checks.py)."""
+    return _build(node, tensors, where, 0)
+
+
+def _build(node, tensors, where, depth):
     if node is None or isinstance(node, (bool, str)) or type(node) in (int, float):
         return node
+    if depth >= MAX_TREE_DEPTH:
+        raise fail("ckpt.tree.depth", where, limit=MAX_TREE_DEPTH)
+    depth += 1
     if isinstance(node, dict) and len(node) == 1:
         (kind, v), = node.items()
         if kind == "tensor":
             if type(v) is int and 0 <= v < len(tensors):
                 return tensors[v]
-            raise ValueError(f"checkpoint: object tree refers to tensor {str(v)[:40]}; "
-                             f"the checkpoint has {len(tensors)}")
+            raise fail("ckpt.tree.tensor", where, ref=str(v)[:40], n=len(tensors))
         if kind in ("dict", "odict") and isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 for p in v):
-            items = [(_key(build(k, tensors)), build(x, tensors)) for k, x in v]
+            items = [(_key(_build(k, tensors, where, depth), where), _build(x, tensors, where, depth)) for k, x in v]
             return dict(items) if kind == "dict" else collections.OrderedDict(items)
         if kind == "list" and isinstance(v, list):
-            return [build(x, tensors) for x in v]
+            return [_build(x, tensors, where, depth) for x in v]
         if kind == "tuple" and isinstance(v, list):
-            return tuple(build(x, tensors) for x in v)
+            return tuple(_build(x, tensors, where, depth) for x in v)
         if kind == "float" and v in ("nan", "inf", "-inf"):
             return float(v)
         if kind == "dtype" and isinstance(v, str):
-            return dtype_from_name(v, "checkpoint")
+            return dtype_from_name(v, where)
         if kind == "device" and isinstance(v, str):
             try:
                 return torch.device(v)
             except (RuntimeError, ValueError):
                 pass
-    raise ValueError(f"checkpoint: corrupt object tree node {str(node)[:80]!r}")
+    raise fail("ckpt.tree.node", where, node=str(node)[:80])
 
 
-def _key(k):
+def _key(k, where):
     k = _hashable(k)
     try:
         hash(k)
     except TypeError:
-        raise ValueError(f"checkpoint: corrupt object tree: a key of type {type(k).__name__}") from None
+        raise fail("ckpt.tree.key", where, type=type(k).__name__) from None
     return k
 
 
@@ -205,3 +221,40 @@ def walk_tensors(obj, path="state"):
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             yield from walk_tensors(v, f"{path}[{i}]")
+
+
+def view_tensors(file, meta, storages, in_place=None, dests=None):
+    """The shard's tensors (checked metadata `meta`) as views of `storages`,
+    one uint8 tensor per storage: its bytes when loading, a stand-in on the
+    meta device when validating (Note [One validator]), so both build them
+    with this same code. Storages in `in_place` were read into `dests` (by
+    checkpoint path) and those tensors are returned. Sparse tensors' indices
+    are checked against their shape when they hold data."""
+    tensors = []
+    for t in meta["tensors"]:
+        if t.get("layout") == "sparse_coo":
+            indices, values = tensors[t["indices"]], tensors[t["values"]]
+            stand_in = indices.is_meta
+            try:  # indices out of the shape would make later kernels write out of bounds
+                tensors.append(torch.sparse_coo_tensor(indices, values, t["shape"], check_invariants=not stand_in))
+            except (RuntimeError, TypeError, ValueError, IndexError) as e:
+                raise fail("ckpt.sparse.layout" if stand_in else "ckpt.sparse.indices", file, path=t["path"][:80],
+                           error=e) from None
+            continue
+        if in_place and t["storage"] in in_place:
+            tensors.append(dests[t["path"]])
+            continue
+        dtype = dtype_from_name(t["dtype"], file)
+        st = storages[t["storage"]]
+        if st.is_meta:  # a stand-in: its layout is all there is (and cheaper to make than a view)
+            x = torch.empty_strided(t["shape"], t["stride"], dtype=dtype, device="meta")
+        else:
+            x = torch.empty(0, dtype=dtype, device=st.device)
+            x.set_(st.untyped_storage(), t["offset"], t["shape"], t["stride"])
+        if t.get("parameter"):
+            try:
+                x = torch.nn.Parameter(x, requires_grad=t.get("requires_grad", True))
+            except RuntimeError as e:  # requires_grad on an integer tensor
+                raise fail("ckpt.tensor.requires_grad", file, path=t["path"][:80], error=e) from None
+        tensors.append(x)
+    return tensors

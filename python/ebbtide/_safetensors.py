@@ -5,15 +5,15 @@ validates headers as hostile input and moves the bytes (O_DIRECT, io_uring);
 this module maps dtypes, allocates the tensors and reads HF index files.
 """
 import collections
-import json
 import mmap
 import os
 
 import torch
 
-from ebbtide import _ckpt_check as check
 from ebbtide import _ckpt_tree as tree
+from ebbtide import _ckpt_validate as check
 from ebbtide import _core
+from ebbtide._ckpt_checks import fail, tag
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -46,11 +46,12 @@ def _dtype_name(t, name):
 
 
 def _torch_dtype(dt, file, name):
+    """The torch dtype of tensor `name` of `file` (load() asks for each tensor
+    it reads, inspect for every tensor)."""
     try:
         return _DTYPES[dt]
     except KeyError:
-        raise NotImplementedError(f"{file}: tensor {name[:120]!r} has dtype {dt}, which has no torch dtype "
-                                  "here") from None
+        raise fail("st.dtype", file, name=name[:120], dtype=dt) from None
 
 
 def _device(device):
@@ -155,20 +156,35 @@ def _targets_of(into):
     return out
 
 
+def _files(path):
+    """(index json path or None, [(file, names it is to give or None for
+    all)]) of a file, an index json or a directory, the index checked."""
+    kind, p = _resolve(path)
+    if kind == "file":
+        return None, [(p, None)]
+    weight_map, _ = read_index(p)
+    base = os.path.dirname(p)
+    return p, [(os.path.join(base, fname), names) for fname, names in _by_file(weight_map).items()]
+
+
+def _open(file, names, index):
+    """The validator of one safetensors file (Note [One validator] in
+    _ckpt_checks.py), for load() and inspect alike: its header checked in C++
+    and, for a file of an index, its tensors exactly those mapped to it."""
+    try:
+        reader = _core.SafetensorsReader(file)
+    except check.READER_ERRORS as e:
+        raise tag(e, "st.file")
+    if names is not None:
+        _check_shard(reader, names, index)
+    return reader
+
+
 def _shards(path):
     """[(open SafetensorsReader, names it is to give or None for all)] of a
     file, an index json or a directory; every shard opened and checked."""
-    kind, p = _resolve(path)
-    if kind == "file":
-        return [(_core.SafetensorsReader(p), None)]
-    weight_map, _ = read_index(p)
-    base = os.path.dirname(p)
-    out = []
-    for fname, names in _by_file(weight_map).items():
-        reader = _core.SafetensorsReader(os.path.join(base, fname))
-        _check_shard(reader, names, p)
-        out.append((reader, names))
-    return out
+    index, files = _files(path)
+    return [(_open(f, names, index), names) for f, names in files]
 
 
 # Note [Loading into existing tensors]
@@ -256,8 +272,8 @@ def _resolve(path):
         found = sorted(f for f in os.listdir(p) if f.endswith(".safetensors") or f.endswith(".safetensors.index.json"))
         if len(found) == 1:
             return ("index" if found[0].endswith(".json") else "file"), os.path.join(p, found[0])
-        raise FileNotFoundError(2, f"no {INDEX_NAME} or {SINGLE_NAME} in the directory"
-                                + (f" (it holds {len(found)} safetensors files: name one)" if found else ""), p)
+        raise fail("st.directory", p, index=INDEX_NAME, single=SINGLE_NAME,
+                   found=f" (it holds {len(found)} safetensors files: name one)" if found else "")
     return ("index" if p.endswith(".json") else "file"), p
 
 
@@ -276,16 +292,15 @@ def read_index(ip):
     (weight_map, metadata); ValueError naming the index and the entry."""
     raw = check.read_regular_file(ip, "safetensors index")
     try:
-        idx = json.loads(raw, object_pairs_hook=_no_duplicates)
+        idx = check.parse_json(raw, object_pairs_hook=_no_duplicates)
     except (ValueError, RecursionError) as e:
-        raise ValueError(f"{ip}: corrupt safetensors index ({e})") from None
+        raise fail("st.index.json", ip, error=e) from None
     wm = idx.get("weight_map") if isinstance(idx, dict) else None
     if not isinstance(wm, dict):
-        raise ValueError(f"{ip}: not a safetensors index (no weight_map object)")
+        raise fail("st.index.weight_map", ip)
     for name, f in wm.items():
         if not isinstance(f, str) or not f or f in (".", "..") or "/" in f or "\\" in f or "\0" in f:
-            raise ValueError(f"{ip}: tensor {name[:120]!r} maps to {str(f)[:120]!r}, which is not a file name in "
-                             "the index's directory")
+            raise fail("st.index.file", ip, name=name[:120], file=str(f)[:120])
     return wm, idx.get("metadata")
 
 
@@ -301,44 +316,37 @@ def _check_shard(reader, names, ip):
     have = {t[0] for t in reader.tensors}
     missing = sorted(names - have)
     if missing:
-        raise ValueError(f"{reader.path}: tensor {missing[0][:120]!r} (mapped to this file by {ip}) is not in it"
-                         + (f", nor {len(missing) - 1} more" if len(missing) > 1 else ""))
+        raise fail("st.shard.missing", reader.path, name=missing[0][:120], index=ip,
+                   more=f", nor {len(missing) - 1} more" if len(missing) > 1 else "")
     extra = sorted(have - names)
     if extra:
-        raise ValueError(f"{reader.path}: tensor {extra[0][:120]!r} is in this file but {ip} does not map it here"
-                         + (f", nor {len(extra) - 1} more" if len(extra) > 1 else ""))
+        raise fail("st.shard.extra", reader.path, name=extra[0][:120], index=ip,
+                   more=f", nor {len(extra) - 1} more" if len(extra) > 1 else "")
 
 
 def inspect(path):
     """Describes a safetensors file, an index json or a directory holding one,
-    checking it as load() does without reading tensor data. Returns {"path",
-    "index" (its path or None), "files": [{"file", "file_bytes", "metadata",
+    checking it as load() does, with the same code (Note [One validator] in
+    _ckpt_checks.py), without reading tensor data. Returns {"path", "index"
+    (its path or None), "files": [{"file", "file_bytes", "metadata",
     "tensors": [{"name", "dtype", "shape", "nbytes"}]} or {"file", "error"}],
     "errors": [one line each]}."""
-    kind, p = _resolve(path)
-    out = {"path": p, "index": p if kind == "index" else None, "files": [], "errors": []}
-    if kind == "file":
-        shards = {os.path.basename(p): None}
-        base = os.path.dirname(p)
-    else:
-        weight_map, _ = read_index(p)
-        shards = _by_file(weight_map)
-        base = os.path.dirname(p)
-    for fname, names in shards.items():
-        f = os.path.join(base, fname)
+    index, files = _files(path)
+    out = {"path": index or files[0][0], "index": index, "files": [], "errors": []}
+    for f, names in files:
         try:
-            r = _core.SafetensorsReader(f)
-            if names is not None:
-                _check_shard(r, names, p)
-        except (OSError, ValueError, NotImplementedError) as e:
+            r = _open(f, names, index)
+        except check.READER_ERRORS as e:
             out["files"].append({"file": f, "error": str(e)})
             out["errors"].append(str(e))
             continue
         tensors = []
         for name, dt, shape, _offset, nbytes in r.tensors:
             tensors.append({"name": name, "dtype": dt, "shape": shape, "nbytes": nbytes})
-            if dt not in _DTYPES:
-                out["errors"].append(f"{f}: tensor {name[:120]!r} has dtype {dt}, which has no torch dtype here")
+            try:
+                _torch_dtype(dt, f, name)
+            except NotImplementedError as e:
+                out["errors"].append(str(e))
         out["files"].append({"file": f, "file_bytes": r.file_bytes, "metadata": dict(r.metadata),
                              "tensors": tensors})
     return out

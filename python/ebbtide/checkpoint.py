@@ -23,13 +23,14 @@ import weakref
 
 import torch
 
-from ebbtide import _ckpt_check as check
 from ebbtide import _ckpt_tree as tree
+from ebbtide import _ckpt_validate as validate
 from ebbtide import _core
 from ebbtide import _safetensors
+from ebbtide._ckpt_checks import check_of, tag
 
-FORMAT_VERSION = _core.CKPT_FORMAT_VERSION
-INDEX_NAME = "index.json"
+FORMAT_VERSION = validate.FORMAT_VERSION
+INDEX_NAME = validate.INDEX_NAME
 StateError = _core.StateError
 ChecksumError = _core.ChecksumError
 
@@ -407,7 +408,7 @@ class _Save:
             base_state = load(base_abs, device="cpu", rank=self.rank if self.world > 1 else None)
             state_dict, self.lossy_error = _ckpt_lossy.encode(state_dict, base_state, lossy)
             self.delta = {"base": os.path.relpath(base_abs, os.path.dirname(self.path)),
-                          "base_id": _read_index(base_abs)["id"]}
+                          "base_id": validate.read_index(base_abs)["id"]}
         fl = tree.Flattener(self.compress in ("lossless", "delta"))
         root = fl.tree(state_dict)
         self.version = 2 if self.stripe_dirs else 1  # unstriped checkpoints stay readable by version-1 readers
@@ -668,21 +669,6 @@ def _state_bytes(state):
     return total
 
 
-def _read_index(path):
-    ip = os.path.join(path, INDEX_NAME)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(2, "checkpoint directory does not exist", path)
-    try:
-        raw = check.read_regular_file(ip, "checkpoint index")
-    except FileNotFoundError:
-        raise FileNotFoundError(2, f"not an ebbtide checkpoint (no {INDEX_NAME})", path) from None
-    try:
-        idx = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f"{ip}: corrupt checkpoint index ({e})") from None
-    return check.check_index(idx, ip, FORMAT_VERSION)
-
-
 def _resolve_rank(idx, rank, path):
     world = idx["world_size"]
     if rank is None:
@@ -721,26 +707,6 @@ def _host_buffer(nbytes):
         # An anonymous mapping is page-aligned; the tensor keeps it alive.
         return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
     return torch.empty(nbytes, dtype=torch.uint8)
-
-
-def _open_shard(path, idx, r):
-    """Opens shard `r` of checkpoint `path` (index `idx`, checked) and checks
-    it: the file and its stripe files confined as the threat model says
-    (docs/checkpoints.md), its tables (by the C++ reader) and its metadata
-    against them and the index. Returns (file, stripe files, reader, meta);
-    ValueError naming the file and the problem."""
-    name = idx["shards"][r]
-    file = os.path.join(path, name)
-    stripes = check.stripe_files(idx, name, os.path.join(path, INDEX_NAME))
-    reader = _core.CkptReader(file, stripes=stripes)
-    try:
-        meta = json.loads(reader.meta)
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f"{file}: corrupt checkpoint metadata ({e})") from None
-    check.check_meta(meta, reader.blobs, file)
-    if meta["id"] != idx["id"]:
-        raise ValueError(f"{path}: shard {name} belongs to checkpoint {meta['id'][:64]}, the index to {idx['id']}")
-    return file, stripes, reader, meta
 
 
 def _in_place_storages(meta, dests, device):
@@ -789,82 +755,70 @@ def _same_layout(d, t, nbytes, device):
             d.untyped_storage().nbytes() == nbytes)
 
 
-def _load_shard(file, reader, meta, device, threads=0, dests=None, before_read=None):
-    """Reads one shard, opened and checked by _open_shard. `dests` (path ->
-    existing tensor) lets storages be read straight into the caller's tensors
-    (Note [Load in place]); their entries in the returned state are those
-    tensors. `before_read(meta)` may raise before any byte is read."""
-    if before_read is not None:
-        before_read(meta)
-    in_place = _in_place_storages(meta, dests, device)
+def _read_storages(shard, device, threads=0, in_place=None, only=None):
+    """Reads the storages of `shard` (a validate.Shard): one uint8 tensor per
+    storage holding its bytes, or the caller's tensor for storages in
+    `in_place` (Note [Load in place]). With `only`, the storages not in it
+    stay stand-ins on the meta device and are not read. A chunk that fails
+    its checksum or decoding raises (ChecksumError naming the tensor, the
+    file and the offset)."""
     storages = []
     targets = []
-    for sid, s in enumerate(meta["storages"]):
+    for sid, s in enumerate(shard.meta["storages"]):
+        if only is not None and sid not in only:
+            storages.append(torch.empty(s["nbytes"], dtype=torch.uint8, device="meta"))
+            continue
         dev = _map_device(s["device"], device)
-        if sid in in_place:
+        if in_place and sid in in_place:
             buf = in_place[sid]
         elif dev.type == "cpu":
             buf = _host_buffer(s["nbytes"])
         else:
             buf = torch.empty(s["nbytes"], dtype=torch.uint8, device=dev)
         storages.append(buf)
-        if s["nbytes"]:  # its blob has the same size (check.check_meta)
+        if s["nbytes"]:  # its blob has the same size (validate.check_meta)
             targets.append((s["blob"], buf.untyped_storage().data_ptr(), s["nbytes"], dev.type == "cuda",
                             tree.core_stream(dev)))
-    reader.read(targets, threads)
-    tensors = []
-    for t in meta["tensors"]:
-        if t.get("layout") == "sparse_coo":
-            try:  # indices out of the shape would make later kernels write out of bounds
-                tensors.append(torch.sparse_coo_tensor(tensors[t["indices"]], tensors[t["values"]], t["shape"],
-                                                       check_invariants=True))
-            except (RuntimeError, TypeError, ValueError, IndexError) as e:
-                raise ValueError(f"{file}: sparse tensor {t['path'][:80]!r} is corrupt ({e})") from None
-            continue
-        if t["storage"] in in_place:
-            tensors.append(dests[t["path"]])
-            continue
-        dtype = tree.dtype_from_name(t["dtype"], file)
-        st = storages[t["storage"]]
-        x = torch.empty(0, dtype=dtype, device=st.device)
-        x.set_(st.untyped_storage(), t["offset"], t["shape"], t["stride"])
-        if t.get("parameter"):
-            try:
-                x = torch.nn.Parameter(x, requires_grad=t.get("requires_grad", True))
-            except RuntimeError as e:  # requires_grad on an integer tensor
-                raise ValueError(f"{file}: tensor {t['path'][:80]!r}: {e}") from None
-        tensors.append(x)
     try:
-        state = tree.build(meta["tree"], tensors)
-    except ValueError as e:
-        raise ValueError(f"{file}: {e}") from None
-    except RecursionError:
-        raise ValueError(f"{file}: corrupt checkpoint metadata (object tree nested too deeply)") from None
-    return state, meta
+        shard.reader.read(targets, threads)
+    except validate.READER_ERRORS as e:
+        raise tag(e, "ckpt.chunk")
+    return storages
 
 
-def _check_before_reading(meta, own, dests, into, strict, path):
+def _load_shard(shard, device, threads=0, dests=None):
+    """Reads one shard, checked by validate.open_chain. `dests` (path ->
+    existing tensor) lets storages be read straight into the caller's tensors
+    (Note [Load in place]); their entries in the returned state are those
+    tensors."""
+    in_place = _in_place_storages(shard.meta, dests, device)
+    storages = _read_storages(shard, device, threads, in_place)
+    tensors = tree.view_tensors(shard.file, shard.meta, storages, in_place, dests)
+    return tree.build(shard.meta["tree"], tensors, shard.file)
+
+
+def _check_before_reading(shard, dests, into, strict, path):
     """Shape and key errors for a load into existing tensors, raised before any
-    byte of them is overwritten. `own`: the module's state_dict (or `into`),
-    `dests`: its tensors by checkpoint path."""
-    saved = {t["path"]: t for t in meta["tensors"]}
+    byte of them is overwritten. `dests`: the tensors of `into` (a module's
+    state_dict) by checkpoint path; `shard`: the checked shard, whose `decoded`
+    state holds stand-ins shaped as the loaded tensors will be."""
+    saved = dict(tree.walk_tensors(shard.decoded))
     if isinstance(into, torch.nn.Module):
-        if not (isinstance(meta["tree"], dict) and set(meta["tree"]) <= {"dict", "odict"}):
+        if not isinstance(shard.decoded, dict):
             raise ValueError(f"checkpoint: cannot load {path} into a module: the checkpoint holds a "
-                             f"{next(iter(meta['tree'])) if isinstance(meta['tree'], dict) else type(meta['tree']).__name__}, "
-                             "not a state dict")
+                             f"{type(shard.decoded).__name__}, not a state dict")
         if strict:
-            (kind, items), = meta["tree"].items()
-            keys = {tree.build(k, []) for k, _ in items}
-            missing, unexpected = sorted(set(own) - keys), sorted(k for k in keys - set(own) if isinstance(k, str))
+            keys = set(shard.decoded)
+            own = set(into.state_dict())
+            missing, unexpected = sorted(own - keys), sorted(k for k in keys - own if isinstance(k, str))
             if missing or unexpected:
                 raise ValueError(f"checkpoint: cannot load {path} into the module (strict): "
                                  f"missing keys {missing[:10]}, unexpected keys {unexpected[:10]}")
     for p, d in dests.items():
         t = saved.get(p)
-        if t is not None and "shape" in t and list(d.shape) != list(t["shape"]):
+        if t is not None and list(d.shape) != list(t.shape):
             name = p[len("state."):] if isinstance(into, torch.nn.Module) else p
-            raise ValueError(f"checkpoint: tensor {name!r}: shape {tuple(t['shape'])} in the checkpoint, "
+            raise ValueError(f"checkpoint: tensor {name!r}: shape {tuple(t.shape)} in the checkpoint, "
                              f"{tuple(d.shape)} in the target")
 
 
@@ -883,46 +837,30 @@ def load(path, *, device=None, into=None, rank=None, strict=True):
     "Threat model"): a malformed or crafted file raises ValueError naming the
     file and the problem (ChecksumError, an OSError, for a bad checksum;
     NotImplementedError for a newer format), before any tensor memory is
-    allocated where the problem is in the tables or metadata."""
+    allocated where the problem is in the tables, metadata or delta chain;
+    `inspect` makes the same checks (Note [One validator] in _ckpt_checks.py)."""
     path = os.path.abspath(os.fspath(path))
-    idx = _read_index(path)
+    idx = validate.read_index(path)
     if rank == "all":
         return [load(path, device=device, rank=r) for r in range(idx["world_size"])]
     r = _resolve_rank(idx, rank, path)
+    chain = validate.open_chain(path, idx, r)  # the shard and its delta bases, checked
     # The destinations by checkpoint path (a module's state_dict sits at the root).
-    own = into.state_dict() if isinstance(into, torch.nn.Module) else into
-    dests = dict(tree.walk_tensors(own)) if into is not None else None
-
-    def before_read(meta):
-        if into is not None:
-            try:
-                _check_before_reading(meta, own, dests, into, strict, path)
-            except (TypeError, RecursionError):  # a tree of the wrong shape
-                raise ValueError(f"{path}: corrupt checkpoint metadata (object tree)") from None
-    file, _, reader, meta = _open_shard(path, idx, r)
-    state, meta = _load_shard(file, reader, meta, device, dests=dests, before_read=before_read)
-    if "delta" in meta:
-        from ebbtide import _ckpt_lossy
-        base_path = _delta_base(path, meta)
-        base_state = load(base_path, device=device, rank=r)
-        try:
-            state = _ckpt_lossy.decode(state, base_state)
-        except (KeyError, IndexError, TypeError, AttributeError, RuntimeError) as e:
-            raise ValueError(f"{file}: corrupt lossy delta tensor ({type(e).__name__}: {e})") from None
+    dests = None
+    if into is not None:
+        dests = dict(tree.walk_tensors(into.state_dict() if isinstance(into, torch.nn.Module) else into))
+        _check_before_reading(chain[0], dests, into, strict, path)
+    state = None
+    for k in range(len(chain) - 1, -1, -1):  # the deepest base first: a delta decodes against its base as loaded
+        shard = chain[k]
+        loaded = _load_shard(shard, device, dests=dests if k == 0 else None)
+        if shard.base is not None:
+            from ebbtide import _ckpt_lossy
+            loaded = _ckpt_lossy.decode(loaded, state, shard.file)
+        state = loaded
     if into is None:
         return state
     return _load_into(into, state, strict)
-
-
-def _delta_base(path, meta):
-    """The base checkpoint of delta checkpoint `path` (shard metadata `meta`),
-    checked to carry the id recorded at save."""
-    base_path = os.path.normpath(os.path.join(os.path.dirname(path), meta["delta"]["base"]))
-    base_idx = _read_index(base_path)
-    if base_idx["id"] != meta["delta"]["base_id"]:
-        raise ValueError(f"{path}: delta checkpoint needs base {base_path} with id {meta['delta']['base_id'][:64]}, "
-                         f"but that directory now holds checkpoint {base_idx['id']}")
-    return base_path
 
 
 def _load_into(into, state, strict):
@@ -969,19 +907,23 @@ def _copy_into(dst, src, path, strict):
 
 
 def inspect(path, *, verify=True):
-    """Describes a checkpoint and checks it the way load() does.
+    """Describes a checkpoint and checks it the way load() does, with the same
+    code (Note [One validator] in _ckpt_checks.py).
 
     Args:
         path: the checkpoint directory.
-        verify: also read every chunk and check its checksum and decoding.
+        verify: also read every chunk and check its checksum and decoding,
+            and the checks load() makes on the data (sparse indices, lossy
+            codes), in the shard and in its delta bases. Without it no tensor
+            data is read.
 
     Returns:
         {"path", "index", "shards": [...]}; per shard its file, format
         version, sizes, tensors (path, dtype, shape, storage bytes, stored
-        bytes, codec, offset), and either "error" (why load() would refuse
-        the shard: its tables, metadata, stripe files or delta base) or, with
-        `verify`, "problems": a list of (tensor, file offset, message), one
-        per bad chunk.
+        bytes, codec, offset), "error" and "check" where load() would refuse
+        the shard (its message and the id of the check in
+        _ckpt_checks.CHECKS), and, with `verify`, "problems": a list of
+        (tensor, file offset, message), one per bad chunk.
 
     Raises:
         FileNotFoundError: no checkpoint directory or index there.
@@ -989,22 +931,30 @@ def inspect(path, *, verify=True):
         NotImplementedError: a newer format version.
     """
     path = os.path.abspath(os.fspath(path))
-    idx = _read_index(path)
+    idx = validate.read_index(path)
     out = {"path": path, "index": idx, "shards": []}
     for r, name in enumerate(idx["shards"]):
         try:
-            out["shards"].append(_inspect_shard(path, idx, r, verify))
-        except (OSError, ValueError, NotImplementedError) as e:
-            out["shards"].append({"file": os.path.join(path, name), "error": str(e), "tensors": [],
-                                  "problems": []})
+            chain = validate.open_chain(path, idx, r)
+        except validate.READER_ERRORS as e:
+            out["shards"].append({"file": os.path.join(path, name), "error": str(e), "check": check_of(e),
+                                  "tensors": [], "problems": []})
+            continue
+        shard = _describe_shard(chain[0])
+        if verify:
+            shard["problems"] = [p for s in chain for p in s.reader.verify()]
+            if not shard["problems"]:
+                try:
+                    _verify_data(chain)
+                except validate.READER_ERRORS as e:
+                    shard["error"], shard["check"] = str(e), check_of(e)
+        out["shards"].append(shard)
     return out
 
 
-def _inspect_shard(path, idx, r, verify):
-    f, stripes, reader, meta = _open_shard(path, idx, r)
-    if "delta" in meta:
-        _delta_base(path, meta)
-    blobs = reader.blobs
+def _describe_shard(shard):
+    blobs = shard.reader.blobs
+    meta = shard.meta
     rows = []
     for t in meta["tensors"]:
         if "storage" not in t:
@@ -1016,14 +966,35 @@ def _inspect_shard(path, idx, r, verify):
         rows.append({"path": t["path"], "dtype": t["dtype"], "shape": t["shape"], "nbytes": s["nbytes"],
                      "stored_bytes": b["stored_bytes"] if b else 0, "codec": b["codec"] if b else "none",
                      "offset": b["offset"] if b else 0, "shared": b is not None and b["name"] != t["path"]})
-    shard = {"file": f, "format_version": reader.format_version, "file_bytes": reader.file_bytes,
-             "stripe_files": stripes,
-             "tensors": rows, "raw_bytes": sum(b["nbytes"] for b in blobs),
-             "stored_bytes": sum(b["stored_bytes"] for b in blobs),
-             "lossy_error": meta.get("lossy_error")}
-    if verify:
-        shard["problems"] = reader.verify()
-    return shard
+    return {"file": shard.file, "format_version": shard.reader.format_version, "file_bytes": shard.reader.file_bytes,
+            "stripe_files": shard.stripes, "tensors": rows, "raw_bytes": sum(b["nbytes"] for b in blobs),
+            "stored_bytes": sum(b["stored_bytes"] for b in blobs), "lossy_error": meta.get("lossy_error")}
+
+
+def _verify_data(chain):
+    """The checks load() makes on the data of a checked chain (sparse indices
+    inside their shape, lossy codes and masks that fit), in load()'s order
+    (the deepest base first), by the same code, reading only the storages
+    they need (onto the CPU)."""
+    from ebbtide import _ckpt_lossy
+    for shard in reversed(chain):
+        meta = shard.meta
+        need = set()
+        for t in meta["tensors"]:
+            if t.get("layout") == "sparse_coo":
+                need.update(meta["tensors"][t[k]]["storage"] for k in ("indices", "values"))
+        index_of = {id(t): i for i, t in enumerate(shard.tensors)}
+        encoded = _ckpt_lossy.encoded_tensors(shard.state) if shard.base is not None else []
+        for _, e in encoded:
+            need.update(meta["tensors"][index_of[id(e[k])]]["storage"] for k in ("mask", "codes", "codebook"))
+        if not need:
+            continue
+        storages = _read_storages(shard, "cpu", only=need)
+        tensors = tree.view_tensors(shard.file, meta, storages)
+        if encoded:
+            state = tree.build(meta["tree"], tensors, shard.file)
+            for p, e in _ckpt_lossy.encoded_tensors(state):
+                _ckpt_lossy.decode_values(e, p, shard.file)
 
 
 def save_safetensors(tensors, path, metadata=None):

@@ -84,9 +84,10 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
-from ebbtide import _ckpt_check as check
 from ebbtide import _ckpt_tree as tree
+from ebbtide import _ckpt_validate as check
 from ebbtide import _core
+from ebbtide._ckpt_checks import fail, tag
 from ebbtide import checkpoint as _checkpoint
 from ebbtide.checkpoint import _host_buffer, _stripe_dir_list
 
@@ -744,8 +745,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if obj is None and module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUES):
             obj = getattr(torch, name)
         if obj is None:
-            raise ValueError(f"{self.where}: refers to {module}.{name}, which is not a DCP metadata type; "
-                             "refusing to load it (a DCP .metadata holds only checkpoint metadata)")
+            raise fail("dcp.meta.class", self.where, module=module, name=name)
         return obj
 
 
@@ -754,47 +754,70 @@ def _is_int(x):
 
 
 def _check_metadata(md, where):
-    def bad(what):
-        raise ValueError(f"{where}: {what}")
-
+    """Checks DCP metadata `md` (read from `where`) field by field (Note [DCP
+    metadata safety]), and that its entries and its storage_data name each
+    other: every chunk a load may ask for is stored, every stored item is a
+    chunk of an entry (so a load of the whole state reads every data file
+    inspect checks)."""
     if not isinstance(md, _md.Metadata):
-        bad(f"holds a {type(md).__name__}, not DCP Metadata")
+        raise fail("dcp.meta.type", where, type=type(md).__name__)
     if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
-        bad("state_dict_metadata and storage_data must be dicts")
+        raise fail("dcp.meta.dicts", where)
     for fqn, m in md.state_dict_metadata.items():
         if not isinstance(fqn, str):
-            bad(f"state_dict_metadata key {fqn!r} is not a string")
+            raise fail("dcp.meta.fqn", where, fqn=fqn)
         if isinstance(m, _md.BytesStorageMetadata):
             continue
         if not isinstance(m, _md.TensorStorageMetadata) or not isinstance(m.properties, _md.TensorProperties):
-            bad(f"entry {fqn!r} is a {type(m).__name__}, not tensor or bytes metadata")
+            raise fail("dcp.meta.entry", where, fqn=fqn, type=type(m).__name__)
         if not isinstance(m.properties.dtype, torch.dtype):
-            bad(f"tensor {fqn!r}: dtype {m.properties.dtype!r} is not a torch dtype")
+            raise fail("dcp.meta.dtype", where, fqn=fqn, dtype=m.properties.dtype)
         if not isinstance(m.size, tuple) or len(m.size) > check.MAX_DIMS or not all(map(_is_int, m.size)):
-            bad(f"tensor {fqn!r}: size {m.size!r} is not a shape")
+            raise fail("dcp.meta.size", where, fqn=fqn, size=m.size)
         if not isinstance(m.chunks, list):
-            bad(f"tensor {fqn!r}: chunks is not a list")
+            raise fail("dcp.meta.chunks", where, fqn=fqn)
         for c in m.chunks:
             if (not isinstance(c, _md.ChunkStorageMetadata) or not isinstance(c.offsets, tuple)
                     or not isinstance(c.sizes, tuple) or len(c.offsets) != len(m.size)
                     or len(c.sizes) != len(m.size) or not all(map(_is_int, c.offsets))
                     or not all(map(_is_int, c.sizes))
                     or any(o + s > n for o, s, n in zip(c.offsets, c.sizes, m.size))):
-                bad(f"tensor {fqn!r}: chunk {c!r} does not lie inside the tensor of size {tuple(m.size)}")
+                raise fail("dcp.meta.chunk", where, fqn=fqn, chunk=c, size=tuple(m.size))
+    if md.storage_meta is not None and not isinstance(md.storage_meta, _md.StorageMeta):
+        raise fail("dcp.meta.storage_meta", where, type=type(md.storage_meta).__name__)
     for idx, si in md.storage_data.items():
-        if not isinstance(idx, _md.MetadataIndex) or not isinstance(idx.fqn, str):
-            bad(f"storage_data key {idx!r} is not a MetadataIndex")
+        if (not isinstance(idx, _md.MetadataIndex) or not isinstance(idx.fqn, str)
+                or not (idx.offset is None or isinstance(idx.offset, tuple) and all(map(_is_int, idx.offset)))):
+            raise fail("dcp.meta.storage_key", where, key=idx)
         if not isinstance(si, _StorageInfo):
-            bad(f"storage_data[{idx.fqn!r}] is a {type(si).__name__}, not _StorageInfo")
+            raise fail("dcp.meta.storage_info", where, fqn=idx.fqn, type=type(si).__name__)
         p = si.relative_path
         if (not isinstance(p, str) or p in ("", ".", "..") or "/" in p or "\0" in p or p == METADATA_NAME):
-            bad(f"storage_data[{idx.fqn!r}]: file name {p!r} is not a plain file name inside the checkpoint "
-                "directory")
+            raise fail("dcp.meta.file_name", where, fqn=idx.fqn, name=p)
         if not _is_int(si.offset) or not _is_int(si.length):
-            bad(f"storage_data[{idx.fqn!r}]: offset {si.offset!r} / length {si.length!r} must be integers >= 0")
+            raise fail("dcp.meta.range", where, fqn=idx.fqn, offset=si.offset, length=si.length)
         d = si.transform_descriptors
         if d is not None and (not isinstance(d, (list, tuple)) or not all(isinstance(x, str) for x in d)):
-            bad(f"storage_data[{idx.fqn!r}]: transform_descriptors {d!r} is not a list of strings")
+            raise fail("dcp.meta.transforms", where, fqn=idx.fqn, descriptors=d)
+    for fqn, m in md.state_dict_metadata.items():  # MetadataIndex compares by fqn and offset, as DCP's planner asks
+        if isinstance(m, _md.BytesStorageMetadata):
+            if _md.MetadataIndex(fqn) not in md.storage_data:
+                raise fail("dcp.meta.unstored", where, what="bytes entry", fqn=fqn, at="")
+            continue
+        for c in m.chunks:
+            if _md.MetadataIndex(fqn, c.offsets) not in md.storage_data:
+                raise fail("dcp.meta.unstored", where, what="chunk of tensor", fqn=fqn, at=f" at {tuple(c.offsets)}")
+    chunks = _chunk_table(md)
+    for idx in md.storage_data:
+        m = md.state_dict_metadata.get(idx.fqn)
+        if isinstance(m, _md.BytesStorageMetadata):
+            listed = idx.offset is None
+        else:
+            listed = idx.offset is not None and (idx.fqn, tuple(idx.offset)) in chunks
+        if not listed:
+            raise fail("dcp.meta.unlisted", where, fqn=idx.fqn, offset=None if idx.offset is None else
+                       tuple(idx.offset), what="bytes entry" if isinstance(m, _md.BytesStorageMetadata) else
+                       "chunk of a tensor")
 
 
 def rank_metadata_ranks(path):
@@ -838,10 +861,12 @@ def load_metadata(path, rank=None):
                                 "in PATH.tmp-*)") from None
     try:
         md = _MetadataUnpickler(io.BytesIO(raw), mp).load()
-    except ValueError:
-        raise
+    except ValueError as e:
+        if getattr(e, "check", None):
+            raise
+        raise fail("dcp.meta.pickle", mp, type=type(e).__name__, error=e) from None
     except Exception as e:  # truncated or corrupt pickle: any of pickle's many error types
-        raise ValueError(f"{mp}: corrupt DCP metadata ({type(e).__name__}: {e})") from None
+        raise fail("dcp.meta.pickle", mp, type=type(e).__name__, error=e) from None
     _check_metadata(md, mp)
     return md
 
@@ -849,32 +874,28 @@ def load_metadata(path, rank=None):
 # -- reader ----------------------------------------------------------------------------------
 def _check_layout(meta, blobs, file):
     """Checks a shard's JSON metadata written by EbbtideWriter against its blob table."""
-
-    def bad(what):
-        raise ValueError(f"{file}: {what}")
-
     if not isinstance(meta, dict) or meta.get("layout") != LAYOUT or meta.get("version") != LAYOUT_VERSION:
-        bad(f"not an ebbtide DCP shard (layout {str(meta.get('layout') if isinstance(meta, dict) else meta)[:64]!r})")
+        raise fail("dcp.shard.layout", file, layout=str(meta.get("layout") if isinstance(meta, dict) else meta)[:64])
     items = meta.get("items")
     if not isinstance(items, list) or len(items) != len(blobs):
-        bad(f"metadata lists {len(items) if isinstance(items, list) else 'no'} items for {len(blobs)} blobs")
+        raise fail("dcp.shard.items", file, items=len(items) if isinstance(items, list) else "no", blobs=len(blobs))
     for k, (it, b) in enumerate(zip(items, blobs)):
         if not isinstance(it, dict) or it.get("kind") not in ("bytes", "tensor"):
-            bad(f"item {k}: kind must be 'bytes' or 'tensor'")
+            raise fail("dcp.shard.item_kind", file, k=k)
         if it["kind"] == "bytes":
             continue
         if not isinstance(it.get("dtype"), str):
-            bad(f"item {k}: dtype missing")
+            raise fail("dcp.shard.item_dtype", file, k=k)
         dtype = tree.dtype_from_name(it["dtype"], f"{file}: item {k}")
         size, stride, head = it.get("size"), it.get("stride"), it.get("head")
         if (not isinstance(size, list) or not isinstance(stride, list) or len(size) != len(stride)
                 or len(size) > check.MAX_DIMS or not all(map(_is_int, size + stride)) or not _is_int(head)):
-            bad(f"item {k}: size {size!r}, stride {stride!r}, head {head!r} are not a tensor layout")
+            raise fail("dcp.shard.item_layout", file, k=k, size=size, stride=stride, head=head)
         extent = 0 if 0 in size else 1 + sum((n - 1) * s for n, s in zip(size, stride))
         need = extent * dtype.itemsize
         if need and (head % dtype.itemsize or head + need > b["nbytes"]):
-            bad(f"item {k} ({b['name'][:200]}): {tuple(size)} {dtype} at byte {head} does not fit its "
-                f"{b['nbytes']}-byte blob")
+            raise fail("dcp.shard.item_fit", file, k=k, name=b["name"][:200], size=tuple(size), dtype=dtype,
+                       head=head, nbytes=b["nbytes"])
         it["_dtype"], it["_nbytes"] = dtype, need  # the bytes the tensor spans from `head`
     return items
 
@@ -890,14 +911,14 @@ def read_stripe_dirs(path):
     except FileNotFoundError:
         return []
     try:
-        rec = json.loads(raw)
+        rec = check.parse_json(raw)
     except (ValueError, RecursionError) as e:
-        raise ValueError(f"{rp}: corrupt stripe record ({e})") from None
+        raise fail("dcp.stripes.json", rp, error=e) from None
     ckpt_id = rec.get("id") if isinstance(rec, dict) else None
     dirs = rec.get("stripes") if isinstance(rec, dict) else None
     if not isinstance(ckpt_id, str) or not check.ID.fullmatch(ckpt_id) or not isinstance(dirs, list) or \
             len(dirs) > 255:
-        raise ValueError(f"{rp}: corrupt stripe record (needs a hex id and a list of at most 255 stripes)")
+        raise fail("dcp.stripes.fields", rp)
     owner = os.path.abspath(os.fspath(path))
     for d in dirs:
         try:
@@ -905,8 +926,7 @@ def read_stripe_dirs(path):
         except (TypeError, UnicodeError):  # a string the core cannot take (lone surrogates)
             ok = False
         if not ok:
-            raise ValueError(f"{rp}: stripes entry {str(d)[:200]!r} is not a stripe directory of checkpoint {owner} "
-                             f"(id {ckpt_id}): refusing to read it")
+            raise fail("dcp.stripes.entry", rp, entry=str(d)[:200], path=owner, id=ckpt_id)
     return dirs
 
 
@@ -916,12 +936,19 @@ class _Shard:
 
     def __init__(self, file, stripes=()):
         self.stripe_files = [os.path.join(d, os.path.basename(file)) for d in stripes]
-        self.reader = _core.CkptReader(file, stripes=self.stripe_files)
+        try:
+            self.reader = _core.CkptReader(file, stripes=self.stripe_files)
+        except check.READER_ERRORS as e:
+            raise tag(e, "dcp.shard.tables")
+        try:
+            self.reader.check_extents()
+        except check.READER_ERRORS as e:
+            raise tag(e, "dcp.shard.extents")
         self.blobs = self.reader.blobs
         try:
-            meta = json.loads(self.reader.meta)
+            meta = check.parse_json(self.reader.meta)
         except (ValueError, RecursionError) as e:
-            raise ValueError(f"{file}: corrupt shard metadata ({e})") from None
+            raise fail("dcp.shard.json", file, error=e) from None
         self.items = _check_layout(meta, self.blobs, file)
         self.by_range = {(b["offset"], b["nbytes"]): k for k, b in enumerate(self.blobs)}
         self.file = file
@@ -934,20 +961,99 @@ class _Shard:
         striped = desc[:1] == [STRIPED_DESCRIPTOR]
         if striped != bool(self.stripe_files):
             kind = f"striped over {len(self.stripe_files)} stripe files" if self.stripe_files else "unstriped"
-            raise ValueError(f"{self.file}: item {fqn!r}: transform descriptors {desc!r} do not match the "
-                             f"shard ({kind})")
+            raise fail("dcp.item.striping", self.file, fqn=fqn, descriptors=desc, kind=kind)
         if striped:
             k = si.offset if si.offset < len(self.blobs) and self.blobs[si.offset]["nbytes"] == si.length else None
         else:
             k = self.by_range.get((si.offset, si.length))
         if k is None:
-            raise ValueError(f"{self.file}: item {fqn!r} names {'blob' if striped else 'bytes'} [{si.offset}, "
-                             f"+{si.length}) that {'is' if striped else 'are'} not a blob of this shard")
+            raise fail("dcp.item.blob", self.file, fqn=fqn, what="blob" if striped else "bytes", offset=si.offset,
+                       length=si.length, verb="is" if striped else "are")
         rest = desc[1:] if striped else desc  # the stripe descriptor comes first
         if rest not in ([], [COMPRESSED_DESCRIPTOR]) or (self.blobs[k]["codec"] != "none" and not rest):
-            raise ValueError(f"{self.file}: item {fqn!r}: transform descriptors {si.transform_descriptors!r} do not "
-                             f"match its blob (codec {self.blobs[k]['codec']})")
+            raise fail("dcp.item.transforms", self.file, fqn=fqn, descriptors=si.transform_descriptors,
+                       codec=self.blobs[k]["codec"])
         return k
+
+
+def _chunk_table(md):
+    """{(fqn, offsets): chunk} of every tensor entry's chunks."""
+    return {(fqn, tuple(c.offsets)): c for fqn, m in md.state_dict_metadata.items()
+            if isinstance(m, _md.TensorStorageMetadata) for c in m.chunks}
+
+
+def _check_stored_tensor(md, chunks, idx, dtype, size, file, check_id):
+    """A stored chunk of tensor entry idx.fqn has the dtype and sizes the
+    metadata gives it (what a load into a state shaped as the metadata says
+    needs). `chunks`: _chunk_table(md), in which _check_metadata found it."""
+    m = md.state_dict_metadata[idx.fqn]
+    sizes = list(chunks[(idx.fqn, tuple(idx.offset))].sizes)
+    if dtype != m.properties.dtype or list(size) != sizes:
+        raise fail(check_id, file, fqn=idx.fqn, dtype=str(dtype).replace("torch.", ""), size=list(size),
+                   md_dtype=str(m.properties.dtype).replace("torch.", ""), md_size=sizes)
+
+
+class _DataFile:
+    """A data file of a DCP checkpoint, checked as a load needs it (Note [One
+    validator] in _ckpt_checks.py): `shard` (an ebbtide shard, its items'
+    blobs and layouts checked against the metadata) or None (a plain file of
+    torch's FileSystemWriter, its byte ranges inside it); `size` its bytes;
+    `entries` its (MetadataIndex, _StorageInfo); `chunks` _chunk_table(md);
+    `stripes()` the checkpoint's stripe directories."""
+
+    def __init__(self, path, md, chunks, name, entries, stripes):
+        self.file = os.path.join(path, name)
+        self.entries = entries
+        try:
+            self.size, is_shard = _core.ckpt_probe_file(self.file)
+        except check.READER_ERRORS as e:
+            raise tag(e, "dcp.file")
+        self.shard = None
+        if not is_shard:
+            for idx, si in entries:
+                if si.offset + si.length > self.size:
+                    raise fail("dcp.plain.range", self.file, fqn=idx.fqn, offset=si.offset, length=si.length,
+                               size=self.size)
+                if si.transform_descriptors:
+                    raise fail("dcp.plain.transforms", self.file, fqn=idx.fqn, descriptors=si.transform_descriptors)
+            return
+        shard = _Shard(self.file, stripes())
+        blobs = [shard.blob_of(si, idx.fqn) for idx, si in entries]
+        named = set(blobs)
+        for k, b in enumerate(shard.blobs):  # a load reads the blobs the metadata names
+            if k not in named:
+                raise fail("dcp.shard.blob_unused", self.file, k=k, name=b["name"][:200])
+        for (idx, _), k in zip(entries, blobs):
+            it = shard.items[k]
+            listed = isinstance(md.state_dict_metadata[idx.fqn], _md.TensorStorageMetadata)
+            if (it["kind"] == "tensor") != listed:
+                raise fail("dcp.item.kind", self.file, fqn=idx.fqn, stored="bytes" if listed else "a tensor",
+                           listed="a tensor" if listed else "bytes")
+            if listed:
+                _check_stored_tensor(md, chunks, idx, it["_dtype"], it["size"], self.file, "dcp.item.tensor")
+        self.shard = shard
+
+    def plain_tensor(self, md, chunks, idx, si, buf):
+        """The tensor torch.save'd in bytes `buf` of item `idx` of this plain
+        file, checked to be the chunk the metadata lists (data checks: load()
+        and a verifying inspect make them)."""
+        try:
+            t = torch.load(io.BytesIO(buf.numpy()), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise fail("dcp.plain.frame", self.file, fqn=idx.fqn, offset=si.offset, length=si.length,
+                       error=f"{type(e).__name__}: {str(e)[:300]}") from None
+        if not isinstance(t, torch.Tensor):
+            raise fail("dcp.plain.object", self.file, fqn=idx.fqn, type=type(t).__name__)
+        _check_stored_tensor(md, chunks, idx, t.dtype, t.shape, self.file, "dcp.plain.tensor")
+        return t
+
+
+def _files_of(md):
+    """{data file name: [(MetadataIndex, _StorageInfo), ...]} of checked metadata."""
+    out = {}
+    for idx, si in md.storage_data.items():
+        out.setdefault(si.relative_path, []).append((idx, si))
+    return out
 
 
 class EbbtideReader(_DirectoryId, StorageReader):
@@ -1000,7 +1106,9 @@ class EbbtideReader(_DirectoryId, StorageReader):
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
         _check_metadata(metadata, getattr(self, "_metadata_file", os.path.join(self.path, METADATA_NAME)))
+        self.metadata = metadata
         self.storage_data = metadata.storage_data
+        self._chunks = _chunk_table(metadata)
 
     def prepare_local_plan(self, plan):
         return plan
@@ -1016,18 +1124,22 @@ class EbbtideReader(_DirectoryId, StorageReader):
                 raise ValueError(f"{self.path}: the load plan asks for {req.storage_index}, which the checkpoint's "
                                  "metadata does not list")
             per_file.setdefault(si.relative_path, []).append(req)
+        entries = _files_of(self.metadata)
         for name, reqs in per_file.items():
-            file = os.path.join(self.path, name)
-            size, is_shard = _core.ckpt_probe_file(file)
-            if is_shard:
-                if self._stripes is None:
-                    self._stripes = read_stripe_dirs(self.path)
-                self._read_shard(_Shard(file, self._stripes), reqs, planner)
+            # Each file read is checked whole first, as inspect checks it (Note [One validator] in _ckpt_checks.py).
+            f = _DataFile(self.path, self.metadata, self._chunks, name, entries[name], self._stripe_dirs)
+            if f.shard is not None:
+                self._read_shard(f.shard, reqs, planner)
             else:
-                self._read_plain(file, size, reqs, planner)
+                self._read_plain(f, reqs, planner)
         fut = Future()
         fut.set_result(None)
         return fut
+
+    def _stripe_dirs(self):
+        if self._stripes is None:
+            self._stripes = read_stripe_dirs(self.path)
+        return self._stripes
 
     def _batches(self, reqs, size_of):
         batch, total = [], 0
@@ -1057,22 +1169,21 @@ class EbbtideReader(_DirectoryId, StorageReader):
                 rest.append((r, k))
                 if k not in bufs:
                     bufs[k] = _host_buffer(shard.blobs[k]["nbytes"])
-            if into:
-                shard.reader.read_parts([part for _, _, part in into], threads=self.threads)
-                for r, target, _ in into:
-                    planner.commit_tensor(r, target)
-            if bufs:
-                shard.reader.read([(k, b.data_ptr(), b.nbytes, False, 0) for k, b in bufs.items()],
-                                  threads=self.threads)
-            for r, k in rest:
+            try:  # every chunk of the blobs is checked (Note [Parts are checked whole] in cpp/src/ckpt/reader.cpp)
+                if into:
+                    shard.reader.read_parts([part for _, _, part in into], threads=self.threads)
+                if bufs:
+                    shard.reader.read([(k, b.data_ptr(), b.nbytes, False, 0) for k, b in bufs.items()],
+                                      threads=self.threads)
+            except check.READER_ERRORS as e:
+                raise tag(e, "ckpt.chunk")
+            for r, target, _ in into:
+                planner.commit_tensor(r, target)
+            for r, k in rest:  # each item's kind is the metadata's (_DataFile), so DCP's request's
                 it, buf = shard.items[k], bufs[k]
                 if r.type == LoadItemType.BYTE_IO:
-                    if it["kind"] != "bytes":
-                        raise ValueError(f"{shard.file}: item {r.storage_index.fqn!r} is a tensor, read as bytes")
                     planner.load_bytes(r, io.BytesIO(buf.numpy().tobytes()))
                     continue
-                if it["kind"] != "tensor":
-                    raise ValueError(f"{shard.file}: item {r.storage_index.fqn!r} is bytes, read as a tensor")
                 if it["_nbytes"] == 0:
                     t = torch.empty(it["size"], dtype=it["_dtype"])
                 else:
@@ -1112,39 +1223,24 @@ class EbbtideReader(_DirectoryId, StorageReader):
             return None
         return target
 
-    def _read_plain(self, file, size, reqs, planner):
-        for r in reqs:  # before allocating anything; the C++ read checks again against the open file
-            si = self.storage_data[r.storage_index]
-            if si.offset + si.length > size:
-                raise ValueError(f"{file}: item {r.storage_index.fqn!r}: byte range [{si.offset}, +{si.length}) "
-                                 f"lies outside the file ({size} bytes)")
+    def _read_plain(self, f, reqs, planner):
+        """Reads the items `reqs` of plain file `f` (a _DataFile, its ranges checked)."""
         for batch in self._batches(reqs, lambda r: self.storage_data[r.storage_index].length):
             ranges, bufs = [], {}
             for r in batch:
                 si = self.storage_data[r.storage_index]
-                if si.transform_descriptors:
-                    raise ValueError(f"{file}: item {r.storage_index.fqn!r} uses stream transforms "
-                                     f"{si.transform_descriptors!r}, which EbbtideReader does not read; "
-                                     "load it with FileSystemReader")
                 key = (si.offset, si.length)
                 if key not in bufs:
                     bufs[key] = torch.empty(si.length, dtype=torch.uint8)
                     ranges.append((si.offset, si.length, bufs[key].data_ptr()))
-            _core.ckpt_read_file_ranges(file, ranges)
+            _core.ckpt_read_file_ranges(f.file, ranges)
             for r in batch:
                 si = self.storage_data[r.storage_index]
                 buf = bufs[(si.offset, si.length)]
                 if r.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(r, io.BytesIO(buf.numpy().tobytes()))
                     continue
-                try:
-                    t = torch.load(io.BytesIO(buf.numpy()), map_location="cpu", weights_only=True)
-                except Exception as e:
-                    raise ValueError(f"{file}: item {r.storage_index.fqn!r} at [{si.offset}, +{si.length}) is not "
-                                     f"a torch.save'd tensor ({type(e).__name__}: {str(e)[:300]})") from None
-                if not isinstance(t, torch.Tensor):
-                    raise ValueError(f"{file}: item {r.storage_index.fqn!r} holds a {type(t).__name__}, not a tensor")
-                self._commit(planner, r, t, file)
+                self._commit(planner, r, f.plain_tensor(self.metadata, self._chunks, r.storage_index, si, buf), f.file)
 
     @staticmethod
     def _commit(planner, req, tensor, file):
@@ -1169,16 +1265,18 @@ class EbbtideReader(_DirectoryId, StorageReader):
 def inspect(path, verify=True, rank=None):
     """What `ebbtide ckpt inspect` shows of DCP checkpoint directory `path`
     (with `rank`: of that rank's part of a save without collectives, Note
-    [DCP without collectives]).
+    [DCP without collectives]), checked as EbbtideReader checks what it loads,
+    by the same code (Note [One validator] in _ckpt_checks.py).
 
     Returns a dict: ``path``, ``items`` (one per state-dict entry: ``fqn``,
     ``kind`` "tensor" | "bytes", ``dtype``, ``size``, ``chunks``, ``bytes``),
     ``files`` (one per data file: ``file``, ``writer`` "ebbtide" |
     "FileSystemWriter", ``file_bytes``, ``items``, ``bytes``, ``codecs``, for
     ebbtide's files ``stripe_files``, Note [DCP striping]) and
-    ``errors`` (one line each: a data file missing or refused, a range past a
-    file's end, a refused stripe directory, with `verify` a chunk failing its
-    checksum).
+    ``errors`` (one line each: a data file a load would refuse, with its
+    reason; with `verify` also a chunk failing its checksum or decoding, and
+    a plain file's item that is not the torch.save'd chunk the metadata
+    lists). Without `verify` no tensor data is read.
 
     Raises:
         FileNotFoundError, ValueError: no or unusable ``.metadata`` (load_metadata).
@@ -1193,37 +1291,51 @@ def inspect(path, verify=True, rank=None):
                               bytes=math.prod(m.size) * m.properties.dtype.itemsize))
         else:
             items.append(dict(fqn=fqn, kind="bytes", dtype=None, size=None, chunks=1, bytes=None))
-    per_file = {}
-    for idx, si in md.storage_data.items():
-        per_file.setdefault(si.relative_path, []).append((idx, si))
+    per_file = _files_of(md)
+    chunks = _chunk_table(md)
+    stripes = []
+
+    def stripe_dirs():
+        if not stripes:
+            stripes.append(read_stripe_dirs(path))
+        return stripes[0]
+
     files, errors = [], []
     for name in sorted(per_file):
         infos = [si for _, si in per_file[name]]
-        file = os.path.join(path, name)
         entry = dict(file=name, items=len(infos), bytes=sum(si.length for si in infos))
         files.append(entry)
         try:
-            size, is_shard = _core.ckpt_probe_file(file)
-            entry["file_bytes"] = size
-            entry["writer"] = "ebbtide" if is_shard else "FileSystemWriter"
-            if is_shard:
-                shard = _Shard(file, read_stripe_dirs(path))
-                entry["codecs"] = sorted({b["codec"] for b in shard.blobs})
-                entry["stripe_files"] = shard.stripe_files
-                for idx, si in per_file[name]:
-                    try:
-                        shard.blob_of(si, idx.fqn)
-                    except ValueError as e:
-                        errors.append(str(e))
-                if verify:
-                    for blob, off, msg in shard.reader.verify():
-                        errors.append(f"{file}: blob {blob} at file offset {off}: {msg}")
-            else:
-                entry["codecs"] = ["none"]
-                for si in infos:
-                    if si.offset + si.length > size:
-                        errors.append(f"{file}: bytes {si.offset}..{si.offset + si.length} lie past its end "
-                                      f"({size} bytes)")
-        except (OSError, ValueError, RuntimeError) as e:
-            errors.append(f"{file}: {e}")
+            f = _DataFile(path, md, chunks, name, per_file[name], stripe_dirs)
+        except check.READER_ERRORS as e:
+            errors.append(str(e))
+            continue
+        entry["file_bytes"] = f.size
+        entry["writer"] = "ebbtide" if f.shard is not None else "FileSystemWriter"
+        if f.shard is not None:
+            entry["codecs"] = sorted({b["codec"] for b in f.shard.blobs})
+            entry["stripe_files"] = f.shard.stripe_files
+            if verify:
+                for _blob, _off, msg in f.shard.reader.verify():
+                    errors.append(msg)
+            continue
+        entry["codecs"] = ["none"]
+        if verify:
+            errors.extend(_verify_plain(f, md, chunks))
     return dict(path=path, items=items, files=files, errors=errors)
+
+
+def _verify_plain(f, md, chunks):
+    """The data checks EbbtideReader makes on the tensor items of plain file
+    `f`, one item at a time: [error line, ...]."""
+    errors = []
+    for idx, si in f.entries:
+        if not isinstance(md.state_dict_metadata[idx.fqn], _md.TensorStorageMetadata):
+            continue
+        buf = torch.empty(si.length, dtype=torch.uint8)
+        try:
+            _core.ckpt_read_file_ranges(f.file, [(si.offset, si.length, buf.data_ptr())])
+            f.plain_tensor(md, chunks, idx, si, buf)
+        except check.READER_ERRORS as e:
+            errors.append(str(e))
+    return errors

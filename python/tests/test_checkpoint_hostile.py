@@ -335,8 +335,8 @@ def _mutate_json(obj, rng):
 def _check_outcome(kind, load, saved, declared_bytes):
     try:
         got = load()
-    except TYPED:
-        return "error"
+    except TYPED as e:
+        return " ".join((e.strerror if isinstance(e, OSError) and e.strerror else str(e)).split())
     except Exception as e:  # noqa: BLE001 - the assertion names it
         pytest.fail(f"{kind}: load raised {type(e).__name__} (not a typed error): {e}")
     if kind == "corrupt":  # checksums not repaired: the data must be exactly what was saved
@@ -356,7 +356,11 @@ def _check_outcome(kind, load, saved, declared_bytes):
     return "loaded"
 
 
-def test_seeded_mutations_load_exactly_or_raise_typed_errors(tmp_path):
+def test_seeded_mutations_load_exactly_or_raise_typed_errors(tmp_path, capsys):
+    """...and `ebbtide ckpt inspect` agrees with each outcome (Note [One
+    validator] in ebbtide/_ckpt_checks.py): exit 0 for what loaded, load()'s
+    message and a non-zero exit for what it refused."""
+    from ebbtide import cli
     rng = random.Random(1234)
     originals = {}
     for compress in (None, "lossless"):
@@ -396,6 +400,14 @@ def test_seeded_mutations_load_exactly_or_raise_typed_errors(tmp_path):
             (work / "index.json").write_text(json.dumps(idx))
         declared = sum(b[0] for b in Shard(work / "rank0.ebt").blobs) if kind != "corrupt" else 0
         r = _check_outcome(kind, lambda: ckpt.load(work, device="cpu"), saved, max(declared, 1 << 20))
+        capsys.readouterr()
+        rc = cli.main(["ckpt", "inspect", str(work)])
+        err = " ".join(capsys.readouterr().err.split())
+        if r == "loaded":
+            assert rc == 0, f"mutation {i} ({kind}): load() loaded it, inspect exited {rc}: {err}"
+        else:
+            assert rc != 0 and r in err, f"mutation {i} ({kind}): load() said {r!r}, inspect exited {rc}: {err}"
+            r = "error"
         outcomes[(kind, r)] = outcomes.get((kind, r), 0) + 1
     # The sweep exercised both outcomes (a mutation that is ignored, one that is refused).
     assert any(r == "error" for _, r in outcomes) and any(r == "loaded" for _, r in outcomes), outcomes

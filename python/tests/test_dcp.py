@@ -845,7 +845,7 @@ def test_cli_inspect_lists_both_writers_and_reports_damage(tmp_path, capsys):
     g = tmp_path / "fsw" / "__0_0.distcp"
     g.write_bytes(g.read_bytes()[:64])
     rc, out, err = _inspect(capsys, tmp_path / "fsw")
-    assert rc == 1 and "past its end" in err, err
+    assert rc == 1 and "lies outside the file" in err, err
     # No usable metadata: one line, exit 2.
     (tmp_path / "fsw" / ".metadata").write_bytes(b"\x80\x04junk")
     rc, out, err = _inspect(capsys, tmp_path / "fsw")

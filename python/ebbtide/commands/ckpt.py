@@ -1,9 +1,11 @@
 """`ebbtide ckpt inspect PATH`: lists a checkpoint's tensors, sizes and
-compression, checks it as load() does and verifies every chunk's checksum.
-Exit 1 when a shard would be refused by load() (one `BAD SHARD: FILE: why`
-line each) or a chunk is bad (one `BAD CHUNK: ...` line each, naming the
-tensor and the file offset); exit 2, with one line, when the index itself is
-unusable.
+compression, checks it as load() does, with load()'s own validator (Note [One
+validator] in ebbtide/_ckpt_checks.py), and verifies every chunk's checksum
+and the data load() checks (`--no-verify`: no tensor data is read).
+Exit 1 when a shard would be refused by load() (one `BAD SHARD: why` line
+each, load()'s message) or a chunk is bad (one `BAD CHUNK: ...` line each,
+naming the tensor and the file offset); exit 2, with one line, when the index
+itself is unusable.
 
 PATH may also be a safetensors file, an HF model.safetensors.index.json or a
 directory holding either: its tensors are listed (name, dtype, shape, bytes)
@@ -70,7 +72,7 @@ def _inspect(args):
     print(f"{info['path']}: format version {idx['format_version']}, world size {idx['world_size']}, "
           f"compression {idx.get('compress', 'none')}" + (f", delta against {idx['delta']['base']}" if idx.get("delta") else ""))
     for s in info["shards"]:
-        if "error" in s:
+        if "error" in s and not s["tensors"]:  # refused before its tables could be listed
             print(f"BAD SHARD: {_one_line(s['error'])}", file=sys.stderr)
             continue
         ratio = s["raw_bytes"] / s["stored_bytes"] if s["stored_bytes"] else 1.0
@@ -91,6 +93,8 @@ def _inspect(args):
             pass  # none recorded (lossless), or not in the form the writer records it
         for name, off, msg in s.get("problems", []):
             print(f"BAD CHUNK: tensor '{name}' at file offset {off}: {_one_line(msg)}", file=sys.stderr)
+        if "error" in s:  # refused for its data (sparse indices, lossy codes): found when verifying
+            print(f"BAD SHARD: {_one_line(s['error'])}", file=sys.stderr)
     if refused:
         print(f"\n{refused} shard(s) would be refused by load()", file=sys.stderr)
     if args.no_verify:
