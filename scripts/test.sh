@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets everything up and runs all tests: C++ units (GoogleTest via ctest), the
 # same units under ASan+UBSan, bounded libFuzzer runs of the checkpoint shard
-# reader and the safetensors reader, then the Python integration tests (pytest).
+# reader and the safetensors reader and an atheris run over the checkpoint
+# state tree, then the Python integration tests (pytest).
 # Set EBBTIDE_SKIP_SANITIZERS=1 to skip the sanitizer build and the fuzzing
 # during development; EBBTIDE_FUZZ_SECONDS sets each fuzz target's time (default 60).
 set -euo pipefail
@@ -53,6 +54,14 @@ if [ "${EBBTIDE_SKIP_SANITIZERS:-0}" != 1 ]; then
   else
     say "SKIPPED fuzzing: clang++ cannot link -fsanitize=fuzzer here (scripts/setup.sh installs the Debian package clang)"
   fi
+  # The state tree of a native checkpoint is parsed in Python: an atheris
+  # target (python/fuzz/fuzz_state_tree.py) mutates it and requires that
+  # load() and `ebbtide ckpt inspect` agree (issue 33), EBBTIDE_PY_FUZZ_SECONDS (default 30).
+  py_fuzz_seconds=${EBBTIDE_PY_FUZZ_SECONDS:-30}
+  say "Fuzzing the state tree (atheris, ${py_fuzz_seconds} s)"
+  mkdir -p "$probe/state_tree" build/fuzz
+  EBBTIDE_LOG_LEVEL=error "$py" python/fuzz/fuzz_state_tree.py -max_total_time="$py_fuzz_seconds" -timeout=60 \
+    -print_final_stats=1 -artifact_prefix=build/fuzz/ "$probe/state_tree"
   rm -rf "$probe"
 fi
 
