@@ -632,6 +632,16 @@ NB_MODULE(_torch, m) {
   if (!g_api) throw nb::python_error();
   if (g_api->version != GlueApi::kVersion || g_api->size != sizeof(GlueApi))
     throw std::runtime_error("ebbtide._torch was built for another ebbtide._core (rebuild both)");
+  // Note [Hooks for one torch]: libtorch's C++ API is not stable across
+  // releases, so the module refuses to load under a torch other than the one
+  // it was built against, naming both and the rebuild.
+  const std::string running = nb::cast<std::string>(nb::module_::import_("torch").attr("__version__"));
+  if (running != EBBTIDE_TORCH_VERSION)
+    throw nb::import_error(("ebbtide._torch was built against torch " EBBTIDE_TORCH_VERSION ", but torch " + running +
+                            " is installed; rebuild ebbtide for it: pip install --no-build-isolation "
+                            "--force-reinstall --no-deps <ebbtide's source directory>")
+                               .c_str());
+  m.attr("TORCH_VERSION") = EBBTIDE_TORCH_VERSION;
 
   nb::class_<StorageRef>(m, "StorageRef", "A weak reference to a saved tensor's storage.")
       .def("expired", &StorageRef::expired);
