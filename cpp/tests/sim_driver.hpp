@@ -120,12 +120,7 @@ class SimDriver final : public mem::cuda::Driver {
   // The host waits for every stream of every device (cudaDeviceSynchronize everywhere).
   void synchronize_all() {
     Lock lock(mu_);
-    double t = host_;
-    for (auto& [k, st] : streams_) {
-      t = std::max(t, st.tail);
-      join(host_vc_, st.vc);
-    }
-    advance_locked(t);
+    for (auto& [k, st] : streams_) host_waits_for_locked(st);
   }
   // Declares `s` a stream of `device` (test streams that stream_create did not make).
   void declare_stream(Stream s, int device) {
@@ -259,13 +254,8 @@ class SimDriver final : public mem::cuda::Driver {
   void empty_cache(int device, bool expandable_segments) {
     Lock lock(mu_);
     if (!expandable_segments) {
-      double t = host_;
-      for (auto& [k, st] : streams_) {
-        if (k.first != device) continue;
-        t = std::max(t, st.tail);
-        join(host_vc_, st.vc);
-      }
-      advance_locked(t);
+      for (auto& [k, st] : streams_)
+        if (k.first == device) host_waits_for_locked(st);
     }
     for (auto it = free_.begin(); it != free_.end();) {
       Block& b = *blocks_.at(*it);
@@ -273,11 +263,7 @@ class SimDriver final : public mem::cuda::Driver {
         ++it;
         continue;
       }
-      if (expandable_segments) {
-        StreamState& st = streams_[b.stream];
-        join(host_vc_, st.vc);
-        advance_locked(std::max(host_, st.tail));
-      }
+      if (expandable_segments) host_waits_for_locked(streams_[b.stream]);
       check_accessors_locked(b, host_vc_, "unmapped by empty_cache");
       b.mapped = false;
       it = free_.erase(it);
@@ -458,8 +444,7 @@ class SimDriver final : public mem::cuda::Driver {
     const SKey k = key_locked(s, "cuStreamSynchronize");
     StreamState& st = streams_[k];
     if (st.tail > host_) parks_.push_back({std::this_thread::get_id(), "cuStreamSynchronize"});
-    join(host_vc_, st.vc);
-    advance_locked(std::max(host_, st.tail));
+    host_waits_for_locked(st);
   }
   bool stream_is_capturing(Stream s) override {
     Lock lock(mu_);
@@ -705,6 +690,12 @@ class SimDriver final : public mem::cuda::Driver {
                                             " of ", n, " bytes on ", name(k));
     if (b != nullptr) b->accessors.push_back(Access{k, seq, what});
     copies_.push_back(Copy{d2h, host, dev, n, s, start, end, k.first, seq});
+  }
+
+  // The host has waited for everything enqueued on a stream so far.
+  void host_waits_for_locked(const StreamState& st) {
+    join(host_vc_, st.vc);
+    advance_locked(std::max(host_, st.tail));
   }
 
   void advance_locked(double t) {

@@ -168,12 +168,20 @@ void returns_without_waiting_for_the_gate(test::Gate& gate, F fn) {
 
 // Saves one device tensor written by a kernel on `stream`, releases its copy
 // and drops the tensor (the glue's ack). Returns the entry.
-EntryId offload_one(Glue& g, TensorCache& c, const std::vector<unsigned char>& data, mem::cuda::Stream stream,
-                    uint64_t key, int tier = kTierFirst) {
+// Saves one device tensor allocated on `stream` and written there by a kernel
+// (its block's address in `*at` when given); the glue holds it until released.
+SaveResult save_one(Glue& g, TensorCache& c, const std::vector<unsigned char>& data, mem::cuda::Stream stream,
+                    uint64_t key, int tier = kTierFirst, DevicePtr* at = nullptr) {
   DevicePtr act = 0;
   GlueObj live = g.block(act, kBytes, stream, "activation " + std::to_string(key));
   g.write(stream, act, data);
-  SaveResult res = c.save(device_request(act, key, stream, std::move(live), g.device, tier));
+  if (at != nullptr) *at = act;
+  return c.save(device_request(act, key, stream, std::move(live), g.device, tier));
+}
+
+EntryId offload_one(Glue& g, TensorCache& c, const std::vector<unsigned char>& data, mem::cuda::Stream stream,
+                    uint64_t key, int tier = kTierFirst) {
+  SaveResult res = save_one(g, c, data, stream, key, tier);
   EXPECT_TRUE(res.offloaded);
   c.release_copies(0, INT64_MAX, stream);
   for (auto& done : c.poll()) done.live.reset();  // the glue drops the tensor
@@ -247,9 +255,7 @@ TEST(CacheRaces, SavesOnASideStreamAreReleasedOnThatStream) {
   c->begin_step();
   const auto data = test::random_bytes(kBytes, 3);
   DevicePtr act = 0;
-  GlueObj live = g.block(act, kBytes, kSide, "activation on the side stream");
-  g.write(kSide, act, data);
-  SaveResult res = c->save(device_request(act, 3, kSide, std::move(live)));
+  SaveResult res = save_one(g, *c, data, kSide, 3, kTierFirst, &act);
   c->release_copies(0, INT64_MAX, kCompute);  // the glue's current stream is the default one
   for (auto& done : c->poll()) done.live.reset();
   ASSERT_EQ(g.freed, 1);
@@ -287,9 +293,7 @@ TEST_P(UnreleasedErase, WaitsForTheCopyOnTheTensorsStream) {
   c->begin_step();
   const auto data = test::random_bytes(kBytes, 5);
   DevicePtr act = 0;
-  GlueObj live = g.block(act, kBytes, kCompute, "activation of a graph that died in forward");
-  g.write(kCompute, act, data);
-  SaveResult res = c->save(device_request(act, 5, kCompute, std::move(live)));
+  SaveResult res = save_one(g, *c, data, kCompute, 5, kTierFirst, &act);  // its graph dies in forward
   EXPECT_EQ(g.freed, 0) << "held until its release point";
   EXPECT_TRUE(c->release(res.id));
   EXPECT_EQ(g.freed, 1) << "the core dropped the tensor";
@@ -392,10 +396,7 @@ TEST(CacheRaces, WorkersNeverParkOnUnfinishedCopies) {
   std::vector<EntryId> ids;
   for (uint64_t k = 0; k < 3; ++k) {
     data.push_back(test::random_bytes(kBytes, 10 + k));
-    DevicePtr act = 0;
-    GlueObj live = g.block(act, kBytes, kCompute, "activation " + std::to_string(k));
-    g.write(kCompute, act, data.back());
-    ids.push_back(c->save(device_request(act, 10 + k, kCompute, std::move(live), 0, kTierSsd)).id);
+    ids.push_back(save_one(g, *c, data.back(), kCompute, 10 + k, kTierSsd).id);
   }
   c->release_copies(0, INT64_MAX, kCompute);
   for (auto& done : c->poll()) done.live.reset();
@@ -525,10 +526,7 @@ TEST(CacheRaces, BeginStepInsideACaptureMakesNoIllegalCall) {
   Glue g{drv};
   auto c = host_cache(drv);
   c->begin_step();
-  DevicePtr act = 0;
-  GlueObj live = g.block(act, kBytes, kCompute, "activation");
-  g.write(kCompute, act, test::random_bytes(kBytes, 50));
-  SaveResult r = c->save(device_request(act, 50, kCompute, std::move(live)));
+  SaveResult r = save_one(g, *c, test::random_bytes(kBytes, 50), kCompute, 50);
   c->release(r.id);  // its blob's free is fenced on the copy
   c->end_step();
   drv.begin_capture(kCompute);
@@ -567,10 +565,7 @@ TEST(CacheRaces, AReleasePointThatCannotWaitReleasesNothing) {
   Glue g{drv};
   auto c = host_cache(drv);
   c->begin_step();
-  DevicePtr act = 0;
-  GlueObj live = g.block(act, kBytes, kSide, "activation on the side stream");
-  g.write(kSide, act, test::random_bytes(kBytes, 52));
-  SaveResult r = c->save(device_request(act, 52, kSide, std::move(live)));
+  SaveResult r = save_one(g, *c, test::random_bytes(kBytes, 52), kSide, 52);
   drv.begin_capture(kSide);
   c->release_copies(0, INT64_MAX, kCompute);
   drv.end_capture(kSide);
@@ -599,10 +594,7 @@ TEST(CacheRaces, CloseDuringACaptureFreesNothingACopyMayTouch) {
   Glue g{drv};
   auto c = host_cache(drv);
   c->begin_step();
-  DevicePtr act = 0;
-  GlueObj live = g.block(act, kBytes, kCompute, "activation");
-  g.write(kCompute, act, test::random_bytes(kBytes, 54));
-  c->save(device_request(act, 54, kCompute, std::move(live)));
+  save_one(g, *c, test::random_bytes(kBytes, 54), kCompute, 54);
   c->release_copies(0, INT64_MAX, kCompute);
   for (auto& d : c->poll()) d.live.reset();
   drv.begin_capture(kSide);

@@ -156,7 +156,7 @@ struct TensorCache::Entry {
   EntryState state = EntryState::kKept;
   bool acked = true;
   bool busy = false;
-  bool worker_busy = false;  // `busy` on a worker thread: a release abandons it (Note [Abandoned work])
+  bool caller_busy = false;  // `busy` on a caller's thread (a host reload): a release waits for it
   bool load_started = false;
   bool abandoned = false;  // released while a worker ran its work (Note [Abandoned work])
   int handles = 0;
@@ -814,7 +814,7 @@ void TensorCache::wait_idle_locked(Lock& lock, Entry& e) {
 // Releasing an entry never waits for a worker: backward's autograd thread
 // releases entries as their nodes die, and a wait there for a running store,
 // spill or load (hundreds of MiB at disk or PCIe speed) stalls backward. An
-// entry whose work runs on a worker (`worker_busy`) moves to abandoned_ with
+// entry whose work runs on a worker (`busy`, not `caller_busy`) moves to abandoned_ with
 // everything that work touches: the saved tensor the store reads (device
 // memory stays mapped and unused by anyone else while the glue's reference
 // lives, so neither a reuse by the caching allocator nor an unmap by
@@ -849,7 +849,7 @@ void TensorCache::erase_locked(Lock& lock, EntryId id) {
   auto it = entries_.find(id);
   if (it == entries_.end()) return;
   Entry& e = *it->second;
-  const bool abandon = e.busy && e.worker_busy;
+  const bool abandon = e.busy && !e.caller_busy;
   if (!abandon && e.busy) {
     wait_idle_locked(lock, e);  // the lock was released: look the entry up again
     erase_locked(lock, id);
@@ -896,6 +896,13 @@ void TensorCache::dispose_locked(Entry& e) {
   give_event_locked(e.device, e.load_done_ev);
 }
 
+// Blocks until no abandoned entry matching `pred` is left (Note [Abandoned work]).
+void TensorCache::wait_abandoned_locked(Lock& lock, const std::function<bool(const Entry&)>& pred) {
+  done_cv_.wait(lock, [&] {
+    return std::none_of(abandoned_.begin(), abandoned_.end(), [&](const auto& kv) { return pred(*kv.second); });
+  });
+}
+
 // A worker's work on an abandoned entry ended (Note [Abandoned work]).
 void TensorCache::finish_abandoned_locked(Entry& e) {
   const EntryId id = e.id;
@@ -927,13 +934,20 @@ bool TensorCache::capturing_locked(int device, mem::cuda::Stream stream) {
   return opts_.driver->stream_is_capturing(stream);
 }
 
+// Makes `stream` wait for `fence` unless `stream` is being captured (then
+// false: Note [Graph capture]). Throws what the driver does.
+bool TensorCache::order_after_locked(int device, mem::cuda::Stream stream, mem::cuda::Event fence) {
+  mem::cuda::DeviceScope scope(opts_.driver, device);  // Note [Caller's context]
+  if (opts_.driver->stream_is_capturing(stream)) return false;
+  opts_.driver->stream_wait_event(stream, fence);
+  return true;
+}
+
 // `stream` waits for `fence`, then `obj` is dropped (Note [Stream-ordered drops]).
 void TensorCache::fence_drop_locked(int device, mem::cuda::Stream stream, mem::cuda::Event fence, GlueObj& obj) {
   if (!obj) return;
   try {
-    mem::cuda::DeviceScope scope(opts_.driver, device);  // Note [Caller's context]
-    if (!opts_.driver->stream_is_capturing(stream)) {
-      opts_.driver->stream_wait_event(stream, fence);
+    if (order_after_locked(device, stream, fence)) {
       bury_locked(obj);
       return;
     }
@@ -954,11 +968,7 @@ void TensorCache::flush_deferred_locked(bool all) {
     bool done = all;
     if (!all) {
       try {
-        mem::cuda::DeviceScope scope(opts_.driver, it->device);
-        if (!opts_.driver->stream_is_capturing(it->stream)) {
-          opts_.driver->stream_wait_event(it->stream, it->fence);
-          done = true;
-        }
+        done = order_after_locked(it->device, it->stream, it->fence);
       } catch (const std::exception& ex) {
         log::warn_once("cache.deferred_drop", detail::concat("tensor cache: ordering a deferred drop failed (",
                                                              ex.what(), "); it is held until the cache closes"));
@@ -1267,6 +1277,7 @@ void TensorCache::load_host_locked(Lock& lock, Entry& e, void* into, bool count)
     e.load_error = nullptr;
   }
   e.busy = true;
+  e.caller_busy = true;
   const Location loc = e.loc;
   const mem::Buffer dst{own ? e.dst : into, e.nbytes};
   busy_ += 1;
@@ -1281,6 +1292,7 @@ void TensorCache::load_host_locked(Lock& lock, Entry& e, void* into, bool count)
   lock.lock();
   busy_ -= 1;
   e.busy = false;
+  e.caller_busy = false;
   add_stall(seconds_since(t0));
   done_cv_.notify_all();
   if (err) {
@@ -1533,12 +1545,7 @@ void TensorCache::end_step() {
   // store on the worker path (pageable blobs) waits behind the compute
   // stream, so it is not waited for here (its bytes count in the next step).
   const auto t0 = std::chrono::steady_clock::now();
-  done_cv_.wait(lock, [&] {
-    return std::none_of(abandoned_.begin(), abandoned_.end(), [&](const auto& kv) {
-      const Entry& e = *kv.second;
-      return e.step == step_ && !(e.device >= 0 && !e.stream_ordered);
-    });
-  });
+  wait_abandoned_locked(lock, [&](const Entry& e) { return e.step == step_ && !(e.device >= 0 && !e.stream_ordered); });
   add_stall(seconds_since(t0));
   fold(total_c_, step_c_);
   steps_ += 1;
@@ -1557,10 +1564,7 @@ std::vector<EntryId> TensorCache::release_step(uint64_t step) {
   // An aborted step leaves nothing behind when this returns: its abandoned
   // work (Note [Abandoned work]), this call's or its handles' before it, is
   // waited for here, off the hot path.
-  done_cv_.wait(lock, [&] {
-    return std::none_of(abandoned_.begin(), abandoned_.end(),
-                        [&](const auto& kv) { return step == 0 || kv.second->step == step; });
-  });
+  wait_abandoned_locked(lock, [&](const Entry& e) { return step == 0 || e.step == step; });
   done_cv_.notify_all();
   return ids;
 }
@@ -1894,7 +1898,6 @@ void TensorCache::run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Str
   Entry& e = *it->second;
   mutate(e, EntryState::kStoring, true);
   e.busy = true;
-  e.worker_busy = true;
   mem::Buffer src{e.src, e.nbytes, e.device};
   mem::cuda::Event ready = e.ready_ev;
   lock.unlock();
@@ -1911,7 +1914,6 @@ void TensorCache::run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Str
   }
   lock.lock();
   e.busy = false;  // erased only when not busy, or kept in abandoned_: `e` is still valid
-  e.worker_busy = false;
   give_event_locked(e.device, e.ready_ev);
   if (!err && (e.abandoned || e.state != EntryState::kStoring)) {
     // Forwarded or released while the copy ran: the bytes are not needed.
@@ -1958,7 +1960,6 @@ void TensorCache::run_load(Lock& lock, EntryId id, std::map<int, mem::cuda::Stre
     return;
   }
   e.busy = true;
-  e.worker_busy = true;
   e.load_started = true;
   mem::Buffer dst{e.dst, e.nbytes, e.device};
   Location loc = e.loc;
@@ -1978,7 +1979,6 @@ void TensorCache::run_load(Lock& lock, EntryId id, std::map<int, mem::cuda::Stre
   }
   lock.lock();
   e.busy = false;
-  e.worker_busy = false;
   if (e.abandoned) {  // Note [Abandoned work]; a device copy was synchronous in get()
     finish_abandoned_locked(e);
     return;
@@ -2002,7 +2002,6 @@ void TensorCache::run_spill(Lock& lock, Entry& e) {
   e.spill_queued = false;
   e.spilling = true;
   e.busy = true;
-  e.worker_busy = true;
   void* blob = e.blob;
   const uint64_t n = e.nbytes;
   const int dev = e.device;
@@ -2020,7 +2019,6 @@ void TensorCache::run_spill(Lock& lock, Entry& e) {
   }
   lock.lock();
   e.busy = false;
-  e.worker_busy = false;
   e.spilling = false;
   if (e.abandoned) {
     if (!err) {
@@ -2047,7 +2045,6 @@ void TensorCache::run_spill(Lock& lock, Entry& e) {
 // host-to-device copy on the load stream after the buffer's allocation.
 void TensorCache::run_device_load(Lock& lock, Entry& e) {
   e.busy = true;
-  e.worker_busy = true;
   e.load_started = true;
   const Location loc = e.loc;
   const uint64_t n = e.nbytes;
@@ -2085,7 +2082,6 @@ void TensorCache::run_device_load(Lock& lock, Entry& e) {
   }
   lock.lock();
   e.busy = false;
-  e.worker_busy = false;
   if (err) {
     if (have) {
       try {

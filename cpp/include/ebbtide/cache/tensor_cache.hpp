@@ -374,7 +374,9 @@ class TensorCache {
   void free_blob_locked(Entry& e);
   void dispose_locked(Entry& e);
   void finish_abandoned_locked(Entry& e);
+  void wait_abandoned_locked(Lock& lock, const std::function<bool(const Entry&)>& pred);
   void drop_buf_locked(Entry& e);
+  bool order_after_locked(int device, mem::cuda::Stream stream, mem::cuda::Event fence);
   void fence_drop_locked(int device, mem::cuda::Stream stream, mem::cuda::Event fence, GlueObj& obj);
   void flush_deferred_locked(bool all);
   bool capturing_locked(int device, mem::cuda::Stream stream);
