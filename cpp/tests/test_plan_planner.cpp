@@ -1,6 +1,7 @@
 // Adaptive planner: ample / zero / capped bandwidth, host tier, replan trigger.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -228,4 +229,211 @@ TEST(PlanPlanner, WritesWithinForwardKeepsWhatTheLinkCannotCopyInTime) {
   EXPECT_LE(p.bytes_cpu, 7 * kGB);
   for (const auto& m : p.modules)
     if (m.placement != Placement::kKeep) EXPECT_LE(m.write_done_seconds, p.forward_seconds + 1e-9) << m.name;
+}
+
+// ---------------------------------------------------------------- budget plans
+// Note [Budget plan]: keep, offload or recompute per module within a peak.
+
+namespace {
+
+std::vector<ModuleProfile> recomputable(int n, double seconds, uint64_t bytes, uint64_t inputs) {
+  auto m = uniform(n, seconds, bytes);
+  for (auto& x : m) {
+    x.recomputable = true;
+    x.recompute_bytes = inputs;
+  }
+  return m;
+}
+
+int count(const Plan& p, Placement placement) {
+  int c = 0;
+  for (const auto& d : p.modules) c += d.placement == placement;
+  return c;
+}
+
+std::vector<Placement> placements_of(const Plan& p) {
+  std::vector<Placement> out;
+  for (const auto& d : p.modules) out.push_back(d.placement);
+  return out;
+}
+
+}  // namespace
+
+TEST(PlanBudget, NoBudgetIsTheOffloadPlan) {
+  PlannerOptions o;
+  o.write_bps = 5e9;
+  o.read_bps = 5e9;
+  const auto mods = recomputable(8, 0.1, kGB, kGB / 10);
+  const Plan a = plan_budget(mods, o), b = plan_offload(mods, o);
+  EXPECT_EQ(placements_of(a), placements_of(b));
+  EXPECT_EQ(a.modules_recomputed, 0);
+  EXPECT_TRUE(a.feasible);
+}
+
+TEST(PlanBudget, AmpleBudgetKeepsWhatNeedNotMove) {
+  PlannerOptions o;
+  o.write_bps = o.read_bps = 1e15;
+  o.activation_budget_bytes = 8 * kGB;  // everything fits
+  const Plan p = plan_budget(recomputable(8, 0.1, kGB, kGB / 10), o);
+  EXPECT_TRUE(p.feasible);
+  EXPECT_EQ(count(p, Placement::kKeep), 8);
+  EXPECT_EQ(p.bytes_ssd, 0u);
+  // A budget that needs half offloaded moves no more than it must.
+  o.activation_budget_bytes = 5 * kGB;
+  const Plan h = plan_budget(recomputable(8, 0.1, kGB, kGB / 10), o);
+  EXPECT_TRUE(h.feasible);
+  EXPECT_LE(h.peak_resident_bytes, 5 * kGB);
+  EXPECT_EQ(h.modules_recomputed, 0);  // the link hides it: recompute would cost time
+  EXPECT_NEAR(h.predicted_stall_seconds, 0, 1e-9);
+  EXPECT_LT(h.bytes_ssd, 7 * kGB);
+}
+
+TEST(PlanBudget, NoLinkRecomputesJustEnough) {
+  PlannerOptions o;  // no SSD, no host tier: recompute is the only lever
+  o.activation_budget_bytes = 4 * kGB + kGB / 2;
+  const Plan p = plan_budget(recomputable(8, 0.1, kGB, kGB / 10), o);
+  ASSERT_TRUE(p.feasible);
+  EXPECT_LE(p.peak_resident_bytes, o.activation_budget_bytes);
+  // Peak with r modules recomputed: (8 - r) GB kept + r * 0.1 GB inputs,
+  // and in backward a recomputed module adds its 1 GB while the others it
+  // precedes are still held. The fewest that fit: 4 (4 + 0.4 + ... <= 4.5).
+  EXPECT_EQ(p.modules_recomputed, 4);
+  EXPECT_EQ(count(p, Placement::kRecompute), 4);
+  EXPECT_NEAR(p.recompute_seconds, 0.4, 1e-9);
+  EXPECT_NEAR(p.predicted_step_seconds(), 0.8 + 1.6 + 0.4, 1e-9);
+  for (const auto& d : p.modules) {
+    if (d.placement == Placement::kRecompute) EXPECT_EQ(d.saved_bytes, kGB / 10);
+  }
+}
+
+TEST(PlanBudget, RecomputeNeverChosenForAModuleThatCannot) {
+  PlannerOptions o;
+  o.activation_budget_bytes = 4 * kGB;
+  auto mods = recomputable(8, 0.1, kGB, kGB / 10);
+  for (int i = 0; i < 8; i += 2) mods[i].recomputable = false;
+  const Plan p = plan_budget(mods, o);
+  for (int i = 0; i < 8; i += 2) EXPECT_EQ(p.modules[i].placement, Placement::kKeep) << i;
+}
+
+// The trade at several bandwidths: with a fast link offload alone meets the
+// budget, with none recompute alone, and in between a mix beats both.
+TEST(PlanBudget, TradeAcrossBandwidths) {
+  const int n = 12;
+  const auto mods = recomputable(n, 0.1, kGB, kGB / 8);
+  PlannerOptions o;
+  o.activation_budget_bytes = 3 * kGB;
+  o.keep_last_modules = 1;
+  o.backward_factor = 2.0;
+
+  o.write_bps = o.read_bps = 1e12;
+  const Plan fast = plan_budget(mods, o);
+  ASSERT_TRUE(fast.feasible);
+  EXPECT_EQ(fast.modules_recomputed, 0);
+  EXPECT_NEAR(fast.predicted_stall_seconds, 0, 1e-9);
+
+  o.write_bps = o.read_bps = 0;
+  const Plan none = plan_budget(mods, o);
+  ASSERT_TRUE(none.feasible);
+  EXPECT_EQ(none.bytes_ssd, 0u);
+  EXPECT_GT(none.modules_recomputed, 0);
+
+  // 4 GB/s: a module's 1 GB takes 0.25 s to write against 0.1 s of compute,
+  // so the link hides only some of them.
+  o.write_bps = o.read_bps = 4e9;
+  const Plan mid = plan_budget(mods, o);
+  ASSERT_TRUE(mid.feasible);
+  EXPECT_LE(mid.peak_resident_bytes, o.activation_budget_bytes);
+  EXPECT_GT(mid.modules_recomputed, 0);
+  EXPECT_GT(mid.bytes_ssd, 0u);
+  // Against the best single strategies at the same budget and bandwidth.
+  std::vector<Placement> all_recompute(n, Placement::kRecompute);
+  const Plan r = simulate_plan(mods, o, all_recompute);
+  EXPECT_LT(mid.predicted_step_seconds(), r.predicted_step_seconds());
+  std::vector<Placement> all_offload(n, Placement::kOffloadSsd);
+  all_offload[n - 1] = Placement::kKeep;
+  const Plan off = simulate_plan(mods, o, all_offload);
+  // Offload alone backs the writes up: it does not fit the budget at all.
+  EXPECT_GT(off.peak_resident_bytes, o.activation_budget_bytes);
+  EXPECT_LT(mid.predicted_step_seconds(), none.predicted_step_seconds());
+}
+
+TEST(PlanBudget, InfeasibleBudgetNamesTheSmallestThatFits) {
+  PlannerOptions o;
+  o.write_bps = o.read_bps = 4e9;
+  o.activation_budget_bytes = 1;
+  const auto mods = recomputable(8, 0.1, kGB, kGB / 10);
+  const Plan p = plan_budget(mods, o);
+  EXPECT_FALSE(p.feasible);
+  EXPECT_GT(p.min_budget_bytes, 1u);
+  EXPECT_EQ(p.min_budget_bytes, p.peak_resident_bytes);
+  // Backward must hold one recomputed module at least.
+  EXPECT_GE(p.min_budget_bytes, kGB);
+  o.activation_budget_bytes = p.min_budget_bytes;
+  const Plan q = plan_budget(mods, o);
+  EXPECT_TRUE(q.feasible);
+  EXPECT_LE(q.peak_resident_bytes, p.min_budget_bytes);
+}
+
+TEST(PlanBudget, KeepLastIsNeverOffloadedButMayBeRecomputed) {
+  PlannerOptions o;
+  o.write_bps = o.read_bps = 1e12;
+  o.keep_last_modules = 2;
+  o.activation_budget_bytes = 1;  // as low as it goes
+  const Plan p = plan_budget(recomputable(6, 0.1, kGB, kGB / 10), o);
+  for (int i = 4; i < 6; ++i) {
+    EXPECT_FALSE(is_offload(p.modules[i].placement)) << i;
+  }
+  // Module 4 is recomputed (its 1 GB would sit beside module 5's in
+  // backward); module 5 gains nothing from it: its backward starts first,
+  // holding all its bytes either way.
+  EXPECT_EQ(p.modules[4].placement, Placement::kRecompute);
+  EXPECT_EQ(p.modules[5].placement, Placement::kKeep);
+  EXPECT_FALSE(p.feasible);
+  EXPECT_LT(p.peak_resident_bytes, 2 * kGB + kGB / 2);
+}
+
+TEST(PlanBudget, HostTierAndGpuWriteLimitsHold) {
+  PlannerOptions o;
+  o.host_budget_bytes = 2 * kGB;
+  o.host_write_bps = o.host_read_bps = 1e12;
+  o.activation_budget_bytes = 2 * kGB;
+  o.writes_within_forward = true;
+  const Plan p = plan_budget(recomputable(8, 0.1, kGB, kGB / 10), o);
+  ASSERT_TRUE(p.feasible);
+  EXPECT_LE(p.bytes_cpu, o.host_budget_bytes);
+  for (const auto& d : p.modules) {
+    if (is_offload(d.placement)) EXPECT_LE(d.write_done_seconds, p.forward_seconds + 1e-9) << d.name;
+  }
+  EXPECT_EQ(tier_name(Placement::kRecomputeOffloadCpu), "cpu");
+  EXPECT_EQ(to_string(Placement::kRecomputeOffloadSsd), "recompute_offload");
+}
+
+TEST(PlanBudget, RecomputeSecondsAndValidation) {
+  PlannerOptions o;
+  o.activation_budget_bytes = 5 * kGB;
+  auto mods = recomputable(8, 0.1, kGB, kGB / 10);
+  for (auto& m : mods) m.recompute_seconds = 0.05;  // part of the scope is not re-run
+  const Plan p = plan_budget(mods, o);
+  ASSERT_TRUE(p.feasible);
+  EXPECT_NEAR(p.recompute_seconds, 0.05 * static_cast<double>(p.modules_recomputed), 1e-9);
+  mods[3].recompute_seconds = std::nan("");
+  try {
+    plan_budget(mods, o);
+    FAIL() << "no error";
+  } catch (const ebbtide::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("layer3"), std::string::npos) << e.what();
+  }
+}
+
+TEST(PlanBudget, EightyModulesPlan) {
+  // A Llama-3-70B-sized stack: the search stays within its round bound.
+  PlannerOptions o;
+  o.write_bps = o.read_bps = 6e9;
+  o.host_budget_bytes = 40 * kGB;
+  o.host_write_bps = o.host_read_bps = 20e9;
+  auto mods = recomputable(80, 0.05, kGB, kGB / 12);
+  o.activation_budget_bytes = 12 * kGB;
+  const Plan p = plan_budget(mods, o);
+  EXPECT_TRUE(p.feasible);
+  EXPECT_LE(p.peak_resident_bytes, o.activation_budget_bytes);
 }

@@ -38,7 +38,7 @@ from ebbtide import _core, _settings, planner
 logger = logging.getLogger("ebbtide")
 
 _TIER_NAMES = {_core.TIER_CPU: "cpu", _core.TIER_SSD: "ssd"}
-_PLACEMENT_TIER = {"offload_cpu": _core.TIER_CPU, "offload_ssd": _core.TIER_SSD}
+_TIER_OF = {"cpu": _core.TIER_CPU, "ssd": _core.TIER_SSD}
 _MIN_MEASURED_BYTES = 1 << 20
 # On a GPU the prefetch window spans this many of the largest blocks, and the
 # plan assumes the same lead for reloads (Note [Release points]).
@@ -59,6 +59,20 @@ def _available_memory() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return 0
+
+
+def resolve_budget(activation_budget_bytes, adaptive) -> int:
+    """The activation budget in bytes (0: none) from the argument, then
+    EBBTIDE_ACTIVATION_BUDGET; a budget needs the planner (adaptive)."""
+    explicit = activation_budget_bytes is not None
+    budget = _settings.resolve("EBBTIDE_ACTIVATION_BUDGET", activation_budget_bytes,
+                               "ebbtide.TensorCache: activation_budget_bytes")
+    budget = int(budget or 0)
+    if budget and adaptive is False:
+        where = "activation_budget_bytes" if explicit else "EBBTIDE_ACTIVATION_BUDGET"
+        raise ValueError(f"ebbtide.TensorCache: {where}={budget} needs the planner, but adaptive=False "
+                         "(leave adaptive unset or True)")
+    return budget
 
 
 def resolve_settings(target, cuda, adaptive, host_budget_bytes, max_write_mbps):
@@ -96,8 +110,9 @@ class Adaptive:
     """Profile -> plan -> apply -> watch, for one TensorCache."""
 
     def __init__(self, cache, *, max_write_bps: float, host_budget_bytes: int, backward_factor: float = 2.0,
-                 prefetch_modules: int = 2, replan_fraction: float = 0.7):
+                 prefetch_modules: int = 2, replan_fraction: float = 0.7, activation_budget_bytes: int = 0):
         self.cache = cache
+        self.activation_budget_bytes = int(activation_budget_bytes)
         self.max_write_bps = float(max_write_bps)
         self.host_budget_bytes = int(host_budget_bytes)
         self.backward_factor = backward_factor
@@ -118,6 +133,14 @@ class Adaptive:
         self._marks: list = []       # (scope or None, float seconds | torch.cuda.Event)
         self._meter0: dict = {}
         self._cuda = False
+        # Note [Budget profile]: per scope of the profiling step, what a
+        # recompute would leave saved and re-run.
+        self._inputs: dict = {}        # scope -> bytes of the block's positional tensor inputs
+        self._block_open: dict = {}    # scope -> (time at the pre-hook, bytes saved in the scope by then)
+        self._block: dict = {}         # scope -> [seconds | (start, end) events, bytes saved inside the block]
+        self.recomputable: dict = {}   # scope -> False when the user already checkpoints the block
+        self.recompute_scopes: set = set()
+        self.infeasible: Optional[str] = None  # the error of a budget no plan meets
 
     # ---------------------------------------------------------------- control
     def request_profile(self) -> None:
@@ -129,6 +152,11 @@ class Adaptive:
         self.profiling = self._profile_next
         self.last_profiled = self.profiling
         self._marks = []
+        self._inputs, self._block_open, self._block = {}, {}, {}
+        self.infeasible = None
+        if self.profiling:
+            # The profile measures every block as the model runs it.
+            self.cache._set_recompute(())
         self._step_begin = self._now() if self.profiling else None
         self._meter0 = {t["tier"]: dict(t) for t in core_stats.get("tiers", [])}
 
@@ -146,6 +174,39 @@ class Adaptive:
         """A scope begins (None: the forward ended). Only while profiling."""
         if self.profiling:
             self._marks.append((scope, self._now()))
+
+    def block_begins(self, scope: int, module, args) -> None:
+        """Block pre-hook while profiling: its inputs (what a recompute saves)
+        and whether the user already checkpoints it (Note [Budget profile])."""
+        if not self.profiling or not self.activation_budget_bytes:
+            return
+        cache = self.cache
+        seen, nbytes = set(), 0
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                st = cache._eligible(a)
+                if st is not None and st._cdata not in seen:
+                    seen.add(st._cdata)
+                    nbytes += st.nbytes()
+        self._inputs[scope] = self._inputs.get(scope, 0) + nbytes
+        self.recomputable[scope] = self.recomputable.get(scope, True) and cache._may_recompute(module)
+        self._block_open[scope] = (self._now(), cache._scope_bytes(scope))
+
+    def block_ends(self, scope: int) -> None:
+        """Block post-hook while profiling: the block's own time and bytes."""
+        opened = self._block_open.pop(scope, None)
+        if opened is None:
+            return
+        start, before = opened
+        entry = self._block.setdefault(scope, [[], 0])
+        entry[0].append((start, self._now()))
+        entry[1] += self.cache._scope_bytes(scope) - before
+
+    def _block_seconds(self, scope: int) -> float:
+        spans = self._block.get(scope, [[], 0])[0]
+        if self._cuda:
+            return sum(a.elapsed_time(b) / 1e3 for a, b in spans)
+        return sum(b - a for a, b in spans)
 
     def _measured_backward_factor(self, forward_seconds: float, stall_seconds: float) -> Optional[float]:
         """(step time - forward - stall) / forward of the profiling step, or None.
@@ -176,7 +237,9 @@ class Adaptive:
             # the link is probed apart, so a profile that offloads everything
             # (copies throttled by Note [Copy bound]) cannot inflate the
             # forward times the plan is made from.
-            return not self.cache._on_cuda(), -1
+            # With a budget the profile offloads on a GPU too: keeping every
+            # block resident for it would exceed the budget (Note [Budget profile]).
+            return not self.cache._on_cuda() or bool(self.activation_budget_bytes), -1
         if self.plan is None:
             return True, -1
         return self.decisions.get(scope, (False, -1))
@@ -263,7 +326,14 @@ class Adaptive:
                 name = p["module"] if p else self.cache._scope_name(scope)
                 # Offloadable bytes: what the profile offloaded; kept scopes (keep_last) count whole.
                 nbytes = 0 if p is None else (p["bytes"] if p["decision"] == "keep" else p["bytes_offloaded"])
-                modules.append(dict(name=name, scope=scope, forward_seconds=times.get(scope, 0.0), bytes=nbytes))
+                m = dict(name=name, scope=scope, forward_seconds=times.get(scope, 0.0), bytes=nbytes)
+                if self.activation_budget_bytes and scope in self._block and self.recomputable.get(scope):
+                    # Note [Budget profile]: a recompute re-runs the block and
+                    # leaves saved its inputs and what the scope saves after it.
+                    inside = min(self._block[scope][1], nbytes)
+                    m.update(recomputable=True, recompute_bytes=self._inputs.get(scope, 0) + nbytes - inside,
+                             recompute_seconds=self._block_seconds(scope))
+                modules.append(m)
             self.profiling = False
             if not self._marks or cache_unscoped(self.cache):
                 return  # no module scopes to time: profile again once attached
@@ -313,27 +383,41 @@ class Adaptive:
             budget = cache.capacity_bytes or (1 << 50)
         cuda = cache._on_cuda()
         plan = planner.plan_offload(
-            [dict(name=m["name"], forward_seconds=m["forward_seconds"], bytes=m["bytes"]) for m in self.profile_modules],
+            [{k: v for k, v in m.items() if k != "scope"} for m in self.profile_modules],
             write_bps=ssd.get("write_bps", 0.0), read_bps=ssd.get("read_bps", 0.0),
             target="auto", max_write_mbps=self.max_write_bps / 1e6 if self.max_write_bps else None,
             host_budget_bytes=budget if has_cpu else 0,
             host_write_bps=cpu.get("write_bps", 0.0), host_read_bps=cpu.get("read_bps", 0.0),
             keep_last_modules=keep_last, backward_factor=self.backward_factor,
             prefetch_modules=max(self.prefetch_modules, _CUDA_PREFETCH_MODULES) if cuda else self.prefetch_modules,
-            replan_fraction=self.replan_fraction, writes_within_forward=cuda)
+            replan_fraction=self.replan_fraction, writes_within_forward=cuda,
+            activation_budget_bytes=self.activation_budget_bytes)
         decisions = {}
+        recompute = set()
         for m, d in zip(self.profile_modules, plan["modules"]):
-            tier = _PLACEMENT_TIER.get(d["placement"])
+            tier = _TIER_OF.get(d["tier"])
             decisions[m["scope"]] = (tier is not None, -1 if tier is None else tier)
             d["scope"] = m["scope"]
             d["forward_seconds"] = m["forward_seconds"]
+            if d["placement"].startswith("recompute"):
+                recompute.add(m["scope"])
+        self.recompute_scopes = recompute
+        cache._set_recompute(recompute)
+        if not plan["feasible"]:
+            self.infeasible = (
+                f"ebbtide: activation budget {_fmt_bytes(self.activation_budget_bytes)} "
+                f"({self.activation_budget_bytes} bytes) cannot be met: the smallest peak of saved activations "
+                f"the planner reaches for this model and batch is {_fmt_bytes(plan['min_budget_bytes'])} "
+                f"({plan['min_budget_bytes']} bytes; {plan['modules_recomputed']} of {len(plan['modules'])} blocks "
+                "recomputed, the rest offloaded where the links allow); raise activation_budget_bytes "
+                "(EBBTIDE_ACTIVATION_BUDGET) to at least that, or lower the micro-batch or sequence length")
         # Note [Release points]: after block b, the blocks whose copies end by
         # b's forward end.
         release_after = {}
         mods = plan["modules"]
         for b, mb in enumerate(mods):
             done = [s for s, ms in enumerate(mods[:b + 1])
-                    if ms["placement"] != "keep" and ms["write_done_seconds"] <= mb["forward_end_seconds"]]
+                    if ms["tier"] is not None and ms["write_done_seconds"] <= mb["forward_end_seconds"]]
             release_after[mb["scope"]] = mods[max(done)]["scope"] if done else -1
         self.release_after = release_after
         plan["reason"] = reason
@@ -347,17 +431,23 @@ class Adaptive:
 
     def _log_plan(self) -> None:
         p = self.plan
-        counts = {"keep": 0, "offload_cpu": 0, "offload_ssd": 0}
+        counts = {k: 0 for k in planner.PLACEMENTS}
         for d in p["modules"]:
             counts[d["placement"]] += 1
+        budget = ""
+        if p["activation_budget_bytes"]:
+            budget = (f"; budget {_fmt_bytes(p['activation_budget_bytes'])}: recompute {counts['recompute']}, "
+                      f"recompute+offload {counts['recompute_offload']} (+{p['recompute_seconds']:.3f} s)"
+                      + ("" if p["feasible"] else " NOT MET"))
         rates = ", ".join(f"{k} write {v['write_bps'] / 1e6:.0f} MB/s read {v['read_bps'] / 1e6:.0f} MB/s "
                           f"({v['source']})" for k, v in sorted(p["measured"].items()))
         cap = f", SSD write cap {self.max_write_bps / 1e6:.0f} MB/s" if self.max_write_bps else ""
         logger.info("ebbtide plan (%s): %d blocks: keep %d, host %d (%s), ssd %d (%s); predicted stall %.3f s, "
-                    "peak %s of %s (%.0f%%); forward %.3f s, backward %.2fx forward; %s%s", p["reason"], len(p["modules"]), counts["keep"],
+                    "peak %s of %s (%.0f%%)%s; forward %.3f s, backward %.2fx forward; %s%s", p["reason"], len(p["modules"]), counts["keep"],
                     counts["offload_cpu"], _fmt_bytes(p["bytes_cpu"]), counts["offload_ssd"],
                     _fmt_bytes(p["bytes_ssd"]), p["predicted_stall_seconds"], _fmt_bytes(p["peak_resident_bytes"]),
-                    _fmt_bytes(p["all_resident_bytes"]), 100 * p["peak_resident_fraction"], p["forward_seconds"], p["backward_factor"],
+                    _fmt_bytes(p["all_resident_bytes"]), 100 * p["peak_resident_fraction"], budget, p["forward_seconds"],
+                    p["backward_factor"],
                     rates, cap)
 
     def stats(self) -> dict:

@@ -30,6 +30,7 @@ import weakref
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
+import torch.utils.checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ebbtide import _core, _settings
@@ -39,7 +40,7 @@ try:  # Note [Two modules] (python/src/glue_api.hpp): the hooks need libtorch
 except ImportError as _exc:  # built without torch's headers, or for another torch
     _torch = None
     _TORCH_MISSING = str(_exc)
-from ebbtide._adaptive import _CUDA_PREFETCH_MODULES, Adaptive, resolve_settings, tier_name
+from ebbtide._adaptive import _CUDA_PREFETCH_MODULES, Adaptive, resolve_budget, resolve_settings, tier_name
 
 __all__ = ["TensorCache", "offload", "release_pooled_stores"]
 
@@ -111,6 +112,11 @@ def _check_version(dtype, shape, saved, current):
             f"{saved} instead. (reported by ebbtide's saved-tensor hooks)")
 
 
+def _is_kv_cache(v) -> bool:
+    """An HF key/value cache (DynamicCache and kin): stateful, appended to by each forward."""
+    return type(v).__module__.startswith("transformers.") and hasattr(v, "get_seq_length")
+
+
 def _first_grad_tensor(obj, depth=0):
     """The first tensor requiring grad in a module's output (tuples, dicts, ModelOutput)."""
     if isinstance(obj, torch.Tensor):
@@ -160,6 +166,12 @@ class TensorCache:
     follows them, e.g. the head and the loss) stay resident: backward needs
     them first. prefetch_window_bytes: how much backward loads ahead (default:
     the largest block's offloaded bytes, measured in each forward).
+    activation_budget_bytes: bound on the step's peak of saved-activation
+    bytes held in the training device's memory (EBBTIDE_ACTIVATION_BUDGET;
+    None or 0: none). The planner then keeps, offloads or recomputes each
+    block (non-reentrant activation checkpointing applied by the cache) to fit
+    it at the least step time; a budget nothing fits raises at the first step,
+    naming the smallest that does. Implies adaptive.
     capacity_bytes: bound on offloaded bytes (per directory for ssd); beyond
     it, activations stay resident. max_inflight_bytes: a pack waits while more
     bytes than this are queued for storing (0: never waits). device: the training device (default: that
@@ -172,7 +184,7 @@ class TensorCache:
                  workers: Optional[int] = None, max_inflight_bytes: Optional[int] = None,
                  device: Union[None, str, torch.device] = None, adaptive: Optional[bool] = None,
                  host_budget_bytes: Optional[int] = None, max_write_mbps: Optional[float] = None,
-                 _pooled: bool = False):
+                 activation_budget_bytes: Optional[int] = None, _pooled: bool = False):
         if _torch is None:
             raise RuntimeError("ebbtide.TensorCache: ebbtide._torch, the cache's saved-tensor hooks, is not "
                                f"available ({_TORCH_MISSING}); it is built against the installed torch: "
@@ -219,8 +231,10 @@ class TensorCache:
         self._auto_window = prefetch_window_bytes is None
         window = _DEFAULT_WINDOW if prefetch_window_bytes is None else int(prefetch_window_bytes)
         cuda = torch.cuda.is_available() and (self._device is None or self._device.type == "cuda")
+        budget = resolve_budget(activation_budget_bytes, adaptive)
         max_write_bps, host_budget, adaptive = resolve_settings(target, cuda, adaptive, host_budget_bytes,
                                                                max_write_mbps)
+        adaptive = adaptive or bool(budget)
         self.host_budget_bytes = host_budget
         try:
             args = (paths, int(capacity_bytes), int(window), workers or _DEFAULT_WORKERS, bool(cuda),
@@ -260,6 +274,7 @@ class TensorCache:
         # (close once the last entry goes, Note [Lifetime after the block])
         # are the cache's.
         self._native = _torch.Hooks(self, self._core, self._inline_bytes)
+        self._pack_hook = self._native.pack  # one object: _may_recompute compares by identity
         self._native.min_bytes = _DEFAULT_MIN_BYTES if min_bytes is None else int(min_bytes)
         self._native.cuda_ok = self._cuda_ok
         if self._device is not None:
@@ -278,7 +293,12 @@ class TensorCache:
         self._mb_hinted = False
         self._blocks_in_fwd = 0
         self._phase = "forward"
-        self._adapt = Adaptive(self, max_write_bps=max_write_bps, host_budget_bytes=host_budget) if adaptive else None
+        self._adapt = Adaptive(self, max_write_bps=max_write_bps, host_budget_bytes=host_budget,
+                               activation_budget_bytes=budget) if adaptive else None
+        # Note [Recompute by the cache]: scope -> block module, seen in
+        # forward; the blocks whose forward the cache wraps in a checkpoint.
+        self._scope_modules: dict = {}
+        self._recompute: dict = {}  # id(module) -> (module, had an instance forward, that forward)
 
     # State the hooks read on every save (Note [Hooks in C++]).
     @property
@@ -384,6 +404,7 @@ class TensorCache:
         return self
 
     def _stage_forward_pre(self, position):
+        @torch.compiler.disable
         def hook(module, args):
             self._on_root_forward_pre(module, args)
             if self._in_step and not _in_backward():
@@ -391,7 +412,9 @@ class TensorCache:
         return hook
 
     def detach(self) -> None:
-        """Removes the module hooks (the cache stays usable)."""
+        """Removes the module hooks and the cache's recompute wrappers (the cache stays usable)."""
+        self._set_recompute(())
+        self._scope_modules = {}
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -430,7 +453,7 @@ class TensorCache:
         self._phase = "forward"
         ok = False
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._native.pack, self._native.unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._native.unpack):
                 yield self
             ok = True
         finally:
@@ -447,6 +470,10 @@ class TensorCache:
                     if ok and self._adapt is not None:
                         self._adapt.end_step(self._core.stats())
                     self._last_stats = self._make_stats()
+            if ok and self._adapt is not None and self._adapt.infeasible:
+                # Said once, at the step that made the plan (Note [Budget plan]).
+                msg, self._adapt.infeasible = self._adapt.infeasible, None
+                raise ValueError(msg)
 
     def profile(self) -> None:
         """Makes the next step a profiling step (Note [Profiling step] in
@@ -820,6 +847,9 @@ class TensorCache:
         out["plan"] = self.plan()
         out["tiers"] = s["tiers"]
         out["adaptive"] = self._adapt is not None
+        out["activation_budget_bytes"] = self._adapt.activation_budget_bytes if self._adapt is not None else 0
+        out["recomputed_blocks"] = sorted(self._scope_name(s) for s in self._adapt.recompute_scopes) \
+            if self._adapt is not None else []
         if self._adapt is not None:
             out.update(self._adapt.stats())
         else:
@@ -827,6 +857,14 @@ class TensorCache:
         return out
 
     # ------------------------------------------------------------ module hooks
+    # Note [Hooks under compile]
+    # A block compiled with module.compile() (torchtune, per-block compile)
+    # compiles its hooks with its forward. The cache's module hooks keep
+    # books in Python and C++ (scopes, marks, polls), so dynamo must not
+    # trace them: each is torch.compiler.disable'd, a graph break around the
+    # hook. The recompute wrapper (Note [Recompute by the cache]) is traced:
+    # its checkpoint becomes part of the block's graph.
+    @torch.compiler.disable
     def _on_root_forward_pre(self, module, args):
         if not self._in_step or _in_backward():
             return
@@ -840,6 +878,7 @@ class TensorCache:
         if self._adapt is not None:
             self._adapt.mark(-1)
 
+    @torch.compiler.disable
     def _on_root_forward(self, module, args, output):
         if not self._in_step or _in_backward():
             return
@@ -874,6 +913,102 @@ class TensorCache:
                 self._core.release_copies(self._fwd_mb, through, self._stream())
                 self._poll_locked()
 
+    # ------------------------------------------------------------- recompute
+    # Note [Recompute by the cache]
+    # A block the budget plan recomputes (Note [Budget plan]) runs its forward
+    # inside torch.utils.checkpoint (non-reentrant, RNG state preserved, so
+    # dropout matches): the cache sets the block's `forward` attribute to a
+    # wrapper, after the module's pre-hooks (FSDP's unshard, the cache's own
+    # scope) and before its post-hooks, so those run once and recompute in
+    # backward re-runs the forward alone. The checkpoint saves the block's
+    # positional tensor inputs through the ambient saved-tensor hooks, the
+    # cache's: kept for `recompute`, offloaded for `recompute_offload`; the
+    # activations inside the block go to the checkpoint's own hooks and are
+    # re-made in backward. Outside a step of this cache, without grad, or in
+    # a backward (another checkpoint's recompute) the wrapper calls the
+    # forward as is. A block the user already checkpoints (HF gradient
+    # checkpointing, torch's checkpoint_wrapper, or one whose forward the
+    # profile saw run under someone else's saved-tensor hooks) is never
+    # wrapped again. A forward given a key/value cache (HF models train with
+    # `use_cache` on unless told otherwise) appends to it; the recompute gets
+    # None for it (and use_cache False), as HF's own checkpointing does: in
+    # training the cache held nothing of this block before its forward, so
+    # the recomputed attention sees the same keys and values, and
+    # checkpoint's shape check fails loudly where it would not.
+    def _may_recompute(self, module) -> bool:
+        if self._stages is not None:
+            return False  # a pipeline stage's forward holds its communication
+        if getattr(module, "gradient_checkpointing", False) and module.training:
+            return False  # HF GradientCheckpointingLayer
+        for m in module.modules():
+            if hasattr(m, "_checkpoint_wrapped_module"):
+                return False  # torch.distributed's checkpoint_wrapper (torchtune, Lightning, Accelerate)
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return top is not None and top[0] is self._pack_hook
+
+    def _scope_bytes(self, scope) -> int:
+        """The bytes saved so far in `scope` this step, as the profile counts them."""
+        for s, offload, _tier, _n, b, off in self._native.plan_rows():
+            if s == scope:
+                return off if offload else b
+        return 0
+
+    def _set_recompute(self, scopes) -> None:
+        """Wraps the forwards of the blocks of `scopes` in a checkpoint and
+        unwraps the others (Note [Recompute by the cache])."""
+        want = {}
+        for s in scopes:
+            m = self._scope_modules.get(s)
+            if m is not None:
+                want[id(m)] = m
+        for key, (m, had, fwd) in list(self._recompute.items()):
+            if key in want:
+                continue
+            if had:
+                m.forward = fwd
+            else:
+                m.__dict__.pop("forward", None)
+            del self._recompute[key]
+        for key, m in want.items():
+            if key not in self._recompute:
+                had = "forward" in m.__dict__
+                self._recompute[key] = (m, had, m.__dict__.get("forward"))
+                m.forward = self._recompute_wrapper(m.forward)
+
+    def _recompute_wrapper(self, inner):
+        ref = weakref.ref(self)
+
+        def forward(*args, **kwargs):
+            c = ref()
+            if torch.compiler.is_compiling():
+                # A block compiled with its hooks (module.compile()): the
+                # checkpoint is traced into the graph and the compiler's
+                # partitioner recomputes (Note [Hooks under compile]).
+                if c is None or not c._in_step or not torch.is_grad_enabled():
+                    return inner(*args, **kwargs)
+                return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True,
+                                                         **kwargs)
+            if c is None or not c._in_step or not torch.is_grad_enabled() or _in_backward():
+                return inner(*args, **kwargs)
+            first = [True]
+
+            def run(*a, **kw):
+                if first[0]:
+                    first[0] = False
+                elif any(_is_kv_cache(v) for v in kw.values()):
+                    # The recompute in backward: a key/value cache the
+                    # forward already appended to is not passed again.
+                    kw = {k: (None if _is_kv_cache(v) else v) for k, v in kw.items()}
+                    if "use_cache" in kw:
+                        kw["use_cache"] = False
+                return inner(*a, **kw)
+
+            return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
+                                                     **kwargs)
+
+        forward.__wrapped__ = inner
+        return forward
+
     def _on_cuda(self) -> bool:
         d = self._device
         return self._cuda_ok and d is not None and d.type == "cuda"
@@ -893,6 +1028,7 @@ class TensorCache:
             del buf
         return _LINK_BANDWIDTH[d.index]
 
+    @torch.compiler.disable
     def _on_block_pre(self, module, args):
         if not self._in_step or _in_backward() or not torch.is_grad_enabled():
             return
@@ -904,14 +1040,19 @@ class TensorCache:
                 self._core.scope_end(self._fwd_mb, self._scope)
             self._scope = self._blocks_in_fwd
             self._blocks_in_fwd += 1
+            self._scope_modules[self._scope] = module
             if self._adapt is not None:
                 self._adapt.mark(self._scope)
+                self._adapt.block_begins(self._scope, module, args)
             self._poll_locked()
 
     def _make_block_post(self, name):
+        @torch.compiler.disable
         def hook(module, args, output):
             if not self._in_step or _in_backward():
                 return
+            if self._adapt is not None and self._adapt.profiling:
+                self._adapt.block_ends(self._scope)
             if self._on_cuda() and self._scope >= 0:
                 self._release_after_block()
             t = _first_grad_tensor(output)

@@ -1,7 +1,10 @@
 """Adaptive offload planner: from one profiled step decide, per module, keep /
-offload_cpu / offload_ssd so that the writes and reloads hide behind compute.
-The rule is ``ebbtide::plan::plan_offload`` (Note [Offload rule] in
-cpp/src/plan/planner.cpp, docs/model.md). Plain dicts in and out; no torch.
+offload_cpu / offload_ssd so that the writes and reloads hide behind compute;
+with an activation budget, also recompute / recompute_offload, so that the
+predicted peak fits the budget at the least step time. The rules are
+``ebbtide::plan::plan_offload`` and ``plan_budget`` (Notes [Offload rule] and
+[Budget plan] in cpp/src/plan/planner.cpp, docs/model.md). Plain dicts in and
+out; no torch.
 """
 from __future__ import annotations
 
@@ -10,9 +13,9 @@ from typing import Any, Iterable, Mapping
 from ebbtide import _core
 from ebbtide._records import as_dict, make
 
-__all__ = ["plan_offload", "needs_replan", "PLACEMENTS"]
+__all__ = ["plan_offload", "simulate", "needs_replan", "PLACEMENTS"]
 
-PLACEMENTS = ("keep", "offload_cpu", "offload_ssd")
+PLACEMENTS = ("keep", "offload_cpu", "offload_ssd", "recompute", "recompute_offload")
 
 
 def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bps: float, *,
@@ -20,10 +23,14 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
                  host_write_bps: float = 0.0, host_read_bps: float = 0.0,
                  keep_last_modules: int = 1, backward_factor: float = 2.0,
                  prefetch_modules: int = 2, stall_tolerance_seconds: float = 0.0,
-                 replan_fraction: float = 0.7, writes_within_forward: bool = False) -> dict:
+                 replan_fraction: float = 0.7, writes_within_forward: bool = False,
+                 activation_budget_bytes: int = 0) -> dict:
     """Plans where each module's saved activations go.
 
-    modules: forward order, each ``{"name": str, "forward_seconds": float, "bytes": int}``.
+    modules: forward order, each ``{"name": str, "forward_seconds": float, "bytes": int}``,
+    and for budget plans optionally ``"recomputable": bool`` (default False),
+    ``"recompute_bytes"`` (what it saves when recomputed: its inputs) and
+    ``"recompute_seconds"`` (forward re-run in backward; default forward_seconds).
     write_bps / read_bps: measured SSD bandwidth in bytes/s (0 disables the SSD).
     max_write_mbps: cap on SSD writes in MB/s (1e6 bytes/s). host_budget_bytes with
     host_write_bps / host_read_bps enable host memory as a second tier.
@@ -31,14 +38,48 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
     memory ignored) or "cpu" (host memory only; needs host_budget_bytes).
     writes_within_forward: GPU offload: a module is offloaded only if its copy
     ends before the forward does (Note [Release points] in tensor_cache.cpp).
+    activation_budget_bytes: bound on the predicted peak of resident saved
+    bytes (0: none, offload what hides). A budget no mix meets gives
+    ``feasible`` False and ``min_budget_bytes``, the smallest it can meet.
 
-    Returns ``{"modules": [{"name", "placement", "bytes", "forward_end_seconds",
+    Returns ``{"modules": [{"name", "placement", "tier" ("cpu", "ssd" or None),
+    "bytes", "saved_bytes", "recompute_seconds", "forward_end_seconds",
     "write_done_seconds", "read_start_seconds", "backward_start_seconds"}, ...],
     "forward_seconds", "backward_seconds", "predicted_stall_seconds",
-    "all_resident_bytes", "peak_resident_bytes", "peak_resident_fraction",
-    "bytes_keep", "bytes_cpu", "bytes_ssd", "planned_write_bps", "planned_read_bps",
-    "replan_fraction"}``. Raises ValueError naming a bad module or setting.
+    "recompute_seconds", "predicted_step_seconds", "all_resident_bytes",
+    "peak_resident_bytes", "peak_resident_fraction", "bytes_keep", "bytes_cpu",
+    "bytes_ssd", "bytes_recomputed", "modules_recomputed",
+    "activation_budget_bytes", "feasible", "min_budget_bytes",
+    "planned_write_bps", "planned_read_bps", "replan_fraction"}``.
+    Raises ValueError naming a bad module or setting.
     """
+    options = _options(write_bps, read_bps, target=target, max_write_mbps=max_write_mbps,
+                       host_budget_bytes=host_budget_bytes, host_write_bps=host_write_bps,
+                       host_read_bps=host_read_bps, keep_last_modules=keep_last_modules,
+                       backward_factor=backward_factor, prefetch_modules=prefetch_modules,
+                       stall_tolerance_seconds=stall_tolerance_seconds, replan_fraction=replan_fraction,
+                       writes_within_forward=writes_within_forward,
+                       activation_budget_bytes=activation_budget_bytes)
+    profiles = [_module(i, dict(m)) for i, m in enumerate(modules)]
+    return as_dict(_core.plan_budget(profiles, options))
+
+
+def simulate(modules: Iterable[Mapping[str, Any]], placements: Iterable[str], write_bps: float = 0.0,
+             read_bps: float = 0.0, **settings) -> dict:
+    """The timing model replayed for given placements, one per module:
+    "keep", "offload_cpu", "offload_ssd", "recompute", "recompute_offload_cpu"
+    or "recompute_offload_ssd" (a fixed strategy's row of a ROK curve, or a
+    plan forced in tests). ``settings`` are plan_offload's keywords; returns
+    the same dict."""
+    options = _options(write_bps, read_bps, **settings)
+    profiles = [_module(i, dict(m)) for i, m in enumerate(modules)]
+    return as_dict(_core.plan_simulate(profiles, options, [str(p) for p in placements]))
+
+
+def _options(write_bps, read_bps, *, target="auto", max_write_mbps=None, host_budget_bytes=0, host_write_bps=0.0,
+             host_read_bps=0.0, keep_last_modules=1, backward_factor=2.0, prefetch_modules=2,
+             stall_tolerance_seconds=0.0, replan_fraction=0.7, writes_within_forward=False,
+             activation_budget_bytes=0):
     if target not in ("auto", "ssd", "cpu"):
         raise ValueError(f"planner target {target!r} is not valid (valid: auto, ssd, cpu)")
     if target == "cpu" and int(host_budget_bytes) <= 0:
@@ -50,7 +91,7 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
     # Checked here to name the argument: the core sees max_write_bps, in bytes/s.
     if max_write_mbps is not None and max_write_mbps < 0:
         raise ValueError(f"planner setting 'max_write_mbps' must be >= 0, got {max_write_mbps}")
-    options = make(_core.PlannerOptions, {
+    return make(_core.PlannerOptions, {
         "write_bps": float(write_bps),
         "read_bps": float(read_bps),
         "max_write_bps": float(max_write_mbps) * 1e6 if max_write_mbps else 0.0,
@@ -63,9 +104,8 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
         "stall_tolerance_seconds": float(stall_tolerance_seconds),
         "replan_fraction": float(replan_fraction),
         "writes_within_forward": bool(writes_within_forward),
+        "activation_budget_bytes": int(activation_budget_bytes),
     }, "planner")
-    profiles = [_module(i, dict(m)) for i, m in enumerate(modules)]
-    return as_dict(_core.plan_offload(profiles, options))
 
 
 def _module(i: int, m: dict):
@@ -74,6 +114,9 @@ def _module(i: int, m: dict):
         if key not in m:
             raise ValueError(f"module {i} ('{name}') lacks '{key}'")
     fields = {"name": name, "forward_seconds": m["forward_seconds"], "bytes": m["bytes"]}
+    for key in ("recomputable", "recompute_bytes", "recompute_seconds"):
+        if key in m:
+            fields[key] = m[key]
     return make(_core.ModuleProfile, fields, f"module {i} ('{name}')")
 
 

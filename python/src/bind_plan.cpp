@@ -214,7 +214,10 @@ void bind_planner(nb::module_& m) {
       .init()
       .rw("name", &ModuleProfile::name)
       .rw("forward_seconds", &ModuleProfile::forward_seconds)
-      .rw("bytes", &ModuleProfile::bytes);
+      .rw("bytes", &ModuleProfile::bytes)
+      .rw("recomputable", &ModuleProfile::recomputable)
+      .rw("recompute_bytes", &ModuleProfile::recompute_bytes)
+      .rw("recompute_seconds", &ModuleProfile::recompute_seconds);
   Record<PlannerOptions>(m, "PlannerOptions", "Measured bandwidths (bytes/s) and planner settings.")
       .init()
       .rw("write_bps", &PlannerOptions::write_bps)
@@ -228,11 +231,18 @@ void bind_planner(nb::module_& m) {
       .rw("prefetch_modules", &PlannerOptions::prefetch_modules)
       .rw("stall_tolerance_seconds", &PlannerOptions::stall_tolerance_seconds)
       .rw("replan_fraction", &PlannerOptions::replan_fraction)
-      .rw("writes_within_forward", &PlannerOptions::writes_within_forward);
+      .rw("writes_within_forward", &PlannerOptions::writes_within_forward)
+      .rw("activation_budget_bytes", &PlannerOptions::activation_budget_bytes);
   Record<ModuleDecision>(m, "ModuleDecision", "Where one module's activations go, and when.")
       .ro("name", &ModuleDecision::name)
       .prop("placement", [](const ModuleDecision& d) { return to_string(d.placement); })
+      .prop("tier", [](const ModuleDecision& d) -> nb::object {
+        const std::string t = tier_name(d.placement);
+        return t.empty() ? nb::none() : nb::cast(t);
+      })
       .ro("bytes", &ModuleDecision::bytes)
+      .ro("saved_bytes", &ModuleDecision::saved_bytes)
+      .ro("recompute_seconds", &ModuleDecision::recompute_seconds)
       .ro("forward_end_seconds", &ModuleDecision::forward_end_seconds)
       .ro("write_done_seconds", &ModuleDecision::write_done_seconds)
       .ro("read_start_seconds", &ModuleDecision::read_start_seconds)
@@ -248,6 +258,13 @@ void bind_planner(nb::module_& m) {
       .ro("bytes_keep", &Plan::bytes_keep)
       .ro("bytes_cpu", &Plan::bytes_cpu)
       .ro("bytes_ssd", &Plan::bytes_ssd)
+      .ro("bytes_recomputed", &Plan::bytes_recomputed)
+      .ro("modules_recomputed", &Plan::modules_recomputed)
+      .ro("recompute_seconds", &Plan::recompute_seconds)
+      .prop("predicted_step_seconds", &Plan::predicted_step_seconds)
+      .ro("activation_budget_bytes", &Plan::activation_budget_bytes)
+      .ro("feasible", &Plan::feasible)
+      .ro("min_budget_bytes", &Plan::min_budget_bytes)
       .ro("planned_write_bps", &Plan::planned_write_bps)
       .ro("planned_read_bps", &Plan::planned_read_bps)
       .ro("replan_fraction", &Plan::replan_fraction);
@@ -274,6 +291,15 @@ void ebbtide::py::bind_plan(nb::module_& m) {
         nb::arg("config"), nb::arg("gpu"), nb::arg("ssd"), nb::arg("ssds") = 1, nb::arg("mfu") = 0.5,
         nb::arg("write_amplification") = 1.0);
   m.def("plan_offload", &plan_offload, nb::arg("modules"), nb::arg("options"));
+  m.def("plan_budget", &plan_budget, nb::arg("modules"), nb::arg("options"));
+  m.def("plan_simulate",
+        [](const std::vector<ModuleProfile>& modules, const PlannerOptions& options,
+           const std::vector<std::string>& placements) {
+          std::vector<Placement> p;
+          for (const auto& name : placements) p.push_back(parse_placement(name));
+          return simulate_plan(modules, options, p);
+        },
+        nb::arg("modules"), nb::arg("options"), nb::arg("placements"));
   m.def("plan_needs_replan",
         [](uint64_t bytes_ssd, double planned_write_bps, double replan_fraction, double measured) {
           Plan p;

@@ -158,3 +158,20 @@ def test_accelerate_loop_bitwise():
         assert cache.stats()["total"]["bytes_offloaded"] > 0
     assert_same_params(got, ref)
     assert_changed(got, tiny_llama())
+
+
+def test_trainer_callback_with_an_activation_budget(tmp_path, monkeypatch):
+    """The budget keyword reaches the cache; blocks the plan recomputes (forced
+    here: Note [Budget plan]) keep the run bitwise."""
+    from test_cache_budget import PLACEMENT_SETS, force
+
+    ref = _train(tmp_path / "ref", [])
+    force(monkeypatch, PLACEMENT_SETS["recompute_offload"])
+    (tmp_path / "ssd").mkdir()
+    cb = OffloadCallback(target="ssd", path=str(tmp_path / "ssd"), min_bytes=0, keep_last_modules=0,
+                         activation_budget_bytes=1 << 30)
+    got = _train(tmp_path / "got", [cb])
+    assert_same_params(got, ref)
+    stats = cb.cache.stats()
+    assert stats["activation_budget_bytes"] == 1 << 30
+    assert stats["recomputed_blocks"]

@@ -83,3 +83,17 @@ def test_lightning_exception_releases_the_step():
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # on_exception ended the step
     assert cb.cache.stats()["steps"] == 2  # the first batch's and the failed one's
     cb.cache.close()
+
+
+def test_lightning_callback_with_an_activation_budget(tmp_path, monkeypatch):
+    from test_cache_budget import PLACEMENT_SETS, force
+
+    ref = _fit([])
+    force(monkeypatch, PLACEMENT_SETS["mix"])
+    cb = OffloadCallback(target="ssd", path=str(tmp_path), min_bytes=0, keep_last_modules=0,
+                         activation_budget_bytes=1 << 30)
+    got = _fit([cb])
+    assert_same_params(got, ref)
+    stats = cb.cache.stats()
+    assert stats["activation_budget_bytes"] == 1 << 30
+    assert stats["recomputed_blocks"]

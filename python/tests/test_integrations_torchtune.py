@@ -73,3 +73,22 @@ def test_torchtune_install_replaces_the_recipe_function():
     finally:
         training.get_act_offloading_ctx_manager = previous
     assert training.get_act_offloading_ctx_manager is previous
+
+
+def test_torchtune_drop_in_with_an_activation_budget(tmp_path, monkeypatch):
+    from test_cache_budget import PLACEMENT_SETS, force
+
+    ref, _ = _recipe_loop(training.get_act_offloading_ctx_manager, False)
+    force(monkeypatch, PLACEMENT_SETS["recompute"])
+
+    def budgeted(model, enable):
+        return ebb_tt.get_act_offloading_ctx_manager(model, enable, target="ssd", path=str(tmp_path), min_bytes=0,
+                                                     keep_last_modules=0, activation_budget_bytes=1 << 30)
+
+    got, ctx = _recipe_loop(budgeted, True)
+    try:
+        assert_same_params(got, ref)
+        assert ctx.cache.stats()["activation_budget_bytes"] == 1 << 30
+        assert ctx.cache.stats()["recomputed_blocks"]
+    finally:
+        ctx.close()

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
+#include <utility>
 
 #include "ebbtide/util/error.hpp"
 
@@ -12,9 +14,38 @@ std::string to_string(Placement placement) {
     case Placement::kKeep: return "keep";
     case Placement::kOffloadCpu: return "offload_cpu";
     case Placement::kOffloadSsd: return "offload_ssd";
+    case Placement::kRecompute: return "recompute";
+    case Placement::kRecomputeOffloadCpu:
+    case Placement::kRecomputeOffloadSsd: return "recompute_offload";
   }
   return "?";
 }
+
+std::string tier_name(Placement placement) {
+  switch (placement) {
+    case Placement::kOffloadCpu:
+    case Placement::kRecomputeOffloadCpu: return "cpu";
+    case Placement::kOffloadSsd:
+    case Placement::kRecomputeOffloadSsd: return "ssd";
+    default: return "";
+  }
+}
+
+Placement parse_placement(const std::string& name) {
+  for (Placement p : {Placement::kKeep, Placement::kOffloadCpu, Placement::kOffloadSsd, Placement::kRecompute,
+                      Placement::kRecomputeOffloadCpu, Placement::kRecomputeOffloadSsd}) {
+    const std::string s = is_recompute(p) && is_offload(p) ? to_string(p) + "_" + tier_name(p) : to_string(p);
+    if (s == name) return p;
+  }
+  throw InvalidArgument("placement '" + name + "' is not valid (valid: keep, offload_cpu, offload_ssd, recompute, "
+                        "recompute_offload_cpu, recompute_offload_ssd)");
+}
+
+bool is_recompute(Placement p) {
+  return p == Placement::kRecompute || p == Placement::kRecomputeOffloadCpu || p == Placement::kRecomputeOffloadSsd;
+}
+
+bool is_offload(Placement p) { return p != Placement::kKeep && p != Placement::kRecompute; }
 
 bool Plan::needs_replan(double measured_write_bps) const {
   EBB_CHECK(std::isfinite(measured_write_bps) && measured_write_bps >= 0,
@@ -35,6 +66,9 @@ void validate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
     EBB_CHECK(std::isfinite(modules[i].forward_seconds) && modules[i].forward_seconds >= 0,
               "module ", i, " ('", modules[i].name, "'): forward_seconds must be >= 0, got ",
               modules[i].forward_seconds);
+    EBB_CHECK(std::isfinite(modules[i].recompute_seconds),
+              "module ", i, " ('", modules[i].name, "'): recompute_seconds must be a number, got ",
+              modules[i].recompute_seconds);
   }
   check_rate(o.write_bps, "write_bps");
   check_rate(o.read_bps, "read_bps");
@@ -82,8 +116,10 @@ namespace {
 
 // The timing model above; the O(n^2) peak-memory scan only when asked (the
 // greedy walk needs the stall alone). Inputs already validated.
+// `area`, when given, receives the sum of the resident bytes at every point
+// the peak scan looks at (Note [Budget plan]'s tie-break).
 Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o,
-              const std::vector<Placement>& placements, bool with_peak) {
+              const std::vector<Placement>& placements, bool with_peak, double* area = nullptr) {
   const size_t n = modules.size();
   Plan plan;
   plan.replan_fraction = o.replan_fraction;
@@ -95,30 +131,42 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
   double w_tier[2] = {0, 0};  // 0: cpu, 1: ssd
   const double write_rate[2] = {o.host_write_bps, ssd_write_rate(o)};
   const double read_rate[2] = {o.host_read_bps, o.read_bps};
-  auto tier_of = [](Placement p) { return p == Placement::kOffloadCpu ? 0 : 1; };
+  auto tier_of = [](Placement p) {
+    return p == Placement::kOffloadCpu || p == Placement::kRecomputeOffloadCpu ? 0 : 1;
+  };
 
   for (size_t i = 0; i < n; ++i) {
     ModuleDecision& d = plan.modules[i];
-    d.name = modules[i].name;
-    d.bytes = modules[i].bytes;
+    const ModuleProfile& m = modules[i];
+    d.name = m.name;
+    d.bytes = m.bytes;
     d.placement = placements[i];
-    t += modules[i].forward_seconds;
+    d.saved_bytes = d.bytes;
+    if (is_recompute(d.placement)) {
+      d.saved_bytes = m.recompute_bytes;
+      d.recompute_seconds = m.recompute_seconds < 0 ? m.forward_seconds : m.recompute_seconds;
+      plan.recompute_seconds += d.recompute_seconds;
+      plan.bytes_recomputed += d.bytes > d.saved_bytes ? d.bytes - d.saved_bytes : 0;
+      plan.modules_recomputed += 1;
+    }
+    t += m.forward_seconds;
     d.forward_end_seconds = t;
     plan.all_resident_bytes += d.bytes;
-    if (d.placement == Placement::kKeep) {
-      plan.bytes_keep += d.bytes;
+    if (!is_offload(d.placement)) {
+      plan.bytes_keep += d.saved_bytes;
       continue;
     }
     const int tier = tier_of(d.placement);
     const double rate = write_rate[tier];
-    const double duration = d.bytes == 0 ? 0.0 : (rate > 0 ? static_cast<double>(d.bytes) / rate : INFINITY);
+    const double duration =
+        d.saved_bytes == 0 ? 0.0 : (rate > 0 ? static_cast<double>(d.saved_bytes) / rate : INFINITY);
     // Device copies are enqueued as the module's tensors are produced, so
     // they may start with the module rather than after it (never ending
     // before it does).
     const double start = o.writes_within_forward ? t - modules[i].forward_seconds : t;
     d.write_done_seconds = std::max(t, std::max(start, w_tier[tier]) + duration);
     w_tier[tier] = d.write_done_seconds;
-    (tier == 0 ? plan.bytes_cpu : plan.bytes_ssd) += d.bytes;
+    (tier == 0 ? plan.bytes_cpu : plan.bytes_ssd) += d.saved_bytes;
   }
   plan.forward_seconds = t;
 
@@ -130,12 +178,13 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
   for (size_t idx = n; idx-- > 0;) {
     ModuleDecision& d = plan.modules[idx];
     double start = clock;
-    if (d.placement != Placement::kKeep) {
+    if (is_offload(d.placement)) {
       const int tier = tier_of(d.placement);
       const double window_open = idx + k < n ? plan.modules[idx + k].backward_start_seconds : t;
       d.read_start_seconds = std::max({d.write_done_seconds, r_tier[tier], window_open});
       const double rate = read_rate[tier];
-      const double duration = d.bytes == 0 ? 0.0 : (rate > 0 ? static_cast<double>(d.bytes) / rate : INFINITY);
+      const double duration =
+          d.saved_bytes == 0 ? 0.0 : (rate > 0 ? static_cast<double>(d.saved_bytes) / rate : INFINITY);
       const double ready = d.read_start_seconds + duration;
       r_tier[tier] = ready;
       if (ready > start) {
@@ -144,34 +193,39 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
       }
     }
     d.backward_start_seconds = start;
-    clock = start + beta * modules[idx].forward_seconds;
+    clock = start + d.recompute_seconds + beta * modules[idx].forward_seconds;
     plan.backward_seconds += beta * modules[idx].forward_seconds;
   }
   plan.predicted_stall_seconds = stall;
   if (!with_peak) return plan;
 
   // Peak resident bytes: forward peaks come when a module finishes (writes
-  // only lower it); backward peaks when a module's backward starts.
+  // only lower it); backward peaks when a module's backward starts, which for
+  // a recomputed module holds its recomputed activations (`bytes`) as well.
   uint64_t peak = 0;
+  double sum = 0;
   for (size_t i = 0; i < n; ++i) {
     const double now = plan.modules[i].forward_end_seconds;
     uint64_t resident = 0;
     for (size_t j = 0; j <= i; ++j) {
       const auto& m = plan.modules[j];
-      if (m.placement == Placement::kKeep || m.write_done_seconds > now) resident += m.bytes;
+      if (!is_offload(m.placement) || m.write_done_seconds > now) resident += m.saved_bytes;
     }
     peak = std::max(peak, resident);
+    sum += static_cast<double>(resident);
   }
   for (size_t i = 0; i < n; ++i) {
     const double now = plan.modules[i].backward_start_seconds;
-    uint64_t resident = 0;
+    uint64_t resident = is_recompute(plan.modules[i].placement) ? plan.modules[i].bytes : 0;
     for (size_t j = 0; j <= i; ++j) {
       const auto& m = plan.modules[j];
-      if (m.placement == Placement::kKeep || m.write_done_seconds > now || m.read_start_seconds <= now)
-        resident += m.bytes;
+      if (!is_offload(m.placement) || m.write_done_seconds > now || m.read_start_seconds <= now)
+        resident += m.saved_bytes;
     }
     peak = std::max(peak, resident);
+    sum += static_cast<double>(resident);
   }
+  if (area != nullptr) *area = sum;
   plan.peak_resident_bytes = peak;
   return plan;
 }
@@ -246,6 +300,189 @@ Plan plan_offload(const std::vector<ModuleProfile>& modules, const PlannerOption
   Plan ssd_first = plan_greedy(modules, o, {Placement::kOffloadSsd, Placement::kOffloadCpu});
   const auto moved = [](const Plan& p) { return p.bytes_cpu + p.bytes_ssd; };
   return moved(ssd_first) > moved(cpu_first) ? ssd_first : cpu_first;
+}
+
+
+// Note [Budget plan]
+// With activation_budget_bytes B each module takes one of keep, offload_cpu,
+// offload_ssd, recompute, recompute_offload (cpu or ssd), and the plan
+// minimises the predicted step time T = forward + backward + recompute +
+// stall subject to the predicted peak P <= B, both from the timing model of
+// Note [Offload rule]: a recomputed module saves only its recompute_bytes in
+// forward (offloaded like any module's bytes under recompute_offload) and
+// re-runs its forward at the start of its backward, holding all its bytes
+// then. Recompute costs compute the step always pays; offload costs only the
+// stall the links cannot hide; so:
+// 1. Start from plan_offload: what the links hide is free.
+// 2. While P > B, descend: try every change of one module's placement and
+//    take the one that lowers the peak most per second of T it adds (a change
+//    that lowers it for nothing first). A change that leaves the peak equal
+//    but lowers the sum of resident bytes over the scan's points counts a
+//    little, so two equal peaks (say forward end and a backward start) can be
+//    lowered one after the other. If no change lowers anything, B is below
+//    what this planner can reach: feasible = false, min_budget_bytes = the
+//    lowest peak found, and step 3 runs with that peak as the bound.
+// 3. Polish: try every single change again and take the one that lowers T
+//    most with P <= B; at equal T (within float slack), the one that moves
+//    fewer bytes over the links. This undoes the descent's overshoot and
+//    keeps what need not move (less SSD wear).
+// Offload changes follow plan_offload's limits: none for the last
+// keep_last_modules, the host tier within host_budget_bytes, and on a GPU
+// (writes_within_forward) every write done by the end of forward.
+// Each round simulates at most 5 changes per module, O(n^2) each (the peak
+// scan); rounds are bounded by 8n per phase. 80 modules plan in well under a
+// second (test_plan_planner.cpp, bench/planner_bench.py).
+namespace {
+
+struct Candidate {
+  std::vector<Placement> placements;
+  Plan plan;
+  double area = 0;
+};
+
+class BudgetSearch {
+ public:
+  BudgetSearch(const std::vector<ModuleProfile>& modules, const PlannerOptions& o) : modules_(modules), o_(o) {
+    const size_t n = modules.size();
+    candidates_ = n - std::min(n, static_cast<size_t>(o.keep_last_modules));
+    ssd_ = ssd_write_rate(o) > 0 && o.read_bps > 0;
+    cpu_ = o.host_budget_bytes > 0 && o.host_write_bps > 0 && o.host_read_bps > 0;
+    double f = 0;
+    for (const auto& m : modules) f += m.forward_seconds;
+    slack_ = 1e-9 * f * (1 + o.backward_factor) + o.stall_tolerance_seconds;
+  }
+
+  Candidate evaluate(std::vector<Placement> placements) const {
+    Candidate c;
+    c.plan = simulate(modules_, o_, placements, true, &c.area);
+    c.placements = std::move(placements);
+    return c;
+  }
+
+  // Placements module i may take.
+  std::vector<Placement> options(size_t i) const {
+    std::vector<Placement> out{Placement::kKeep};
+    const ModuleProfile& m = modules_[i];
+    const bool offloadable = i < candidates_;
+    if (offloadable && m.bytes > 0) {
+      if (cpu_) out.push_back(Placement::kOffloadCpu);
+      if (ssd_) out.push_back(Placement::kOffloadSsd);
+    }
+    if (m.recomputable) {
+      out.push_back(Placement::kRecompute);
+      if (offloadable && m.recompute_bytes > 0) {
+        if (cpu_) out.push_back(Placement::kRecomputeOffloadCpu);
+        if (ssd_) out.push_back(Placement::kRecomputeOffloadSsd);
+      }
+    }
+    return out;
+  }
+
+  bool allowed(const Plan& p) const {
+    if (p.bytes_cpu > o_.host_budget_bytes) return false;
+    if (!std::isfinite(p.predicted_stall_seconds)) return false;
+    if (o_.writes_within_forward) {
+      for (const auto& d : p.modules)
+        if (is_offload(d.placement) && d.write_done_seconds > p.forward_seconds + slack_) return false;
+    }
+    return true;
+  }
+
+  // Calls visit(candidate) for every allowed plan one module's change away from `cur`.
+  template <class Visit>
+  void for_each_change(const Candidate& cur, Visit&& visit) const {
+    for (size_t i = 0; i < modules_.size(); ++i) {
+      for (Placement p : options(i)) {
+        if (p == cur.placements[i]) continue;
+        std::vector<Placement> trial = cur.placements;
+        trial[i] = p;
+        Candidate c = evaluate(std::move(trial));
+        if (allowed(c.plan)) visit(std::move(c));
+      }
+    }
+  }
+
+  // One descent round: the best change that lowers the peak (or, at an
+  // equal peak, the resident area); false when none does.
+  bool descend(Candidate& cur) const {
+    const double t0 = cur.plan.predicted_step_seconds();
+    std::optional<Candidate> best;
+    double best_score = 0;
+    bool best_free = false;
+    for_each_change(cur, [&](Candidate c) {
+      double gain = 0;
+      if (c.plan.peak_resident_bytes < cur.plan.peak_resident_bytes)
+        gain = static_cast<double>(cur.plan.peak_resident_bytes - c.plan.peak_resident_bytes);
+      else if (c.plan.peak_resident_bytes == cur.plan.peak_resident_bytes && c.area < cur.area)
+        gain = 1e-3 * (cur.area - c.area);
+      if (gain <= 0) return;
+      const double dt = c.plan.predicted_step_seconds() - t0;
+      const bool free = dt <= slack_;
+      const double score = free ? gain : gain / dt;
+      if (!best || (free && !best_free) || (free == best_free && score > best_score)) {
+        best_score = score;
+        best_free = free;
+        best = std::move(c);
+      }
+    });
+    if (!best) return false;
+    cur = std::move(*best);
+    return true;
+  }
+
+  // One polish round: the change that lowers T most with P <= budget (at
+  // equal T, fewer bytes moved); false when none does.
+  bool polish(Candidate& cur, uint64_t budget) const {
+    const auto moved = [](const Plan& p) { return p.bytes_cpu + p.bytes_ssd; };
+    // a before b: faster, or as fast (within float slack) and moving fewer bytes.
+    const auto before = [&](const Plan& a, const Plan& b) {
+      const double ta = a.predicted_step_seconds(), tb = b.predicted_step_seconds();
+      return ta < tb - slack_ || (ta <= tb + slack_ && moved(a) < moved(b));
+    };
+    std::optional<Candidate> best;
+    for_each_change(cur, [&](Candidate c) {
+      if (c.plan.peak_resident_bytes > budget || !before(c.plan, cur.plan)) return;
+      if (!best || before(c.plan, best->plan)) best = std::move(c);
+    });
+    if (!best) return false;
+    cur = std::move(*best);
+    return true;
+  }
+
+ private:
+  const std::vector<ModuleProfile>& modules_;
+  const PlannerOptions& o_;
+  size_t candidates_ = 0;
+  bool ssd_ = false;
+  bool cpu_ = false;
+  double slack_ = 0;
+};
+
+}  // namespace
+
+Plan plan_budget(const std::vector<ModuleProfile>& modules, const PlannerOptions& o) {
+  validate(modules, o);
+  const uint64_t budget = o.activation_budget_bytes;
+  if (budget == 0) return plan_offload(modules, o);
+  BudgetSearch search(modules, o);
+  std::vector<Placement> start;
+  for (const auto& d : plan_offload(modules, o).modules) start.push_back(d.placement);
+  Candidate cur = search.evaluate(std::move(start));
+  const size_t rounds = 8 * modules.size() + 8;
+  for (size_t r = 0; r < rounds && cur.plan.peak_resident_bytes > budget; ++r) {
+    if (!search.descend(cur)) break;
+  }
+  const bool feasible = cur.plan.peak_resident_bytes <= budget;
+  // Infeasible: the fastest plan at the lowest peak found.
+  const uint64_t bound = feasible ? budget : cur.plan.peak_resident_bytes;
+  for (size_t r = 0; r < rounds; ++r) {
+    if (!search.polish(cur, bound)) break;
+  }
+  Plan plan = std::move(cur.plan);
+  plan.activation_budget_bytes = budget;
+  plan.feasible = feasible;
+  plan.min_budget_bytes = feasible ? 0 : bound;
+  return plan;
 }
 
 }  // namespace ebbtide::plan

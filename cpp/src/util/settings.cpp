@@ -60,6 +60,10 @@ std::vector<Setting> make_table() {
        "per block."),
       make("EBBTIDE_HOST_BUDGET", K::kBytes, cache, "a quarter of `MemAvailable` on CUDA, `0` on CPU",
        "host-memory tier of `target=\"auto\"` (bytes, e.g. `32GiB`)."),
+      make("EBBTIDE_ACTIVATION_BUDGET", K::kBytes, cache, "`0` (none)",
+       "bound on the step's peak of saved-activation bytes held in the training device's memory (bytes, e.g. "
+       "`20GiB`); the planner keeps, offloads or recomputes each block to fit it at the least step time "
+       "(Note [Budget plan]). Turns the cache adaptive."),
       make("EBBTIDE_MAX_WRITE_MBPS", K::kFloat, cache, "`0` (no cap)",
        "cap on SSD writes in MB/s (10^6 bytes/s); the planner plans with min(measured, cap).", 0, kNoMax),
 

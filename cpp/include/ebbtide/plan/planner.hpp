@@ -1,7 +1,10 @@
 // Adaptive placement: from one profiled step (compute time and saved bytes per
 // module, measured bandwidths) decide which modules' activations stay on the
-// GPU, go to host memory or go to the SSD, so that offloading adds no stall.
-// The rule and its math: Note [Offload rule] in planner.cpp, docs/model.md.
+// GPU, go to host memory or go to the SSD, so that offloading adds no stall;
+// with an activation budget, also which modules are recomputed in backward,
+// so that the predicted peak fits the budget at the least step time.
+// The rules and their math: Notes [Offload rule] and [Budget plan] in
+// planner.cpp, docs/model.md.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +18,13 @@ struct ModuleProfile {
   std::string name;
   double forward_seconds = 0;
   uint64_t bytes = 0;
+  // Recompute (budget plans only): the module's forward can be re-run in
+  // backward; it then saves only `recompute_bytes` (its inputs, and whatever
+  // its scope saves after the recomputed part) and backward re-runs
+  // `recompute_seconds` of forward (< 0: forward_seconds).
+  bool recomputable = false;
+  uint64_t recompute_bytes = 0;
+  double recompute_seconds = -1;
 };
 
 // Bandwidths in bytes/s. A tier with zero write or read bandwidth is unused;
@@ -35,15 +45,29 @@ struct PlannerOptions {
   // write ends before the forward does, since memory comes back only then and
   // a later write would stall the compute stream at the start of backward.
   bool writes_within_forward = false;
+  // Bound on the predicted peak of resident saved bytes (0: none; then
+  // plan_budget is plan_offload). Note [Budget plan].
+  uint64_t activation_budget_bytes = 0;
 };
 
-enum class Placement { kKeep, kOffloadCpu, kOffloadSsd };
+// recompute_offload_*: recomputed, and the bytes it still saves are offloaded.
+enum class Placement { kKeep, kOffloadCpu, kOffloadSsd, kRecompute, kRecomputeOffloadCpu, kRecomputeOffloadSsd };
+// "keep", "offload_cpu", "offload_ssd", "recompute", "recompute_offload" (both tiers).
 std::string to_string(Placement placement);
+// The tier a placement writes to: "cpu", "ssd", or "" (none).
+std::string tier_name(Placement placement);
+// Inverse of to_string, with recompute_offload spelled per tier
+// ("recompute_offload_cpu", "recompute_offload_ssd"); InvalidArgument names the valid ones.
+Placement parse_placement(const std::string& name);
+bool is_recompute(Placement placement);
+bool is_offload(Placement placement);
 
 struct ModuleDecision {
   std::string name;
   Placement placement = Placement::kKeep;
-  uint64_t bytes = 0;
+  uint64_t bytes = 0;                // all the module saves when kept
+  uint64_t saved_bytes = 0;          // what it saves under its placement (bytes, or recompute_bytes)
+  double recompute_seconds = 0;      // forward re-run in its backward (recompute placements)
   double forward_end_seconds = 0;    // from the start of the step, no stalls
   double write_done_seconds = 0;     // offloaded only
   double read_start_seconds = 0;     // offloaded only
@@ -60,10 +84,23 @@ struct Plan {
   uint64_t bytes_keep = 0;
   uint64_t bytes_cpu = 0;
   uint64_t bytes_ssd = 0;
+  uint64_t bytes_recomputed = 0;      // saved bytes recompute avoids (bytes - saved_bytes)
+  int64_t modules_recomputed = 0;
+  double recompute_seconds = 0;       // forward re-run in backward, in all
+  // A budget plan (Note [Budget plan]): the budget, whether the plan meets it,
+  // and, when it does not, the smallest peak the planner reached (the
+  // smallest budget it can meet).
+  uint64_t activation_budget_bytes = 0;
+  bool feasible = true;
+  uint64_t min_budget_bytes = 0;
   double planned_write_bps = 0;       // SSD write bandwidth the plan assumed (after the cap)
   double planned_read_bps = 0;
   double replan_fraction = 0.7;
 
+  // forward + backward + recompute + stall.
+  double predicted_step_seconds() const {
+    return forward_seconds + backward_seconds + recompute_seconds + predicted_stall_seconds;
+  }
   double peak_resident_fraction() const {
     return all_resident_bytes ? static_cast<double>(peak_resident_bytes) / static_cast<double>(all_resident_bytes) : 1.0;
   }
@@ -75,6 +112,13 @@ struct Plan {
 // Throws InvalidArgument for negative times or bandwidths, a bad fraction or
 // factor, or keep_last_modules < 0 (each message names the setting or module).
 Plan plan_offload(const std::vector<ModuleProfile>& modules, const PlannerOptions& options);
+
+// With options.activation_budget_bytes > 0: keep, offload or recompute per
+// module so that the predicted peak fits the budget at the least predicted
+// step time (Note [Budget plan]); a budget no mix meets gives the plan with
+// the smallest peak found, feasible = false and min_budget_bytes set. Without
+// a budget, plan_offload.
+Plan plan_budget(const std::vector<ModuleProfile>& modules, const PlannerOptions& options);
 
 // Replays `placements` (one per module) with the same timing model; the plan's
 // decisions are those given. Used by plan_offload and by tests.

@@ -1,0 +1,41 @@
+"""Two gloo ranks train a 4-block net under FSDP2 with and without an
+ebbtide budget plan forcing keep/offload/recompute/recompute_offload per
+block; each rank writes "<bitwise 0|1> <blocks recomputed>" to <out>.<rank>.
+Run by test_cache_budget.py::test_fsdp2_on_gloo_bitwise."""
+import os, sys, tempfile
+import torch, torch.distributed as dist
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_cache_budget import make_net, run, force, PLACEMENT_SETS
+import ebbtide
+
+def main(rank, world, init, out):
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    from torch.distributed.fsdp import fully_shard
+    def sharded():
+        m = make_net(layers=4)
+        for b in m.blocks:
+            fully_shard(b)
+        fully_shard(m)
+        return m
+    torch.manual_seed(rank)
+    x = torch.randn(32, 128)
+    ref = run(sharded(), x)
+    class MP:  # a monkeypatch for force()
+        def setattr(self, obj, name, value): setattr(obj, name, value)
+    force(MP(), PLACEMENT_SETS["mix"])
+    model = sharded()
+    with ebbtide.TensorCache("ssd", tempfile.mkdtemp(), min_bytes=0, keep_last_modules=0,
+                             activation_budget_bytes=1 << 40).attach(model) as cache:
+        got = run(model, x, cache)
+        rec = cache.stats()["recomputed_blocks"]
+    same = all(torch.equal(a.full_tensor() if hasattr(a, "full_tensor") else a,
+                           b.full_tensor() if hasattr(b, "full_tensor") else b)
+               for ga, gb in zip(got, ref) for a, b in zip(ga, gb))
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(f"{int(same)} {len(rec)}")
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+    init, out = sys.argv[1], sys.argv[2]
+    mp.spawn(main, args=(2, init, out), nprocs=2)
