@@ -1,10 +1,15 @@
-"""A build without one of its fast paths stops and names the fix, unless asked
-for the fallback (Note [No silent fallback] in
-cmake/ebbtide_dependencies.cmake). CMake configures only: each takes seconds."""
+"""A build without one of its fast paths or without torch stops and names the
+fix, unless asked for the fallback (Note [No silent fallback] in
+cmake/ebbtide_dependencies.cmake, Note [Finding torch under build isolation]
+in python/CMakeLists.txt). CMake configures only: each takes seconds."""
 import os
 import subprocess
+import sys
+import sysconfig
 from pathlib import Path
 
+import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 # Where Debian/Ubuntu and RHEL-family systems keep the headers and libraries;
@@ -51,3 +56,46 @@ def test_with_the_libraries_the_configure_finds_both(tmp_path):
     rc, out = configure(tmp_path)
     assert rc == 0, out
     assert "ebbtide: liburing found" in out and "ebbtide: zstd found" in out
+
+
+def test_torch_hidden_as_pip_isolation_hides_it_is_found_in_the_interpreters_environment(tmp_path):
+    # pip's default isolation: the same interpreter, its site-packages hidden
+    # through PYTHONPATH (here a torch that fails to import stands in front).
+    hide = tmp_path / "hide" / "torch"
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text("raise ImportError('hidden, as by build isolation')\n")
+    env = dict(os.environ, PYTHONPATH=str(hide.parent), PYTHONNOUSERSITE="1")
+    rc, out = configure(tmp_path / "b", f"-DPython_EXECUTABLE={sys.executable}", python=True, env=env)
+    assert rc == 0, out
+    assert "outside the build's isolation" in out, out
+    assert f"building ebbtide._torch against torch {torch.__version__}" in out, out
+
+
+@pytest.fixture
+def python_without_torch(tmp_path):
+    """A virtual environment with nanobind (linked from this one) and no torch."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    import nanobind
+    os.symlink(os.path.dirname(nanobind.__file__), os.path.join(site, "nanobind"))
+    assert sysconfig.get_paths()["purelib"] != site
+    return py
+
+
+def test_without_torch_the_build_stops_naming_no_build_isolation(tmp_path, python_without_torch):
+    rc, out = configure(tmp_path / "b", f"-DPython_EXECUTABLE={python_without_torch}", python=True)
+    assert rc != 0, out
+    flat = " ".join(out.split())
+    for text in ("cannot import torch", "No module named 'torch'", "pip install --no-build-isolation .",
+                 "-Ccmake.define.EBBTIDE_WITH_TORCH=OFF"):
+        assert text in flat, out
+
+
+def test_without_torch_the_build_without_the_tensor_cache_configures_when_asked_for(tmp_path, python_without_torch):
+    rc, out = configure(tmp_path / "b", f"-DPython_EXECUTABLE={python_without_torch}", "-DEBBTIDE_WITH_TORCH=OFF",
+                        python=True)
+    assert rc == 0, out
+    assert "ebbtide._torch not built (EBBTIDE_WITH_TORCH=OFF)" in out, out
