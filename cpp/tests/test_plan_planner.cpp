@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "ebbtide/plan/budget.hpp"
 #include "ebbtide/plan/planner.hpp"
 #include "ebbtide/util/error.hpp"
 
@@ -436,4 +437,44 @@ TEST(PlanBudget, EightyModulesPlan) {
   const Plan p = plan_budget(mods, o);
   EXPECT_TRUE(p.feasible);
   EXPECT_LE(p.peak_resident_bytes, o.activation_budget_bytes);
+}
+
+// Note [Budget from the model]: Llama 3 8B, 8k tokens, on an H100 and one SSD.
+TEST(PlanBudget, FromTheModel) {
+  ModelConfig c;
+  c.family = Family::kLlama;
+  c.layers = 32;
+  c.hidden = 4096;
+  c.heads = 32;
+  c.kv_heads = 8;
+  c.ffn_hidden = 14336;
+  c.vocab = 128256;
+  c.seq = 8192;
+  c.batch = 1;
+  c.gated_mlp = true;
+  const PlanReport r = make_plan(c, find_gpu("h100-sxm"), find_ssd("d7-p5620"), PlanOptions{});
+  const auto mods = model_modules(r);
+  ASSERT_EQ(mods.size(), 33u);
+  EXPECT_EQ(mods.back().name, "head");
+  EXPECT_FALSE(mods.back().recomputable);
+  EXPECT_EQ(mods[0].recompute_bytes, 8192u * 4096u * 2u);
+  double fwd = 0;
+  uint64_t bytes = 0;
+  for (const auto& m : mods) {
+    fwd += m.forward_seconds;
+    bytes += m.bytes;
+  }
+  EXPECT_NEAR(fwd, r.forward_seconds, 1e-9 * r.forward_seconds);
+  EXPECT_NEAR(static_cast<double>(bytes),
+              r.activations.per_step + r.activations.logits + r.activations.outside, 64.0);
+  const uint64_t all = bytes;
+  const Plan half = plan_budget(mods, model_planner_options(r, all / 2));
+  EXPECT_TRUE(half.feasible);
+  EXPECT_LE(half.peak_resident_bytes, all / 2);
+  const Plan low = plan_budget(mods, model_planner_options(r, 1));
+  EXPECT_FALSE(low.feasible);
+  EXPECT_GT(low.min_budget_bytes, mods.back().bytes);  // the head stays, and backward holds a layer
+  c.recompute = Recompute::kFull;
+  const PlanReport full = make_plan(c, find_gpu("h100-sxm"), find_ssd("d7-p5620"), PlanOptions{});
+  EXPECT_THROW(model_modules(full), ebbtide::InvalidArgument);
 }

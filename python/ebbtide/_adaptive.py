@@ -178,7 +178,7 @@ class Adaptive:
     def block_begins(self, scope: int, module, args) -> None:
         """Block pre-hook while profiling: its inputs (what a recompute saves)
         and whether the user already checkpoints it (Note [Budget profile])."""
-        if not self.profiling or not self.activation_budget_bytes:
+        if not self.profiling:
             return
         cache = self.cache
         seen, nbytes = set(), 0
@@ -327,7 +327,7 @@ class Adaptive:
                 # Offloadable bytes: what the profile offloaded; kept scopes (keep_last) count whole.
                 nbytes = 0 if p is None else (p["bytes"] if p["decision"] == "keep" else p["bytes_offloaded"])
                 m = dict(name=name, scope=scope, forward_seconds=times.get(scope, 0.0), bytes=nbytes)
-                if self.activation_budget_bytes and scope in self._block and self.recomputable.get(scope):
+                if scope in self._block and self.recomputable.get(scope):
                     # Note [Budget profile]: a recompute re-runs the block and
                     # leaves saved its inputs and what the scope saves after it.
                     inside = min(self._block[scope][1], nbytes)
@@ -372,33 +372,46 @@ class Adaptive:
             self._log_plan()
 
     # --------------------------------------------------------------- planning
-    def _make_plan(self, reason: str, log: bool = True) -> None:
+    def predict(self, activation_budget_bytes: int) -> dict:
+        """The plan the last profile gives for another budget (0: none), not applied."""
+        if not self.profile_modules:
+            raise RuntimeError("ebbtide.TensorCache.predict: no profiling step has run yet")
+        return self._planned(int(activation_budget_bytes))
+
+    def _planned(self, budget: int) -> dict:
+        """The planner's answer for the profile and measurements at hand, within `budget`."""
         ssd = self.measured.get("ssd", {})
         cpu = self.measured.get("cpu", {})
         has_cpu = "cpu" in self.measured
         cache = self.cache
         keep_last = cache.keep_last_modules if cache._model_ref is not None else 0
-        budget = self.host_budget_bytes
+        host_budget = self.host_budget_bytes
         if cache.target == "cpu":  # host memory is the only tier: bounded by capacity_bytes alone
-            budget = cache.capacity_bytes or (1 << 50)
+            host_budget = cache.capacity_bytes or (1 << 50)
         cuda = cache._on_cuda()
         plan = planner.plan_offload(
             [{k: v for k, v in m.items() if k != "scope"} for m in self.profile_modules],
             write_bps=ssd.get("write_bps", 0.0), read_bps=ssd.get("read_bps", 0.0),
             target="auto", max_write_mbps=self.max_write_bps / 1e6 if self.max_write_bps else None,
-            host_budget_bytes=budget if has_cpu else 0,
+            host_budget_bytes=host_budget if has_cpu else 0,
             host_write_bps=cpu.get("write_bps", 0.0), host_read_bps=cpu.get("read_bps", 0.0),
             keep_last_modules=keep_last, backward_factor=self.backward_factor,
             prefetch_modules=max(self.prefetch_modules, _CUDA_PREFETCH_MODULES) if cuda else self.prefetch_modules,
             replan_fraction=self.replan_fraction, writes_within_forward=cuda,
-            activation_budget_bytes=self.activation_budget_bytes)
+            activation_budget_bytes=budget)
+        for m, d in zip(self.profile_modules, plan["modules"]):
+            d["scope"] = m["scope"]
+            d["forward_seconds"] = m["forward_seconds"]
+        return plan
+
+    def _make_plan(self, reason: str, log: bool = True) -> None:
+        cache = self.cache
+        plan = self._planned(self.activation_budget_bytes)
         decisions = {}
         recompute = set()
         for m, d in zip(self.profile_modules, plan["modules"]):
             tier = _TIER_OF.get(d["tier"])
             decisions[m["scope"]] = (tier is not None, -1 if tier is None else tier)
-            d["scope"] = m["scope"]
-            d["forward_seconds"] = m["forward_seconds"]
             if d["placement"].startswith("recompute"):
                 recompute.add(m["scope"])
         self.recompute_scopes = recompute

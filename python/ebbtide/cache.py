@@ -532,6 +532,18 @@ class TensorCache:
             self._poll_locked()
             return self._make_stats()
 
+    def predict(self, activation_budget_bytes: int) -> dict:
+        """The plan the last profiling step gives for `activation_budget_bytes`
+        (0: no budget), without applying it: the planner's dict (placements,
+        predicted peak and step time; ``feasible`` and ``min_budget_bytes`` say
+        whether it fits and the smallest budget that does). Needs an adaptive
+        cache that has profiled a step."""
+        self._check_open()
+        if self._adapt is None:
+            raise RuntimeError("ebbtide.TensorCache.predict: the cache is not adaptive (adaptive=False)")
+        return self._adapt.predict(_check_int("ebbtide.TensorCache.predict: activation_budget_bytes",
+                                              activation_budget_bytes, 0, None))
+
     def plan(self) -> list:
         """Per scoped block of the last step: name, keep/offload, bytes saved."""
         return [dict(v) for _, v in sorted(self._plan.items())]

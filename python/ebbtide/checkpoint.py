@@ -906,7 +906,7 @@ def _copy_into(dst, src, path, strict):
                 dst[i] = src[i]
 
 
-def inspect(path, *, verify=True):
+def inspect(path, *, verify=True, progress=None):
     """Describes a checkpoint and checks it the way load() does, with the same
     code (Note [One validator] in _ckpt_checks.py).
 
@@ -916,6 +916,8 @@ def inspect(path, *, verify=True):
             and the checks load() makes on the data (sparse indices, lossy
             codes), in the shard and in its delta bases. Without it no tensor
             data is read.
+        progress: optional f(done_bytes, total_bytes), called after each
+            shard with the shard files' bytes checked so far.
 
     Returns:
         {"path", "index", "shards": [...]}; per shard its file, format
@@ -933,7 +935,10 @@ def inspect(path, *, verify=True):
     path = os.path.abspath(os.fspath(path))
     idx = validate.read_index(path)
     out = {"path": path, "index": idx, "shards": []}
+    sizes = [_file_bytes(os.path.join(path, name)) for name in idx["shards"]]
     for r, name in enumerate(idx["shards"]):
+        if progress is not None:
+            progress(sum(sizes[:r]), sum(sizes))
         try:
             chain = validate.open_chain(path, idx, r)
         except validate.READER_ERRORS as e:
@@ -949,7 +954,16 @@ def inspect(path, *, verify=True):
                 except validate.READER_ERRORS as e:
                     shard["error"], shard["check"] = str(e), check_of(e)
         out["shards"].append(shard)
+    if progress is not None:
+        progress(sum(sizes), sum(sizes))
     return out
+
+
+def _file_bytes(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:  # missing or unreadable: reported by the checks
+        return 0
 
 
 def _describe_shard(shard):

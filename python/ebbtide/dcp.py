@@ -1262,7 +1262,7 @@ class EbbtideReader(_DirectoryId, StorageReader):
 
 
 # -- inspection ------------------------------------------------------------------------------
-def inspect(path, verify=True, rank=None):
+def inspect(path, verify=True, rank=None, progress=None):
     """What `ebbtide ckpt inspect` shows of DCP checkpoint directory `path`
     (with `rank`: of that rank's part of a save without collectives, Note
     [DCP without collectives]), checked as EbbtideReader checks what it loads,
@@ -1276,7 +1276,9 @@ def inspect(path, verify=True, rank=None):
     ``errors`` (one line each: a data file a load would refuse, with its
     reason; with `verify` also a chunk failing its checksum or decoding, and
     a plain file's item that is not the torch.save'd chunk the metadata
-    lists). Without `verify` no tensor data is read.
+    lists). Without `verify` no tensor data is read. `progress`: optional
+    f(done_bytes, total_bytes), called after each data file with the bytes
+    the metadata gives the files checked so far.
 
     Raises:
         FileNotFoundError, ValueError: no or unusable ``.metadata`` (load_metadata).
@@ -1301,9 +1303,14 @@ def inspect(path, verify=True, rank=None):
         return stripes[0]
 
     files, errors = [], []
+    total = sum(si.length for entries in per_file.values() for _, si in entries)
+    done = 0
     for name in sorted(per_file):
+        if progress is not None:
+            progress(done, total)
         infos = [si for _, si in per_file[name]]
         entry = dict(file=name, items=len(infos), bytes=sum(si.length for si in infos))
+        done += entry["bytes"]
         files.append(entry)
         try:
             f = _DataFile(path, md, chunks, name, per_file[name], stripe_dirs)
@@ -1322,6 +1329,8 @@ def inspect(path, verify=True, rank=None):
         entry["codecs"] = ["none"]
         if verify:
             errors.extend(_verify_plain(f, md, chunks))
+    if progress is not None:
+        progress(total, total)
     return dict(path=path, items=items, files=files, errors=errors)
 
 

@@ -592,11 +592,15 @@ def _error_text(e):
 
 
 def run_methods(methods, model, make_batch, device, steps, warmup, batch, workdir, log=print,
-                optimizer="adamw", default_variant="eager"):
+                optimizer="adamw", default_variant="eager", progress=None):
     """Runs the methods' steps interleaved on one model (Note [One model for
     every method]): round i runs step i of every method, the order rotating
     each round, so drifting machine load and warm-up costs hit every method
     alike; then one optimizer step (optimizer "adamw" or "none").
+
+    `progress` (an ebbtide._progress.Progress) is advanced once per round and
+    names the step and method running; with it, the per-round log lines are
+    left to the bar.
 
     Returns {method: row}; a row has status "ok" and the measurements, or
     "skipped: <reason>" for a method that cannot run here or failed (no
@@ -624,9 +628,13 @@ def run_methods(methods, model, make_batch, device, steps, warmup, batch, workdi
                 log(f"[demo] {m}: {skipped[m]}")
         order = [m for m in methods if m in runners]
         for i in range(warmup + steps):
-            log(f"[demo] step {i + 1}/{warmup + steps}{' (warm-up)' if i < warmup else ''}: {', '.join(order)}")
+            what = f"step {i + 1}/{warmup + steps}{' (warm-up)' if i < warmup else ''}"
+            if progress is None:
+                log(f"[demo] {what}: {', '.join(order)}")
             grads.begin_round()
             for m in list(order):
+                if progress is not None:
+                    progress.describe(f"{what}: {m}")
                 try:
                     runners[m].step(i, measured=i >= warmup)
                     grads.observe(m)
@@ -645,6 +653,8 @@ def run_methods(methods, model, make_batch, device, steps, warmup, batch, workdi
                 opt.step()
             model.zero_grad(set_to_none=True)
             order = order[1:] + order[:1]
+            if progress is not None:
+                progress.update()
         rows = {}
         for m in methods:
             if m in skipped:
@@ -686,7 +696,8 @@ def resolve_size(device, **overrides):
 
 def run_demo(model=DEFAULT_MODEL, methods=METHODS, steps=5, warmup=1, seq=None, batch=None,
              layers=None, hidden=None, heads=None, device=None, dtype="fp32", path=None,
-             log=print, attn="eager", compile="none", optimizer="adamw", before_methods=None):
+             log=print, attn="eager", compile="none", optimizer="adamw", before_methods=None,
+             progress=None):
     """Runs every method on one model; returns a dict with the config and one
     row per method (skipped methods have only method and status).
 
@@ -697,6 +708,8 @@ def run_demo(model=DEFAULT_MODEL, methods=METHODS, steps=5, warmup=1, seq=None, 
         before_methods: optional f(model, make_batch, device, size) called once
             the model is built, before any method runs; the dict it returns is
             merged into the result (bench/offload_bench.py measures there).
+        progress: an ebbtide._progress.Progress advanced once per round
+            (run_methods).
     """
     import torch
 
@@ -721,7 +734,7 @@ def run_demo(model=DEFAULT_MODEL, methods=METHODS, steps=5, warmup=1, seq=None, 
     rows = []
     with tempfile.TemporaryDirectory(prefix="ebbtide-demo-", dir=path) as workdir:
         results = run_methods(methods, net, make_batch, dev, steps, warmup, size["batch"], workdir, log,
-                              optimizer=optimizer, default_variant=variant)
+                              optimizer=optimizer, default_variant=variant, progress=progress)
         for method in methods:
             row = results[method]
             if row["status"] == "ok":

@@ -83,6 +83,17 @@ def plan(config: Mapping[str, Any] | None = None, *, gpu: str = "h100-sxm", ssd:
     return as_dict(report)
 
 
+def budget_plan(config: Mapping[str, Any] | None = None, *, activation_budget_bytes: int, gpu: str = "h100-sxm",
+                ssd: str = "d7-p5620", ssds: int = 1, mfu: float = 0.5, host_budget_bytes: int = 0,
+                **kwargs) -> dict:
+    """The planner's keep / offload / recompute mix for a model of the catalog
+    within ``activation_budget_bytes`` per GPU (Note [Budget from the model]
+    in cpp/src/plan/budget.cpp); the dict of ``ebbtide.planner.plan_offload``."""
+    plan = _core.plan_report_budget(_config(config, kwargs), gpu, ssd, ssds, mfu, int(activation_budget_bytes),
+                                    int(host_budget_bytes))
+    return as_dict(plan)
+
+
 def gpus() -> list[dict]:
     """The GPU catalog: name, description, peak_bf16_tflops, peak_tf32_tflops, memory_gb, pcie_gbps."""
     return as_dict(_core.plan_gpus())

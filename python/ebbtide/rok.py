@@ -8,7 +8,10 @@ ROK_METHODS = {"keep": "none", "offload": "ebbtide-ssd", "recompute": "recompute
 
 
 def run_rok(model=DEFAULT_MODEL, batches=(1, 2, 4, 8), steps=2, warmup=1, device=None, dtype="fp32",
-            path=None, log=print, **size):
+            path=None, log=print, progress=None, **size):
+    """Runs the demo's keep / offload / recompute methods per micro-batch size;
+    returns the config and one point per (strategy, batch). `progress` (an
+    ebbtide._progress.Progress) advances once per round of every run."""
     if not batches:
         raise ValueError("--batch: give at least one micro-batch size")
     for b in batches:
@@ -17,10 +20,13 @@ def run_rok(model=DEFAULT_MODEL, batches=(1, 2, 4, 8), steps=2, warmup=1, device
     points = []
     result = None
     for b in batches:
-        log(f"[rok] micro-batch {b}")
+        if progress is None:
+            log(f"[rok] micro-batch {b}")
+        else:
+            progress.prefix = f"micro-batch {b}: "
         result = run_demo(model=model, methods=tuple(ROK_METHODS.values()), steps=steps,
                           warmup=warmup, batch=b, device=device, dtype=dtype, path=path,
-                          log=log, **size)
+                          log=log, progress=progress, **size)
         by_method = {r["method"]: r for r in result["rows"]}
         for label, method in ROK_METHODS.items():
             r = by_method[method]

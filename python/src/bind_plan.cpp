@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bind.hpp"
+#include "ebbtide/plan/budget.hpp"
 #include "ebbtide/plan/model.hpp"
 #include "ebbtide/plan/planner.hpp"
 
@@ -291,6 +292,17 @@ void ebbtide::py::bind_plan(nb::module_& m) {
         nb::arg("config"), nb::arg("gpu"), nb::arg("ssd"), nb::arg("ssds") = 1, nb::arg("mfu") = 0.5,
         nb::arg("write_amplification") = 1.0);
   m.def("plan_offload", &plan_offload, nb::arg("modules"), nb::arg("options"));
+  m.def("plan_model_modules", &model_modules, nb::arg("report"));
+  m.def("plan_model_options", &model_planner_options, nb::arg("report"), nb::arg("activation_budget_bytes"),
+        nb::arg("host_budget_bytes") = 0);
+  m.def("plan_report_budget",
+        [](const ModelConfig& config, const std::string& gpu, const std::string& ssd, int64_t ssds, double mfu,
+           uint64_t budget, uint64_t host_budget) {
+          const PlanReport r = make_plan(config, find_gpu(gpu), find_ssd(ssd), PlanOptions{mfu, ssds, 1.0});
+          return plan_budget(model_modules(r), model_planner_options(r, budget, host_budget));
+        },
+        nb::arg("config"), nb::arg("gpu"), nb::arg("ssd"), nb::arg("ssds"), nb::arg("mfu"),
+        nb::arg("activation_budget_bytes"), nb::arg("host_budget_bytes") = 0);
   m.def("plan_budget", &plan_budget, nb::arg("modules"), nb::arg("options"));
   m.def("plan_simulate",
         [](const std::vector<ModuleProfile>& modules, const PlannerOptions& options,

@@ -88,7 +88,8 @@ def force(monkeypatch, choose):
 
 
 def cache_for(tmp_path, **kw):
-    kw.setdefault("activation_budget_bytes", 1 << 40)
+    if "activation_budget_bytes" not in kw:
+        kw["activation_budget_bytes"] = 1 << 40
     return ebbtide.TensorCache("ssd", str(tmp_path), min_bytes=0, **kw)
 
 
@@ -332,3 +333,21 @@ def test_fsdp2_on_gloo_bitwise(tmp_path):
         same, recomputed = (tmp_path / f"result.{rank}").read_text().split()
         assert same == "1", f"rank {rank}: gradients differ from FSDP2 without ebbtide"
         assert int(recomputed) > 0
+
+
+def test_predict_answers_for_other_budgets(tmp_path):
+    model = make_net()
+    x = torch.randn(64, 128)
+    with cache_for(tmp_path, activation_budget_bytes=None, adaptive=True, max_write_mbps=1).attach(model) as cache:
+        with pytest.raises(RuntimeError, match="no profiling step has run yet"):
+            cache.predict(1 << 20)
+        run(model, x, cache, steps=1)
+        free = cache.predict(0)
+        smallest = cache.predict(1)
+        assert not smallest["feasible"]
+        fits = cache.predict(smallest["min_budget_bytes"])
+        with pytest.raises(ValueError, match="activation_budget_bytes"):
+            cache.predict(-5)
+    assert free["modules_recomputed"] == 0
+    assert fits["feasible"] and fits["peak_resident_bytes"] <= smallest["min_budget_bytes"]
+    assert fits["modules_recomputed"] > 0

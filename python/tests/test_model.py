@@ -446,3 +446,23 @@ def test_cli_list_shows_models():
     assert r.returncode == 0, r.stderr
     for name in ("llama3-8b", "llama3-70b", "qwen2.5-7b", "qwen2.5-72b", "mixtral-8x7b"):
         assert name in r.stdout
+
+
+def test_cli_activation_budget_mix():
+    """`ebbtide plan --activation-budget`: the planner's mix for a catalog model (Note [Budget from the model])."""
+    r = _cli("--model", "llama3-8b", "--seq", "8192", "--activation-budget", "20GiB", "--json")
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)["budget_plan"]
+    assert p["feasible"] and p["activation_budget_bytes"] == 20 << 30
+    assert p["peak_resident_bytes"] <= 20 << 30 < p["all_resident_bytes"]
+    assert len(p["modules"]) == 33 and p["modules"][-1]["name"] == "head"
+    assert p["modules_recomputed"] > 0
+    assert p["predicted_step_seconds"] >= p["forward_seconds"] + p["backward_seconds"]
+    table = _cli("--model", "llama3-8b", "--seq", "8192", "--activation-budget", "20GiB")
+    assert "activation budget  20.0 GiB per GPU" in table.stdout and "predicted step" in table.stdout
+    low = _cli("--model", "llama3-8b", "--seq", "8192", "--activation-budget", "1MiB")
+    assert low.returncode == 0 and "NOT MET: the smallest the planner reaches is" in low.stdout
+    bad = _cli("--model", "llama3-8b", "--seq", "8192", "--activation-budget", "lots")
+    assert bad.returncode != 0 and "--activation-budget" in bad.stderr
+    full = _cli("--model", "llama3-8b", "--seq", "8192", "--recompute", "full", "--activation-budget", "20GiB")
+    assert full.returncode != 0 and "--recompute none" in full.stderr

@@ -15,6 +15,7 @@ import sys
 import tempfile
 
 from ebbtide import _core
+from ebbtide._progress import progress, wanted
 
 
 def register(subparsers):
@@ -140,18 +141,26 @@ def run_io(args):
         dirs = [tmp]
     if args.repeat <= 0:
         raise ValueError(f"--repeat must be positive, got {args.repeat}")
+    bar = progress(total=args.repeat * (2 if args.vs_fio else 1), desc="ebbtide bench io",
+                   shown=wanted(args.json), tick_s=0.5)
     try:
         runs, fio_runs = [], []
+        what = f"write + read {_core.format_bytes(size)}"
         # Alternate ours and fio so slow drifts of a shared disk hit both alike.
-        for _ in range(args.repeat):
+        for i in range(args.repeat):
+            run_no = f" (run {i + 1}/{args.repeat})" if args.repeat > 1 else ""
+            bar.describe(f"ebbtide {what}{run_no}")
             runs.append(dict(_core.bench_io(dirs=dirs, size=size, chunk=chunk, qd=args.qd,
                                             backend=args.backend, request=request,
                                             checksum=args.checksum,
                                             device=not args.no_device,
                                             huge_pages=not args.small_pages)))
+            bar.update()
             if args.vs_fio:
+                bar.describe(f"fio {what}{run_no}")
                 fio_runs.append(run_fio(dirs, size, chunk, args.qd, args.backend,
                                         huge_pages=not args.small_pages))
+                bar.update()
         result = dict(runs[-1])
         for key in ("write_gbps", "read_gbps", "device_write_gbps", "device_read_gbps"):
             result[key] = statistics.median(r[key] for r in runs)
@@ -169,6 +178,7 @@ def run_io(args):
             if args.repeat > 1:
                 result["fio_runs"] = [dict(write_gbps=w, read_gbps=r) for w, r in fio_runs]
     finally:
+        bar.close()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     if args.json:

@@ -32,6 +32,19 @@ def register(sub):
     i.set_defaults(func=_inspect)
 
 
+# Checks that end within this many seconds show no progress bar: only a
+# large checkpoint's verification takes longer.
+_PROGRESS_DELAY_S = 1.0
+
+
+def _verify_progress(args):
+    """A byte-counting progress bar for verifying a checkpoint (shown only on a
+    terminal, without --json, when verifying, and after _PROGRESS_DELAY_S)."""
+    from ebbtide._progress import progress, wanted
+    return progress(desc="ebbtide ckpt inspect: verifying", shown=wanted(args.json) and not args.no_verify,
+                    unit="B", unit_scale=True, delay=_PROGRESS_DELAY_S, tick_s=0.5)
+
+
 def _fmt(n):
     from ebbtide import _core
     return _core.format_bytes(float(n))
@@ -59,7 +72,8 @@ def _inspect(args):
               file=sys.stderr)
         return 2
     try:
-        info = checkpoint.inspect(args.path, verify=not args.no_verify)
+        with _verify_progress(args) as bar:
+            info = checkpoint.inspect(args.path, verify=not args.no_verify, progress=bar.set)
     except (OSError, ValueError, NotImplementedError) as e:
         print(f"ebbtide ckpt inspect: error: {_one_line(e)}", file=sys.stderr)
         return 2
@@ -140,7 +154,8 @@ def _inspect_safetensors(args):
 def _inspect_dcp(args, rank=None):
     from ebbtide import dcp
     try:
-        info = dcp.inspect(args.path, verify=not args.no_verify, rank=rank)
+        with _verify_progress(args) as bar:
+            info = dcp.inspect(args.path, verify=not args.no_verify, rank=rank, progress=bar.set)
     except (OSError, ValueError) as e:
         print(f"ebbtide ckpt inspect: error: {_one_line(e)}", file=sys.stderr)
         return 2

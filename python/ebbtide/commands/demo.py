@@ -30,6 +30,7 @@ def register(subparsers):
 
 
 def run(args):
+    from ebbtide._progress import progress, wanted
     from ebbtide.demo import EXTRA_METHODS, METHODS, format_table, plot, run_demo
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
@@ -37,11 +38,14 @@ def run(args):
     bad = [m for m in methods if m not in valid]
     if bad:
         raise ValueError(f"--methods: {', '.join(bad)} not valid (valid: {', '.join(valid)})")
-    log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
-    result = run_demo(model=args.model, methods=methods, steps=args.steps, warmup=args.warmup,
-                      seq=args.seq, batch=args.batch, layers=args.layers, hidden=args.hidden,
-                      heads=args.heads, device=args.device, dtype=args.dtype, path=args.path,
-                      log=log)
+    shown = wanted(args.json)
+    with progress(total=max(args.warmup, 0) + max(args.steps, 0), desc="ebbtide demo",
+                  shown=shown) as bar:
+        log = bar.log(sys.stderr if args.json else sys.stdout)
+        result = run_demo(model=args.model, methods=methods, steps=args.steps, warmup=args.warmup,
+                          seq=args.seq, batch=args.batch, layers=args.layers, hidden=args.hidden,
+                          heads=args.heads, device=args.device, dtype=args.dtype, path=args.path,
+                          log=log, progress=bar if shown else None)
     if args.png:
         plot(result, args.png)
         result["png"] = args.png

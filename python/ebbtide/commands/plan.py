@@ -48,6 +48,11 @@ def register(subparsers):
     p.add_argument("--mfu", type=float, default=0.5, help="FLOPs utilisation in (0, 1] (default 0.5)")
     p.add_argument("--write-amplification", type=float, default=1.0,
                    help="SSD write amplification, >= 1 (default 1.0 for large sequential writes)")
+    p.add_argument("--activation-budget", metavar="BYTES",
+                   help="activation memory per GPU (e.g. 20GiB): print the planner's keep / offload / recompute "
+                        "mix per layer that fits it at the least step time (Note [Budget plan])")
+    p.add_argument("--host-budget", metavar="BYTES", default="0",
+                   help="with --activation-budget: host memory per GPU the plan may offload to (default 0)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -216,9 +221,59 @@ def run(args):
     config.pop("bytes_per_element", None)
     report = model.plan(config, gpu=args.gpu, ssd=args.ssd, ssds=args.ssds, mfu=args.mfu,
                         write_amplification=args.write_amplification)
+    if args.activation_budget is not None:
+        from ebbtide import _core
+
+        budget = _core.parse_bytes(args.activation_budget, "--activation-budget")
+        if budget <= 0:
+            raise ValueError(f"--activation-budget {args.activation_budget!r}: must be more than 0 bytes")
+        host = _core.parse_bytes(args.host_budget, "--host-budget")
+        report["budget_plan"] = model.budget_plan(config, activation_budget_bytes=budget, gpu=args.gpu,
+                                                  ssd=args.ssd, ssds=args.ssds, mfu=args.mfu,
+                                                  host_budget_bytes=host)
     if args.json:
         json.dump(_finite(report), sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
     else:
         _print_report(report, sys.stdout)
+        if "budget_plan" in report:
+            _print_budget(report["budget_plan"], sys.stdout)
     return 0
+
+
+def _runs(names):
+    """["keep", "keep", "recompute"] -> "keep x2, recompute": placements in layer order, runs collapsed."""
+    out = []
+    for n in names:
+        if out and out[-1][0] == n:
+            out[-1][1] += 1
+        else:
+            out.append([n, 1])
+    return ", ".join(f"{n} x{k}" if k > 1 else n for n, k in out)
+
+
+def _print_budget(p, out):
+    counts = {}
+    for m in p["modules"]:
+        key = m["placement"] + (f" ({m['tier']})" if m["tier"] and m["placement"] != "offload_" + m["tier"] else "")
+        counts[key] = counts.get(key, 0) + 1
+    layers = [m for m in p["modules"] if m["name"] != "head"]
+    base = p["forward_seconds"] + p["backward_seconds"]
+    rows = [
+        ("activation budget", f"{_bytes(p['activation_budget_bytes'])} per GPU"
+                              + ("" if p["feasible"] else
+                                 f"  NOT MET: the smallest the planner reaches is {_bytes(p['min_budget_bytes'])}")),
+        ("mix", ", ".join(f"{k} {v}" for k, v in counts.items())),
+        ("by layer", _runs([m["placement"] for m in layers])),
+        ("predicted peak", f"{_bytes(p['peak_resident_bytes'])} of {_bytes(p['all_resident_bytes'])} kept-all "
+                           f"({100 * p['peak_resident_fraction']:.0f}%)"),
+        ("predicted step", f"{p['predicted_step_seconds'] * 1e3:.1f} ms = {base * 1e3:.1f} ms compute "
+                           f"+ {p['recompute_seconds'] * 1e3:.1f} ms recompute "
+                           f"+ {p['predicted_stall_seconds'] * 1e3:.1f} ms stall "
+                           f"(+{100 * (p['predicted_step_seconds'] / base - 1) if base else 0:.1f}%)"),
+        ("moved per step", f"{_bytes(p['bytes_ssd'])} to SSD, {_bytes(p['bytes_cpu'])} to host"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    out.write("\n")
+    for k, v in rows:
+        out.write(f"{k:<{width}}  {v}\n")

@@ -25,16 +25,21 @@ def register(subparsers):
 
 
 def run(args):
+    from ebbtide._progress import progress, wanted
     from ebbtide.rok import format_table, plot, run_rok
 
     try:
         batches = [int(b) for b in args.batch.split(",") if b.strip()]
     except ValueError:
         raise ValueError(f"--batch {args.batch!r}: expected comma-separated integers") from None
-    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
-    result = run_rok(model=args.model, batches=batches, steps=args.steps, warmup=args.warmup,
-                     device=args.device, dtype=args.dtype, path=args.path, log=log,
-                     seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
+    shown = wanted(args.json)
+    rounds = len(batches) * (max(args.warmup, 0) + max(args.steps, 0))
+    with progress(total=rounds, desc="ebbtide rok", shown=shown) as bar:
+        log = bar.log(sys.stderr if args.json else sys.stdout)
+        result = run_rok(model=args.model, batches=batches, steps=args.steps, warmup=args.warmup,
+                         device=args.device, dtype=args.dtype, path=args.path, log=log,
+                         seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                         progress=bar if shown else None)
     if args.png:
         plot(result, args.png)
         result["png"] = args.png
