@@ -1,10 +1,14 @@
-"""ebbtide installed as users install it, into a fresh virtual environment
-that has only torch (docs/packaging.md): `pip install .` with pip's default
-build isolation. Slow (minutes: they compile and install torch); CI runs
+"""ebbtide installed as users install it, each time into a fresh virtual
+environment that has only torch (docs/packaging.md): `pip install .` with
+pip's default build isolation, and the wheel of scripts/build_wheel.sh after
+auditwheel's repair. Slow (minutes: they compile and install torch); CI runs
 them with the rest (scripts/test.sh); `-m "not slow"` leaves them out."""
 import os
+import re
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -31,9 +35,13 @@ def clean_env(**extra):
 
 @pytest.fixture(scope="module")
 def make_venv(tmp_path_factory):
-    """make_venv(NAME) -> the python of a new virtual environment with this process's torch."""
+    """make_venv(NAME) -> the python of a new virtual environment with this
+    process's torch; removed at the end of the module (about 1 GB each)."""
+    made = []
+
     def make(name):
         venv = tmp_path_factory.mktemp(name) / "venv"
+        made.append(venv)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
         py = venv / "bin" / "python"
         rc, out = run([py, "-m", "pip", "install", "-q", "--upgrade", "pip"], env=clean_env())
@@ -41,7 +49,10 @@ def make_venv(tmp_path_factory):
         rc, out = run([py, "-m", "pip", "install", "-q", f"torch=={torch.__version__}"], env=clean_env())
         assert rc == 0, out
         return py
-    return make
+
+    yield make
+    for venv in made:
+        shutil.rmtree(venv, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +96,47 @@ def test_isolation_in_a_separate_venv_stops_naming_no_build_isolation(torch_venv
     assert rc != 0, out[-6000:]
     flat = " ".join(out.split())
     assert "cannot import torch" in flat and NO_ISOLATION_FIX in flat, out[-6000:]
+
+
+def system_library_lines(ldd_output, venv):
+    """ldd's lines for liburing or libzstd that resolve outside VENV (or not at all)."""
+    return [line for line in ldd_output.splitlines()
+            if re.search(r"uring|zstd", line) and not line.split("=>")[-1].strip().startswith(str(venv))]
+
+
+def test_the_repaired_wheel_runs_in_a_fresh_venv(make_venv, tmp_path):
+    tools = os.environ.get("EBBTIDE_WHEEL_TOOLS")
+    env = clean_env(EBBTIDE_VENV=sys.prefix, **({"EBBTIDE_WHEEL_TOOLS": tools} if tools else {}))
+    env.update({k: v for k, v in os.environ.items() if k == "SKBUILD_BUILD_DIR"})  # the developer's build folder
+    p = subprocess.run(["bash", str(REPO / "scripts" / "build_wheel.sh"), str(tmp_path / "dist")],
+                       capture_output=True, text=True, timeout=600, env=env)
+    out = p.stderr + p.stdout
+    assert p.returncode == 0, out[-6000:]
+    wheel = Path(p.stdout.strip().splitlines()[-1])  # the script's last line
+    tag = re.search(r'constrains the platform tag to "(manylinux_\d+_\d+_\w+)"', " ".join(out.split()))
+    assert tag and tag.group(1) in wheel.name, out[-3000:]
+
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        metadata = next(z.read(n).decode() for n in names if n.endswith(".dist-info/METADATA"))
+    assert any(re.match(r"ebbtide\.libs/libzstd-[0-9a-f]+\.so", n) for n in names), names
+    assert not any(re.search(r"libtorch|libc10|uring", n) for n in names), names  # liburing is linked in
+    assert f"Requires-Dist: torch=={torch.__version__}\n" in metadata
+
+    py = make_venv("wheel")
+    venv = py.parent.parent
+    rc, out = run([py, "-m", "pip", "install", "-q", wheel, "pytest"], env=clean_env())
+    assert rc == 0, out
+    site = Path(run([py, "-c", "import ebbtide, os; print(os.path.dirname(ebbtide.__file__))"],
+                    cwd=tmp_path, env=clean_env())[1].strip())
+    assert site.is_relative_to(venv), site
+    modules = sorted(site.glob("*.so"))
+    assert [m.name.split(".")[0] for m in modules] == ["_core", "_torch"], modules
+    for m in modules:
+        rc, out = run(["ldd", m])
+        assert rc == 0 and "not found" not in out, out
+        assert not system_library_lines(out, venv), f"{m.name} resolves to the system's:\n{out}"
+
+    rc, out = run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", REPO / "python" / "tests" / "test_wheel_smoke.py"],
+                  cwd=tmp_path, env=clean_env())
+    assert rc == 0 and "4 passed" in out, out
