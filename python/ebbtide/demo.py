@@ -40,6 +40,9 @@ SIZES = {
     "cuda": dict(layers=12, hidden=1024, heads=16, seq=1024, batch=8),
 }
 VOCAB = 8192
+# Methods whose offloaded activations are host-memory copies (on the CPU they
+# save no memory; format_table says so).
+_HOST_COPY_METHODS = ("ebbtide-cpu", "save_on_cpu")
 # Saved tensors smaller than this are left to torch by compiler-offload, as
 # ebbtide's cache leaves them by default (min_bytes).
 _COMPILER_OFFLOAD_MIN_BYTES = 64 * 1024
@@ -547,7 +550,7 @@ class _Runner:
             torch.cuda.synchronize(self.device)
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         t0 = time.perf_counter()
-        with PeakMeter(self.device) as meter:
+        with PeakMeter(self.device, caches=[self.cache] if self.cache is not None else ()) as meter:
             with self.enter():
                 if cuda:
                     ev[0].record()
@@ -784,8 +787,12 @@ def format_table(result):
                          f"stall {s.get('stall_seconds', 0):.3f} s (last step)")
         if r.get("origin"):
             lines.append(f"  {r['method']}: OffloadActivations from {r['origin']}")
-    lines.append("peak mem: step's peak allocation above its start (CUDA allocator on GPU, "
-                 "process heap on CPU): activations, temporaries and gradients.")
+    lines.append("peak mem: the step's peak above its start (CUDA allocator on GPU; on CPU the process "
+                 "heap plus ebbtide's host-tier copies): activations, temporaries and gradients.")
+    copies = [r["method"] for r in result["rows"] if r["method"] in _HOST_COPY_METHODS]
+    if not result["device"].startswith("cuda") and copies:
+        lines.append(f"on CPU, {' and '.join(copies)} copy activations to host memory, where they "
+                     "already live: they cannot lower it.")
     return "\n".join(lines)
 
 

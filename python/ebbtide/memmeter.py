@@ -5,13 +5,17 @@ of the step. On the CPU (where PyTorch keeps no allocator statistics) the
 process heap is read with glibc's ``mallinfo2`` (bytes in use in arenas plus
 mmap'd blocks, which is where PyTorch's CPU tensors live), sampled by a
 background thread every millisecond and explicitly at the points the caller
-marks (``sample()``, e.g. at the end of forward, where activations peak).
-The CPU figure is everything the step allocated on top of the baseline:
-activations, temporaries and gradients.
+marks (``sample()``, e.g. at the end of forward, where activations peak),
+plus what the given tensor caches hold in host memory that the heap reading
+misses (Note [Host tier on the heap]). The CPU figure is everything the step
+holds on top of the baseline: activations (also those copied to a cache's
+host tier), temporaries and gradients. Like the CUDA figure it leaves out
+what allocators keep for reuse and buffers made before the step.
 """
 import ctypes
 import ctypes.util
 import threading
+import weakref
 
 
 class _MallInfo2(ctypes.Structure):
@@ -43,16 +47,81 @@ def heap_measurable():
         return False
 
 
-class PeakMeter:
-    """``with PeakMeter(device) as m: ...; m.sample(); ...`` then ``m.peak_bytes``."""
+# Note [Host tier on the heap]
+# A TensorCache's host tier keeps each offloaded CPU tensor as a copy in a
+# blob of its buffer pool, heap memory that the pool keeps as a spare when the
+# blob is freed and hands out again in the next step (Note [Buffer reuse] in
+# cpp/src/mem/buffer_pool.cpp). From the second step on, the blobs come out of
+# memory that was in use on the heap before the step began: the heap does not
+# grow by them, and a heap reading alone showed ebbtide-cpu on the CPU at
+# about half the peak of no offloading, when it holds as much (the copies)
+# or more. So the meter adds, per cache, the host tier's bytes held (stats()
+# "tiers") as far as the blobs can have come from spares: up to the most the
+# tier held at once in the cache's earlier steps (the pool keeps that much).
+# Blobs beyond that are new heap memory, already counted. This assumes the
+# step's blob sizes were seen before (the pool reuses a plain blob for the
+# same size only), as in steps of one shape; the first step counts its blobs
+# through the heap alone.
 
-    def __init__(self, device, interval_s=0.001):
+
+class _HostTier:
+    """The host-tier bytes of one cache that a step's heap reading misses."""
+
+    def __init__(self, cache):
+        self._cache = weakref.ref(cache)
+        self.most_held = 0  # the most the tier held at once, over the steps measured
+        self._start = 0
+        self._spares = 0
+
+    def _held(self):
+        cache = self._cache()
+        core = getattr(cache, "_core", None)
+        if core is None:
+            return 0
+        # The core's own counters: TensorCache.stats() would also poll the
+        # cache's completions, from this (the sampling) thread.
+        try:
+            tiers = core.stats()["tiers"]
+        except RuntimeError:  # closed
+            return 0
+        return sum(t["bytes_held"] for t in tiers if t["tier"] == "cpu")
+
+    def begin(self):
+        self._start = self._held()
+        self._spares = self.most_held
+
+    def extra(self):
+        held = self._held()
+        self.most_held = max(self.most_held, held)
+        return max(0, min(held - self._start, self._spares))
+
+
+_host_tiers = weakref.WeakKeyDictionary()  # TensorCache -> _HostTier, kept across steps
+
+
+class PeakMeter:
+    """``with PeakMeter(device, caches) as m: ...; m.sample(); ...`` then ``m.peak_bytes``.
+
+    Args:
+        device: the training device (torch.device).
+        caches: the TensorCaches whose steps are measured; on the CPU their
+            host tiers are counted (Note [Host tier on the heap]).
+        interval_s: how often a background thread samples the CPU heap.
+    """
+
+    def __init__(self, device, caches=(), interval_s=0.001):
         self.device = device
         self.interval_s = interval_s
         self.peak_bytes = 0
         self._base = 0
         self._stop = threading.Event()
         self._thread = None
+        self._tiers = []
+        if device.type != "cuda":
+            for cache in caches:
+                if cache not in _host_tiers:
+                    _host_tiers[cache] = _HostTier(cache)
+                self._tiers.append(_host_tiers[cache])
 
     def __enter__(self):
         import torch
@@ -62,6 +131,8 @@ class PeakMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
+            for tier in self._tiers:
+                tier.begin()
             self._base = _heap_bytes()
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="ebbtide-peak-meter",
@@ -75,7 +146,8 @@ class PeakMeter:
 
     def sample(self):
         if self.device.type != "cuda":
-            self.peak_bytes = max(self.peak_bytes, _heap_bytes() - self._base)
+            held = _heap_bytes() - self._base + sum(tier.extra() for tier in self._tiers)
+            self.peak_bytes = max(self.peak_bytes, held)
 
     def __exit__(self, *exc):
         import torch
