@@ -40,6 +40,14 @@
 #            methods, OFFLOAD_STEPS=N sets the measured steps (default 6, 4
 #            for shape_a_compiled and shape_b). The benchmark's exit code 3 (a target missed) is
 #            recorded as "targets missed", other nonzero codes as errors.
+#   budget   bench/budget_bench.py --shape a --fractions 0.5,0.25 (issue 29):
+#            ebbtide with an activation budget at 0.5 and 0.25 of the keep-all
+#            peak against full recompute (HF checkpointing), torch's
+#            activation_memory_budget at the same fractions with each block
+#            compiled, and torchtune's offloading with HF checkpointing
+#            (BUDGET_STRATEGIES narrows them); allocator peaks; exit code 3
+#            (recorded "targets missed") when ebbtide is not faster than a
+#            peer whose peak is at or above its own. JSON: budget.json
 #   pytest   the whole pytest suite (CPU tests included)
 #   demo     ebbtide demo on CUDA, every method
 #   io       ebbtide bench io (device <-> file)
@@ -109,7 +117,7 @@ jobs=$(nproc)
 build=$repo/build/gpu
 stages=("$@")
 ((${#stages[@]})) || stages=(build test offload offload2 pytest demo io dist)
-all_stages="build build_py test sanitize offload offload2 shape_a shape_a_compiled shape_b shape_c pytest demo io ckpt dist"
+all_stages="build build_py test sanitize offload offload2 shape_a shape_a_compiled shape_b shape_c budget pytest demo io ckpt dist"
 summary=()
 deadline_hit=0
 
@@ -146,7 +154,7 @@ step() {
   elif ((rc == 10)); then
     rc=n/a
     note=$(tail -n 1 "$out/$log")
-  elif ((rc == 3)) && [[ $name == offload* ]]; then
+  elif ((rc == 3)) && [[ $name == offload* || $name == budget ]]; then
     note="targets missed"
   fi
   pack
@@ -379,6 +387,13 @@ for stage in "${stages[@]}"; do
         --steps "${OFFLOAD_STEPS:-$steps}" --warmup 2 ${OFFLOAD_METHODS:+--methods "$OFFLOAD_METHODS"} \
         --path /tmp/ebbtide-bench --json "$out/offload_$stage.json"
       tail -n 30 "$out/offload_$stage.txt"
+      ;;
+    budget)
+      mkdir -p /tmp/ebbtide-bench
+      step budget budget.txt 480 "$py" bench/budget_bench.py --device cuda --shape a --fractions 0.5,0.25 \
+        --steps "${BUDGET_STEPS:-4}" --warmup 2 --path /tmp/ebbtide-bench \
+        ${BUDGET_STRATEGIES:+--strategies "$BUDGET_STRATEGIES"} --json "$out/budget.json"
+      tail -n 20 "$out/budget.txt"
       ;;
     demo)
       step demo demo.json 300 "$py" -m ebbtide demo --device cuda \

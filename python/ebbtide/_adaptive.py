@@ -23,6 +23,21 @@ store competing with compute, the cap applied); the compute times then include
 what offloading costs the compute, which errs on the side of a longer forward,
 i.e. it slightly favours offloading. Keeping everything and probing would give
 cleaner compute times but an idle-disk bandwidth that training never sees.
+
+Note [Budget profile]
+For budget plans (Note [Budget plan] in cpp/src/plan/planner.cpp) the
+profiling step also records, per block: the bytes of its positional tensor
+inputs (what torch's checkpoint saves when the block is recomputed) from its
+pre-hook, and its own time and saved bytes between its pre- and post-hook.
+A scope's recompute then leaves saved its inputs and what the scope saves
+after the block, and re-runs the block's time. The last block's scope also
+holds the head and the loss; with a budget, when keep_last_modules keeps it,
+that tail is a planner module of its own ("<after blocks>", kept, never recomputed), so the
+block's recompute is judged on the block alone, and a backward that holds the
+recomputed block does not count the tail, which backward has freed by then.
+With a budget the profiling step offloads on a GPU as on CPU (Note
+[Profiling on a GPU] keeps everything resident otherwise), so the step that
+measures does not exceed the budget by the whole keep-all peak.
 """
 from __future__ import annotations
 
@@ -41,7 +56,8 @@ _TIER_NAMES = {_core.TIER_CPU: "cpu", _core.TIER_SSD: "ssd"}
 _TIER_OF = {"cpu": _core.TIER_CPU, "ssd": _core.TIER_SSD}
 _MIN_MEASURED_BYTES = 1 << 20
 # On a GPU the prefetch window spans this many of the largest blocks, and the
-# plan assumes the same lead for reloads (Note [Release points]).
+# plan assumes the same lead for reloads (Note [Release points]); on CPU one
+# (prefetch_modules, the window of Note [Prefetch window] in cache.py).
 _CUDA_PREFETCH_MODULES = 4
 _PROBE_BYTES = 8 << 20
 _DEFAULT_HOST_FRACTION = 0.25  # of MemAvailable: auto's host tier when training on CUDA
@@ -110,7 +126,7 @@ class Adaptive:
     """Profile -> plan -> apply -> watch, for one TensorCache."""
 
     def __init__(self, cache, *, max_write_bps: float, host_budget_bytes: int, backward_factor: float = 2.0,
-                 prefetch_modules: int = 2, replan_fraction: float = 0.7, activation_budget_bytes: int = 0):
+                 prefetch_modules: int = 1, replan_fraction: float = 0.7, activation_budget_bytes: int = 0):
         self.cache = cache
         self.activation_budget_bytes = int(activation_budget_bytes)
         self.max_write_bps = float(max_write_bps)
@@ -189,7 +205,11 @@ class Adaptive:
                     seen.add(st._cdata)
                     nbytes += st.nbytes()
         self._inputs[scope] = self._inputs.get(scope, 0) + nbytes
-        self.recomputable[scope] = self.recomputable.get(scope, True) and cache._may_recompute(module)
+        # A block called with keyword tensors only is not recomputed: torch's
+        # checkpoint saves (and picks the devices whose RNG it restores from)
+        # the positional arguments alone.
+        self.recomputable[scope] = (self.recomputable.get(scope, True) and bool(seen)
+                                    and cache._may_recompute(module))
         self._block_open[scope] = (self._now(), cache._scope_bytes(scope))
 
     def block_ends(self, scope: int) -> None:
@@ -201,6 +221,12 @@ class Adaptive:
         entry = self._block.setdefault(scope, [[], 0])
         entry[0].append((start, self._now()))
         entry[1] += self.cache._scope_bytes(scope) - before
+
+    def _keeps_tail(self, scope: int) -> bool:
+        """`scope` is the last block's, kept whole (keep_last_modules): what
+        follows the block in it (head, loss) can be planned apart."""
+        cache = self.cache
+        return cache.keep_last_modules > 0 and cache._model_ref is not None and scope == cache._expected_blocks - 1
 
     def _block_seconds(self, scope: int) -> float:
         spans = self._block.get(scope, [[], 0])[0]
@@ -325,15 +351,30 @@ class Adaptive:
                     continue  # no time worth planning before the first block
                 name = p["module"] if p else self.cache._scope_name(scope)
                 # Offloadable bytes: what the profile offloaded; kept scopes (keep_last) count whole.
-                nbytes = 0 if p is None else (p["bytes"] if p["decision"] == "keep" else p["bytes_offloaded"])
-                m = dict(name=name, scope=scope, forward_seconds=times.get(scope, 0.0), bytes=nbytes)
+                # What stays anyway (below min_bytes) is fixed: in the peak, never moved.
+                total = 0 if p is None else p["bytes"]
+                nbytes = 0 if p is None else (total if p["decision"] == "keep" else p["bytes_offloaded"])
+                m = dict(name=name, scope=scope, forward_seconds=times.get(scope, 0.0), bytes=nbytes,
+                         fixed_bytes=total - nbytes)
+                tail = None
                 if scope in self._block and self.recomputable.get(scope):
                     # Note [Budget profile]: a recompute re-runs the block and
                     # leaves saved its inputs and what the scope saves after it.
-                    inside = min(self._block[scope][1], nbytes)
-                    m.update(recomputable=True, recompute_bytes=self._inputs.get(scope, 0) + nbytes - inside,
-                             recompute_seconds=self._block_seconds(scope))
+                    inside = min(self._block[scope][1], total)
+                    seconds = self._block_seconds(scope)
+                    m.update(recomputable=True, recompute_bytes=self._inputs.get(scope, 0) + total - inside,
+                             recompute_seconds=seconds)
+                    if self.activation_budget_bytes and self._keeps_tail(scope) and total > inside:
+                        # The head and the loss follow the last block in its
+                        # scope, kept: a module of their own, so the block's
+                        # recompute is judged on the block alone.
+                        m.update(bytes=inside, fixed_bytes=0, recompute_bytes=self._inputs.get(scope, 0),
+                                 forward_seconds=min(seconds, m["forward_seconds"]))
+                        tail = dict(name="<after blocks>", scope=scope, tail=True, bytes=total - inside,
+                                    forward_seconds=max(times.get(scope, 0.0) - seconds, 0.0))
                 modules.append(m)
+                if tail is not None:
+                    modules.append(tail)
             self.profiling = False
             if not self._marks or cache_unscoped(self.cache):
                 return  # no module scopes to time: profile again once attached
@@ -385,12 +426,14 @@ class Adaptive:
         has_cpu = "cpu" in self.measured
         cache = self.cache
         keep_last = cache.keep_last_modules if cache._model_ref is not None else 0
+        if keep_last and any(m.get("tail") for m in self.profile_modules):
+            keep_last += 1  # the tail module of Note [Budget profile] is kept with the last blocks
         host_budget = self.host_budget_bytes
         if cache.target == "cpu":  # host memory is the only tier: bounded by capacity_bytes alone
             host_budget = cache.capacity_bytes or (1 << 50)
         cuda = cache._on_cuda()
         plan = planner.plan_offload(
-            [{k: v for k, v in m.items() if k != "scope"} for m in self.profile_modules],
+            [{k: v for k, v in m.items() if k not in ("scope", "tail")} for m in self.profile_modules],
             write_bps=ssd.get("write_bps", 0.0), read_bps=ssd.get("read_bps", 0.0),
             target="auto", max_write_mbps=self.max_write_bps / 1e6 if self.max_write_bps else None,
             host_budget_bytes=host_budget if has_cpu else 0,
@@ -410,6 +453,8 @@ class Adaptive:
         decisions = {}
         recompute = set()
         for m, d in zip(self.profile_modules, plan["modules"]):
+            if m.get("tail"):
+                continue  # its scope's placement is the last block's
             tier = _TIER_OF.get(d["tier"])
             decisions[m["scope"]] = (tier is not None, -1 if tier is None else tier)
             if d["placement"].startswith("recompute"):
@@ -429,6 +474,8 @@ class Adaptive:
         release_after = {}
         mods = plan["modules"]
         for b, mb in enumerate(mods):
+            if self.profile_modules[b].get("tail"):
+                continue  # the last block's release point is the block's, not the head's
             done = [s for s, ms in enumerate(mods[:b + 1])
                     if ms["tier"] is not None and ms["write_done_seconds"] <= mb["forward_end_seconds"]]
             release_after[mb["scope"]] = mods[max(done)]["scope"] if done else -1

@@ -955,14 +955,16 @@ class TensorCache:
         for m in module.modules():
             if hasattr(m, "_checkpoint_wrapped_module"):
                 return False  # torch.distributed's checkpoint_wrapper (torchtune, Lightning, Accelerate)
+            if type(m).__name__ == "FullyShardedDataParallel":
+                return False  # FSDP1 unshards in its forward: the checkpoint must sit inside it
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         return top is not None and top[0] is self._pack_hook
 
     def _scope_bytes(self, scope) -> int:
-        """The bytes saved so far in `scope` this step, as the profile counts them."""
-        for s, offload, _tier, _n, b, off in self._native.plan_rows():
+        """All bytes saved so far in `scope` this step."""
+        for s, _offload, _tier, _n, b, _off in self._native.plan_rows():
             if s == scope:
-                return off if offload else b
+                return b
         return 0
 
     def _set_recompute(self, scopes) -> None:
@@ -973,25 +975,34 @@ class TensorCache:
             m = self._scope_modules.get(s)
             if m is not None:
                 want[id(m)] = m
-        for key, (m, had, fwd) in list(self._recompute.items()):
-            if key in want:
+        for key, (m, had, fwd, ours) in list(self._recompute.items()):
+            if key in want and m.__dict__.get("forward") is ours:
                 continue
-            if had:
-                m.forward = fwd
-            else:
-                m.__dict__.pop("forward", None)
+            # Only our own wrapper is undone: a forward someone set since
+            # (accelerate's hooks removed, another cache) stays as they left it.
+            if m.__dict__.get("forward") is ours:
+                if had:
+                    m.forward = fwd
+                else:
+                    del m.__dict__["forward"]
             del self._recompute[key]
         for key, m in want.items():
             if key not in self._recompute:
                 had = "forward" in m.__dict__
-                self._recompute[key] = (m, had, m.__dict__.get("forward"))
-                m.forward = self._recompute_wrapper(m.forward)
+                fwd = m.__dict__.get("forward")
+                ours = self._recompute_wrapper(m.forward)
+                m.forward = ours
+                self._recompute[key] = (m, had, fwd, ours)
 
     def _recompute_wrapper(self, inner):
         ref = weakref.ref(self)
 
         def forward(*args, **kwargs):
             c = ref()
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                # Nothing is offloaded inside a CUDA graph capture, and the
+                # checkpoint's RNG stash cannot run there (Note [Graph capture]).
+                return inner(*args, **kwargs)
             if torch.compiler.is_compiling():
                 # A block compiled with its hooks (module.compile()): the
                 # checkpoint is traced into the graph and the compiler's

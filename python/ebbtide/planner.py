@@ -28,7 +28,8 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
     """Plans where each module's saved activations go.
 
     modules: forward order, each ``{"name": str, "forward_seconds": float, "bytes": int}``,
-    and for budget plans optionally ``"recomputable": bool`` (default False),
+    optionally ``"fixed_bytes"`` (saved bytes that stay resident: tensors too small
+    to move), and for budget plans ``"recomputable": bool`` (default False),
     ``"recompute_bytes"`` (what it saves when recomputed: its inputs) and
     ``"recompute_seconds"`` (forward re-run in backward; default forward_seconds).
     write_bps / read_bps: measured SSD bandwidth in bytes/s (0 disables the SSD).
@@ -43,7 +44,7 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
     ``feasible`` False and ``min_budget_bytes``, the smallest it can meet.
 
     Returns ``{"modules": [{"name", "placement", "tier" ("cpu", "ssd" or None),
-    "bytes", "saved_bytes", "recompute_seconds", "forward_end_seconds",
+    "bytes", "saved_bytes", "fixed_bytes", "recompute_seconds", "forward_end_seconds",
     "write_done_seconds", "read_start_seconds", "backward_start_seconds"}, ...],
     "forward_seconds", "backward_seconds", "predicted_stall_seconds",
     "recompute_seconds", "predicted_step_seconds", "all_resident_bytes",
@@ -114,7 +115,7 @@ def _module(i: int, m: dict):
         if key not in m:
             raise ValueError(f"module {i} ('{name}') lacks '{key}'")
     fields = {"name": name, "forward_seconds": m["forward_seconds"], "bytes": m["bytes"]}
-    for key in ("recomputable", "recompute_bytes", "recompute_seconds"):
+    for key in ("fixed_bytes", "recomputable", "recompute_bytes", "recompute_seconds"):
         if key in m:
             fields[key] = m[key]
     return make(_core.ModuleProfile, fields, f"module {i} ('{name}')")

@@ -216,6 +216,7 @@ void bind_planner(nb::module_& m) {
       .rw("name", &ModuleProfile::name)
       .rw("forward_seconds", &ModuleProfile::forward_seconds)
       .rw("bytes", &ModuleProfile::bytes)
+      .rw("fixed_bytes", &ModuleProfile::fixed_bytes)
       .rw("recomputable", &ModuleProfile::recomputable)
       .rw("recompute_bytes", &ModuleProfile::recompute_bytes)
       .rw("recompute_seconds", &ModuleProfile::recompute_seconds);
@@ -243,6 +244,7 @@ void bind_planner(nb::module_& m) {
       })
       .ro("bytes", &ModuleDecision::bytes)
       .ro("saved_bytes", &ModuleDecision::saved_bytes)
+      .ro("fixed_bytes", &ModuleDecision::fixed_bytes)
       .ro("recompute_seconds", &ModuleDecision::recompute_seconds)
       .ro("forward_end_seconds", &ModuleDecision::forward_end_seconds)
       .ro("write_done_seconds", &ModuleDecision::write_done_seconds)

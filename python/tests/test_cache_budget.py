@@ -93,6 +93,17 @@ def cache_for(tmp_path, **kw):
     return ebbtide.TensorCache("ssd", str(tmp_path), min_bytes=0, **kw)
 
 
+def forced_run(tmp_path, monkeypatch, build, inputs, which, loss=None):
+    """Gradients of `build()` without ebbtide, then with the placements of
+    PLACEMENT_SETS[which] forced: (reference, got, stats, profiled modules)."""
+    ref = run(build(), inputs, loss=loss)
+    force(monkeypatch, PLACEMENT_SETS[which])
+    model = build()
+    with cache_for(tmp_path, keep_last_modules=0).attach(model) as cache:
+        got = run(model, inputs, cache, loss=loss)
+        return ref, got, cache.stats(), cache._adapt.profile_modules
+
+
 PLACEMENT_SETS = {
     "recompute": lambda ms: ["recompute" if m.get("recomputable") else "keep" for m in ms],
     "recompute_offload": lambda ms: ["recompute_offload_ssd" if m.get("recomputable") else "keep" for m in ms],
@@ -220,12 +231,8 @@ def lm_loss(m, x):
 def assert_hf_bitwise_under_mix(tmp_path, monkeypatch, build, seed):
     """An HF causal LM's gradients under the forced mix equal those without ebbtide."""
     ids = torch.randint(3, 128, (2, 48), generator=torch.Generator().manual_seed(seed))
-    ref = run(build(), ids, loss=lm_loss)
-    force(monkeypatch, PLACEMENT_SETS["mix"])
-    model = build()
-    with cache_for(tmp_path, keep_last_modules=0).attach(model) as cache:
-        got = run(model, ids, cache, loss=lm_loss)
-        assert cache.stats()["recomputed_blocks"]
+    ref, got, st, _ = forced_run(tmp_path, monkeypatch, build, ids, "mix", loss=lm_loss)
+    assert st["recomputed_blocks"]
     assert_bitwise(got, ref)
 
 
@@ -294,13 +301,8 @@ def test_blocks_compiled_one_by_one(tmp_path, monkeypatch):
             b.compile(backend="aot_eager")
         return m
 
-    x = torch.randn(32, 128)
-    ref = run(compiled(), x)
-    force(monkeypatch, PLACEMENT_SETS["mix"])
-    model = compiled()
-    with cache_for(tmp_path, keep_last_modules=0).attach(model) as cache:
-        got = run(model, x, cache)
-        assert cache.stats()["recomputed_blocks"]
+    ref, got, st, _ = forced_run(tmp_path, monkeypatch, compiled, torch.randn(32, 128), "mix")
+    assert st["recomputed_blocks"]
     assert_bitwise(got, ref)
 
 
@@ -351,3 +353,54 @@ def test_predict_answers_for_other_budgets(tmp_path):
     assert free["modules_recomputed"] == 0
     assert fits["feasible"] and fits["peak_resident_bytes"] <= smallest["min_budget_bytes"]
     assert fits["modules_recomputed"] > 0
+
+
+class KeywordNet(Net):
+    """Calls its blocks with keyword tensors only (a review finding: torch's
+    checkpoint saves, and restores the RNG of, positional tensors alone)."""
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x=x)
+        return self.head(x).sum()
+
+
+def test_blocks_called_by_keyword_are_not_recomputed(tmp_path, monkeypatch):
+    def build():
+        torch.manual_seed(0)
+        return KeywordNet()
+
+    ref, got, st, modules = forced_run(tmp_path, monkeypatch, build, torch.randn(64, 128), "recompute")
+    assert_bitwise(got, ref)
+    assert st["recomputed_blocks"] == []
+    assert all(not m.get("recomputable") for m in modules)
+
+
+def test_unwrap_leaves_a_forward_someone_else_set(tmp_path, monkeypatch):
+    force(monkeypatch, PLACEMENT_SETS["recompute"])
+    model = make_net(layers=3)
+    x = torch.randn(64, 128)
+    cache = cache_for(tmp_path, keep_last_modules=0).attach(model)
+    run(model, x, cache, steps=2)
+    assert all("forward" in b.__dict__ for b in model.blocks)
+    foreign = model.blocks[0].__dict__["forward"].__wrapped__
+    model.blocks[0].forward = foreign  # e.g. accelerate's remove_hook_from_module
+    cache.close()
+    assert model.blocks[0].__dict__["forward"] is foreign  # not ours: left alone
+    assert all("forward" not in b.__dict__ for b in model.blocks[1:])
+
+
+def test_last_block_release_point_is_the_blocks(tmp_path):
+    """With a budget, the head is a planner module of its own (Note [Budget
+    profile]); the last block's release point comes from the block's plan row."""
+    model = make_net()
+    x = torch.randn(64, 128)
+    with cache_for(tmp_path, activation_budget_bytes=1 << 40).attach(model) as cache:
+        run(model, x, cache, steps=1)
+        adapt = cache._adapt
+        mods = adapt.plan["modules"]
+        assert mods[-1]["name"] == "<after blocks>"
+        last = mods[-2]
+        done = [m["scope"] for m in mods[:-1]
+                if m["tier"] is not None and m["write_done_seconds"] <= last["forward_end_seconds"]]
+        assert adapt.release_after[last["scope"]] == (max(done) if done else -1)

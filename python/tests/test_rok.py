@@ -27,3 +27,16 @@ def test_rok_bad_batch(cli):
     assert proc.returncode != 0 and "--batch" in proc.stderr
     proc = cli("rok", "--batch", "0", check=False)
     assert proc.returncode != 0 and "positive" in proc.stderr
+
+
+def test_rok_budget_curve(cli, tmp_path):
+    """`ebbtide rok --budget`: the activation-budget sweep of ebbtide.budget_sweep, bitwise rows."""
+    png = tmp_path / "budget.png"
+    proc = cli("rok", "--budget", "--budget-points", "2", "--batch", "2", "--layers", "2", "--hidden", "64",
+               "--heads", "2", "--seq", "64", "--steps", "1", "--warmup", "2", "--path", str(tmp_path),
+               "--png", str(png), "--json")
+    r = json.loads(proc.stdout)
+    assert [x["strategy"] for x in r["rows"]] == ["keep", "offload", "recompute", "budget", "budget"]
+    assert r["model"]["layers"] == 2 and r["model"]["batch"] == 2
+    assert r["targets"]["bitwise"]
+    assert png.stat().st_size > 1000

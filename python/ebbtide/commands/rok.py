@@ -20,11 +20,41 @@ def register(subparsers):
     p.add_argument("--device")
     p.add_argument("--path", help="directory for ebbtide's SSD files")
     p.add_argument("--png", help="write the plot to this file")
+    p.add_argument("--budget", action="store_true",
+                   help="the activation-budget curve instead (ebbtide.budget_sweep, a Llama-style model): keep, "
+                        "offload, full recompute and ebbtide at --budget-points budgets from the smallest the "
+                        "planner meets to the keep-all peak; --batch takes one size, the model flags override")
+    p.add_argument("--budget-points", type=int, default=6)
+    p.add_argument("--max-write-mbps", type=float, help="with --budget: cap the SSD writes (MB/s)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
 
+def run_budget(args):
+    from ebbtide import budget_sweep
+
+    spec = {k: v for k, v in dict(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq).items()
+            if v is not None}
+    if args.batch != "1,2,4,8":  # given: one micro-batch size
+        spec["batch"] = int(args.batch)
+    log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
+    result = budget_sweep.run_sweep(spec, points=args.budget_points, steps=args.steps,
+                                    warmup=max(args.warmup, 2), max_write_mbps=args.max_write_mbps,
+                                    path=args.path, log=log)
+    if args.png:
+        budget_sweep.plot([result], args.png)
+        result["png"] = args.png
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        print()
+    else:
+        print(budget_sweep.format_table(result))
+    return 0
+
+
 def run(args):
+    if args.budget:
+        return run_budget(args)
     from ebbtide._progress import progress, wanted
     from ebbtide.rok import format_table, plot, run_rok
 

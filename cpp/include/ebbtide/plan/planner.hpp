@@ -18,6 +18,9 @@ struct ModuleProfile {
   std::string name;
   double forward_seconds = 0;
   uint64_t bytes = 0;
+  // Saved bytes that stay resident under keep and offload placements (the
+  // tensors too small to offload); counted in the peak, never moved.
+  uint64_t fixed_bytes = 0;
   // Recompute (budget plans only): the module's forward can be re-run in
   // backward; it then saves only `recompute_bytes` (its inputs, and whatever
   // its scope saves after the recomputed part) and backward re-runs
@@ -38,7 +41,7 @@ struct PlannerOptions {
   double host_read_bps = 0;
   int64_t keep_last_modules = 1;    // the last modules' activations always stay resident
   double backward_factor = 2.0;     // backward time = factor * forward time, per module
-  int64_t prefetch_modules = 2;     // a reload may start when backward is this many modules away
+  int64_t prefetch_modules = 2;     // the prefetch window: this many times the largest offloaded module
   double stall_tolerance_seconds = 0;  // stall a single offload may add and still be accepted
   double replan_fraction = 0.7;     // needs_replan() below this fraction of the planned bandwidth
   // GPU offload (Note [Release points]): a module is offloaded only if its
@@ -67,6 +70,7 @@ struct ModuleDecision {
   Placement placement = Placement::kKeep;
   uint64_t bytes = 0;                // all the module saves when kept
   uint64_t saved_bytes = 0;          // what it saves under its placement (bytes, or recompute_bytes)
+  uint64_t fixed_bytes = 0;          // resident whatever happens (not under recompute)
   double recompute_seconds = 0;      // forward re-run in its backward (recompute placements)
   double forward_end_seconds = 0;    // from the start of the step, no stalls
   double write_done_seconds = 0;     // offloaded only
