@@ -153,7 +153,7 @@ class _Job:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
-        with PeakMeter(self.device) as meter:
+        with PeakMeter(self.device, caches=[self.cache] if self.cache is not None else ()) as meter:
             with self.enter():
                 if self.schedule is None:
                     self.module(**inputs).loss.backward()

@@ -59,8 +59,11 @@ def _cache_settings(method, path):
 class _Meter:
     """Times each optimizer step and measures its memory peak."""
 
-    def __init__(self, device):
+    def __init__(self, device, caches=lambda: ()):
+        # caches(): the TensorCaches of the step, whose host tiers PeakMeter
+        # counts on the CPU (Note [Host tier on the heap] in ebbtide/memmeter.py).
         self.device, self.times, self.peaks, self._m, self._t0 = device, [], [], None, 0.0
+        self.caches = caches
 
     def begin(self):
         from ebbtide.memmeter import PeakMeter
@@ -69,7 +72,7 @@ class _Meter:
             import torch
 
             torch.cuda.synchronize(self.device)
-        self._m = PeakMeter(self.device).__enter__()
+        self._m = PeakMeter(self.device, caches=[c for c in self.caches() if c is not None]).__enter__()
         self._t0 = time.perf_counter()
 
     def end(self):
@@ -103,7 +106,8 @@ def _run_trl(method, args, device, path):
 
     from ebbtide.integrations.hf import OffloadCallback
 
-    meter = _Meter(device)
+    ebb = None
+    meter = _Meter(device, lambda: [ebb.cache] if ebb is not None else [])
 
     class Timer(transformers.TrainerCallback):
         def on_step_begin(self, *a, **k):
@@ -121,7 +125,6 @@ def _run_trl(method, args, device, path):
     n = (args.warmup + args.steps) * args.accum * args.batch
     ds = datasets.Dataset.from_dict({"input_ids": [r.tolist() for r in _rows(args, n)]})
     callbacks = [Timer()]
-    ebb = None
     if method.startswith("ebbtide"):
         ebb = OffloadCallback(**_cache_settings(method, path), min_bytes=args.min_bytes)
         callbacks.insert(0, ebb)  # the timer's step spans the cache's
@@ -172,7 +175,7 @@ class _TorchtuneJob:
                                                              min_bytes=args.min_bytes)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.rows = _rows(args, (args.warmup + args.steps) * args.accum * args.batch).to(device)
-        self.meter = _Meter(device)
+        self.meter = _Meter(device, lambda: [getattr(self.ctx, "cache", None)])
         self.k = 0
 
     def step(self):
