@@ -402,10 +402,19 @@ Flops flops(const ModelConfig& c) {
   return out;
 }
 
-double parameter_count(const ModelConfig& c) {
-  validate(c);
+namespace {
+
+// Parameters of one self-attention layer and of one encoder-decoder decoder
+// layer (self + cross), unsharded.
+struct LayerParams {
+  double self_layer = 0;
+  double cross_layer = 0;
+};
+
+LayerParams layer_parameter_count(const ModelConfig& c) {
   const double h = static_cast<double>(c.hidden);
   const double f = static_cast<double>(c.ffn());
+  LayerParams out;
   if (c.family == Family::kLlama) {
     const double hkv = h * static_cast<double>(c.kv()) / static_cast<double>(c.heads);
     const double norm = c.norm == Norm::kRmsNorm ? h : 2 * h;
@@ -417,16 +426,43 @@ double parameter_count(const ModelConfig& c) {
     const double e = static_cast<double>(c.experts);
     double ffn = c.experts == 0 ? mlp(f) : e * mlp(static_cast<double>(c.expert_ffn())) + e * h;
     if (c.shared_expert_ffn_hidden > 0) ffn += mlp(static_cast<double>(c.shared_expert_ffn_hidden)) + h;
-    const double embeddings = static_cast<double>(c.vocab) * h * (c.tied_embeddings ? 1 : 2);
-    return static_cast<double>(c.layers) * (attn + ffn + 2 * norm) + embeddings + norm;
+    out.self_layer = attn + ffn + 2 * norm;
+    return out;
   }
   // attention 4h^2 + 4h, MLP 2hf + f + h, two layernorms 4h
-  const double self_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h;
-  const double cross = 4 * h * h + 4 * h + 2 * h;  // cross-attention + its layernorm
+  out.self_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h;
+  if (c.cross_layers() > 0) out.cross_layer = out.self_layer + 4 * h * h + 4 * h + 2 * h;  // + cross-attn, its norm
+  return out;
+}
+
+}  // namespace
+
+double parameter_count(const ModelConfig& c) {
+  validate(c);
+  const double h = static_cast<double>(c.hidden);
+  const LayerParams layer = layer_parameter_count(c);
+  if (c.family == Family::kLlama) {
+    const double norm = c.norm == Norm::kRmsNorm ? h : 2 * h;
+    const double embeddings = static_cast<double>(c.vocab) * h * (c.tied_embeddings ? 1 : 2);
+    return static_cast<double>(c.layers) * layer.self_layer + embeddings + norm;
+  }
   const double embeddings = static_cast<double>(c.vocab) * h + static_cast<double>(c.seq) * h;
   const double final_norms = (c.cross_layers() > 0 ? 2.0 : 1.0) * 2 * h;
-  return static_cast<double>(c.self_only_layers()) * self_layer +
-         static_cast<double>(c.cross_layers()) * (self_layer + cross) + embeddings + final_norms;
+  return static_cast<double>(c.self_only_layers()) * layer.self_layer +
+         static_cast<double>(c.cross_layers()) * layer.cross_layer + embeddings + final_norms;
+}
+
+ParameterUnits parameter_units(const ModelConfig& c) {
+  validate(c);
+  const double t = static_cast<double>(c.tp);
+  const LayerParams layer = layer_parameter_count(c);
+  const double all_layers = static_cast<double>(c.self_only_layers()) * layer.self_layer +
+                            static_cast<double>(c.cross_layers()) * layer.cross_layer;
+  ParameterUnits u;
+  u.total = parameter_count(c) / t;
+  u.largest_layer = std::max(layer.self_layer, layer.cross_layer) / t;
+  u.root = std::max(0.0, u.total - all_layers / t);
+  return u;
 }
 
 namespace {
@@ -506,6 +542,9 @@ const std::vector<SsdSpec>& ssd_catalog() {
 
 const GpuSpec& find_gpu(std::string_view name) { return find_in(gpu_catalog(), name, "gpu"); }
 const SsdSpec& find_ssd(std::string_view name) { return find_in(ssd_catalog(), name, "ssd"); }
+const OptimizerPreset& find_optimizer(std::string_view name) {
+  return find_in(optimizer_presets(), name, "optimizer");
+}
 
 namespace {
 
@@ -534,7 +573,9 @@ PlanReport make_plan(const ModelConfig& config, const GpuSpec& gpu, const SsdSpe
   r.options = options;
   const double t = static_cast<double>(config.tp);
   r.params = parameter_count(config);
-  r.model_state_bytes = 16.0 * r.params / t;
+  r.units = parameter_units(config);
+  r.model_state = model_state_bytes(r.units, options.sharding);
+  r.model_state_bytes = r.model_state.total;
   r.activations = activation_bytes(config);
   r.offloaded_bytes_per_step =
       std::max(0.0, r.activations.per_step - r.activations.last_layer - r.activations.shared);

@@ -9,6 +9,8 @@
 #include <string_view>
 #include <vector>
 
+#include "ebbtide/plan/cluster.hpp"
+
 namespace ebbtide::plan {
 
 enum class Arch { kDecoder, kEncoder, kEncoderDecoder };
@@ -114,6 +116,9 @@ Flops flops(const ModelConfig& config);
 
 // Parameters of the whole model (all tensor-parallel ranks together).
 double parameter_count(const ModelConfig& config);
+// The parameters per tensor-parallel rank as FSDP units: one per layer (the
+// largest: an encoder-decoder's decoder layer), the rest in the root unit.
+ParameterUnits parameter_units(const ModelConfig& config);
 
 struct GpuSpec {
   std::string name;          // catalog key, e.g. "h100-sxm"
@@ -155,6 +160,7 @@ struct PlanOptions {
   double mfu = 0.5;                  // hardware FLOPs utilisation, (0, 1]
   int64_t ssds = 1;                  // drives per GPU, striped
   double write_amplification = 1.0;  // >= 1; large sequential writes ~1.0
+  ShardingOptions sharding;          // data parallelism, ZeRO stage / FSDP, bytes per parameter
 };
 
 // Everything `ebbtide plan` prints. Bytes are per GPU; rates in 1e9 bytes/s.
@@ -164,7 +170,9 @@ struct PlanReport {
   SsdSpec ssd;
   PlanOptions options;
   double params = 0;
-  double model_state_bytes = 0;         // 16 bytes/param (mixed-precision Adam) / tp
+  double model_state_bytes = 0;         // model_state.total: per GPU under options.sharding
+  ParameterUnits units;                 // per tensor-parallel rank
+  ModelStateBytes model_state;
   ActivationBytes activations;
   double offloaded_bytes_per_step = 0;  // per_step - last layer - shared
   double resident_bytes_offloaded = 0;  // last layer + shared + logits + outside

@@ -1,0 +1,71 @@
+#include "ebbtide/plan/cluster.hpp"
+
+
+#include "ebbtide/util/error.hpp"
+
+namespace ebbtide::plan {
+
+int64_t ShardingOptions::shard_over() const {
+  if (zero_stage == 0) return 1;
+  return shard_group > 0 ? shard_group : dp;
+}
+
+void validate_sharding(const ShardingOptions& o) {
+  EBB_CHECK(o.dp >= 1, "plan setting 'dp' must be a positive integer, got ", o.dp);
+  EBB_CHECK(o.zero_stage >= 0 && o.zero_stage <= 3, "plan setting 'zero' must be 0, 1, 2 or 3, got ",
+            o.zero_stage);
+  EBB_CHECK(o.shard_group >= 0, "plan setting 'shard_group' must be >= 0 (0: all of dp), got ", o.shard_group);
+  EBB_CHECK(o.shard_group == 0 || o.zero_stage > 0,
+            "plan setting 'shard_group' (", o.shard_group, ") needs zero stage 1, 2 or 3 (got 0)");
+  EBB_CHECK(o.shard_group == 0 || o.dp % o.shard_group == 0, "plan setting 'shard_group' (", o.shard_group,
+            ") must divide 'dp' (", o.dp, "): hybrid sharding replicates whole groups");
+  EBB_CHECK(o.param_bytes > 0, "plan setting 'param_bytes' must be > 0, got ", o.param_bytes);
+  EBB_CHECK(o.grad_bytes > 0, "plan setting 'grad_bytes' must be > 0, got ", o.grad_bytes);
+  EBB_CHECK(o.optimizer_bytes >= 0, "plan setting 'optimizer_bytes' must be >= 0, got ", o.optimizer_bytes);
+}
+
+// Note [Optimizer bytes]: K per parameter with bf16 parameters and gradients
+// (mixed precision) keeps an fp32 master copy (4) beside the optimizer's own
+// state: Adam two fp32 moments (8), bitsandbytes 8-bit Adam two 1-byte
+// moments (2), SGD with momentum one (4), plain SGD none. fp32 training has
+// no master copy: Adam's K is 8 with 4-byte parameters and gradients.
+const std::vector<OptimizerPreset>& optimizer_presets() {
+  static const std::vector<OptimizerPreset> kPresets = {
+      {"adam", "Adam/AdamW, mixed precision: fp32 master + two fp32 moments", 12},
+      {"adam-8bit", "8-bit Adam (bitsandbytes), mixed precision: fp32 master + two 1-byte moments", 6},
+      {"sgd-momentum", "SGD with momentum, mixed precision: fp32 master + fp32 momentum", 8},
+      {"sgd", "SGD without momentum, mixed precision: fp32 master", 4},
+      {"adam-fp32", "Adam/AdamW in fp32 (use with 4-byte params and grads): two fp32 moments", 8},
+  };
+  return kPresets;
+}
+
+// Note [ZeRO model state]: with P, G, K bytes per parameter and Φ parameters
+// per tensor-parallel rank, sharded over N GPUs, stage 0 holds (P+G+K)Φ,
+// stage 1 (P+G)Φ + KΦ/N, stage 2 PΦ + (G+K)Φ/N, stage 3 (P+G+K)Φ/N (the
+// ZeRO paper's figure 1 with P = G = 2, K = 12). Stage 3 gathers a unit's
+// full parameters to run it and prefetches the next (FSDP2's default
+// forward and backward prefetch of one unit); FSDP2 does not reshard the
+// root unit after forward, so its gathered copy lives through backward.
+ModelStateBytes model_state_bytes(const ParameterUnits& units, const ShardingOptions& o) {
+  validate_sharding(o);
+  EBB_CHECK(units.total > 0 && units.largest_layer >= 0 && units.root >= 0,
+            "parameter units must be non-negative with a positive total, got total ", units.total,
+            ", largest layer ", units.largest_layer, ", root ", units.root);
+  ModelStateBytes m;
+  m.shard_over = o.shard_over();
+  const double n = static_cast<double>(m.shard_over);
+  const double phi = units.total;
+  m.params = o.param_bytes * phi / (o.zero_stage >= 3 ? n : 1.0);
+  m.grads = o.grad_bytes * phi / (o.zero_stage >= 2 ? n : 1.0);
+  m.optimizer = o.optimizer_bytes * phi / (o.zero_stage >= 1 ? n : 1.0);
+  if (o.zero_stage == 3 && m.shard_over > 1) {
+    m.gathered_unit = o.param_bytes * units.largest_layer;
+    m.prefetch_unit = m.gathered_unit;
+    m.root_unit = o.param_bytes * units.root;
+  }
+  m.total = m.params + m.grads + m.optimizer + m.gathered_unit + m.prefetch_unit + m.root_unit;
+  return m;
+}
+
+}  // namespace ebbtide::plan
