@@ -23,6 +23,10 @@ __all__ = [
     "flops",
     "parameter_count",
     "plan",
+    "model_state",
+    "longest_seq",
+    "sharding",
+    "optimizers",
     "gpus",
     "ssds",
     "models",
@@ -76,11 +80,106 @@ def parameter_count(config: Mapping[str, Any] | None = None, **kwargs) -> float:
     return _core.plan_parameter_count(_config(config, kwargs))
 
 
+def sharding(*, dp: int = 1, zero: int | None = None, fsdp: bool = False, fsdp_hybrid: int | None = None,
+             optimizer: str | None = None, optimizer_bytes: float | None = None, param_bytes: float = 2,
+             grad_bytes: float = 2) -> Any:
+    """The ``_core.ShardingOptions`` of data-parallel settings (Note [ZeRO model
+    state] in cpp/src/plan/cluster.cpp).
+
+    Args:
+        dp: data-parallel GPUs.
+        zero: ZeRO stage 0-3 (default 0, or 3 with ``fsdp`` / ``fsdp_hybrid``).
+        fsdp: shard parameters, gradients and optimizer state over ``dp`` (ZeRO-3).
+        fsdp_hybrid: shard within groups of this many GPUs, replicate across groups (HSDP).
+        optimizer: a preset of :func:`optimizers` setting ``optimizer_bytes``.
+        optimizer_bytes: K, the optimizer's bytes per parameter (default 12: mixed-precision Adam).
+        param_bytes: bytes per parameter of the training copy (2: bf16, 4: fp32).
+        grad_bytes: bytes per gradient element.
+
+    Returns:
+        A ``_core.ShardingOptions``.
+
+    Raises:
+        ValueError: a setting out of range or settings that contradict each other.
+    """
+    if (fsdp or fsdp_hybrid) and zero not in (None, 3):
+        raise ValueError(f"fsdp shards parameters (ZeRO stage 3); got zero={zero}")
+    if optimizer is not None and optimizer_bytes is not None:
+        raise ValueError("give optimizer or optimizer_bytes, not both")
+    if optimizer is not None:
+        optimizer_bytes = _core.plan_find_optimizer(optimizer).optimizer_bytes
+    stage = 3 if (fsdp or fsdp_hybrid) else (0 if zero is None else zero)
+    settings = {"dp": dp, "zero_stage": stage, "shard_group": fsdp_hybrid or 0, "param_bytes": float(param_bytes),
+                "grad_bytes": float(grad_bytes),
+                "optimizer_bytes": 12.0 if optimizer_bytes is None else float(optimizer_bytes)}
+    record = make(_core.ShardingOptions, settings, "plan")
+    record.validate()
+    return record
+
+
+def model_state(params: float, *, layer_params: float = 0, root_params: float = 0, **sharding_settings) -> dict:
+    """Per-GPU model state of ``params`` parameters (per tensor-parallel rank)
+    under the :func:`sharding` settings: ``params_bytes``, ``grads_bytes``,
+    ``optimizer_bytes``, FSDP's ``gathered_unit_bytes`` and ``prefetch_unit_bytes``
+    (``layer_params`` each) and ``root_unit_bytes``, their sum ``model_state_bytes``.
+
+    Example: ``model_state(7.5e9, dp=64, zero=2)["model_state_bytes"]`` is 16.6e9.
+    """
+    return as_dict(_core.plan_model_state(float(params), float(layer_params), float(root_params),
+                                          sharding(**sharding_settings)))
+
+
+def optimizers() -> list[dict]:
+    """The optimizer presets: name, description, optimizer_bytes (K per parameter)."""
+    return as_dict(_core.plan_optimizers())
+
+
+_SHARDING_KEYS = ("dp", "zero", "fsdp", "fsdp_hybrid", "optimizer", "optimizer_bytes", "param_bytes", "grad_bytes")
+
+
 def plan(config: Mapping[str, Any] | None = None, *, gpu: str = "h100-sxm", ssd: str = "d7-p5620",
          ssds: int = 1, mfu: float = 0.5, write_amplification: float = 1.0, **kwargs) -> dict:
-    """Everything ``ebbtide plan`` reports, as a dict (see docs/model.md for each key)."""
-    report = _core.plan_report(_config(config, kwargs), gpu, ssd, ssds, mfu, write_amplification)
+    """Everything ``ebbtide plan`` reports, as a dict (see docs/model.md for each key).
+
+    The :func:`sharding` keywords (dp, zero, fsdp, fsdp_hybrid, optimizer,
+    optimizer_bytes, param_bytes, grad_bytes) set how model state is held per
+    GPU; the others are model settings. ``model_state_bytes`` and the largest
+    micro-batches follow from them.
+    """
+    shard = sharding(**{k: kwargs.pop(k) for k in _SHARDING_KEYS if k in kwargs})
+    report = _core.plan_report(_config(config, kwargs), gpu, ssd, ssds, mfu, write_amplification, shard)
     return as_dict(report)
+
+
+def longest_seq(config: Mapping[str, Any] | None = None, *, step: int = 256, limit: int = 1 << 21,
+                **kwargs) -> dict:
+    """The longest sequence, a multiple of ``step`` up to ``limit``, at which the
+    config's micro-batch fits one GPU under :func:`plan`'s settings.
+
+    Args:
+        config: a model config (its seq is ignored).
+        step: the granularity of the answer.
+        limit: the longest sequence tried.
+        **kwargs: :func:`plan`'s keywords.
+
+    Returns:
+        ``{"longest_seq": with offloading, "longest_seq_without_offload": without}``; 0 where not even
+        ``step`` fits.
+    """
+    batch = int(dict(config or {}, **kwargs).get("batch") or 1)
+
+    def longest(key):
+        lo, hi = 0, limit // step  # fits at lo * step (0: trivially), search the largest
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if plan(config, **dict(kwargs, seq=mid * step))[key] >= batch:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * step
+
+    return {"longest_seq": longest("max_micro_batch"),
+            "longest_seq_without_offload": longest("max_micro_batch_without_offload")}
 
 
 def budget_plan(config: Mapping[str, Any] | None = None, *, activation_budget_bytes: int, gpu: str = "h100-sxm",

@@ -171,6 +171,29 @@ void bind_model_results(nb::module_& m) {
       .ro("name", &ModelSpec::name)
       .ro("description", &ModelSpec::description)
       .prop("config", [](const ModelSpec& s) { return normalized(s.config); });
+  Record<ShardingOptions>(m, "ShardingOptions",
+                          "Data parallelism and ZeRO / FSDP sharding of model state, bytes per parameter.")
+      .init()
+      .rw("dp", &ShardingOptions::dp)
+      .rw("zero_stage", &ShardingOptions::zero_stage)
+      .rw("shard_group", &ShardingOptions::shard_group)
+      .rw("param_bytes", &ShardingOptions::param_bytes)
+      .rw("grad_bytes", &ShardingOptions::grad_bytes)
+      .rw("optimizer_bytes", &ShardingOptions::optimizer_bytes)
+      .def("validate", &validate_sharding, "Raises ValueError naming a bad setting.");
+  Record<ModelStateBytes>(m, "ModelStateBytes", "Model state per GPU by term, bytes.")
+      .ro("shard_over", &ModelStateBytes::shard_over)
+      .ro("params_bytes", &ModelStateBytes::params)
+      .ro("grads_bytes", &ModelStateBytes::grads)
+      .ro("optimizer_bytes", &ModelStateBytes::optimizer)
+      .ro("gathered_unit_bytes", &ModelStateBytes::gathered_unit)
+      .ro("prefetch_unit_bytes", &ModelStateBytes::prefetch_unit)
+      .ro("root_unit_bytes", &ModelStateBytes::root_unit)
+      .ro("model_state_bytes", &ModelStateBytes::total);
+  Record<OptimizerPreset>(m, "OptimizerPreset", "A named optimizer's bytes per parameter (K).")
+      .ro("name", &OptimizerPreset::name)
+      .ro("description", &OptimizerPreset::description)
+      .ro("optimizer_bytes", &OptimizerPreset::optimizer_bytes);
   // The names are the keys of `ebbtide plan --json` (docs/model.md).
   Record<PlanReport>(m, "PlanReport", "Everything `ebbtide plan` reports; bytes per GPU, rates in 1e9 bytes/s.")
       .prop("config", [](const PlanReport& r) { return normalized(r.config); })
@@ -207,7 +230,17 @@ void bind_model_results(nb::module_& m) {
       .ro("ssd_capacity_bytes", &PlanReport::ssd_capacity_bytes)
       .ro("gpu_memory_bytes", &PlanReport::gpu_memory_bytes)
       .ro("max_micro_batch", &PlanReport::max_micro_batch)
-      .ro("max_micro_batch_without_offload", &PlanReport::max_micro_batch_without_offload);
+      .ro("max_micro_batch_without_offload", &PlanReport::max_micro_batch_without_offload)
+      .ro("sharding", &PlanReport::options, &PlanOptions::sharding)
+      .ro("shard_over", &PlanReport::model_state, &ModelStateBytes::shard_over)
+      .ro("params_bytes", &PlanReport::model_state, &ModelStateBytes::params)
+      .ro("grads_bytes", &PlanReport::model_state, &ModelStateBytes::grads)
+      .ro("optimizer_bytes", &PlanReport::model_state, &ModelStateBytes::optimizer)
+      .ro("gathered_unit_bytes", &PlanReport::model_state, &ModelStateBytes::gathered_unit)
+      .ro("prefetch_unit_bytes", &PlanReport::model_state, &ModelStateBytes::prefetch_unit)
+      .ro("root_unit_bytes", &PlanReport::model_state, &ModelStateBytes::root_unit)
+      .ro("layer_params", &PlanReport::units, &ParameterUnits::largest_layer)
+      .ro("root_params", &PlanReport::units, &ParameterUnits::root);
 }
 
 void bind_planner(nb::module_& m) {
@@ -288,11 +321,19 @@ void ebbtide::py::bind_plan(nb::module_& m) {
   m.def("plan_ssds", &ssd_catalog);
   m.def("plan_report",
         [](const ModelConfig& config, const std::string& gpu, const std::string& ssd, int64_t ssds, double mfu,
-           double write_amplification) {
-          return make_plan(config, find_gpu(gpu), find_ssd(ssd), PlanOptions{mfu, ssds, write_amplification});
+           double write_amplification, const ShardingOptions& sharding) {
+          return make_plan(config, find_gpu(gpu), find_ssd(ssd),
+                           PlanOptions{mfu, ssds, write_amplification, sharding});
         },
         nb::arg("config"), nb::arg("gpu"), nb::arg("ssd"), nb::arg("ssds") = 1, nb::arg("mfu") = 0.5,
-        nb::arg("write_amplification") = 1.0);
+        nb::arg("write_amplification") = 1.0, nb::arg("sharding") = ShardingOptions{});
+  m.def("plan_model_state",
+        [](double params, double layer_params, double root_params, const ShardingOptions& sharding) {
+          return model_state_bytes(ParameterUnits{params, layer_params, root_params}, sharding);
+        },
+        nb::arg("params"), nb::arg("layer_params"), nb::arg("root_params"), nb::arg("sharding"));
+  m.def("plan_optimizers", &optimizer_presets);
+  m.def("plan_find_optimizer", &find_optimizer, nb::arg("name"));
   m.def("plan_offload", &plan_offload, nb::arg("modules"), nb::arg("options"));
   m.def("plan_model_modules", &model_modules, nb::arg("report"));
   m.def("plan_model_options", &model_planner_options, nb::arg("report"), nb::arg("activation_budget_bytes"),

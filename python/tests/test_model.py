@@ -466,3 +466,87 @@ def test_cli_activation_budget_mix():
     assert bad.returncode != 0 and "--activation-budget" in bad.stderr
     full = _cli("--model", "llama3-8b", "--seq", "8192", "--recompute", "full", "--activation-budget", "20GiB")
     assert full.returncode != 0 and "--recompute none" in full.stderr
+
+
+# ---------------------------------------------------------------------------
+# Model state under data parallelism (ZeRO / FSDP); FSDP2 measured in test_model_fsdp.py.
+
+
+def test_zero_paper_table():
+    """Rajbhandari et al. 2020, figure 1: Φ = 7.5B, K = 12, N = 64 -> 120, 31.4, 16.6, 1.9 GB."""
+    got = [model.model_state(7.5e9, dp=64, zero=stage)["model_state_bytes"] / 1e9 for stage in range(4)]
+    assert got[0] == 120.0
+    assert [round(g, 1) for g in got] == [120.0, 31.4, 16.6, 1.9]
+    assert model.model_state(7.5e9, dp=64, fsdp=True) == model.model_state(7.5e9, dp=64, zero=3)
+    s = model.model_state(7.5e9, dp=64, zero=1)
+    assert (s["params_bytes"], s["grads_bytes"], s["optimizer_bytes"]) == (15e9, 15e9, 12 * 7.5e9 / 64)
+
+
+def test_model_state_units_and_settings():
+    s = model.model_state(1000, layer_params=100, root_params=200, dp=8, fsdp_hybrid=4)
+    assert s["shard_over"] == 4 and s["params_bytes"] == 500
+    assert (s["gathered_unit_bytes"], s["prefetch_unit_bytes"], s["root_unit_bytes"]) == (200, 200, 400)
+    assert model.model_state(1000, dp=2, zero=1, optimizer="adam-8bit")["optimizer_bytes"] == 3000
+    assert {o["name"]: o["optimizer_bytes"] for o in model.optimizers()}["sgd-momentum"] == 8
+    for kwargs, message in [(dict(dp=8, zero=4), "'zero' must be 0, 1, 2 or 3"),
+                            (dict(dp=8, fsdp_hybrid=3), "must divide 'dp' (8)"),
+                            (dict(dp=8, zero=1, fsdp=True), "fsdp shards parameters"),
+                            (dict(optimizer="lion"), "valid: adam, adam-8bit"),
+                            (dict(dp=0), "'dp' must be a positive integer")]:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            model.model_state(1000, **kwargs)
+
+
+def test_plan_micro_batch_follows_the_sharding():
+    config = dict(model.catalog_config("llama3-8b"), seq=8192)
+    alone = model.plan(config)
+    assert alone["model_state_bytes"] == 16 * alone["params"] and alone["max_micro_batch"] == 0
+    fsdp8 = model.plan(config, dp=8, fsdp=True)
+    assert fsdp8["sharding"] == {"dp": 8, "zero_stage": 3, "shard_group": 0, "param_bytes": 2.0,
+                                 "grad_bytes": 2.0, "optimizer_bytes": 12.0}
+    parts = sum(fsdp8[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "gathered_unit_bytes",
+                                   "prefetch_unit_bytes", "root_unit_bytes"))
+    assert fsdp8["model_state_bytes"] == pytest.approx(parts, rel=1e-15)
+    assert 0 < fsdp8["max_micro_batch_without_offload"] < fsdp8["max_micro_batch"]
+    zero1 = model.plan(config, dp=8, zero=1)
+    assert zero1["max_micro_batch_without_offload"] <= fsdp8["max_micro_batch_without_offload"]
+    wider = model.plan(config, dp=512, fsdp=True)
+    assert wider["model_state_bytes"] < fsdp8["model_state_bytes"]
+
+
+def test_longest_seq_fits_and_one_step_more_does_not():
+    config = dict(model.catalog_config("llama3-8b"), batch=1)
+    got = model.longest_seq(config, dp=8, fsdp=True)
+    assert got["longest_seq"] > got["longest_seq_without_offload"] > 0
+    assert model.plan(config, seq=got["longest_seq"], dp=8, fsdp=True)["max_micro_batch"] >= 1
+    assert model.plan(config, seq=got["longest_seq"] + 256, dp=8, fsdp=True)["max_micro_batch"] == 0
+    nofit = model.plan(config, seq=got["longest_seq_without_offload"] + 256, dp=8, fsdp=True)
+    assert nofit["max_micro_batch_without_offload"] == 0
+
+
+def test_cli_data_parallel():
+    r = _cli("--model", "llama3-8b", "--seq", "8192", "--dp", "8", "--fsdp", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["sharding"]["zero_stage"] == 3 and d["shard_over"] == 8
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "gathered_unit_bytes", "prefetch_unit_bytes",
+                "root_unit_bytes", "model_state_bytes"):
+        assert d[key] > 0, key
+    assert d == json.loads(json.dumps(model.plan(dict(model.catalog_config("llama3-8b"), seq=8192), dp=8,
+                                                 fsdp=True)))
+    table = _cli("--model", "llama3-8b", "--seq", "8192", "--dp", "64", "--fsdp-hybrid", "8",
+                 "--optimizer", "adam-8bit")
+    assert table.returncode == 0, table.stderr
+    assert "dp=64, ZeRO-3 / FSDP, sharded over 8 x 8 replicas" in table.stdout
+    assert "optimizer 6" in table.stdout and "gathered unit" in table.stdout
+    alone = _cli("--model", "llama3-8b", "--seq", "8192")
+    assert "shard it: --fsdp or --zero 1|2|3 with --dp" in alone.stdout
+    auto = _cli("--model", "llama3-8b", "--seq", "auto", "--dp", "8", "--fsdp", "--json")
+    assert auto.returncode == 0, auto.stderr
+    a = json.loads(auto.stdout)
+    assert a["config"]["seq"] == a["longest_seq"] > a["longest_seq_without_offload"] > 0
+    for args, message in [(["--zero", "5"], "invalid choice"), (["--dp", "8", "--fsdp-hybrid", "3"],
+                                                                 "must divide 'dp' (8)"),
+                          (["--seq", "long"], "expected a positive integer or 'auto'")]:
+        bad = _cli("--model", "llama3-8b", "--seq", "8192", *args)
+        assert bad.returncode != 0 and message in bad.stderr, bad.stderr

@@ -20,7 +20,8 @@ def register(subparsers):
                    help="decoder layers for --arch encoder-decoder (default: --layers)")
     p.add_argument("--hidden", type=int, help="hidden size h")
     p.add_argument("--heads", type=int, help="attention heads a (must divide --hidden)")
-    p.add_argument("--seq", type=int, help="sequence length s")
+    p.add_argument("--seq", help="sequence length s, or 'auto': the longest (a multiple of 256) that fits one "
+                                 "sample per GPU, with and without offloading")
     p.add_argument("--batch", type=int, default=1, help="micro-batch b (default 1)")
     p.add_argument("--ffn-hidden", type=int, default=None, help="MLP width (default 4*hidden)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 50257)")
@@ -42,6 +43,19 @@ def register(subparsers):
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
     p.add_argument("--recompute", default="none", help="none | selective | full")
     p.add_argument("--dtype", default="bf16", help="activation dtype: bf16 | fp16 | fp32")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel GPUs (default 1)")
+    p.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3),
+                   help="ZeRO stage: 1 shards optimizer state over --dp, 2 also gradients, 3 also parameters")
+    p.add_argument("--fsdp", action="store_true", help="FSDP: ZeRO-3 over --dp (layers as units)")
+    p.add_argument("--fsdp-hybrid", type=int, default=None, metavar="G",
+                   help="hybrid FSDP: shard within groups of G GPUs, replicate across --dp / G groups")
+    p.add_argument("--optimizer", default=None,
+                   help="optimizer preset setting --optimizer-bytes: adam (12), adam-8bit (6), sgd-momentum (8), "
+                        "sgd (4), adam-fp32 (8, with --param-bytes 4 --grad-bytes 4)")
+    p.add_argument("--optimizer-bytes", type=float, default=None, metavar="K",
+                   help="optimizer state per parameter in bytes (default 12: fp32 master + Adam's two moments)")
+    p.add_argument("--param-bytes", type=float, default=2, help="bytes per parameter (default 2: bf16)")
+    p.add_argument("--grad-bytes", type=float, default=2, help="bytes per gradient element (default 2: bf16)")
     p.add_argument("--gpu", default="h100-sxm", help="GPU from the catalog (see --list)")
     p.add_argument("--ssd", default="d7-p5620", help="SSD from the catalog (see --list)")
     p.add_argument("--ssds", type=int, default=1, help="SSDs per GPU, striped (default 1)")
@@ -99,8 +113,28 @@ def _print_catalogs(out):
                   f"{s['description']}\n")
 
 
+def _sharding_text(r):
+    sh = r["sharding"]
+    stage = sh["zero_stage"]
+    how = {0: "replicated (DDP)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 / FSDP"}[stage]
+    group = (f", sharded over {r['shard_over']}" + (f" x {sh['dp'] // r['shard_over']} replicas"
+                                                    if sh["shard_group"] else "")) if stage else ""
+    return (f"dp={sh['dp']}, {how}{group}; bytes/param: params {sh['param_bytes']:g}, grads {sh['grad_bytes']:g}, "
+            f"optimizer {sh['optimizer_bytes']:g}")
+
+
+def _state_text(r):
+    text = (f"params {_bytes(r['params_bytes'])} + grads {_bytes(r['grads_bytes'])} + optimizer "
+            f"{_bytes(r['optimizer_bytes'])}")
+    if r["gathered_unit_bytes"]:
+        text += (f" + gathered unit {_bytes(r['gathered_unit_bytes'])} + prefetch {_bytes(r['prefetch_unit_bytes'])}"
+                 f" + root unit {_bytes(r['root_unit_bytes'])}")
+    return text
+
+
 def _print_report(r, out):
     c = r["config"]
+    sh = r["sharding"]
     if c["family"] == "llama":
         layer = (f"llama, {c['layers']} layers, h={c['hidden']}, a={c['heads']}, kv={c['kv_heads']}, "
                  f"ffn={c['ffn_hidden']}, V={c['vocab']}, {c['norm']}")
@@ -118,6 +152,8 @@ def _print_report(r, out):
                   f"sp={'on' if c['sp'] else 'off'}, recompute={c['recompute']}"),
         ("hardware", f"{r['gpu']}, {r['ssds']} x {r['ssd']}, mfu={r['mfu']}"),
         ("parameters", f"{r['params'] / 1e9:.3f} B  (model state {_bytes(r['model_state_bytes'])} per GPU)"),
+        ("data parallel", _sharding_text(r)),
+        ("model state / GPU", _state_text(r)),
         ("activations / layer", _bytes(r["activation_bytes_per_layer"])),
         ("activations / step", _bytes(r["activation_bytes_per_step"])),
         ("offloaded / step", f"{_bytes(r['offloaded_bytes_per_step'])}  (all but the last layer)"),
@@ -134,11 +170,16 @@ def _print_report(r, out):
         ("SSD lifetime", f"{r['ssd_lifetime_years']:.2f} years of continuous training "
                          f"(write amplification {r['write_amplification']})"),
         ("max micro-batch", f"{r['max_micro_batch']} offloaded, "
-                            f"{r['max_micro_batch_without_offload']} without offloading"),
+                            f"{r['max_micro_batch_without_offload']} without offloading  (per GPU; global "
+                            f"{r['max_micro_batch'] * sh['dp']} / {r['max_micro_batch_without_offload'] * sh['dp']})"),
     ]
+    if "longest_seq" in r:
+        rows.append(("longest sequence", f"{r['longest_seq']} offloaded, {r['longest_seq_without_offload']} "
+                                         "without offloading  (one sample per GPU)"))
     if r["model_state_bytes"] >= r["gpu_memory_bytes"]:
+        hint = "raise --tp" if sh["zero_stage"] == 3 else "shard it: --fsdp or --zero 1|2|3 with --dp"
         rows.append(("note", f"model state ({_bytes(r['model_state_bytes'])}) exceeds GPU memory "
-                             f"({_bytes(r['gpu_memory_bytes'])}): raise --tp"))
+                             f"({_bytes(r['gpu_memory_bytes'])}): {hint}"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         out.write(f"{k:<{width}}  {v}\n")
@@ -186,6 +227,13 @@ def _hf_config(path, seq, batch):
     return config
 
 
+def _seq(text):
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--seq {text!r}: expected a positive integer or 'auto'") from None
+
+
 def run(args):
     if args.list:
         _print_catalogs(sys.stdout)
@@ -196,7 +244,7 @@ def run(args):
         raise ValueError("give --hf-config or --model, not both")
     config = {}
     if args.hf_config:
-        config = _hf_config(args.hf_config, args.seq or 1, args.batch)
+        config = _hf_config(args.hf_config, 1 if args.seq in (None, "auto") else _seq(args.seq), args.batch)
     elif args.model:
         config = model.catalog_config(args.model)
     if args.arch is not None:
@@ -216,11 +264,20 @@ def run(args):
     missing += ["--seq"] if args.seq is None else []
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or use --hf-config, --model or --list)")
-    config.update(seq=args.seq, batch=args.batch, tp=args.tp, sp=args.sp, flash_attn=not args.no_flash_attn,
-                  recompute=args.recompute, dtype=args.dtype)
+    auto_seq = args.seq == "auto"
+    config.update(seq=256 if auto_seq else _seq(args.seq), batch=args.batch, tp=args.tp, sp=args.sp,
+                  flash_attn=not args.no_flash_attn, recompute=args.recompute, dtype=args.dtype)
     config.pop("bytes_per_element", None)
-    report = model.plan(config, gpu=args.gpu, ssd=args.ssd, ssds=args.ssds, mfu=args.mfu,
-                        write_amplification=args.write_amplification)
+    hardware = dict(gpu=args.gpu, ssd=args.ssd, ssds=args.ssds, mfu=args.mfu,
+                    write_amplification=args.write_amplification, dp=args.dp, zero=args.zero, fsdp=args.fsdp,
+                    fsdp_hybrid=args.fsdp_hybrid, optimizer=args.optimizer, optimizer_bytes=args.optimizer_bytes,
+                    param_bytes=args.param_bytes, grad_bytes=args.grad_bytes)
+    if auto_seq:
+        longest = model.longest_seq(config, **hardware)
+        config["seq"] = max(longest["longest_seq"], 256)
+    report = model.plan(config, **hardware)
+    if auto_seq:
+        report.update(longest)
     if args.activation_budget is not None:
         from ebbtide import _core
 
