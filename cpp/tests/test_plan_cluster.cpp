@@ -129,3 +129,54 @@ TEST(PlanCluster, FsdpLetsLlama8bFitAndSetsTheMicroBatch) {
   const PlanReport wide = make_plan(c, gpu, ssd, o);
   EXPECT_GE(wide.max_micro_batch_without_offload, fsdp.max_micro_batch_without_offload);
 }
+
+namespace {
+
+PlanReport llama8b_plan(int64_t batch, ShardingOptions sharding) {
+  ModelConfig c = find_model("llama3-8b").config;
+  c.seq = 4096;
+  c.batch = batch;
+  PlanOptions o;
+  o.sharding = sharding;
+  return make_plan(c, find_gpu("h100-sxm"), find_ssd("d7-p5620"), o);
+}
+
+}  // namespace
+
+TEST(PlanCluster, RingCollectivesAcrossNodesAndWithinOne) {
+  const NetworkSpec& eth = find_network("a100-eth100");
+  const PlanReport r = llama8b_plan(1, zero(3, 64));
+  const CommTimes c = communication(r, eth);
+  const double layer = r.units.largest_layer;
+  EXPECT_DOUBLE_EQ(c.gather_seconds, 63.0 / 64 * 2 * layer / (12.5e9 / 8) + 63 * 30e-6);
+  EXPECT_DOUBLE_EQ(c.reduce_seconds, c.gather_seconds);  // bf16 gradients: the same bytes
+  EXPECT_DOUBLE_EQ(c.step_seconds, r.step_seconds + c.exposed_seconds);
+  EXPECT_NEAR(c.unit_forward_seconds * 32, r.forward_seconds, 0.1 * r.forward_seconds);  // + the LM head
+  // Inside one node the collectives ride NVLink.
+  const CommTimes node = communication(llama8b_plan(1, zero(3, 8)), eth);
+  EXPECT_DOUBLE_EQ(node.gather_seconds, 7.0 / 8 * 2 * layer / 300e9 + 7 * 30e-6);
+  EXPECT_GT(node.scaling_efficiency, c.scaling_efficiency);
+  // One GPU communicates nothing.
+  const CommTimes one = communication(llama8b_plan(1, zero(3, 1)), eth);
+  EXPECT_DOUBLE_EQ(one.comm_seconds, 0);
+  EXPECT_DOUBLE_EQ(one.scaling_efficiency, 1);
+}
+
+TEST(PlanCluster, LargerMicroBatchHidesTheGather) {
+  const NetworkSpec& eth = find_network("a100-eth100");
+  double last = 0;
+  for (int64_t b : {1, 2, 4, 8}) {
+    const CommTimes c = communication(llama8b_plan(b, zero(3, 64)), eth);
+    EXPECT_GT(c.scaling_efficiency, last) << "batch " << b;
+    last = c.scaling_efficiency;
+  }
+  EXPECT_LT(communication(llama8b_plan(1, zero(3, 64)), eth).scaling_efficiency, 0.5);
+  // InfiniBand: a layer's 436 MB gather (8.9 ms) outlasts its forward at 4096 tokens (4.2 ms), not at 4 x 4096.
+  EXPECT_LT(communication(llama8b_plan(1, zero(3, 64)), find_network("dgx-h100")).scaling_efficiency, 0.5);
+  EXPECT_GT(communication(llama8b_plan(4, zero(3, 64)), find_network("dgx-h100")).scaling_efficiency, 0.9);
+  // DDP all-reduces the gradients during backward.
+  const PlanReport ddp = llama8b_plan(1, zero(0, 16));
+  const CommTimes d = communication(ddp, find_network("dgx-h100"));
+  EXPECT_DOUBLE_EQ(d.comm_seconds, 2 * (15.0 / 16 * 2 * ddp.params / 50e9 + 15 * 5e-6));
+  EXPECT_THROW(find_network("ethernet"), ebbtide::InvalidArgument);
+}

@@ -542,6 +542,7 @@ const std::vector<SsdSpec>& ssd_catalog() {
 
 const GpuSpec& find_gpu(std::string_view name) { return find_in(gpu_catalog(), name, "gpu"); }
 const SsdSpec& find_ssd(std::string_view name) { return find_in(ssd_catalog(), name, "ssd"); }
+const NetworkSpec& find_network(std::string_view name) { return find_in(network_catalog(), name, "network"); }
 const OptimizerPreset& find_optimizer(std::string_view name) {
   return find_in(optimizer_presets(), name, "optimizer");
 }
@@ -618,6 +619,61 @@ PlanReport make_plan(const ModelConfig& config, const GpuSpec& gpu, const SsdSpe
   r.max_micro_batch = std::min(by_gpu, by_ssd);
   r.max_micro_batch_without_offload = fit(free_gpu, a1.per_step + a1.logits + a1.outside);
   return r;
+}
+
+// Note [Collective time]: a ring collective over n GPUs moves (n-1)/n of
+// the full buffer through each GPU's link in n-1 steps: (n-1)/n x bytes / bw
+// + (n-1) x latency, bw the NVLink rate while n fits in a node and the
+// per-GPU network share beyond. Stage 3 all-gathers each layer before its
+// forward and again before its backward, and reduce-scatters its gradients
+// after backward (HSDP: then all-reduces the shard across the dp / N
+// replicas); a layer's collectives overlap the neighbouring layer's compute,
+// so what exceeds the layer's compute is exposed, and the root unit's gather
+// (before the first layer) and reduce-scatter (after the last) are exposed
+// whole. Stages 0-2 all-reduce (2: reduce-scatter) the gradients in buckets
+// during backward, exposed beyond the backward time; stages 1-2 all-gather
+// the updated parameters after the optimizer step, exposed.
+CommTimes communication(const PlanReport& r, const NetworkSpec& net) {
+  EBB_CHECK(net.gpus_per_node > 0 && net.intra_gbps > 0 && net.inter_gbps > 0 && net.latency_us >= 0,
+            "network '", net.name, "' needs positive GPUs per node and rates, and latency >= 0");
+  const ShardingOptions& o = r.options.sharding;
+  auto ring = [&](double bytes, int64_t n, bool across_nodes) {
+    if (n <= 1) return 0.0;
+    const double bw = (across_nodes || n > net.gpus_per_node ? net.inter_gbps : net.intra_gbps) * 1e9;
+    const double k = static_cast<double>(n);
+    return (k - 1) / k * bytes / bw + (k - 1) * net.latency_us * 1e-6;
+  };
+  CommTimes c;
+  const double layers = static_cast<double>(r.config.self_only_layers() + r.config.cross_layers());
+  const double layer_flops = r.flops.largest_layer() / static_cast<double>(r.config.tp);
+  c.unit_forward_seconds = r.forward_seconds * layer_flops / (r.flops.forward / static_cast<double>(r.config.tp));
+  c.unit_backward_seconds = c.unit_forward_seconds * (r.step_seconds - r.forward_seconds) / r.forward_seconds;
+  const double backward = r.step_seconds - r.forward_seconds;
+  const int64_t n = r.model_state.shard_over;
+  const int64_t replicas = o.dp / n;
+  if (o.zero_stage == 3) {
+    c.gather_seconds = ring(o.param_bytes * r.units.largest_layer, n, false);
+    c.reduce_seconds = ring(o.grad_bytes * r.units.largest_layer, n, false) +
+                       2 * ring(o.grad_bytes * r.units.largest_layer / static_cast<double>(n), replicas, true);
+    const double root_gather = ring(o.param_bytes * r.units.root, n, false);
+    const double root_reduce = ring(o.grad_bytes * r.units.root, n, false) +
+                               2 * ring(o.grad_bytes * r.units.root / static_cast<double>(n), replicas, true);
+    c.comm_seconds = layers * (2 * c.gather_seconds + c.reduce_seconds) + root_gather + root_reduce;
+    c.exposed_seconds = layers * (std::max(0.0, c.gather_seconds - c.unit_forward_seconds) +
+                                  std::max(0.0, c.gather_seconds + c.reduce_seconds - c.unit_backward_seconds)) +
+                        root_gather + root_reduce;
+  } else {
+    const double grads = o.grad_bytes * r.units.total;
+    const double reduce = o.zero_stage == 2 ? ring(grads, n, false) + 2 * ring(grads / static_cast<double>(n),
+                                                                               replicas, true)
+                                            : 2 * ring(grads, o.dp, false);
+    const double gather = o.zero_stage >= 1 ? ring(o.param_bytes * r.units.total, n, false) : 0.0;
+    c.comm_seconds = reduce + gather;
+    c.exposed_seconds = std::max(0.0, reduce - backward) + gather;
+  }
+  c.step_seconds = r.step_seconds + c.exposed_seconds;
+  c.scaling_efficiency = r.step_seconds / c.step_seconds;
+  return c;
 }
 
 }  // namespace ebbtide::plan

@@ -66,4 +66,30 @@ struct ModelStateBytes {
 };
 ModelStateBytes model_state_bytes(const ParameterUnits& units, const ShardingOptions& options);
 
+// A cluster's interconnect per GPU, one direction, 1e9 bytes/s: inside a node
+// (NVLink) and across nodes (the node's NICs shared by its GPUs), and the
+// latency of one step of a ring collective.
+struct NetworkSpec {
+  std::string name;  // catalog key, e.g. "dgx-h100"
+  std::string description;
+  int64_t gpus_per_node;
+  double intra_gbps;
+  double inter_gbps;
+  double latency_us;
+};
+const std::vector<NetworkSpec>& network_catalog();
+const NetworkSpec& find_network(std::string_view name);  // InvalidArgument lists the names
+
+// Seconds per step (per GPU) of the data-parallel collectives.
+struct CommTimes {
+  double gather_seconds = 0;       // stage 3: one layer's all-gather
+  double reduce_seconds = 0;       // stage 3: one layer's reduce-scatter (+ HSDP all-reduce)
+  double unit_forward_seconds = 0; // one layer's forward compute
+  double unit_backward_seconds = 0;
+  double comm_seconds = 0;         // all collectives of a step
+  double exposed_seconds = 0;      // the part compute does not hide
+  double step_seconds = 0;         // compute + exposed
+  double scaling_efficiency = 1;   // compute / step
+};
+
 }  // namespace ebbtide::plan

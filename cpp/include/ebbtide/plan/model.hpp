@@ -197,4 +197,10 @@ struct PlanReport {
 PlanReport make_plan(const ModelConfig& config, const GpuSpec& gpu, const SsdSpec& ssd,
                      const PlanOptions& options);
 
+// The data-parallel collectives of one step of `report` on `network` (Note
+// [Collective time] in model.cpp): per-layer all-gather / reduce-scatter
+// under stage 3, the gradient all-reduce otherwise, and what of them the
+// compute does not hide.
+CommTimes communication(const PlanReport& report, const NetworkSpec& network);
+
 }  // namespace ebbtide::plan
