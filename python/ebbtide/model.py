@@ -27,6 +27,7 @@ __all__ = [
     "longest_seq",
     "sharding",
     "optimizers",
+    "networks",
     "gpus",
     "ssds",
     "models",
@@ -137,18 +138,31 @@ def optimizers() -> list[dict]:
 _SHARDING_KEYS = ("dp", "zero", "fsdp", "fsdp_hybrid", "optimizer", "optimizer_bytes", "param_bytes", "grad_bytes")
 
 
+def networks() -> list[dict]:
+    """The network catalog: name, description, gpus_per_node, intra_gbps, inter_gbps, latency_us."""
+    return as_dict(_core.plan_networks())
+
+
 def plan(config: Mapping[str, Any] | None = None, *, gpu: str = "h100-sxm", ssd: str = "d7-p5620",
-         ssds: int = 1, mfu: float = 0.5, write_amplification: float = 1.0, **kwargs) -> dict:
+         ssds: int = 1, mfu: float = 0.5, write_amplification: float = 1.0, network: str | None = None,
+         **kwargs) -> dict:
     """Everything ``ebbtide plan`` reports, as a dict (see docs/model.md for each key).
 
     The :func:`sharding` keywords (dp, zero, fsdp, fsdp_hybrid, optimizer,
     optimizer_bytes, param_bytes, grad_bytes) set how model state is held per
     GPU; the others are model settings. ``model_state_bytes`` and the largest
-    micro-batches follow from them.
+    micro-batches follow from them. With ``network`` (a name of :func:`networks`)
+    the data-parallel collectives are added: ``comm_gather_seconds``,
+    ``comm_reduce_seconds``, ``comm_seconds``, ``comm_exposed_seconds``,
+    ``step_seconds_with_comm``, ``scaling_efficiency`` and ``network``.
     """
     shard = sharding(**{k: kwargs.pop(k) for k in _SHARDING_KEYS if k in kwargs})
-    report = _core.plan_report(_config(config, kwargs), gpu, ssd, ssds, mfu, write_amplification, shard)
-    return as_dict(report)
+    record = _config(config, kwargs)
+    report = as_dict(_core.plan_report(record, gpu, ssd, ssds, mfu, write_amplification, shard))
+    if network is not None:
+        report.update(as_dict(_core.plan_communication(record, gpu, ssd, ssds, mfu, shard, network)),
+                      network=network.lower())
+    return report
 
 
 def longest_seq(config: Mapping[str, Any] | None = None, *, step: int = 256, limit: int = 1 << 21,

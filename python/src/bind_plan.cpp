@@ -194,6 +194,22 @@ void bind_model_results(nb::module_& m) {
       .ro("name", &OptimizerPreset::name)
       .ro("description", &OptimizerPreset::description)
       .ro("optimizer_bytes", &OptimizerPreset::optimizer_bytes);
+  Record<NetworkSpec>(m, "NetworkSpec", "A cluster interconnect of the catalog; rates per GPU, 1e9 bytes/s.")
+      .ro("name", &NetworkSpec::name)
+      .ro("description", &NetworkSpec::description)
+      .ro("gpus_per_node", &NetworkSpec::gpus_per_node)
+      .ro("intra_gbps", &NetworkSpec::intra_gbps)
+      .ro("inter_gbps", &NetworkSpec::inter_gbps)
+      .ro("latency_us", &NetworkSpec::latency_us);
+  Record<CommTimes>(m, "CommTimes", "Data-parallel collectives of one step, seconds per GPU.")
+      .ro("comm_gather_seconds", &CommTimes::gather_seconds)
+      .ro("comm_reduce_seconds", &CommTimes::reduce_seconds)
+      .ro("unit_forward_seconds", &CommTimes::unit_forward_seconds)
+      .ro("unit_backward_seconds", &CommTimes::unit_backward_seconds)
+      .ro("comm_seconds", &CommTimes::comm_seconds)
+      .ro("comm_exposed_seconds", &CommTimes::exposed_seconds)
+      .ro("step_seconds_with_comm", &CommTimes::step_seconds)
+      .ro("scaling_efficiency", &CommTimes::scaling_efficiency);
   // The names are the keys of `ebbtide plan --json` (docs/model.md).
   Record<PlanReport>(m, "PlanReport", "Everything `ebbtide plan` reports; bytes per GPU, rates in 1e9 bytes/s.")
       .prop("config", [](const PlanReport& r) { return normalized(r.config); })
@@ -333,6 +349,15 @@ void ebbtide::py::bind_plan(nb::module_& m) {
         },
         nb::arg("params"), nb::arg("layer_params"), nb::arg("root_params"), nb::arg("sharding"));
   m.def("plan_optimizers", &optimizer_presets);
+  m.def("plan_networks", &network_catalog);
+  m.def("plan_communication",
+        [](const ModelConfig& config, const std::string& gpu, const std::string& ssd, int64_t ssds, double mfu,
+           const ShardingOptions& sharding, const std::string& network) {
+          return communication(make_plan(config, find_gpu(gpu), find_ssd(ssd), PlanOptions{mfu, ssds, 1.0, sharding}),
+                               find_network(network));
+        },
+        nb::arg("config"), nb::arg("gpu"), nb::arg("ssd"), nb::arg("ssds"), nb::arg("mfu"), nb::arg("sharding"),
+        nb::arg("network"));
   m.def("plan_find_optimizer", &find_optimizer, nb::arg("name"));
   m.def("plan_offload", &plan_offload, nb::arg("modules"), nb::arg("options"));
   m.def("plan_model_modules", &model_modules, nb::arg("report"));

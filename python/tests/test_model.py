@@ -550,3 +550,38 @@ def test_cli_data_parallel():
                           (["--seq", "long"], "expected a positive integer or 'auto'")]:
         bad = _cli("--model", "llama3-8b", "--seq", "8192", *args)
         assert bad.returncode != 0 and message in bad.stderr, bad.stderr
+
+
+def test_network_adds_the_collectives_and_the_efficiency():
+    config = dict(model.catalog_config("llama3-8b"), seq=4096)
+    r = model.plan(config, dp=64, fsdp=True, network="a100-eth100")
+    layer = r["layer_params"]
+    eth = {n["name"]: n for n in model.networks()}["a100-eth100"]
+    assert r["comm_gather_seconds"] == pytest.approx(63 / 64 * 2 * layer / (eth["inter_gbps"] * 1e9)
+                                                     + 63 * eth["latency_us"] * 1e-6, rel=1e-12)
+    assert r["step_seconds_with_comm"] == pytest.approx(r["step_seconds"] + r["comm_exposed_seconds"], rel=1e-12)
+    assert r["network"] == "a100-eth100" and 0 < r["scaling_efficiency"] < 0.2
+    bigger = model.plan(dict(config, batch=16), dp=64, fsdp=True, network="a100-eth100")
+    assert bigger["scaling_efficiency"] > 4 * r["scaling_efficiency"]
+    assert "scaling_efficiency" not in model.plan(config, dp=64, fsdp=True)
+    with pytest.raises(ValueError, match="valid: dgx-h100"):
+        model.plan(config, network="ethernet")
+
+
+def test_cli_sweep_and_network():
+    args = ["--model", "llama3-8b", "--seq", "4096", "--fsdp", "--network", "a100-eth100", "--gpu", "a100-sxm"]
+    r = _cli(*args, "--sweep", "dp=8,64", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [row["dp"] for row in rows] == [8, 64]
+    wide = rows[1]
+    assert wide["max_micro_batch"] > wide["max_micro_batch_without_offload"] > 0
+    # The micro-batch offloading frees hides the all-gather: the FSDP seed's observation.
+    assert wide["scaling_efficiency_offload"] > 0.75 > 0.25 > wide["scaling_efficiency_without_offload"]
+    table = _cli(*args, "--sweep", "dp=8,64")
+    assert table.returncode == 0 and "eff without" in table.stdout and len(table.stdout.splitlines()) == 3
+    single = _cli(*args, "--dp", "64")
+    assert "scaling efficiency" in single.stdout and "a100-eth100: per layer gather" in single.stdout
+    assert "a100-eth100" in _cli("--list").stdout
+    bad = _cli(*args, "--sweep", "tp=2")
+    assert bad.returncode != 0 and "expected dp=N,N,..." in bad.stderr

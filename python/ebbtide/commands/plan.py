@@ -56,6 +56,12 @@ def register(subparsers):
                    help="optimizer state per parameter in bytes (default 12: fp32 master + Adam's two moments)")
     p.add_argument("--param-bytes", type=float, default=2, help="bytes per parameter (default 2: bf16)")
     p.add_argument("--grad-bytes", type=float, default=2, help="bytes per gradient element (default 2: bf16)")
+    p.add_argument("--network", default=None,
+                   help="interconnect from the catalog (see --list): adds the data-parallel collectives, the "
+                        "time compute does not hide, and the scaling efficiency")
+    p.add_argument("--sweep", default=None, metavar="dp=N,N,...",
+                   help="a table over data-parallel sizes, e.g. dp=8,64,512: model state, largest micro-batch "
+                        "with and without offloading and (with --network) step time and scaling efficiency at each")
     p.add_argument("--gpu", default="h100-sxm", help="GPU from the catalog (see --list)")
     p.add_argument("--ssd", default="d7-p5620", help="SSD from the catalog (see --list)")
     p.add_argument("--ssds", type=int, default=1, help="SSDs per GPU, striped (default 1)")
@@ -104,6 +110,12 @@ def _print_catalogs(out):
     for g in model.gpus():
         out.write(f"  {g['name']:<10} {g['peak_bf16_tflops']:>12.0f} {g['peak_tf32_tflops']:>12.1f} "
                   f"{g['memory_gb']:>9.0f} {g['pcie_gbps']:>9.0f}  {g['description']}\n")
+    out.write("\nNetworks (--network), per GPU one direction\n")
+    out.write(f"  {'name':<12} {'GPUs/node':>9} {'NVLink GB/s':>11} {'network GB/s':>12} {'latency us':>10}  "
+              "description\n")
+    for n in model.networks():
+        out.write(f"  {n['name']:<12} {n['gpus_per_node']:>9} {n['intra_gbps']:>11.0f} {n['inter_gbps']:>12.2f} "
+                  f"{n['latency_us']:>10.0f}  {n['description']}\n")
     out.write("\nSSDs\n")
     out.write(f"  {'name':<9} {'TB':>6} {'DWPD':>5} {'years':>5} {'PBW':>7} {'write GB/s':>10} "
               f"{'read GB/s':>9}  description\n")
@@ -173,6 +185,14 @@ def _print_report(r, out):
                             f"{r['max_micro_batch_without_offload']} without offloading  (per GPU; global "
                             f"{r['max_micro_batch'] * sh['dp']} / {r['max_micro_batch_without_offload'] * sh['dp']})"),
     ]
+    if "network" in r:
+        rows.append(("network", f"{r['network']}: per layer gather {r['comm_gather_seconds'] * 1e3:.1f} ms, reduce "
+                                f"{r['comm_reduce_seconds'] * 1e3:.1f} ms vs forward "
+                                f"{r['unit_forward_seconds'] * 1e3:.1f} ms, backward "
+                                f"{r['unit_backward_seconds'] * 1e3:.1f} ms"))
+        rows.append(("scaling efficiency", f"{100 * r['scaling_efficiency']:.0f}%  (step "
+                                           f"{r['step_seconds_with_comm'] * 1e3:.1f} ms, of it "
+                                           f"{r['comm_exposed_seconds'] * 1e3:.1f} ms exposed communication)"))
     if "longest_seq" in r:
         rows.append(("longest sequence", f"{r['longest_seq']} offloaded, {r['longest_seq_without_offload']} "
                                          "without offloading  (one sample per GPU)"))
@@ -227,6 +247,69 @@ def _hf_config(path, seq, batch):
     return config
 
 
+def _sweep_values(text):
+    key, _, values = text.partition("=")
+    try:
+        dps = [int(v) for v in values.split(",")]
+    except ValueError:
+        dps = []
+    if key.strip() != "dp" or not dps or min(dps) < 1:
+        raise ValueError(f"--sweep {text!r}: expected dp=N,N,... with positive integers, e.g. dp=8,64,512")
+    return dps
+
+
+def sweep(config, dps, **hardware):
+    """One row per data-parallel size: the plan at the config's micro-batch, the
+    largest micro-batch with and without offloading and, with a network, the
+    scaling efficiency at each of those micro-batches."""
+    rows = []
+    for dp in dps:
+        r = model_plan(config, dict(hardware, dp=dp))
+        row = {k: r[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "gathered_unit_bytes",
+                                 "prefetch_unit_bytes", "root_unit_bytes", "model_state_bytes", "max_micro_batch",
+                                 "max_micro_batch_without_offload", "step_seconds")}
+        row["dp"] = dp
+        if "network" in hardware:
+            row["scaling_efficiency"] = r["scaling_efficiency"]
+            for name, key in (("without_offload", "max_micro_batch_without_offload"), ("offload", "max_micro_batch")):
+                b = r[key]
+                e = model_plan(dict(config, batch=b), dict(hardware, dp=dp)) if b > 0 else None
+                row[f"scaling_efficiency_{name}"] = e["scaling_efficiency"] if e else None
+                row[f"step_seconds_{name}"] = e["step_seconds_with_comm"] if e else None
+        rows.append(row)
+    return rows
+
+
+def model_plan(config, hardware):
+    from ebbtide import model
+
+    return model.plan(config, **hardware)
+
+
+def _print_sweep(rows, out):
+    eff = "scaling_efficiency" in rows[0]
+    out.write(f"{'dp':>6} {'params+grads+opt':>18} {'gathered':>10} {'state':>10} {'mb without':>10} "
+              f"{'mb with':>8}" + (f" {'eff b':>6} {'eff without':>11} {'eff with':>8} {'step with':>10}" if eff
+                                   else f" {'step':>9}") + "\n")
+    for r in rows:
+        sharded = r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"]
+        gathered = r["gathered_unit_bytes"] + r["prefetch_unit_bytes"] + r["root_unit_bytes"]
+
+        def pct(v):
+            return "-" if v is None else f"{100 * v:.0f}%"
+
+        line = (f"{r['dp']:>6} {_bytes(sharded):>18} {_bytes(gathered):>10} {_bytes(r['model_state_bytes']):>10} "
+                f"{r['max_micro_batch_without_offload']:>10} {r['max_micro_batch']:>8}")
+        if eff:
+            step = r["step_seconds_offload"]
+            line += (f" {pct(r['scaling_efficiency']):>6} {pct(r['scaling_efficiency_without_offload']):>11} "
+                     f"{pct(r['scaling_efficiency_offload']):>8} "
+                     f"{'-' if step is None else f'{step * 1e3:.0f} ms':>10}")
+        else:
+            line += f" {r['step_seconds'] * 1e3:>6.0f} ms"
+        out.write(line + "\n")
+
+
 def _seq(text):
     try:
         return int(text)
@@ -272,8 +355,18 @@ def run(args):
                     write_amplification=args.write_amplification, dp=args.dp, zero=args.zero, fsdp=args.fsdp,
                     fsdp_hybrid=args.fsdp_hybrid, optimizer=args.optimizer, optimizer_bytes=args.optimizer_bytes,
                     param_bytes=args.param_bytes, grad_bytes=args.grad_bytes)
+    if args.network is not None:
+        hardware["network"] = args.network
+    if args.sweep is not None:
+        rows = sweep(config, _sweep_values(args.sweep), **hardware)
+        if args.json:
+            json.dump(_finite(rows), sys.stdout, indent=2, sort_keys=True)
+            sys.stdout.write("\n")
+        else:
+            _print_sweep(rows, sys.stdout)
+        return 0
     if auto_seq:
-        longest = model.longest_seq(config, **hardware)
+        longest = model.longest_seq(config, **{k: v for k, v in hardware.items() if k != "network"})
         config["seq"] = max(longest["longest_seq"], 256)
     report = model.plan(config, **hardware)
     if auto_seq:
