@@ -610,6 +610,30 @@ TEST(CacheCore, InflightLimitMakesSaveWaitForStores) {
   EXPECT_LE(c.stats().step.peak_resident_bytes, 3000u);
 }
 
+// The glue lowers and raises the bound as budget plans change
+// (Note [Budget guard] in ebbtide/_adaptive.py): a save waiting on the old
+// bound re-checks against the new one, with the store still held.
+TEST(CacheCore, SetMaxInflightWakesAWaitingSave) {
+  Fixture f;
+  f.store->close_gate();
+  f.cache->set_max_inflight(1500);
+  auto a = test::random_bytes(1000, 1), b = test::random_bytes(1000, 2);
+  f.save(a, 1);
+  f.store->wait_puts_started(1);  // a is held in the store: 1000 bytes in flight
+  std::atomic<bool> saved{false};
+  std::thread t([&] {
+    f.save(b, 2);  // 2000 > 1500: waits
+    saved = true;
+  });
+  f.cache->set_max_inflight(4000);
+  t.join();
+  EXPECT_TRUE(saved);
+  EXPECT_EQ(f.cache->stats().inflight_bytes, 2000u);
+  f.store->open_gate();
+  f.cache->drain();
+  EXPECT_EQ(f.cache->stats().step.tensors_offloaded, 2u);
+}
+
 }  // namespace
 }  // namespace ebbtide::cache
 

@@ -157,6 +157,7 @@ class Adaptive:
         self.recomputable: dict = {}   # scope -> False when the user already checkpoints the block
         self.recompute_scopes: set = set()
         self.infeasible: Optional[str] = None  # the error of a budget no plan meets
+        self.max_inflight_bytes = int(cache._max_inflight)  # Note [Budget guard]
 
     # ---------------------------------------------------------------- control
     def request_profile(self) -> None:
@@ -173,6 +174,7 @@ class Adaptive:
         if self.profiling:
             # The profile measures every block as the model runs it.
             self.cache._set_recompute(())
+            self._guard(None)
         self._step_begin = self._now() if self.profiling else None
         self._meter0 = {t["tier"]: dict(t) for t in core_stats.get("tiers", [])}
 
@@ -461,6 +463,7 @@ class Adaptive:
                 recompute.add(m["scope"])
         self.recompute_scopes = recompute
         cache._set_recompute(recompute)
+        self._guard(plan)
         if not plan["feasible"]:
             self.infeasible = (
                 f"ebbtide: activation budget {_fmt_bytes(self.activation_budget_bytes)} "
@@ -488,6 +491,30 @@ class Adaptive:
         self.plans += 1
         if log:
             self._log_plan()
+
+    def _guard(self, plan: Optional[dict]) -> None:
+        """Note [Budget guard]
+        A budget plan's peak is predicted at the measured link rates (Note
+        [Budget plan]). Its forward holds at most the bytes it keeps (kept and
+        recomputed modules' saved bytes, and the fixed ones: K) plus the
+        offloaded bytes whose writes have not ended. If writes run slower
+        than measured, the latter grow; so on the worker path (host tensors)
+        the core's save waits while more than budget - K bytes are waiting to
+        be stored (Note [Store backpressure]): the forward never holds more
+        than the budget, and a slow link costs stall instead of memory (the
+        next step's measured rate then re-plans). A user's max_inflight_bytes
+        still applies when smaller; without a budget plan it applies alone.
+        On a GPU the release points order the frees after the copies
+        (Note [Release points]) and the host never waits."""
+        cache = self.cache
+        bound = cache._max_inflight
+        if plan is not None and plan["activation_budget_bytes"] and plan["feasible"] and not cache._on_cuda():
+            kept = sum(m["fixed_bytes"] + (m["saved_bytes"] if m["tier"] is None else 0) for m in plan["modules"])
+            slack = plan["activation_budget_bytes"] - kept
+            if slack > 0:
+                bound = min(bound, slack) if bound else slack
+        cache._core.set_max_inflight(int(bound))
+        self.max_inflight_bytes = int(bound)
 
     def _log_plan(self) -> None:
         p = self.plan
@@ -518,6 +545,7 @@ class Adaptive:
             predicted_stall_seconds=None if p is None else p["predicted_stall_seconds"],
             predicted_peak_bytes=None if p is None else p["peak_resident_bytes"],
             replans=self.replans,
+            max_inflight_bytes=self.max_inflight_bytes,
             measured_bandwidth={k: dict(v) for k, v in self.measured.items()},
         )
 

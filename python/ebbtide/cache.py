@@ -281,6 +281,7 @@ class TensorCache:
             self._use_device(self._device)
         self._in_step = False
         self._last_stats = None
+        self._max_inflight = int(max_inflight_bytes or 0)  # the user's; budget plans may lower it
         # Module scoping (attach).
         self._model_ref = None
         self._hooks: list = []
@@ -865,7 +866,8 @@ class TensorCache:
         if self._adapt is not None:
             out.update(self._adapt.stats())
         else:
-            out.update(planner=None, predicted_stall_seconds=None, predicted_peak_bytes=None)
+            out.update(planner=None, predicted_stall_seconds=None, predicted_peak_bytes=None,
+                       max_inflight_bytes=self._max_inflight)
         return out
 
     # ------------------------------------------------------------ module hooks

@@ -323,6 +323,7 @@ void ebbtide::py::bind_cache(nb::module_& m) {
       .def_prop_ro("current_step", &TensorCache::current_step)
       .def("drain", &TensorCache::drain, nb::call_guard<nb::gil_scoped_release>())
       .def("set_prefetch_window", &TensorCache::set_prefetch_window, nb::arg("bytes"))
+      .def("set_max_inflight", &TensorCache::set_max_inflight, nb::arg("bytes"))
       .def_prop_ro("prefetch_window_bytes", [](const TensorCache& c) { return c.options().prefetch_window_bytes; })
       .def("set_write_limit", &TensorCache::set_write_limit, nb::arg("tier"), nb::arg("bytes_per_second"))
       .def("probe", &TensorCache::probe, nb::arg("tier"), nb::arg("nbytes"), nb::call_guard<nb::gil_scoped_release>())

@@ -1604,6 +1604,14 @@ void TensorCache::set_prefetch_window(uint64_t bytes) {
   opts_.prefetch_window_bytes = bytes;
 }
 
+void TensorCache::set_max_inflight(uint64_t bytes) {
+  {
+    Lock lock(mu_);
+    opts_.max_inflight_bytes = bytes;
+  }
+  done_cv_.notify_all();
+}
+
 void TensorCache::set_write_limit(int tier, double bytes_per_second) {
   EBB_CHECK_STATE(!closed(), "tensor cache: set_write_limit on a closed cache");
   store_->set_write_limit(tier, bytes_per_second);

@@ -363,12 +363,10 @@ Plan plan_offload(const std::vector<ModuleProfile>& modules, const PlannerOption
 //    most with P <= B; at equal T (within float slack), the one that moves
 //    fewer bytes over the links. This undoes the descent's overshoot and
 //    keeps what need not move (less SSD wear).
-// The peak a plan is held to is the larger of its peak at the measured rates
-// and at replan_fraction (0.7) of them: a write that ends later frees its
-// memory later, and a plan that fits only if every write runs at full speed
-// went over its budget by a block on the 2-core VM (docs/benchmarks.md,
-// 2026-11-25). Below that fraction the cache re-plans anyway. Times are
-// predicted at the measured rates.
+// The peak is predicted at the measured rates. A write that runs slower
+// frees its memory later; the cache then holds the budget by making saves
+// wait for the writes (Note [Budget guard] in ebbtide/_adaptive.py), which
+// costs stall, not memory.
 // Offload changes follow plan_offload's limits: none for the last
 // keep_last_modules, the host tier within host_budget_bytes, and on a GPU
 // (writes_within_forward) every write done by the end of forward.
@@ -393,23 +391,11 @@ class BudgetSearch {
     double f = 0;
     for (const auto& m : modules) f += m.forward_seconds;
     slack_ = 1e-9 * f * (1 + o.backward_factor) + o.stall_tolerance_seconds;
-    slow_ = o;
-    for (double* rate : {&slow_.write_bps, &slow_.read_bps, &slow_.max_write_bps, &slow_.host_write_bps,
-                         &slow_.host_read_bps})
-      *rate *= o.replan_fraction;
   }
 
-  // The plan's times at the measured rates, its peak at the derated ones
-  // (the larger of the two: slower links free memory later).
   Candidate evaluate(std::vector<Placement> placements) const {
     Candidate c;
     c.plan = simulate(modules_, o_, placements, true, &c.area);
-    double area = 0;
-    const Plan slow = simulate(modules_, slow_, placements, true, &area);
-    if (slow.peak_resident_bytes > c.plan.peak_resident_bytes) {
-      c.plan.peak_resident_bytes = slow.peak_resident_bytes;
-      c.area = std::max(c.area, area);
-    }
     c.placements = std::move(placements);
     return c;
   }
@@ -511,7 +497,6 @@ class BudgetSearch {
   bool ssd_ = false;
   bool cpu_ = false;
   double slack_ = 0;
-  PlannerOptions slow_;  // the links at replan_fraction of their measured rates
 };
 
 }  // namespace

@@ -300,6 +300,9 @@ class TensorCache {
   std::pair<double, double> measure_link(int device, void* dev_ptr, uint64_t nbytes, int repeats = 3);
   // Changes the prefetch window (the glue sizes it from the blocks it saw).
   void set_prefetch_window(uint64_t bytes);
+  // Changes max_inflight_bytes (0: saves never wait); saves waiting now
+  // re-check against the new bound (Note [Store backpressure]).
+  void set_max_inflight(uint64_t bytes);
   // Caps the store's SSD writes (Store::set_write_limit).
   void set_write_limit(int tier, double bytes_per_second);
   // Writes `nbytes` of host memory to `tier` and reads them back, through the
