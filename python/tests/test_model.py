@@ -585,3 +585,15 @@ def test_cli_sweep_and_network():
     assert "a100-eth100" in _cli("--list").stdout
     bad = _cli(*args, "--sweep", "tp=2")
     assert bad.returncode != 0 and "expected dp=N,N,..." in bad.stderr
+    bad = _cli(*args, "--png", "x.png")
+    assert bad.returncode != 0 and "--png plots a --sweep" in bad.stderr
+
+
+def test_cli_sweep_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sweep.png"
+    for extra in (["--network", "dgx-h100"], []):
+        r = _cli("--model", "llama3-8b", "--seq", "4096", "--fsdp", "--sweep", "dp=8,64", "--png", str(png), *extra)
+        assert r.returncode == 0, r.stderr
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        png.unlink()

@@ -62,6 +62,9 @@ def register(subparsers):
     p.add_argument("--sweep", default=None, metavar="dp=N,N,...",
                    help="a table over data-parallel sizes, e.g. dp=8,64,512: model state, largest micro-batch "
                         "with and without offloading and (with --network) step time and scaling efficiency at each")
+    p.add_argument("--png", default=None, metavar="PATH",
+                   help="with --sweep: plot per-GPU memory by term and the largest micro-batch (with --network: "
+                        "tokens/s) per dp to this file")
     p.add_argument("--gpu", default="h100-sxm", help="GPU from the catalog (see --list)")
     p.add_argument("--ssd", default="d7-p5620", help="SSD from the catalog (see --list)")
     p.add_argument("--ssds", type=int, default=1, help="SSDs per GPU, striped (default 1)")
@@ -285,6 +288,43 @@ def sweep(config, dps, **hardware):
     return rows
 
 
+def plot_sweep(rows, png_path):
+    """Left: model state per GPU by term (GiB) per dp; right: tokens/s per GPU with and
+    without offloading when the rows have a network, the largest micro-batch otherwise."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [str(r["dp"]) for r in rows]
+    fig, (mem, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    bottom = [0.0] * len(rows)
+    for key, name in (("params_bytes", "params"), ("grads_bytes", "grads"), ("optimizer_bytes", "optimizer"),
+                      ("gathered_unit_bytes", "gathered unit"), ("prefetch_unit_bytes", "prefetch unit"),
+                      ("root_unit_bytes", "root unit")):
+        values = [r[key] / 2**30 for r in rows]
+        mem.bar(labels, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    mem.set_xlabel("data-parallel GPUs")
+    mem.set_ylabel("model state per GPU (GiB)")
+    mem.legend(fontsize=8)
+    with_net = "tokens_per_second_offload" in rows[0]
+    x = range(len(rows))
+    for shift, key, name in ((-0.2, "without_offload", "without offloading"), (0.2, "offload", "with ebbtide")):
+        if with_net:
+            values = [r[f"tokens_per_second_{key}"] or 0 for r in rows]
+        else:
+            values = [r["max_micro_batch" if key == "offload" else "max_micro_batch_without_offload"] for r in rows]
+        right.bar([i + shift for i in x], values, width=0.4, label=name)
+    right.set_xticks(list(x), labels)
+    right.set_xlabel("data-parallel GPUs")
+    right.set_ylabel("tokens/s per GPU at the largest micro-batch" if with_net else "largest micro-batch per GPU")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+
+
 def model_plan(config, hardware):
     from ebbtide import model
 
@@ -372,7 +412,13 @@ def run(args):
             sys.stdout.write("\n")
         else:
             _print_sweep(rows, sys.stdout)
+        if args.png:
+            plot_sweep(rows, args.png)
+            if not args.json:
+                print(f"plot: {args.png}")
         return 0
+    if args.png:
+        raise ValueError("--png plots a --sweep")
     if auto_seq:
         longest = model.longest_seq(config, **{k: v for k, v in hardware.items() if k != "network"})
         config["seq"] = max(longest["longest_seq"], 256)
