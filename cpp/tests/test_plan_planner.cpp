@@ -485,3 +485,32 @@ TEST(PlanBudget, FromTheModel) {
   const PlanReport full = make_plan(c, find_gpu("h100-sxm"), find_ssd("d7-p5620"), PlanOptions{});
   EXPECT_THROW(model_modules(full), ebbtide::InvalidArgument);
 }
+
+// The largest micro-batch a budget mix fits (issue 34): at least what fits
+// without offloading, and the plan at the next one up is infeasible.
+TEST(PlanBudget, LargestMicroBatchWithTheMix) {
+  ModelConfig c = find_model("llama3-8b").config;
+  c.seq = 8192;
+  PlanOptions po;
+  po.sharding.dp = 8;
+  po.sharding.zero_stage = 3;
+  const GpuSpec& gpu = find_gpu("h100-sxm");
+  const SsdSpec& ssd = find_ssd("d7-p5620");
+  const int64_t b = max_micro_batch_budget(c, gpu, ssd, po);
+  c.batch = 1;
+  const PlanReport one = make_plan(c, gpu, ssd, po);
+  EXPECT_GE(b, one.max_micro_batch_without_offload);
+  EXPECT_GE(b, 1);
+  c.batch = b + 1;
+  const PlanReport over = make_plan(c, gpu, ssd, po);
+  const uint64_t free = static_cast<uint64_t>(over.gpu_memory_bytes - over.model_state_bytes);
+  EXPECT_FALSE(plan_budget(model_modules(over), model_planner_options(over, free)).feasible);
+  c.batch = b;
+  const PlanReport at = make_plan(c, gpu, ssd, po);
+  const uint64_t free_at = static_cast<uint64_t>(at.gpu_memory_bytes - at.model_state_bytes);
+  EXPECT_TRUE(plan_budget(model_modules(at), model_planner_options(at, free_at)).feasible);
+  // A model state bigger than the GPU leaves no micro-batch.
+  ModelConfig big = find_model("llama3-70b").config;
+  big.seq = 8192;
+  EXPECT_EQ(max_micro_batch_budget(big, gpu, ssd, PlanOptions{}), 0);
+}

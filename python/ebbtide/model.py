@@ -165,6 +165,21 @@ def plan(config: Mapping[str, Any] | None = None, *, gpu: str = "h100-sxm", ssd:
     return report
 
 
+def max_micro_batch_budget(config: Mapping[str, Any] | None = None, *, gpu: str = "h100-sxm",
+                           ssd: str = "d7-p5620", ssds: int = 1, mfu: float = 0.5, host_budget_bytes: int = 0,
+                           **kwargs) -> int:
+    """The largest micro-batch per GPU whose activation-budget plan (keep,
+    offload or recompute per layer, Note [Budget plan]) fits what the GPU's
+    memory leaves after the model state under :func:`sharding`'s keywords,
+    with what it offloads within the SSDs' capacity; 0 when one sample does
+    not fit. The config must not recompute already."""
+    kwargs.pop("write_amplification", None)
+    kwargs.pop("network", None)
+    shard = sharding(**{k: kwargs.pop(k) for k in _SHARDING_KEYS if k in kwargs})
+    return int(_core.plan_max_micro_batch_budget(_config(config, kwargs), gpu, ssd, ssds, mfu, shard,
+                                                 int(host_budget_bytes)))
+
+
 def longest_seq(config: Mapping[str, Any] | None = None, *, step: int = 256, limit: int = 1 << 21,
                 **kwargs) -> dict:
     """The longest sequence, a multiple of ``step`` up to ``limit``, at which the

@@ -361,6 +361,14 @@ void ebbtide::py::bind_plan(nb::module_& m) {
   m.def("plan_find_optimizer", &find_optimizer, nb::arg("name"));
   m.def("plan_offload", &plan_offload, nb::arg("modules"), nb::arg("options"));
   m.def("plan_model_modules", &model_modules, nb::arg("report"));
+  m.def("plan_max_micro_batch_budget",
+        [](const ModelConfig& config, const std::string& gpu, const std::string& ssd, int64_t ssds, double mfu,
+           const ShardingOptions& sharding, uint64_t host_budget) {
+          return max_micro_batch_budget(config, find_gpu(gpu), find_ssd(ssd), PlanOptions{mfu, ssds, 1.0, sharding},
+                                        host_budget);
+        },
+        nb::arg("config"), nb::arg("gpu"), nb::arg("ssd"), nb::arg("ssds"), nb::arg("mfu"), nb::arg("sharding"),
+        nb::arg("host_budget_bytes") = 0);
   m.def("plan_model_options", &model_planner_options, nb::arg("report"), nb::arg("activation_budget_bytes"),
         nb::arg("host_budget_bytes") = 0);
   m.def("plan_report_budget",

@@ -532,8 +532,9 @@ def test_cli_data_parallel():
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "gathered_unit_bytes", "prefetch_unit_bytes",
                 "root_unit_bytes", "model_state_bytes"):
         assert d[key] > 0, key
-    assert d == json.loads(json.dumps(model.plan(dict(model.catalog_config("llama3-8b"), seq=8192), dp=8,
-                                                 fsdp=True)))
+    config = dict(model.catalog_config("llama3-8b"), seq=8192)
+    assert d.pop("max_micro_batch_with_budget_mix") == model.max_micro_batch_budget(config, dp=8, fsdp=True)
+    assert d == json.loads(json.dumps(model.plan(config, dp=8, fsdp=True)))
     table = _cli("--model", "llama3-8b", "--seq", "8192", "--dp", "64", "--fsdp-hybrid", "8",
                  "--optimizer", "adam-8bit")
     assert table.returncode == 0, table.stderr
@@ -597,3 +598,16 @@ def test_cli_sweep_png(tmp_path):
         assert r.returncode == 0, r.stderr
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         png.unlink()
+
+
+def test_cli_largest_micro_batch_with_a_budget_mix():
+    """Issue 34's third answer: the largest micro-batch a keep/offload/recompute
+    mix fits, never below the one without offloading (Note [Budget from the model])."""
+    r = _cli("--model", "llama3-8b", "--seq", "8192", "--fsdp", "--dp", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["max_micro_batch_with_budget_mix"] >= max(d["max_micro_batch_without_offload"], 1)
+    table = _cli("--model", "llama3-8b", "--seq", "8192", "--fsdp", "--dp", "8")
+    assert "with a budget mix" in table.stdout
+    full = _cli("--model", "llama3-8b", "--seq", "8192", "--fsdp", "--dp", "8", "--recompute", "full", "--json")
+    assert "max_micro_batch_with_budget_mix" not in json.loads(full.stdout)

@@ -61,4 +61,33 @@ PlannerOptions model_planner_options(const PlanReport& r, uint64_t budget, uint6
   return o;
 }
 
+int64_t max_micro_batch_budget(const ModelConfig& config, const GpuSpec& gpu, const SsdSpec& ssd,
+                               const PlanOptions& options, uint64_t host_budget) {
+  EBB_CHECK(config.recompute == Recompute::kNone,
+            "a budget plan chooses what to recompute itself: use --recompute none");
+  const auto fits = [&](int64_t batch) {
+    ModelConfig c = config;
+    c.batch = batch;
+    const PlanReport r = make_plan(c, gpu, ssd, options);
+    const double free = r.gpu_memory_bytes - r.model_state_bytes;
+    if (free < 1) return false;
+    const Plan p = plan_budget(model_modules(r), model_planner_options(r, static_cast<uint64_t>(free), host_budget));
+    return p.feasible && static_cast<double>(p.bytes_ssd) <= r.ssd_capacity_bytes;
+  };
+  // Every term grows with the micro-batch: double until it does not fit, then bisect.
+  constexpr int64_t kMax = int64_t{1} << 20;
+  if (!fits(1)) return 0;
+  int64_t lo = 1, hi = 2;
+  while (hi <= kMax && fits(hi)) {
+    lo = hi;
+    hi *= 2;
+  }
+  if (hi > kMax) return lo;
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo;
+}
+
 }  // namespace ebbtide::plan

@@ -188,6 +188,9 @@ def _print_report(r, out):
                             f"{r['max_micro_batch_without_offload']} without offloading  (per GPU; global "
                             f"{r['max_micro_batch'] * sh['dp']} / {r['max_micro_batch_without_offload'] * sh['dp']})"),
     ]
+    if "max_micro_batch_with_budget_mix" in r:
+        rows.append(("  with a budget mix", f"{r['max_micro_batch_with_budget_mix']} (keep / offload / recompute "
+                                            "per layer in the memory the model state leaves)"))
     if "network" in r:
         rows.append(("network", f"{r['network']}: per layer gather {r['comm_gather_seconds'] * 1e3:.1f} ms, reduce "
                                 f"{r['comm_reduce_seconds'] * 1e3:.1f} ms vs forward "
@@ -425,6 +428,11 @@ def run(args):
     report = model.plan(config, **hardware)
     if auto_seq:
         report.update(longest)
+    if args.recompute == "none":
+        # The third answer (issue 34): the largest micro-batch a keep / offload /
+        # recompute mix fits in the memory the model state leaves.
+        report["max_micro_batch_with_budget_mix"] = model.max_micro_batch_budget(
+            config, host_budget_bytes=_core_bytes(args.host_budget, "--host-budget"), **hardware)
     if args.activation_budget is not None:
         from ebbtide import _core
 
@@ -443,6 +451,12 @@ def run(args):
         if "budget_plan" in report:
             _print_budget(report["budget_plan"], sys.stdout)
     return 0
+
+
+def _core_bytes(text, what):
+    from ebbtide import _core
+
+    return _core.parse_bytes(text, what)
 
 
 def _runs(names):

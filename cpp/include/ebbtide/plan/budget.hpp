@@ -23,4 +23,12 @@ std::vector<ModuleProfile> model_modules(const PlanReport& report);
 PlannerOptions model_planner_options(const PlanReport& report, uint64_t activation_budget_bytes,
                                      uint64_t host_budget_bytes = 0);
 
+// The largest micro-batch whose budget plan fits what the GPU's memory
+// leaves after the model state (options.sharding included), with what it
+// offloads to the SSDs within their capacity: keep, offload or recompute
+// per layer as plan_budget chooses. 0 when one sample does not fit.
+// InvalidArgument when config recomputes already (--recompute).
+int64_t max_micro_batch_budget(const ModelConfig& config, const GpuSpec& gpu, const SsdSpec& ssd,
+                               const PlanOptions& options, uint64_t host_budget_bytes = 0);
+
 }  // namespace ebbtide::plan
