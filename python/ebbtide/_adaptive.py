@@ -153,7 +153,7 @@ class Adaptive:
         # recompute would leave saved and re-run.
         self._inputs: dict = {}        # scope -> bytes of the block's positional tensor inputs
         self._block_open: dict = {}    # scope -> (time at the pre-hook, bytes saved in the scope by then)
-        self._block: dict = {}         # scope -> [seconds | (start, end) events, bytes saved inside the block]
+        self._block: dict = {}         # scope -> [[(start, end) clocks or CUDA events], bytes saved inside the block]
         self.recomputable: dict = {}   # scope -> False when the user already checkpoints the block
         self.recompute_scopes: set = set()
         self.infeasible: Optional[str] = None  # the error of a budget no plan meets

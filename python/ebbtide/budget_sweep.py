@@ -145,7 +145,11 @@ class Runner:
         model.zero_grad(set_to_none=True)
         torch.manual_seed(100 + self.steps)
         self.steps += 1
-        meter = SavedBytesMeter(p.untyped_storage().data_ptr() for p in model.parameters())
+        # Only a run without its own saved-tensor hooks or compiled graphs is
+        # metered: the cache counts its own, the peers save past a meter.
+        meter = None
+        if self.cache is None and self.context is None and self.config is None:
+            meter = SavedBytesMeter(p.untyped_storage().data_ptr() for p in model.parameters())
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
@@ -175,9 +179,7 @@ class Runner:
         if cuda:
             self.alloc_peaks.append(torch.cuda.max_memory_allocated(self.device) - start)
         if self.cache is None:
-            # The peers' own hooks (torchtune) or compiled graphs save past
-            # the meter: their saved bytes are not known (None).
-            self.peaks.append(meter.peak if self.context is None and self.config is None else None)
+            self.peaks.append(meter.peak if meter is not None else None)  # None: the peers' is not known
             self.moved.append(0)
         else:
             st = self.cache.stats()

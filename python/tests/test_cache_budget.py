@@ -212,8 +212,7 @@ def test_budget_settings(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="activation_budget_bytes"):
         ebbtide.TensorCache("ssd", str(tmp_path), activation_budget_bytes=-1)
     with ebbtide.TensorCache("ssd", str(tmp_path)) as cache:
-        assert cache.stats if True else None
-        assert cache._adapt is None or cache._adapt.activation_budget_bytes == 0
+        assert cache._adapt is None  # no budget: target "ssd" stays non-adaptive
 
 
 def test_offload_context_takes_the_budget(tmp_path):

@@ -428,18 +428,16 @@ def run(args):
     report = model.plan(config, **hardware)
     if auto_seq:
         report.update(longest)
+    host = _core_bytes(args.host_budget, "--host-budget")
     if args.recompute == "none":
         # The third answer (issue 34): the largest micro-batch a keep / offload /
         # recompute mix fits in the memory the model state leaves.
         report["max_micro_batch_with_budget_mix"] = model.max_micro_batch_budget(
-            config, host_budget_bytes=_core_bytes(args.host_budget, "--host-budget"), **hardware)
+            config, host_budget_bytes=host, **hardware)
     if args.activation_budget is not None:
-        from ebbtide import _core
-
-        budget = _core.parse_bytes(args.activation_budget, "--activation-budget")
+        budget = _core_bytes(args.activation_budget, "--activation-budget")
         if budget <= 0:
             raise ValueError(f"--activation-budget {args.activation_budget!r}: must be more than 0 bytes")
-        host = _core.parse_bytes(args.host_budget, "--host-budget")
         report["budget_plan"] = model.budget_plan(config, activation_budget_bytes=budget, gpu=args.gpu,
                                                   ssd=args.ssd, ssds=args.ssds, mfu=args.mfu,
                                                   host_budget_bytes=host)
