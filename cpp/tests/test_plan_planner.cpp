@@ -160,6 +160,13 @@ TEST(PlanPlanner, ReplanTrigger) {
   o.replan_fraction = 0.9;
   EXPECT_TRUE(plan_offload(uniform(8, 0.1, kGB), o).needs_replan(8.5e9));
   EXPECT_THROW(p.needs_replan(-1), ebbtide::InvalidArgument);
+  // A faster link than planned (the profile wrote fresh files): beyond
+  // planned / replan_fraction.
+  EXPECT_FALSE(p.link_faster(10e9));
+  EXPECT_FALSE(p.link_faster(14e9));
+  EXPECT_TRUE(p.link_faster(14.3e9));
+  EXPECT_FALSE(plan_offload(uniform(8, 0.1, kGB), PlannerOptions{}).link_faster(1e12));  // nothing on the SSD
+  EXPECT_THROW(p.link_faster(-1), ebbtide::InvalidArgument);
 }
 
 TEST(PlanPlanner, EmptyAndZeroByteModules) {
@@ -513,4 +520,88 @@ TEST(PlanBudget, LargestMicroBatchWithTheMix) {
   ModelConfig big = find_model("llama3-70b").config;
   big.seq = 8192;
   EXPECT_EQ(max_micro_batch_budget(big, gpu, ssd, PlanOptions{}), 0);
+}
+
+// Note [Guarded writes], by hand: four 1 s modules of 100 bytes, the first
+// three written at 50 bytes/s (2 s each), each write starting with its module
+// or after the one before; the last kept: K = 100, budget 200, slack 100.
+// The writes end at 2, 4 and 6. At t = 2 the queue holds (4 - 2) * 50 = 100:
+// no wait; at t = 3 it holds (6 - 3) * 50 = 150 > 100, so the forward waits
+// until (6 - t) * 50 = 100: t = 4. Unguarded, writes start when their module
+// ends (the same queue ends at 3, 5, 7) and nothing waits.
+TEST(PlanBudget, GuardedWritesWaitInsteadOfExceeding) {
+  PlannerOptions o;
+  o.write_bps = 50;
+  o.read_bps = 1e12;
+  o.prefetch_modules = 1;
+  o.activation_budget_bytes = 200;
+  const auto mods = uniform(4, 1.0, 100);
+  const std::vector<Placement> placements{Placement::kOffloadSsd, Placement::kOffloadSsd, Placement::kOffloadSsd,
+                                          Placement::kKeep};
+  const Plan plain = simulate_plan(mods, o, placements);
+  EXPECT_EQ(plain.forward_wait_seconds, 0);
+  EXPECT_DOUBLE_EQ(plain.modules[2].forward_end_seconds, 3.0);
+  EXPECT_DOUBLE_EQ(plain.modules[2].write_done_seconds, 7.0);
+
+  o.guarded_writes = true;
+  const Plan g = simulate_plan(mods, o, placements);
+  EXPECT_DOUBLE_EQ(g.forward_wait_seconds, 1.0);
+  EXPECT_DOUBLE_EQ(g.modules[0].write_done_seconds, 2.0);
+  EXPECT_DOUBLE_EQ(g.modules[1].forward_end_seconds, 2.0);
+  EXPECT_DOUBLE_EQ(g.modules[2].forward_end_seconds, 4.0);
+  EXPECT_DOUBLE_EQ(g.modules[3].forward_end_seconds, 5.0);
+  EXPECT_DOUBLE_EQ(g.modules[2].write_done_seconds, 6.0);
+  EXPECT_DOUBLE_EQ(g.forward_seconds, 4.0);  // compute; the wait is stall
+  EXPECT_GE(g.predicted_stall_seconds, 1.0);
+  EXPECT_LE(g.peak_resident_bytes, plain.peak_resident_bytes);
+
+  // K alone over the budget: no guard, no wait (the cache sets none either).
+  o.activation_budget_bytes = 90;
+  EXPECT_EQ(simulate_plan(mods, o, placements).forward_wait_seconds, 0);
+  // Two tiers drain together. The third module to host memory at 25
+  // bytes/s: its write runs 2..6; at t = 3 the SSD holds (4 - 3) * 50 = 50
+  // and the host (6 - 3) * 25 = 75, 125 > 100; together they drain at 75
+  // bytes/s, to 100 at t = 3 + 25/75.
+  o.activation_budget_bytes = 200;
+  o.host_budget_bytes = 1000;
+  o.host_write_bps = 25;
+  o.host_read_bps = 1e12;
+  const std::vector<Placement> mixed{Placement::kOffloadSsd, Placement::kOffloadSsd, Placement::kOffloadCpu,
+                                     Placement::kKeep};
+  const Plan two = simulate_plan(mods, o, mixed);
+  EXPECT_NEAR(two.forward_wait_seconds, 1.0 / 3.0, 1e-12);
+}
+
+// The case that missed issue 29's target: offloading every block lags the
+// forward by a little, so the unguarded model sees a peak over the budget at
+// the forward's end and recomputes; with the guard (memory coming back
+// tensor by tensor as the writes go) it offloads every block, and is faster.
+TEST(PlanBudget, GuardedWritesPreferAShortWaitToRecompute) {
+  const int n = 8;
+  const uint64_t mb = 1000000;
+  const auto mods = recomputable(n, 0.02, 40 * mb, 2 * mb);
+  PlannerOptions o;
+  o.write_bps = o.read_bps = 40 * mb / 0.022;  // a write takes 22 ms against 20 ms of compute
+  o.keep_last_modules = 1;
+  std::vector<Placement> all_offload(n, Placement::kOffloadSsd);
+  all_offload[n - 1] = Placement::kKeep;
+  const Plan off = simulate_plan(mods, o, all_offload);
+  o.activation_budget_bytes = off.peak_resident_bytes - 10 * mb;
+
+  const Plan plain = plan_budget(mods, o);
+  ASSERT_TRUE(plain.feasible);
+  EXPECT_GT(plain.modules_recomputed, 0);
+
+  o.guarded_writes = true;
+  const Plan g = plan_budget(mods, o);
+  ASSERT_TRUE(g.feasible);
+  EXPECT_LE(g.peak_resident_bytes, o.activation_budget_bytes);
+  EXPECT_EQ(placements_of(g), all_offload);
+  EXPECT_LT(g.predicted_step_seconds(), plain.predicted_step_seconds());
+  // A link far too slow for the budget: the guard's waits would cost more
+  // than recompute, so the plan still recomputes.
+  o.write_bps = o.read_bps = 40 * mb / 0.2;
+  const Plan slow = plan_budget(mods, o);
+  ASSERT_TRUE(slow.feasible);
+  EXPECT_GT(slow.modules_recomputed, 0);
 }

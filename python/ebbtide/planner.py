@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping
 from ebbtide import _core
 from ebbtide._records import as_dict, make
 
-__all__ = ["plan_offload", "simulate", "needs_replan", "PLACEMENTS"]
+__all__ = ["plan_offload", "simulate", "needs_replan", "link_faster", "PLACEMENTS"]
 
 PLACEMENTS = ("keep", "offload_cpu", "offload_ssd", "recompute", "recompute_offload")
 
@@ -24,7 +24,7 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
                  keep_last_modules: int = 1, backward_factor: float = 2.0,
                  prefetch_modules: int = 2, stall_tolerance_seconds: float = 0.0,
                  replan_fraction: float = 0.7, writes_within_forward: bool = False,
-                 activation_budget_bytes: int = 0) -> dict:
+                 guarded_writes: bool = False, activation_budget_bytes: int = 0) -> dict:
     """Plans where each module's saved activations go.
 
     modules: forward order, each ``{"name": str, "forward_seconds": float, "bytes": int}``,
@@ -39,6 +39,11 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
     memory ignored) or "cpu" (host memory only; needs host_budget_bytes).
     writes_within_forward: GPU offload: a module is offloaded only if its copy
     ends before the forward does (Note [Release points] in tensor_cache.cpp).
+    guarded_writes: the worker path (host tensors): a tensor's memory comes
+    back when its own write ends, and under a budget saves wait while more
+    than the budget less the kept bytes wait to be stored; the forward then
+    waits (``forward_wait_seconds``, part of the stall) rather than exceed the
+    budget (Note [Guarded writes] in planner.cpp).
     activation_budget_bytes: bound on the predicted peak of resident saved
     bytes (0: none, offload what hides). A budget no mix meets gives
     ``feasible`` False and ``min_budget_bytes``, the smallest it can meet.
@@ -46,7 +51,7 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
     Returns ``{"modules": [{"name", "placement", "tier" ("cpu", "ssd" or None),
     "bytes", "saved_bytes", "fixed_bytes", "recompute_seconds", "forward_end_seconds",
     "write_done_seconds", "read_start_seconds", "backward_start_seconds"}, ...],
-    "forward_seconds", "backward_seconds", "predicted_stall_seconds",
+    "forward_seconds", "backward_seconds", "predicted_stall_seconds", "forward_wait_seconds",
     "recompute_seconds", "predicted_step_seconds", "all_resident_bytes",
     "peak_resident_bytes", "peak_resident_fraction", "bytes_keep", "bytes_cpu",
     "bytes_ssd", "bytes_recomputed", "modules_recomputed",
@@ -59,7 +64,7 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
                        host_read_bps=host_read_bps, keep_last_modules=keep_last_modules,
                        backward_factor=backward_factor, prefetch_modules=prefetch_modules,
                        stall_tolerance_seconds=stall_tolerance_seconds, replan_fraction=replan_fraction,
-                       writes_within_forward=writes_within_forward,
+                       writes_within_forward=writes_within_forward, guarded_writes=guarded_writes,
                        activation_budget_bytes=activation_budget_bytes)
     profiles = [_module(i, dict(m)) for i, m in enumerate(modules)]
     return as_dict(_core.plan_budget(profiles, options))
@@ -80,7 +85,7 @@ def simulate(modules: Iterable[Mapping[str, Any]], placements: Iterable[str], wr
 def _options(write_bps, read_bps, *, target="auto", max_write_mbps=None, host_budget_bytes=0, host_write_bps=0.0,
              host_read_bps=0.0, keep_last_modules=1, backward_factor=2.0, prefetch_modules=2,
              stall_tolerance_seconds=0.0, replan_fraction=0.7, writes_within_forward=False,
-             activation_budget_bytes=0):
+             guarded_writes=False, activation_budget_bytes=0):
     if target not in ("auto", "ssd", "cpu"):
         raise ValueError(f"planner target {target!r} is not valid (valid: auto, ssd, cpu)")
     if target == "cpu" and int(host_budget_bytes) <= 0:
@@ -105,6 +110,7 @@ def _options(write_bps, read_bps, *, target="auto", max_write_mbps=None, host_bu
         "stall_tolerance_seconds": float(stall_tolerance_seconds),
         "replan_fraction": float(replan_fraction),
         "writes_within_forward": bool(writes_within_forward),
+        "guarded_writes": bool(guarded_writes),
         "activation_budget_bytes": int(activation_budget_bytes),
     }, "planner")
 
@@ -126,3 +132,11 @@ def needs_replan(plan: Mapping[str, Any], measured_write_bps: float) -> bool:
     fell below ``plan["replan_fraction"]`` (default 0.7) of what it planned for."""
     return _core.plan_needs_replan(int(plan["bytes_ssd"]), float(plan["planned_write_bps"]),
                                    float(plan["replan_fraction"]), float(measured_write_bps))
+
+
+def link_faster(plan: Mapping[str, Any], measured_write_bps: float) -> bool:
+    """True when ``plan`` offloads to the SSD and the measured write bandwidth
+    rose above what it planned for divided by ``plan["replan_fraction"]``: the
+    profiling step writes fresh files, slower than later steps do."""
+    return _core.plan_link_faster(int(plan["bytes_ssd"]), float(plan["planned_write_bps"]),
+                                  float(plan["replan_fraction"]), float(measured_write_bps))

@@ -97,6 +97,7 @@ class Record {
 };
 
 bool llama(const ModelConfig& c) { return c.family == Family::kLlama; }
+bool llama_or_t5(const ModelConfig& c) { return c.family == Family::kLlama || c.family == Family::kT5; }
 
 void bind_model_config(nb::module_& m) {
   Record<ModelConfig>(m, "ModelConfig", "A transformer stack (ebbtide::plan::ModelConfig); llama-family fields "
@@ -118,18 +119,19 @@ void bind_model_config(nb::module_& m) {
       .rw("bytes_per_element", &ModelConfig::bytes_per_element)
       .rw_named("family", &ModelConfig::family, parse_family, to_string)
       .rw("kv_heads", &ModelConfig::kv_heads, llama)
-      .rw("gated_mlp", &ModelConfig::gated_mlp, llama)
+      .rw("gated_mlp", &ModelConfig::gated_mlp, llama_or_t5)
       .rw_named("norm", &ModelConfig::norm, parse_norm, to_string, llama)
       .rw("bias", &ModelConfig::bias, llama)
       .rw("qkv_bias", &ModelConfig::qkv_bias, llama)
-      .rw("dropout", &ModelConfig::dropout, llama)
+      .rw("dropout", &ModelConfig::dropout, llama_or_t5)
       .rw("rotary", &ModelConfig::rotary, llama)
-      .rw("tied_embeddings", &ModelConfig::tied_embeddings, llama)
+      .rw("tied_embeddings", &ModelConfig::tied_embeddings, llama_or_t5)
       .rw("experts", &ModelConfig::experts, llama)
       .rw("top_k", &ModelConfig::top_k, llama)
       .rw("expert_ffn_hidden", &ModelConfig::expert_ffn_hidden, llama)
       .rw("norm_topk", &ModelConfig::norm_topk, llama)
       .rw("shared_expert_ffn_hidden", &ModelConfig::shared_expert_ffn_hidden, llama)
+      .rw("head_dim", &ModelConfig::head_dim)
       .def("validate", &validate, "Raises ValueError naming a bad setting.")
       .def("normalized", &normalized, "A copy with the derived defaults written out.");
 }
@@ -143,7 +145,8 @@ void bind_model_results(nb::module_& m) {
       .ro("per_step", &ActivationBytes::per_step)
       .ro("last_layer", &ActivationBytes::last_layer)
       .ro("logits", &ActivationBytes::logits)
-      .ro("outside", &ActivationBytes::outside);
+      .ro("outside", &ActivationBytes::outside)
+      .ro("recompute_layer", &ActivationBytes::recompute_layer);
   Record<Flops>(m, "Flops", "Forward FLOPs per layer and per step (all GPUs together).")
       .ro("self_layer", &Flops::self_layer)
       .ro("cross_layer", &Flops::cross_layer)
@@ -227,6 +230,7 @@ void bind_model_results(nb::module_& m) {
       .ro("activation_bytes_per_step", &PlanReport::activations, &ActivationBytes::per_step)
       .ro("logits_bytes", &PlanReport::activations, &ActivationBytes::logits)
       .ro("outside_layers_bytes", &PlanReport::activations, &ActivationBytes::outside)
+      .ro("recomputed_layer_bytes", &PlanReport::activations, &ActivationBytes::recompute_layer)
       .ro("offloaded_bytes_per_step", &PlanReport::offloaded_bytes_per_step)
       .ro("resident_bytes_with_offload", &PlanReport::resident_bytes_offloaded)
       .ro("flops_forward", &PlanReport::flops, &Flops::forward)
@@ -283,6 +287,7 @@ void bind_planner(nb::module_& m) {
       .rw("stall_tolerance_seconds", &PlannerOptions::stall_tolerance_seconds)
       .rw("replan_fraction", &PlannerOptions::replan_fraction)
       .rw("writes_within_forward", &PlannerOptions::writes_within_forward)
+      .rw("guarded_writes", &PlannerOptions::guarded_writes)
       .rw("activation_budget_bytes", &PlannerOptions::activation_budget_bytes);
   Record<ModuleDecision>(m, "ModuleDecision", "Where one module's activations go, and when.")
       .ro("name", &ModuleDecision::name)
@@ -304,6 +309,7 @@ void bind_planner(nb::module_& m) {
       .ro("forward_seconds", &Plan::forward_seconds)
       .ro("backward_seconds", &Plan::backward_seconds)
       .ro("predicted_stall_seconds", &Plan::predicted_stall_seconds)
+      .ro("forward_wait_seconds", &Plan::forward_wait_seconds)
       .ro("all_resident_bytes", &Plan::all_resident_bytes)
       .ro("peak_resident_bytes", &Plan::peak_resident_bytes)
       .prop("peak_resident_fraction", &Plan::peak_resident_fraction)
@@ -388,13 +394,23 @@ void ebbtide::py::bind_plan(nb::module_& m) {
           return simulate_plan(modules, options, p);
         },
         nb::arg("modules"), nb::arg("options"), nb::arg("placements"));
+  // The re-plan triggers of a plan the glue holds as a dict.
+  const auto replan_plan = [](uint64_t bytes_ssd, double planned_write_bps, double replan_fraction) {
+    Plan p;
+    p.bytes_ssd = bytes_ssd;
+    p.planned_write_bps = planned_write_bps;
+    p.replan_fraction = replan_fraction;
+    return p;
+  };
   m.def("plan_needs_replan",
-        [](uint64_t bytes_ssd, double planned_write_bps, double replan_fraction, double measured) {
-          Plan p;
-          p.bytes_ssd = bytes_ssd;
-          p.planned_write_bps = planned_write_bps;
-          p.replan_fraction = replan_fraction;
-          return p.needs_replan(measured);
+        [replan_plan](uint64_t bytes_ssd, double planned_write_bps, double replan_fraction, double measured) {
+          return replan_plan(bytes_ssd, planned_write_bps, replan_fraction).needs_replan(measured);
+        },
+        nb::arg("bytes_ssd"), nb::arg("planned_write_bps"), nb::arg("replan_fraction"),
+        nb::arg("measured_write_bps"));
+  m.def("plan_link_faster",
+        [replan_plan](uint64_t bytes_ssd, double planned_write_bps, double replan_fraction, double measured) {
+          return replan_plan(bytes_ssd, planned_write_bps, replan_fraction).link_faster(measured);
         },
         nb::arg("bytes_ssd"), nb::arg("planned_write_bps"), nb::arg("replan_fraction"),
         nb::arg("measured_write_bps"));

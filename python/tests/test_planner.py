@@ -73,6 +73,24 @@ def test_needs_replan():
     assert planner.needs_replan(p, 9e9)
     with pytest.raises(ValueError, match="non-negative"):
         planner.needs_replan(p, -1)
+    # Faster than planned beyond 1 / replan_fraction (the profile wrote fresh files).
+    p = planner.plan_offload(uniform(8), write_bps=10e9, read_bps=10e9)
+    assert not planner.link_faster(p, 14e9)
+    assert planner.link_faster(p, 14.3e9)
+    with pytest.raises(ValueError, match="non-negative"):
+        planner.link_faster(p, -1)
+
+
+def test_guarded_writes_wait_instead_of_exceeding():
+    """Note [Guarded writes] through the Python API: the hand case of
+    PlanBudget.GuardedWritesWaitInsteadOfExceeding."""
+    mods = [dict(name=f"m{i}", forward_seconds=1.0, bytes=100) for i in range(4)]
+    pl = ["offload_ssd"] * 3 + ["keep"]
+    kw = dict(prefetch_modules=1, activation_budget_bytes=200)
+    assert planner.simulate(mods, pl, 50, 1e12, **kw)["forward_wait_seconds"] == 0
+    g = planner.simulate(mods, pl, 50, 1e12, guarded_writes=True, **kw)
+    assert g["forward_wait_seconds"] == pytest.approx(1.0)
+    assert [m["forward_end_seconds"] for m in g["modules"]] == pytest.approx([1, 2, 4, 5])
 
 
 def test_bad_input_names_the_problem():

@@ -54,6 +54,13 @@ bool Plan::needs_replan(double measured_write_bps) const {
   return measured_write_bps < replan_fraction * planned_write_bps;
 }
 
+bool Plan::link_faster(double measured_write_bps) const {
+  EBB_CHECK(std::isfinite(measured_write_bps) && measured_write_bps >= 0,
+            "measured write bandwidth must be a non-negative number of bytes/s, got ", measured_write_bps);
+  if (bytes_ssd == 0 || planned_write_bps <= 0) return false;
+  return measured_write_bps * replan_fraction > planned_write_bps;
+}
+
 namespace {
 
 void check_rate(double v, const char* name) {
@@ -118,6 +125,49 @@ double ssd_write_rate(const PlannerOptions& o) {
 // in the compute time elapsed and left) made exact for uneven modules.
 namespace {
 
+// Note [Guarded writes]
+// On the worker path (host tensors) each tensor's write is queued as it is
+// saved (so a module's writes start with it, as on a GPU) and its memory
+// comes back when its own write ends, not with its module's; under a budget the cache makes
+// saves wait while more than slack = budget - K bytes wait to be stored, K
+// the plan's kept bytes (Note [Budget guard] in ebbtide/_adaptive.py). With
+// guarded_writes the model follows: each tier's queue drains at its rate, so
+// a module's unwritten bytes at time t are clamp((w_j - t) * rate, 0, B_j)
+// and all of a tier's are max(0, w_tier - t) * rate (every queued write
+// started by t, so the tier is busy until w_tier). After an offloaded module
+// queues its write, the forward waits until the queues hold at most `slack`
+// (the module ends then: its last save was accepted); the wait is stall
+// (forward_wait_seconds). The forward's peaks are then at most the budget, so
+// a plan whose writes lag a little pays the wait the lag costs instead of
+// being refused for a peak the cache never reaches (before, offloading every
+// block at a budget just above its measured peak was predicted one block
+// over, and the plan recomputed 4 blocks: 1.07x offloading's step). Without
+// a budget, or when K alone exceeds it (no guard is set), only the partial
+// accounting applies.
+namespace {
+
+// The earliest t' >= t at which the queues, each busy until w[k] draining at
+// rate[k], hold at most `slack` bytes. Piecewise linear: solve on the tiers
+// still busy, dropping the one that empties first when the root lies beyond it.
+double drained_by(const double w[2], const double rate[2], double t, double slack) {
+  for (;;) {
+    double sum_wr = 0, sum_r = 0, first_empty = INFINITY;
+    for (int k = 0; k < 2; ++k) {
+      if (!(w[k] > t) || rate[k] <= 0) continue;
+      if (!std::isfinite(w[k])) return INFINITY;
+      sum_wr += w[k] * rate[k];
+      sum_r += rate[k];
+      first_empty = std::min(first_empty, w[k]);
+    }
+    if (sum_r == 0 || sum_wr - t * sum_r <= slack) return t;
+    const double root = (sum_wr - slack) / sum_r;
+    if (root <= first_empty) return root;
+    t = first_empty;
+  }
+}
+
+}  // namespace
+
 // The timing model above; the O(n^2) peak-memory scan only when asked (the
 // greedy walk needs the stall alone). Inputs already validated.
 // `area`, when given, receives the sum of the resident bytes at every point
@@ -139,6 +189,21 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
     return p == Placement::kOffloadCpu || p == Placement::kRecomputeOffloadCpu ? 0 : 1;
   };
 
+  // Note [Guarded writes]: the guard's slack, when a guard applies.
+  const bool partial = o.guarded_writes;
+  double slack = -1;
+  if (o.guarded_writes && o.activation_budget_bytes > 0) {
+    uint64_t kept = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const Placement p = placements[i];
+      if (!is_recompute(p)) kept += modules[i].fixed_bytes;
+      if (!is_offload(p)) kept += is_recompute(p) ? modules[i].recompute_bytes : modules[i].bytes;
+    }
+    if (kept < o.activation_budget_bytes) slack = static_cast<double>(o.activation_budget_bytes - kept);
+  }
+  std::vector<double> module_rate(n, 0.0);  // the write rate of each offloaded module's tier
+  double compute = 0;
+
   for (size_t i = 0; i < n; ++i) {
     ModuleDecision& d = plan.modules[i];
     const ModuleProfile& m = modules[i];
@@ -157,6 +222,7 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
       plan.modules_recomputed += 1;
     }
     t += m.forward_seconds;
+    compute += m.forward_seconds;
     d.forward_end_seconds = t;
     plan.all_resident_bytes += d.bytes + m.fixed_bytes;
     plan.bytes_keep += d.fixed_bytes;
@@ -168,21 +234,29 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
     const double rate = write_rate[tier];
     const double duration =
         d.saved_bytes == 0 ? 0.0 : (rate > 0 ? static_cast<double>(d.saved_bytes) / rate : INFINITY);
-    // Device copies are enqueued as the module's tensors are produced, so
-    // they may start with the module rather than after it (never ending
-    // before it does).
-    const double start = o.writes_within_forward ? t - modules[i].forward_seconds : t;
+    // Device copies are enqueued as the module's tensors are produced, and
+    // the worker path queues each tensor's write as it is saved (Note
+    // [Guarded writes]), so they may start with the module rather than after
+    // it (never ending before it does).
+    const double start = o.writes_within_forward || o.guarded_writes ? t - modules[i].forward_seconds : t;
     d.write_done_seconds = std::max(t, std::max(start, w_tier[tier]) + duration);
     w_tier[tier] = d.write_done_seconds;
+    module_rate[i] = rate;
     (tier == 0 ? plan.bytes_cpu : plan.bytes_ssd) += d.saved_bytes;
+    if (slack >= 0) {
+      const double resumed = drained_by(w_tier, write_rate, t, slack);
+      plan.forward_wait_seconds += resumed - t;
+      t = resumed;
+      d.forward_end_seconds = t;
+    }
   }
-  plan.forward_seconds = t;
+  plan.forward_seconds = compute;
 
   const double beta = o.backward_factor;
   const size_t k = static_cast<size_t>(o.prefetch_modules);
   double clock = t;
   double r_tier[2] = {0, 0};
-  double stall = 0;
+  double stall = plan.forward_wait_seconds;
   // The prefetch window: k times the largest offloaded module's bytes, as
   // the glue sizes it (Note [Prefetch window] in ebbtide/cache.py).
   uint64_t biggest = 0;
@@ -230,6 +304,15 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
   // a recomputed module holds its recomputed activations (`bytes` and
 // `fixed_bytes`) as well. A module's fixed_bytes count from its forward to
 // its backward under every placement but recompute.
+  // Offloaded bytes not yet written at `now`: all of the module's, or with
+  // guarded_writes its unwritten part (Note [Guarded writes]).
+  const auto unwritten = [&](size_t j, double now) -> uint64_t {
+    const auto& m = plan.modules[j];
+    if (m.write_done_seconds <= now) return 0;
+    if (!partial || !std::isfinite(m.write_done_seconds)) return m.saved_bytes;
+    const double left = (m.write_done_seconds - now) * module_rate[j];
+    return left >= static_cast<double>(m.saved_bytes) ? m.saved_bytes : static_cast<uint64_t>(left);
+  };
   uint64_t peak = 0;
   double sum = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -238,7 +321,7 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
     for (size_t j = 0; j <= i; ++j) {
       const auto& m = plan.modules[j];
       resident += m.fixed_bytes;
-      if (!is_offload(m.placement) || m.write_done_seconds > now) resident += m.saved_bytes;
+      resident += is_offload(m.placement) ? unwritten(j, now) : m.saved_bytes;
     }
     peak = std::max(peak, resident);
     sum += static_cast<double>(resident);
@@ -253,10 +336,13 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
     for (size_t j = 0; j <= i; ++j) {
       const auto& m = plan.modules[j];
       resident += m.fixed_bytes;
-      if (!is_offload(m.placement) || m.write_done_seconds > now || j == i)
+      if (!is_offload(m.placement) || j == i) {
         resident += m.saved_bytes;
-      else
+      } else if (m.write_done_seconds > now) {
+        resident += unwritten(j, now);
+      } else {
         below += static_cast<double>(m.saved_bytes);
+      }
     }
     resident += static_cast<uint64_t>(std::min(below, window));
     peak = std::max(peak, resident);

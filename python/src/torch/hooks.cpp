@@ -187,6 +187,12 @@ struct Hooks {
   KeptCounts step, total;
   Kept* listed = nullptr;  // this step's kept handles
   std::map<int64_t, PlanRow> plan;
+  // (storage key, version) offloaded this step: a later scope that keeps the
+  // same storage (the rotary tables every block saves, kept in the last
+  // block) does not count it again in its plan row, as a later scope that
+  // offloads it does not (the core dedups it); else the profile counts it
+  // twice and the planner's keep-all peak is that much above the real one.
+  std::unordered_set<std::pair<uint64_t, uint64_t>, KeyHash> offloaded_keys;
 
   nb::object glue() const {
     nb::object g = glue_ref();
@@ -264,7 +270,7 @@ struct Hooks {
       step.bytes += nbytes;
       kept_live += nbytes;
       step.peak = std::max(step.peak, kept_live);
-      note_plan(nbytes, false, offload, tier);
+      if (!offloaded_keys.count({key, version})) note_plan(nbytes, false, offload, tier);
       if (t.is_cuda()) unflushed += nbytes;
     } else {
       step.deduped += 1;
@@ -430,7 +436,10 @@ struct Hooks {
     // all-to-all's output) is then held by the allocator until this stream
     // passed that wait. A no-op for a tensor allocated on this stream.
     if (cur && res.offloaded) t.record_stream(*cur);
-    if (res.is_new) note_plan(nbytes, res.offloaded, true, place_tier);
+    if (res.is_new) {
+      note_plan(nbytes, res.offloaded, true, place_tier);
+      offloaded_keys.insert({key, version});
+    }
     return make_handle(self, obj, t, res.id, res.handle, version, key, nbytes);
   }
 
@@ -556,6 +565,7 @@ struct Hooks {
     unflushed = 0;
     unlist_all();
     plan.clear();
+    offloaded_keys.clear();
     placement_valid = false;
   }
 

@@ -48,6 +48,13 @@ struct PlannerOptions {
   // write ends before the forward does, since memory comes back only then and
   // a later write would stall the compute stream at the start of backward.
   bool writes_within_forward = false;
+  // The worker path (host tensors, Note [Guarded writes] in planner.cpp): a
+  // tensor's memory comes back when its own write ends, and under a budget
+  // the cache's saves wait while more than the budget less the plan's kept
+  // bytes wait to be stored. The model then counts only the unwritten part
+  // of a module's bytes and makes the forward wait rather than exceed the
+  // budget.
+  bool guarded_writes = false;
   // Bound on the predicted peak of resident saved bytes (0: none; then
   // plan_budget is plan_offload). Note [Budget plan].
   uint64_t activation_budget_bytes = 0;
@@ -72,7 +79,7 @@ struct ModuleDecision {
   uint64_t saved_bytes = 0;          // what it saves under its placement (bytes, or recompute_bytes)
   uint64_t fixed_bytes = 0;          // resident whatever happens (not under recompute)
   double recompute_seconds = 0;      // forward re-run in its backward (recompute placements)
-  double forward_end_seconds = 0;    // from the start of the step, no stalls
+  double forward_end_seconds = 0;    // from the start of the step (after the module's guard waits)
   double write_done_seconds = 0;     // offloaded only
   double read_start_seconds = 0;     // offloaded only
   double backward_start_seconds = 0; // including the stalls before it
@@ -82,7 +89,8 @@ struct Plan {
   std::vector<ModuleDecision> modules;
   double forward_seconds = 0;
   double backward_seconds = 0;        // without stalls
-  double predicted_stall_seconds = 0;
+  double predicted_stall_seconds = 0; // includes forward_wait_seconds
+  double forward_wait_seconds = 0;    // saves waiting for writes (guarded_writes)
   uint64_t all_resident_bytes = 0;    // peak when nothing is offloaded
   uint64_t peak_resident_bytes = 0;   // predicted peak with this plan
   uint64_t bytes_keep = 0;
@@ -111,6 +119,11 @@ struct Plan {
   // True when the plan offloads to the SSD and `measured_write_bps` fell below
   // replan_fraction * planned_write_bps. Throws InvalidArgument for a negative rate.
   bool needs_replan(double measured_write_bps) const;
+  // True when the plan offloads to the SSD and `measured_write_bps` rose above
+  // planned_write_bps / replan_fraction: the profiling step's writes go to
+  // fresh files and run slower than later steps' (2.4x on the CI VM), so a
+  // plan made from them may recompute or keep what the link can carry.
+  bool link_faster(double measured_write_bps) const;
 };
 
 // Throws InvalidArgument for negative times or bandwidths, a bad fraction or
