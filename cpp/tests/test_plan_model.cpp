@@ -5,6 +5,7 @@
 #include <cmath>
 #include <functional>
 #include <string>
+#include <utility>
 
 #include "ebbtide/plan/model.hpp"
 #include "ebbtide/util/error.hpp"
@@ -394,4 +395,161 @@ TEST(PlanModel, NormalizedWritesOutTheDefaultsAndComputesTheSame) {
   EXPECT_EQ(normalized(base()).kv_heads, 0);  // a gpt2 setting it is not
   EXPECT_EQ(normalized(moe).kv_heads, 4);
   EXPECT_EQ(normalized(moe).expert_ffn_hidden, 96);
+}
+
+namespace {
+
+// A T5 small enough to count by hand: s=4, b=2, d_model h=8, 2 heads of
+// d_kv 6 (w = 12 != h), d_ff f=16, vocab 10, bf16, 2 + 2 layers, dropout.
+ModelConfig tiny_t5() {
+  ModelConfig c;
+  c.family = Family::kT5;
+  c.arch = Arch::kEncoderDecoder;
+  c.layers = 2;
+  c.decoder_layers = 2;
+  c.hidden = 8;
+  c.heads = 2;
+  c.head_dim = 6;
+  c.ffn_hidden = 16;
+  c.vocab = 10;
+  c.seq = 4;
+  c.batch = 2;
+  c.gated_mlp = false;
+  c.tied_embeddings = true;
+  c.dropout = true;
+  c.flash_attn = false;
+  return c;
+}
+
+}  // namespace
+
+TEST(PlanModelT5, ParametersOfThePublishedModels) {
+  // Counted from the config.json shapes (docs/model.md "T5"): Hugging Face's
+  // num_parameters() gives the same (python/tests/test_model.py checks it).
+  for (auto [name, params] : {std::pair{"t5-3b", 2851598336.0}, std::pair{"t5-11b", 11307321344.0}}) {
+    ModelConfig c = find_model(name).config;
+    c.seq = 512;  // T5's relative positions: the count does not depend on it
+    EXPECT_DOUBLE_EQ(parameter_count(c), params) << name;
+  }
+  // By hand for the tiny shape: attention 4*h*w = 384, MLP 2*h*f = 256, a
+  // norm per sublayer (8 each): encoder layer 656, decoder layer 656 + 384 +
+  // 8 = 1048; one tied embedding 80, two final norms 16, two 32 x 2
+  // relative-position tables 128.
+  const ModelConfig c = tiny_t5();
+  EXPECT_DOUBLE_EQ(parameter_count(c), 2 * 656 + 2 * 1048 + 80 + 16 + 128);
+  const ParameterUnits u = parameter_units(c);
+  EXPECT_DOUBLE_EQ(u.self_layer, 656);
+  EXPECT_DOUBLE_EQ(u.cross_layer, 1048);
+  EXPECT_DOUBLE_EQ(u.largest_layer, 1048);
+  EXPECT_DOUBLE_EQ(u.root, 80 + 16 + 128);
+  ModelConfig untied = c;
+  untied.tied_embeddings = false;  // T5 v1.1: a separate LM head
+  EXPECT_DOUBLE_EQ(parameter_count(untied), parameter_count(c) + 80);
+  ModelConfig gated = c;
+  gated.gated_mlp = true;  // wi_0, wi_1, wo
+  EXPECT_DOUBLE_EQ(parameter_count(gated), parameter_count(c) + 4 * 8 * 16);
+}
+
+TEST(PlanModelT5, ActivationBytesByHand) {
+  // sb = 8, sbh = 64, sbw = 96, sbf = 128, a s^2 b = 64, p = 2, bool masks.
+  //   norm: input + fp32 copy + normalised (2p + 4) sbh, rsqrt 4 sb, output p sbh = 672
+  //   attention: replicated norm + residual mask 64 = 736; sharded q, k, v, o input
+  //     4p sbw = 768, softmax p ss 128, mask + dropped (1 + p) ss 192 = 1088
+  //   MLP: norm + mask = 736; ReLU output, mask, dropped (2p + 1) sbf = 640
+  ActivationBytes a = activation_bytes(tiny_t5());
+  EXPECT_DOUBLE_EQ(a.self_layer, 736 + 1088 + 736 + 640);          // 3200
+  EXPECT_DOUBLE_EQ(a.cross_layer, 3200 + 736 + 1088);              // + cross-attention
+  EXPECT_DOUBLE_EQ(a.shared, 128);                                 // encoder output p sbh
+  EXPECT_DOUBLE_EQ(a.per_step, 2 * 3200 + 2 * 5024 + 128);
+  // Per stack: ids 8 sb, buckets 8 s^2, two dropout masks, the final norm
+  // (544); and the LM-head input p sbh.
+  EXPECT_DOUBLE_EQ(a.outside, 2 * (64 + 128 + 2 * 64 + 544) + 128);
+  EXPECT_DOUBLE_EQ(a.logits, 2 * 8 * 10 + 8 * 8 + 2);             // p sbV, int64 targets, scalar
+  EXPECT_DOUBLE_EQ(a.recompute_layer, 0);
+  // Checkpointing each block keeps its input and holds the three (b, a, s, s)
+  // position biases; the decoder layer is rebuilt whole during its backward.
+  ModelConfig full = tiny_t5();
+  full.recompute = Recompute::kFull;
+  a = activation_bytes(full);
+  EXPECT_DOUBLE_EQ(a.self_layer, 128);
+  EXPECT_DOUBLE_EQ(a.cross_layer, 128);
+  EXPECT_DOUBLE_EQ(a.outside, 1856 + 3 * 2 * 64);
+  EXPECT_DOUBLE_EQ(a.recompute_layer, 5024);
+  // Without dropout the ReLU output is the wo input: p sbf; no masks.
+  ModelConfig dry = tiny_t5();
+  dry.dropout = false;
+  EXPECT_DOUBLE_EQ(activation_bytes(dry).self_layer, 672 + (768 + 128) + 672 + 2 * 128);
+  // Gated GELU: gelu_new's four tensors, the product's two inputs, the wo input.
+  ModelConfig gated = dry;
+  gated.gated_mlp = true;
+  EXPECT_DOUBLE_EQ(activation_bytes(gated).self_layer, 672 + (768 + 128) + 672 + 7 * 2 * 128);
+}
+
+TEST(PlanModelT5, FlopsUseTheAttentionWidth) {
+  // bsh = 64: q, k, v, o 8 bsh w = 6144; MLP 4 bsh f = 4096; scores and
+  // context 4 b s^2 w = 1536. Cross-attention adds 6144 + 1536.
+  const Flops f = flops(tiny_t5());
+  EXPECT_DOUBLE_EQ(f.self_layer, 6144 + 4096 + 1536);
+  EXPECT_DOUBLE_EQ(f.cross_layer, 11776 + 6144 + 1536);
+  EXPECT_DOUBLE_EQ(f.logits, 2 * 64 * 10);
+  EXPECT_DOUBLE_EQ(f.forward, 2 * 11776 + 2 * 19456 + 1280);
+  ModelConfig full = tiny_t5();
+  full.recompute = Recompute::kFull;
+  EXPECT_DOUBLE_EQ(flops(full).step, 4 * f.forward - f.logits);  // layers run twice forward
+}
+
+TEST(PlanModelT5, HeadDimDefaultsToHiddenOverHeads) {
+  ModelConfig c = base();
+  const double params = parameter_count(c);
+  const Flops f = flops(c);
+  const ActivationBytes a = activation_bytes(c);
+  c.head_dim = c.hidden / c.heads;  // the default written out: nothing changes
+  EXPECT_DOUBLE_EQ(parameter_count(c), params);
+  EXPECT_DOUBLE_EQ(flops(c).forward, f.forward);
+  EXPECT_DOUBLE_EQ(activation_bytes(c).per_step, a.per_step);
+  EXPECT_EQ(normalized(base()).head_dim, 128);
+  c.head_dim = 256;  // twice as wide: q/k/v/o bytes and FLOPs grow by the added width
+  const double s = 2048, b = 4, h = 8192, added = 64 * 128;
+  EXPECT_DOUBLE_EQ(flops(c).self_layer, f.self_layer + 8 * b * s * h * added + 4 * b * s * s * added);
+  EXPECT_DOUBLE_EQ(activation_bytes(c).self_layer, a.self_layer + 4 * 2 * s * b * added);
+  EXPECT_DOUBLE_EQ(parameter_count(c) - params, 32 * (4 * h * added + 3 * added));
+  // heads need not divide hidden once head_dim is given (T5-11B: 128 x 128 over 1024).
+  c.heads = 48;
+  EXPECT_NO_THROW(validate(c));
+}
+
+TEST(PlanModelT5, Validation) {
+  ModelConfig c = tiny_t5();
+  c.arch = Arch::kDecoder;
+  c.decoder_layers = 0;
+  EXPECT_NE(error_of([&] { validate(c); }).find("family t5 is an encoder-decoder"), std::string::npos);
+  c = tiny_t5();
+  c.kv_heads = 1;
+  EXPECT_NE(error_of([&] { validate(c); }).find("'kv_heads' applies only to family llama"), std::string::npos);
+  c = tiny_t5();
+  c.head_dim = -1;
+  EXPECT_NE(error_of([&] { validate(c); }).find("'head_dim'"), std::string::npos);
+  c = tiny_t5();
+  c.head_dim = 0;
+  c.heads = 3;  // 3 does not divide 8 and no head_dim
+  EXPECT_NE(error_of([&] { validate(c); }).find("or set 'head_dim'"), std::string::npos);
+  EXPECT_EQ(parse_family("T5"), Family::kT5);
+  EXPECT_EQ(to_string(Family::kT5), "t5");
+}
+
+TEST(PlanModelT5, FullRecomputeCountsTheRebuiltLayer) {
+  ModelConfig c = find_model("t5-11b").config;
+  c.seq = 512;
+  c.recompute = Recompute::kFull;
+  PlanOptions o;
+  o.sharding.dp = 8;
+  o.sharding.zero_stage = 3;
+  const PlanReport r = make_plan(c, find_gpu("a100-sxm"), find_ssd("d7-p5620"), o);
+  ModelConfig one = c;
+  one.batch = 1;
+  const ActivationBytes a = activation_bytes(one);
+  const double per_sample = a.per_step + a.logits + a.outside + a.recompute_layer;
+  const double free = r.gpu_memory_bytes - r.model_state_bytes;
+  EXPECT_EQ(r.max_micro_batch_without_offload, static_cast<int64_t>(std::floor(free / per_sample)));
+  EXPECT_GT(a.recompute_layer, a.per_step);  // one rebuilt decoder layer outweighs all 48 checkpoints
 }

@@ -72,17 +72,24 @@ ModelStateBytes model_state_bytes(const ParameterUnits& units, const ShardingOpt
 
 namespace ebbtide::plan {
 
-// Note [Network catalog]: per-GPU one-direction rates. NVLink 3 (A100) 300
-// GB/s and NVLink 4 (H100) 450 GB/s of the 600 / 900 GB/s both directions;
-// DGX A100 8 x 200 Gb/s HDR and DGX H100 8 x 400 Gb/s NDR InfiniBand, one NIC
-// per GPU; an Ethernet node with one 100 Gb/s link shared by 8 GPUs.
-// Latency per ring step: a few microseconds on InfiniBand, more over TCP.
+// Note [Network catalog]: per-GPU one-direction rates, nominal (line rates
+// from the vendors' datasheets, sources in docs/model.md "Network catalog").
+// NVLink 3 (A100) 300 GB/s and NVLink 4 (H100) 450 GB/s of the 600 / 900 GB/s
+// both directions; DGX A100 8 x 200 Gb/s HDR and DGX H100 8 x 400 Gb/s NDR
+// InfiniBand, one NIC per GPU; Ethernet nodes with their links shared by 8
+// GPUs; the FSDP seed's IBM Cloud nodes (2 x 100 Gb/s, 120 Gb/s usable over
+// TCP, and the quarter of it the seed saw used). Latency per ring step: an
+// assumption, a few microseconds on InfiniBand, 30 over TCP.
 const std::vector<NetworkSpec>& network_catalog() {
   static const std::vector<NetworkSpec> kNetworks = {
       {"dgx-h100", "8 x H100 NVLink 4, 8 x 400 Gb/s InfiniBand per node", 8, 450.0, 50.0, 5.0},
       {"dgx-a100", "8 x A100 NVLink 3, 8 x 200 Gb/s InfiniBand per node", 8, 300.0, 25.0, 5.0},
       {"a100-eth100", "8 x A100 NVLink 3, one 100 Gb/s Ethernet link per node", 8, 300.0, 12.5 / 8, 30.0},
       {"h100-eth400", "8 x H100 NVLink 4, 4 x 100 Gb/s Ethernet per node", 8, 450.0, 50.0 / 8, 30.0},
+      {"a100-eth2x100", "8 x A100 NVLink 3, 2 x 100 Gb/s Ethernet per node, 120 Gb/s usable over TCP (FSDP seed)",
+       8, 300.0, 15.0 / 8, 30.0},
+      {"a100-eth2x100-seen", "a100-eth2x100 at the FSDP seed's measured peak use, 1/4 of 120 Gb/s", 8, 300.0,
+       3.75 / 8, 30.0},
   };
   return kNetworks;
 }

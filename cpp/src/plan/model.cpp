@@ -63,6 +63,7 @@ ModelConfig normalized(const ModelConfig& config) {
   ModelConfig c = config;
   c.ffn_hidden = config.ffn();
   c.decoder_layers = config.cross_layers();
+  c.head_dim = config.head_size();
   if (config.family == Family::kLlama) {  // the others are llama settings (validate())
     c.kv_heads = config.kv();
     c.expert_ffn_hidden = config.experts > 0 ? config.expert_ffn() : 0;
@@ -89,9 +90,10 @@ void validate(const ModelConfig& c) {
   EBB_CHECK(c.decoder_layers == 0 || c.arch == Arch::kEncoderDecoder,
             "model setting 'decoder_layers' applies only to arch encoder-decoder (got arch ",
             to_string(c.arch), ")");
-  EBB_CHECK(c.hidden % c.heads == 0, "model setting 'heads' (", c.heads,
+  EBB_CHECK(c.head_dim >= 0, "model setting 'head_dim' must be positive (or 0 for hidden/heads), got ", c.head_dim);
+  EBB_CHECK(c.head_dim > 0 || c.hidden % c.heads == 0, "model setting 'heads' (", c.heads,
             ") must divide 'hidden' (", c.hidden, "): head size hidden/heads must be an integer (valid heads up to 256: ",
-            divisors(c.hidden, 256), ")");
+            divisors(c.hidden, 256), "), or set 'head_dim'");
   EBB_CHECK(c.heads % c.tp == 0, "model setting 'tp' (", c.tp, ") must divide 'heads' (", c.heads,
             "): tensor parallelism splits whole attention heads (valid tp: ", divisors(c.heads, c.heads), ")");
   EBB_CHECK(c.ffn() % c.tp == 0, "model setting 'tp' (", c.tp, ") must divide the MLP width (",
@@ -103,11 +105,20 @@ void validate(const ModelConfig& c) {
   EBB_CHECK(c.experts >= 0, "model setting 'experts' must be >= 0 (0: a dense MLP), got ", c.experts);
   EBB_CHECK(c.expert_ffn_hidden >= 0,
             "model setting 'expert_ffn_hidden' must be positive (or 0 for ffn_hidden), got ", c.expert_ffn_hidden);
-  if (c.family == Family::kGpt2) {
+  if (c.family != Family::kLlama) {
     for (auto [v, name] : {std::pair{c.kv_heads, "kv_heads"}, std::pair{c.experts, "experts"},
-                           std::pair{c.top_k, "top_k"}, std::pair{c.expert_ffn_hidden, "expert_ffn_hidden"}}) {
-      EBB_CHECK(v == 0, "model setting '", name, "' applies only to family llama (got family gpt2; use arch llama)");
+                           std::pair{c.top_k, "top_k"}, std::pair{c.expert_ffn_hidden, "expert_ffn_hidden"},
+                           std::pair{c.shared_expert_ffn_hidden, "shared_expert_ffn_hidden"}}) {
+      EBB_CHECK(v == 0, "model setting '", name, "' applies only to family llama (got family ", to_string(c.family),
+                ")");
     }
+  }
+  if (c.family == Family::kGpt2) return;
+  if (c.family == Family::kT5) {
+    EBB_CHECK(c.arch == Arch::kEncoderDecoder, "model family t5 is an encoder-decoder (got arch ",
+              to_string(c.arch), ")");
+    EBB_CHECK(c.norm == Norm::kRmsNorm, "model family t5 uses rmsnorm (got norm ", to_string(c.norm), ")");
+    EBB_CHECK(!c.bias && !c.qkv_bias, "model settings 'bias' and 'qkv_bias' do not apply to family t5 (no biases)");
     return;
   }
   EBB_CHECK(c.arch == Arch::kDecoder, "model family llama is a decoder (got arch ", to_string(c.arch), ")");
@@ -141,7 +152,8 @@ Family parse_family(std::string_view name) {
   const std::string n = lower(name);
   if (n == "gpt2") return Family::kGpt2;
   if (n == "llama") return Family::kLlama;
-  throw InvalidArgument(detail::concat("unknown family '", name, "' (valid: gpt2, llama)"));
+  if (n == "t5") return Family::kT5;
+  throw InvalidArgument(detail::concat("unknown family '", name, "' (valid: gpt2, llama, t5)"));
 }
 
 Norm parse_norm(std::string_view name) {
@@ -151,7 +163,14 @@ Norm parse_norm(std::string_view name) {
   throw InvalidArgument(detail::concat("unknown norm '", name, "' (valid: layernorm, rmsnorm)"));
 }
 
-std::string to_string(Family family) { return family == Family::kLlama ? "llama" : "gpt2"; }
+std::string to_string(Family family) {
+  switch (family) {
+    case Family::kGpt2: return "gpt2";
+    case Family::kLlama: return "llama";
+    case Family::kT5: return "t5";
+  }
+  return "?";
+}
 std::string to_string(Norm norm) { return norm == Norm::kRmsNorm ? "rmsnorm" : "layernorm"; }
 
 Recompute parse_recompute(std::string_view name) {
@@ -276,9 +295,10 @@ ActivationBytes llama_activation_bytes(const ModelConfig& c) {
     core = kFp32 * ss + (p != kFp32 ? p * ss : 0.0) + (c.dropout ? (kMask + p) * ss : 0.0);
   }
   if (c.recompute == Recompute::kSelective) core = 0;
-  const double qkv = c.flash_attn ? p * sbh * (1 + 2 * g / a) : 3 * p * sbh;
+  const double sbw = sb * static_cast<double>(c.attention_width());
+  const double qkv = c.flash_attn ? p * sbw * (1 + 2 * g / a) : 3 * p * sbw;
   double replicated = 2 * norm_bytes(c, sbh, sb) + 2 * p * sbh;
-  double sharded = qkv + p * sbh;
+  double sharded = qkv + p * sbw;
   if (c.experts == 0) {
     sharded += (c.gated_mlp ? 4 : 2) * p * sb * f;
   } else {
@@ -298,18 +318,90 @@ ActivationBytes llama_activation_bytes(const ModelConfig& c) {
                                                    : replicated / sp_div + sharded / t + core / t;
   out.per_step = static_cast<double>(c.layers) * out.self_layer;
   out.last_layer = out.self_layer;
-  const double head_dim = h / a;
+  const double head_dim = static_cast<double>(c.head_size());
   out.outside = kInt64 * sb + (c.rotary ? 2 * s * head_dim * p : 0.0) +
                 (norm_bytes(c, sbh, sb) + p * sbh) / sp_div;
   out.logits = kFp32 * sb * static_cast<double>(c.vocab) / t + kInt64 * sb + kFp32;
   return out;
 }
 
-}  // namespace
+// Note [T5 family]: what autograd saves for the Hugging Face T5 blocks
+// (T5ForConditionalGeneration, eager attention with the relative position
+// bias added to the scores), counted as predicted_saved_bytes counts it on
+// CUDA (bool dropout masks); w = heads x d_kv, ss = a s^2 b, p the dtype:
+//   T5LayerNorm (Python): the input, its fp32 copy (p = 2 only), the fp32
+//     rsqrt per row and the normalised tensor cast back: (2p + 4) sbh + 4 sb;
+//     its output is the next projection's input, p sbh.
+//   attention: q, k, v as matmul saves them (3p sbw), the o-projection input
+//     (p sbw), softmax output p ss, with dropout its mask and the dropped copy
+//     (1 + p) ss; flash_attn (SDPA with the bias as a mask): the fp32
+//     log-sum-exp 4 a s b instead of the scores. The residual dropout mask sbh.
+//   MLP: ReLU: its output p sbf (the wo input without dropout); dropout adds
+//     the mask and the dropped copy (1 + p) sbf. Gated GELU (gelu_new, Python
+//     code): x, tanh, 0.5x, 1 + tanh (4p sbf), the GELU and linear outputs the
+//     product saves (2p sbf), and the wo input p sbf (+ the mask with dropout).
+//   decoder layers add cross-attention: a norm, the query input, q, k, v and
+//     the o input over the encoder output, which is saved once (`shared`).
+//   outside, per stack: int64 ids, the embedding and final dropout masks, the
+//     int64 s x s relative-position buckets, the final norm; the LM-head input.
+//     Full recompute (checkpointing each block) keeps each block's input, and
+//     the three (b, a, s, s) position biases (encoder, decoder, cross: bias
+//     plus mask) that every checkpointed block holds as an input.
+//   logits: CrossEntropyLoss's log-softmax in p, int64 targets, a scalar.
+ActivationBytes t5_activation_bytes(const ModelConfig& c) {
+  const double s = static_cast<double>(c.seq);
+  const double b = static_cast<double>(c.batch);
+  const double h = static_cast<double>(c.hidden);
+  const double a = static_cast<double>(c.heads);
+  const double f = static_cast<double>(c.ffn());
+  const double t = static_cast<double>(c.tp);
+  const double p = static_cast<double>(c.bytes_per_element);
+  const double sb = s * b;
+  const double sbh = sb * h;
+  const double sbw = sb * static_cast<double>(c.attention_width());
+  const double sbf = sb * f;
+  const double ss = a * s * s * b;
+  const double sp_div = c.sp ? t : 1.0;
+  constexpr double kFp32 = 4.0;
+  constexpr double kInt64 = 8.0;
+  constexpr double kMask = 1.0;
+  const double drop = c.dropout ? kMask : 0.0;  // a dropout mask per element
 
-ActivationBytes activation_bytes(const ModelConfig& c) {
-  validate(c);
-  if (c.family == Family::kLlama) return llama_activation_bytes(c);
+  const double norm = (2 * p + (p != kFp32 ? kFp32 : 0.0)) * sbh + kFp32 * sb + p * sbh;  // + its output
+  double core = c.flash_attn ? kFp32 * a * sb : p * ss + (c.dropout ? (kMask + p) * ss : 0.0);
+  if (c.recompute == Recompute::kSelective) core = 0;
+  const double attn_replicated = norm + drop * sbh;
+  const double attn_sharded = 4 * p * sbw + core;
+  double mlp_sharded = 0;
+  if (c.gated_mlp) {
+    mlp_sharded = 6 * p * sbf + p * sbf + drop * sbf;
+  } else {
+    mlp_sharded = p * sbf + (c.dropout ? (kMask + p) * sbf : 0.0);
+  }
+  const double mlp_replicated = norm + drop * sbh;
+
+  ActivationBytes out;
+  if (c.recompute == Recompute::kFull) {
+    out.self_layer = p * sbh / sp_div;
+    out.cross_layer = p * sbh / sp_div;
+  } else {
+    out.self_layer = (attn_replicated + mlp_replicated) / sp_div + (attn_sharded + mlp_sharded) / t;
+    out.cross_layer = out.self_layer + attn_replicated / sp_div + attn_sharded / t;
+  }
+  out.shared = p * sbh / sp_div;
+  const double n_self = static_cast<double>(c.self_only_layers());
+  const double n_cross = static_cast<double>(c.cross_layers());
+  out.per_step = n_self * out.self_layer + n_cross * out.cross_layer + out.shared;
+  out.last_layer = out.cross_layer;
+  const double final_norm = (2 * p + (p != kFp32 ? kFp32 : 0.0)) * sbh + kFp32 * sb;
+  const double per_stack = kInt64 * sb + kInt64 * s * s + (2 * drop * sbh + final_norm) / sp_div;
+  out.outside = 2 * per_stack + p * sbh / sp_div;
+  if (c.recompute == Recompute::kFull) out.outside += 3 * p * ss / t;
+  out.logits = p * sb * static_cast<double>(c.vocab) / t + kInt64 * sb + p;
+  return out;
+}
+
+ActivationBytes stack_activation_bytes(const ModelConfig& c) {
   const double s = static_cast<double>(c.seq);
   const double b = static_cast<double>(c.batch);
   const double h = static_cast<double>(c.hidden);
@@ -318,6 +410,7 @@ ActivationBytes activation_bytes(const ModelConfig& c) {
   const double t = static_cast<double>(c.tp);
   const double p = static_cast<double>(c.bytes_per_element);
   const double sbh = s * b * h;
+  const double sbw = s * b * static_cast<double>(c.attention_width());
   const double sp_div = c.sp ? t : 1.0;
   const double kMask = 1.0;  // dropout masks are bool/uint8
   const double kLse = 4.0;   // FlashAttention's log-sum-exp is fp32
@@ -334,11 +427,11 @@ ActivationBytes activation_bytes(const ModelConfig& c) {
     out.cross_layer = c.cross_layers() > 0 ? p * sbh / sp_div : 0.0;
   } else {
     const double replicated = (4 * p + 2 * kMask) * sbh;
-    const double sharded = (4 * p + 2 * p * f / h) * sbh;
+    const double sharded = 4 * p * sbw + 2 * p * f / h * sbh;
     out.self_layer = replicated / sp_div + sharded / t + attention_core();
     if (c.cross_layers() > 0) {
       const double x_replicated = (2 * p + kMask) * sbh;
-      const double x_sharded = 4 * p * sbh;
+      const double x_sharded = 4 * p * sbw;
       out.cross_layer = out.self_layer + x_replicated / sp_div + x_sharded / t + attention_core();
     }
   }
@@ -351,10 +444,27 @@ ActivationBytes activation_bytes(const ModelConfig& c) {
   return out;
 }
 
+}  // namespace
+
+ActivationBytes activation_bytes(const ModelConfig& c) {
+  validate(c);
+  ActivationBytes out = c.family == Family::kLlama ? llama_activation_bytes(c)
+                        : c.family == Family::kT5  ? t5_activation_bytes(c)
+                                                   : stack_activation_bytes(c);
+  if (c.recompute == Recompute::kFull) {
+    // The layer being differentiated is rebuilt whole, beside the checkpoints.
+    ModelConfig kept = c;
+    kept.recompute = Recompute::kNone;
+    out.recompute_layer = activation_bytes(kept).largest_layer();
+  }
+  return out;
+}
+
 // FLOPs count multiply-adds as 2 (Narayanan et al. 2021, appendix): per layer
-// 24 b s h^2 + 4 b s^2 h with f = 4h, written here for any f as
-// 8 b s h^2 (QKV + output) + 4 b s h f (MLP) + 4 b s^2 h (scores and context).
-// Family llama: q and o projections 4 b s h^2, k and v 4 b s h^2 g/a, a gated
+// 24 b s h^2 + 4 b s^2 h with f = 4h and w = h, written here for any f and
+// attention width w = heads x head_dim as 8 b s h w (QKV + output) + 4 b s h f
+// (MLP; a gated t5 MLP 6 b s h f) + 4 b s^2 w (scores and context).
+// Family llama: q and o projections 4 b s h w, k and v 4 b s h w g/a, a gated
 // MLP three matrices 6 b s h f (plain: 4 b s h f); with experts the router
 // 2 b s h E and the top_k experts per token 6 b s k h fe. Causal masking is
 // not subtracted from the s^2 terms (as in the paper's count).
@@ -364,12 +474,13 @@ Flops flops(const ModelConfig& c) {
   const double b = static_cast<double>(c.batch);
   const double h = static_cast<double>(c.hidden);
   const double f = static_cast<double>(c.ffn());
-  const double attn_core = 4 * b * s * s * h;
+  const double w = static_cast<double>(c.attention_width());
+  const double attn_core = 4 * b * s * s * w;
   Flops out;
   if (c.family == Family::kLlama) {
     const double kv_fraction = static_cast<double>(c.kv()) / static_cast<double>(c.heads);
     const double mlp_matrices = c.gated_mlp ? 3 : 2;
-    out.self_layer = 4 * b * s * h * h * (1 + kv_fraction) + attn_core;
+    out.self_layer = 4 * b * s * h * w * (1 + kv_fraction) + attn_core;
     if (c.experts == 0) {
       out.self_layer += 2 * mlp_matrices * b * s * h * f;
     } else {
@@ -381,11 +492,12 @@ Flops flops(const ModelConfig& c) {
                           2 * b * s * h;
     }
   } else {
-    out.self_layer = 8 * b * s * h * h + 4 * b * s * h * f + attn_core;
+    const double mlp_matrices = c.family == Family::kT5 && c.gated_mlp ? 3 : 2;
+    out.self_layer = 8 * b * s * h * w + 2 * mlp_matrices * b * s * h * f + attn_core;
   }
   // Cross-attention: Q and output projections over s, K and V over the
   // encoder sequence (= s), scores and context s x s.
-  const double cross = 8 * b * s * h * h + attn_core;
+  const double cross = 8 * b * s * h * w + attn_core;
   out.cross_layer = c.cross_layers() > 0 ? out.self_layer + cross : 0.0;
   out.logits = 2 * b * s * h * static_cast<double>(c.vocab);
   const double layers = static_cast<double>(c.self_only_layers()) * out.self_layer +
@@ -404,6 +516,9 @@ Flops flops(const ModelConfig& c) {
 
 namespace {
 
+// T5's relative_attention_num_buckets: 32 in every published T5 config.
+constexpr double kT5Buckets = 32;
+
 // Parameters of one self-attention layer and of one encoder-decoder decoder
 // layer (self + cross), unsharded.
 struct LayerParams {
@@ -414,13 +529,14 @@ struct LayerParams {
 LayerParams layer_parameter_count(const ModelConfig& c) {
   const double h = static_cast<double>(c.hidden);
   const double f = static_cast<double>(c.ffn());
+  const double w = static_cast<double>(c.attention_width());
   LayerParams out;
   if (c.family == Family::kLlama) {
-    const double hkv = h * static_cast<double>(c.kv()) / static_cast<double>(c.heads);
+    const double hkv = w * static_cast<double>(c.kv()) / static_cast<double>(c.heads);
     const double norm = c.norm == Norm::kRmsNorm ? h : 2 * h;
     const double matrices = c.gated_mlp ? 3 : 2;
-    double attn = 2 * h * h + 2 * h * hkv;
-    if (c.bias || c.qkv_bias) attn += h + 2 * hkv;
+    double attn = 2 * h * w + 2 * h * hkv;
+    if (c.bias || c.qkv_bias) attn += w + 2 * hkv;
     if (c.bias) attn += h;
     auto mlp = [&](double width) { return matrices * h * width + (c.bias ? (matrices - 1) * width + h : 0.0); };
     const double e = static_cast<double>(c.experts);
@@ -429,9 +545,18 @@ LayerParams layer_parameter_count(const ModelConfig& c) {
     out.self_layer = attn + ffn + 2 * norm;
     return out;
   }
-  // attention 4h^2 + 4h, MLP 2hf + f + h, two layernorms 4h
-  out.self_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h;
-  if (c.cross_layers() > 0) out.cross_layer = out.self_layer + 4 * h * h + 4 * h + 2 * h;  // + cross-attn, its norm
+  if (c.family == Family::kT5) {
+    // q, k, v, o without biases 4hw, wi (gated: wi_0, wi_1) and wo, an RMSNorm weight per sublayer.
+    const double attn = 4 * h * w;
+    const double mlp = (c.gated_mlp ? 3 : 2) * h * f;
+    out.self_layer = attn + mlp + 2 * h;
+    out.cross_layer = out.self_layer + attn + h;
+    return out;
+  }
+  // attention 4hw + 3w + h, MLP 2hf + f + h, two layernorms 4h
+  const double attn = 4 * h * w + 3 * w + h;
+  out.self_layer = attn + 2 * h * f + f + h + 4 * h;
+  if (c.cross_layers() > 0) out.cross_layer = out.self_layer + attn + 2 * h;  // + cross-attn, its norm
   return out;
 }
 
@@ -445,6 +570,15 @@ double parameter_count(const ModelConfig& c) {
     const double norm = c.norm == Norm::kRmsNorm ? h : 2 * h;
     const double embeddings = static_cast<double>(c.vocab) * h * (c.tied_embeddings ? 1 : 2);
     return static_cast<double>(c.layers) * layer.self_layer + embeddings + norm;
+  }
+  if (c.family == Family::kT5) {
+    // One embedding shared by both stacks (and the LM head when tied), the two
+    // final norms, and the relative-position bias table (kT5Buckets x heads)
+    // of each stack's first layer.
+    const double embeddings = static_cast<double>(c.vocab) * h * (c.tied_embeddings ? 1 : 2);
+    const double position_bias = 2.0 * kT5Buckets * static_cast<double>(c.heads);
+    return static_cast<double>(c.self_only_layers()) * layer.self_layer +
+           static_cast<double>(c.cross_layers()) * layer.cross_layer + embeddings + 2 * h + position_bias;
   }
   const double embeddings = static_cast<double>(c.vocab) * h + static_cast<double>(c.seq) * h;
   const double final_norms = (c.cross_layers() > 0 ? 2.0 : 1.0) * 2 * h;
@@ -461,6 +595,8 @@ ParameterUnits parameter_units(const ModelConfig& c) {
   ParameterUnits u;
   u.total = parameter_count(c) / t;
   u.largest_layer = std::max(layer.self_layer, layer.cross_layer) / t;
+  u.self_layer = layer.self_layer / t;
+  u.cross_layer = layer.cross_layer / t;
   u.root = std::max(0.0, u.total - all_layers / t);
   return u;
 }
@@ -477,6 +613,25 @@ ModelConfig llama_shape(int64_t layers, int64_t hidden, int64_t heads, int64_t k
   c.kv_heads = kv_heads;
   c.ffn_hidden = ffn;
   c.vocab = vocab;
+  return c;
+}
+
+// A T5 v1.0 shape: ReLU MLP, tied embeddings, dropout 0.1, eager attention.
+ModelConfig t5_shape(int64_t layers, int64_t d_model, int64_t heads, int64_t d_kv, int64_t d_ff) {
+  ModelConfig c;
+  c.family = Family::kT5;
+  c.arch = Arch::kEncoderDecoder;
+  c.layers = layers;
+  c.decoder_layers = layers;
+  c.hidden = d_model;
+  c.heads = heads;
+  c.head_dim = d_kv;
+  c.ffn_hidden = d_ff;
+  c.vocab = 32128;
+  c.gated_mlp = false;
+  c.tied_embeddings = true;
+  c.dropout = true;
+  c.flash_attn = false;
   return c;
 }
 
@@ -497,7 +652,10 @@ ModelConfig with_experts(ModelConfig c, int64_t experts, int64_t top_k) {
 // (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
 // intermediate_size, vocab_size, num_local_experts, num_experts_per_tok,
 // tie_word_embeddings false for all five). Parameter counts come out at the
-// published 8.03 B, 70.6 B, 7.62 B, 72.7 B and 46.7 B (docs/model.md).
+// published 8.03 B, 70.6 B, 7.62 B, 72.7 B and 46.7 B (docs/model.md). T5
+// from the t5-3b / t5-11b config.json (num_layers, num_decoder_layers,
+// d_model, num_heads, d_kv, d_ff, vocab_size, feed_forward_proj relu):
+// 2,851,598,336 and 11,307,321,344 parameters.
 const std::vector<ModelSpec>& model_catalog() {
   static const std::vector<ModelSpec> kModels = {
       {"llama3-8b", "Meta Llama 3 8B (also 3.1)", llama_shape(32, 4096, 32, 8, 14336, 128256)},
@@ -506,6 +664,8 @@ const std::vector<ModelSpec>& model_catalog() {
       {"qwen2.5-72b", "Qwen2.5 72B", with_qkv_bias(llama_shape(80, 8192, 64, 8, 29568, 152064))},
       {"mixtral-8x7b", "Mistral AI Mixtral 8x7B (8 experts, top 2)",
        with_experts(llama_shape(32, 4096, 32, 8, 14336, 32000), 8, 2)},
+      {"t5-3b", "Google T5 3B (T5-XL v1.0, encoder-decoder 24 + 24)", t5_shape(24, 1024, 32, 128, 16384)},
+      {"t5-11b", "Google T5 11B (T5-XXL v1.0, encoder-decoder 24 + 24)", t5_shape(24, 1024, 128, 128, 65536)},
   };
   return kModels;
 }
@@ -580,8 +740,8 @@ PlanReport make_plan(const ModelConfig& config, const GpuSpec& gpu, const SsdSpe
   r.activations = activation_bytes(config);
   r.offloaded_bytes_per_step =
       std::max(0.0, r.activations.per_step - r.activations.last_layer - r.activations.shared);
-  r.resident_bytes_offloaded =
-      r.activations.last_layer + r.activations.shared + r.activations.logits + r.activations.outside;
+  r.resident_bytes_offloaded = r.activations.last_layer + r.activations.shared + r.activations.logits +
+                               r.activations.outside + r.activations.recompute_layer;
   r.flops = flops(config);
 
   const double peak = (config.bytes_per_element == 4 ? gpu.peak_tf32_tflops : gpu.peak_bf16_tflops) * 1e12;
@@ -612,23 +772,31 @@ PlanReport make_plan(const ModelConfig& config, const GpuSpec& gpu, const SsdSpe
   one.batch = 1;
   const ActivationBytes a1 = activation_bytes(one);
   const double free_gpu = r.gpu_memory_bytes - r.model_state_bytes;
-  const double resident1 = a1.last_layer + a1.shared + a1.logits + a1.outside;
+  const double resident1 = a1.last_layer + a1.shared + a1.logits + a1.outside + a1.recompute_layer;
   const double offloaded1 = std::max(0.0, a1.per_step - a1.last_layer - a1.shared);
   const int64_t by_gpu = fit(free_gpu, resident1);
   const int64_t by_ssd = offloaded1 > 0 ? fit(r.ssd_capacity_bytes, offloaded1) : by_gpu;
   r.max_micro_batch = std::min(by_gpu, by_ssd);
-  r.max_micro_batch_without_offload = fit(free_gpu, a1.per_step + a1.logits + a1.outside);
+  r.max_micro_batch_without_offload =
+      fit(free_gpu, a1.per_step + a1.logits + a1.outside + a1.recompute_layer);
   return r;
 }
 
 // Note [Collective time]: a ring collective over n GPUs moves (n-1)/n of
-// the full buffer through each GPU's link in n-1 steps: (n-1)/n x bytes / bw
-// + (n-1) x latency, bw the NVLink rate while n fits in a node and the
-// per-GPU network share beyond. Stage 3 all-gathers each layer before its
-// forward and again before its backward, and reduce-scatters its gradients
-// after backward (HSDP: then all-reduces the shard across the dp / N
-// replicas); a layer's collectives overlap the neighbouring layer's compute,
-// so what exceeds the layer's compute is exposed, and the root unit's gather
+// the full buffer through each link of the ring in n-1 steps: (n-1)/n x
+// bytes / bw + (n-1) x latency. Inside a node bw is a GPU's NVLink rate.
+// Across nodes it depends on who shares the NICs: a ring that all of a
+// node's GPUs join (FSDP's shard group, DDP's all-reduce) enters and leaves
+// each node once per channel, and NCCL spreads its channels over all the
+// node's NICs, so it runs at the node's aggregate rate (gpus_per_node x
+// inter_gbps, at most NVLink); HSDP's replica all-reduces (one GPU per node
+// in each, all of a node's GPUs at once) get a GPU's share. Stage 3
+// all-gathers each layer before its forward and again before its backward,
+// and reduce-scatters its gradients after backward (HSDP: then all-reduces
+// the shard across the dp / N replicas); a layer's collectives overlap the
+// neighbouring layer's compute, so what exceeds the layer's compute is
+// exposed, layer kind by layer kind (an encoder-decoder's decoder layers are
+// larger and longer than its encoder layers), and the root unit's gather
 // (before the first layer) and reduce-scatter (after the last) are exposed
 // whole. Stages 0-2 all-reduce (2: reduce-scatter) the gradients in buckets
 // during backward, exposed beyond the backward time; stages 1-2 all-gather
@@ -637,32 +805,54 @@ CommTimes communication(const PlanReport& r, const NetworkSpec& net) {
   EBB_CHECK(net.gpus_per_node > 0 && net.intra_gbps > 0 && net.inter_gbps > 0 && net.latency_us >= 0,
             "network '", net.name, "' needs positive GPUs per node and rates, and latency >= 0");
   const ShardingOptions& o = r.options.sharding;
-  auto ring = [&](double bytes, int64_t n, bool across_nodes) {
+  const double node_gbps = std::min(net.intra_gbps, net.inter_gbps * static_cast<double>(net.gpus_per_node));
+  auto ring = [&](double bytes, int64_t n, bool one_gpu_per_node) {
     if (n <= 1) return 0.0;
-    const double bw = (across_nodes || n > net.gpus_per_node ? net.inter_gbps : net.intra_gbps) * 1e9;
+    const double gbps = one_gpu_per_node ? net.inter_gbps : (n > net.gpus_per_node ? node_gbps : net.intra_gbps);
     const double k = static_cast<double>(n);
-    return (k - 1) / k * bytes / bw + (k - 1) * net.latency_us * 1e-6;
+    return (k - 1) / k * bytes / (gbps * 1e9) + (k - 1) * net.latency_us * 1e-6;
   };
   CommTimes c;
-  const double layers = static_cast<double>(r.config.self_only_layers() + r.config.cross_layers());
-  const double layer_flops = r.flops.largest_layer() / static_cast<double>(r.config.tp);
-  c.unit_forward_seconds = r.forward_seconds * layer_flops / (r.flops.forward / static_cast<double>(r.config.tp));
-  c.unit_backward_seconds = c.unit_forward_seconds * (r.step_seconds - r.forward_seconds) / r.forward_seconds;
+  const double t = static_cast<double>(r.config.tp);
+  const double rate = r.flops.forward / t / r.forward_seconds;  // FLOP/s per GPU
+  const double backward_ratio = (r.step_seconds - r.forward_seconds) / r.forward_seconds;
   const double backward = r.step_seconds - r.forward_seconds;
   const int64_t n = r.model_state.shard_over;
   const int64_t replicas = o.dp / n;
   if (o.zero_stage == 3) {
-    c.gather_seconds = ring(o.param_bytes * r.units.largest_layer, n, false);
-    c.reduce_seconds = ring(o.grad_bytes * r.units.largest_layer, n, false) +
-                       2 * ring(o.grad_bytes * r.units.largest_layer / static_cast<double>(n), replicas, true);
-    const double root_gather = ring(o.param_bytes * r.units.root, n, false);
-    const double root_reduce = ring(o.grad_bytes * r.units.root, n, false) +
-                               2 * ring(o.grad_bytes * r.units.root / static_cast<double>(n), replicas, true);
-    c.comm_seconds = layers * (2 * c.gather_seconds + c.reduce_seconds) + root_gather + root_reduce;
-    c.exposed_seconds = layers * (std::max(0.0, c.gather_seconds - c.unit_forward_seconds) +
-                                  std::max(0.0, c.gather_seconds + c.reduce_seconds - c.unit_backward_seconds)) +
-                        root_gather + root_reduce;
+    auto reduce = [&](double params) {
+      return ring(o.grad_bytes * params, n, false) +
+             2 * ring(o.grad_bytes * params / static_cast<double>(n), replicas, true);
+    };
+    struct LayerKind {
+      double count, params, flops;
+    };
+    const LayerKind kinds[] = {
+        {static_cast<double>(r.config.self_only_layers()), r.units.self_layer, r.flops.self_layer / t},
+        {static_cast<double>(r.config.cross_layers()), r.units.cross_layer, r.flops.cross_layer / t},
+    };
+    for (const LayerKind& kind : kinds) {
+      if (kind.count <= 0) continue;
+      const double forward = kind.flops / rate;
+      const double gather = ring(o.param_bytes * kind.params, n, false);
+      const double reduced = reduce(kind.params);
+      c.comm_seconds += kind.count * (2 * gather + reduced);
+      c.exposed_seconds += kind.count * (std::max(0.0, gather - forward) +
+                                         std::max(0.0, gather + reduced - forward * backward_ratio));
+      if (kind.params >= r.units.largest_layer) {  // report the largest layer's times
+        c.gather_seconds = gather;
+        c.reduce_seconds = reduced;
+        c.unit_forward_seconds = forward;
+        c.unit_backward_seconds = forward * backward_ratio;
+      }
+    }
+    const double root = ring(o.param_bytes * r.units.root, n, false) + reduce(r.units.root);
+    c.comm_seconds += root;
+    c.exposed_seconds += root;
   } else {
+    const double layer_flops = r.flops.largest_layer() / t;
+    c.unit_forward_seconds = layer_flops / rate;
+    c.unit_backward_seconds = c.unit_forward_seconds * backward_ratio;
     const double grads = o.grad_bytes * r.units.total;
     const double reduce = o.zero_stage == 2 ? ring(grads, n, false) + 2 * ring(grads / static_cast<double>(n),
                                                                                replicas, true)

@@ -50,6 +50,8 @@ struct ParameterUnits {
   double total = 0;        // Φ
   double largest_layer = 0;
   double root = 0;         // total - all layers
+  double self_layer = 0;   // a self-attention layer (an encoder layer of an encoder-decoder)
+  double cross_layer = 0;  // an encoder-decoder's decoder layer (0 without one)
 };
 
 // Per-GPU model state in bytes; total = params + grads + optimizer +
@@ -67,8 +69,9 @@ struct ModelStateBytes {
 ModelStateBytes model_state_bytes(const ParameterUnits& units, const ShardingOptions& options);
 
 // A cluster's interconnect per GPU, one direction, 1e9 bytes/s: inside a node
-// (NVLink) and across nodes (the node's NICs shared by its GPUs), and the
-// latency of one step of a ring collective.
+// (NVLink) and across nodes (the node's NICs shared by its GPUs: a ring that
+// all of a node's GPUs join runs at gpus_per_node x inter_gbps, Note
+// [Collective time]), and the latency of one step of a ring collective.
 struct NetworkSpec {
   std::string name;  // catalog key, e.g. "dgx-h100"
   std::string description;
@@ -82,9 +85,9 @@ const NetworkSpec& find_network(std::string_view name);  // InvalidArgument list
 
 // Seconds per step (per GPU) of the data-parallel collectives.
 struct CommTimes {
-  double gather_seconds = 0;       // stage 3: one layer's all-gather
-  double reduce_seconds = 0;       // stage 3: one layer's reduce-scatter (+ HSDP all-reduce)
-  double unit_forward_seconds = 0; // one layer's forward compute
+  double gather_seconds = 0;       // stage 3: the largest layer's all-gather
+  double reduce_seconds = 0;       // stage 3: the largest layer's reduce-scatter (+ HSDP all-reduce)
+  double unit_forward_seconds = 0; // the largest layer's forward compute
   double unit_backward_seconds = 0;
   double comm_seconds = 0;         // all collectives of a step
   double exposed_seconds = 0;      // the part compute does not hide

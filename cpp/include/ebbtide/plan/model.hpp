@@ -17,8 +17,9 @@ enum class Arch { kDecoder, kEncoder, kEncoderDecoder };
 enum class Recompute { kNone, kSelective, kFull };
 // Layer family (Note [Layer families] in model.cpp): kGpt2 counts what
 // Megatron-LM's fused kernels save (Korthikanti et al.); kLlama counts what
-// the Hugging Face Llama/Qwen2/Mistral/Mixtral layers save in PyTorch eager.
-enum class Family { kGpt2, kLlama };
+// the Hugging Face Llama/Qwen2/Mistral/Mixtral layers save in PyTorch eager;
+// kT5 what the Hugging Face T5 blocks save (Note [T5 family]).
+enum class Family { kGpt2, kLlama, kT5 };
 enum class Norm { kLayerNorm, kRmsNorm };
 
 // One transformer stack. Zero in ffn_hidden means 4*hidden; zero in
@@ -29,6 +30,10 @@ enum class Norm { kLayerNorm, kRmsNorm };
 // LayerNorm, biases, attention dropout, rotary embeddings, and a mixture of
 // experts when experts > 0 (top_k routed experts per token, each
 // expert_ffn_hidden wide, 0: ffn_hidden). flash_attn false is eager attention.
+// head_dim is the width of one attention head (0: hidden/heads); q, k, v and
+// the output projection's input are heads*head_dim wide (T5: d_kv). The t5
+// family is an encoder-decoder without biases, RMSNorm, relative position
+// biases, a ReLU MLP (gated_mlp: gated GELU), dropout and tied_embeddings.
 struct ModelConfig {
   int64_t layers = 0;
   int64_t hidden = 0;
@@ -46,38 +51,42 @@ struct ModelConfig {
   int64_t bytes_per_element = 2;
   Family family = Family::kGpt2;
   int64_t kv_heads = 0;
-  bool gated_mlp = true;         // llama family only
+  bool gated_mlp = true;         // llama family; t5: gated GELU (T5 v1.1) instead of ReLU
   Norm norm = Norm::kRmsNorm;    // llama family only
   bool bias = false;             // llama family: q/k/v/o and MLP biases (parameters only)
   bool qkv_bias = false;         // llama family: biases on q, k, v only (Qwen2)
-  bool dropout = false;          // llama family: attention dropout
+  bool dropout = false;          // llama family: attention dropout; t5: dropout_rate > 0
   bool rotary = true;            // llama family
-  bool tied_embeddings = false;  // llama family: LM head shares the embedding
+  bool tied_embeddings = false;  // llama, t5 family: LM head shares the embedding
   int64_t experts = 0;
   int64_t top_k = 0;
   int64_t expert_ffn_hidden = 0;
   bool norm_topk = true;                // renormalise the top-k router weights (Mixtral)
   int64_t shared_expert_ffn_hidden = 0; // Qwen2-MoE: a gated shared expert of this width (0: none)
+  int64_t head_dim = 0;                 // 0: hidden / heads
 
   int64_t ffn() const { return ffn_hidden > 0 ? ffn_hidden : 4 * hidden; }
   int64_t kv() const { return kv_heads > 0 ? kv_heads : heads; }
   int64_t expert_ffn() const { return expert_ffn_hidden > 0 ? expert_ffn_hidden : ffn(); }
+  int64_t head_size() const { return head_dim > 0 ? head_dim : (heads > 0 ? hidden / heads : 0); }
+  int64_t attention_width() const { return heads * head_size(); }  // q/k/v width, all heads
   int64_t self_only_layers() const;  // layers in the self-attention-only stack
   int64_t cross_layers() const;    // decoder layers with cross-attention (enc-dec)
 };
 
 // Throws InvalidArgument naming the setting and the valid choices: sizes
-// positive, heads divides hidden, tp divides heads, bytes_per_element 2 or 4.
+// positive, heads divides hidden (unless head_dim is set), tp divides heads,
+// bytes_per_element 2 or 4, family settings on their family.
 void validate(const ModelConfig& config);
 
 // `config` with the derived defaults written out: ffn_hidden as used,
 // decoder_layers the number of cross-attention layers (0 unless
-// encoder-decoder) and, for the llama family, kv_heads and expert_ffn_hidden
+// encoder-decoder), head_dim as used and, for the llama family, kv_heads and expert_ffn_hidden
 // (0 without experts) as used. Valid and computing the same as `config`.
 ModelConfig normalized(const ModelConfig& config);
 
 // Names accepted by the CLI and Python ("decoder", "encoder",
-// "encoder-decoder"/"encoder_decoder"; "gpt2", "llama"; "layernorm",
+// "encoder-decoder"/"encoder_decoder"; "gpt2", "llama", "t5"; "layernorm",
 // "rmsnorm"; "none", "selective", "full"; "bf16", "fp16", "fp32"). Unknown
 // names throw InvalidArgument listing them.
 Arch parse_arch(std::string_view name);
@@ -98,7 +107,8 @@ struct ActivationBytes {
   double per_step = 0;        // all layers + shared
   double last_layer = 0;      // the layer kept resident when offloading
   double logits = 0;          // output layer logits (never offloaded); llama family: what the loss saves
-  double outside = 0;         // llama family, once per step: token ids, rotary tables, final norm, LM-head input
+  double outside = 0;         // llama/t5 family, once per step: token ids, rotary tables, final norm, LM-head input
+  double recompute_layer = 0; // full recompute: the largest layer's activations, rebuilt during its backward
   double largest_layer() const { return cross_layer > self_layer ? cross_layer : self_layer; }
 };
 ActivationBytes activation_bytes(const ModelConfig& config);
@@ -175,7 +185,7 @@ struct PlanReport {
   ModelStateBytes model_state;
   ActivationBytes activations;
   double offloaded_bytes_per_step = 0;  // per_step - last layer - shared
-  double resident_bytes_offloaded = 0;  // last layer + shared + logits + outside
+  double resident_bytes_offloaded = 0;  // last layer + shared + logits + outside + recompute_layer
   Flops flops;
   double forward_seconds = 0;
   double step_seconds = 0;
