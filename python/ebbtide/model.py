@@ -6,10 +6,11 @@ A model config is a plain dict with the keys of ``ebbtide::plan::ModelConfig``:
 layers, hidden, heads, seq, batch, vocab, ffn_hidden, arch ("decoder",
 "encoder", "encoder-decoder"), decoder_layers, flash_attn, tp, sp, recompute
 ("none", "selective", "full"), bytes_per_element (or dtype: "bf16", "fp16",
-"fp32"), family ("gpt2", "llama") and the llama family's kv_heads, gated_mlp,
-norm ("rmsnorm", "layernorm"), bias, qkv_bias, dropout, rotary,
-tied_embeddings, experts, top_k, expert_ffn_hidden, norm_topk,
-shared_expert_ffn_hidden. Missing keys take the C++ defaults. No torch needed.
+"fp32"), head_dim (0: hidden/heads), family ("gpt2", "llama", "t5") and the
+llama family's kv_heads, gated_mlp, norm ("rmsnorm", "layernorm"), bias,
+qkv_bias, dropout, rotary, tied_embeddings, experts, top_k, expert_ffn_hidden,
+norm_topk, shared_expert_ffn_hidden (the t5 family: gated_mlp, dropout,
+tied_embeddings). Missing keys take the C++ defaults. No torch needed.
 """
 from __future__ import annotations
 
@@ -48,7 +49,6 @@ def _config(config: Mapping[str, Any] | None, kwargs: dict):
     """The validated ``_core.ModelConfig`` of a config dict and keyword overrides."""
     merged = dict(config or {})
     merged.update(kwargs)
-    merged.pop("attention_inner", None)  # informational key from config_from_hf
     if "arch" in merged and isinstance(merged["arch"], str):
         merged["arch"] = merged["arch"].replace("_", "-")
     record = make(_core.ModelConfig, merged, "model", aliases={"dtype": _dtype})
@@ -234,13 +234,14 @@ def ssds() -> list[dict]:
 
 
 # The config keys a catalog entry shows (seq, batch, dtype and parallelism are the caller's).
-_CATALOG_KEYS = ("family", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
-                 "qkv_bias", "tied_embeddings", "experts", "top_k")
+_CATALOG_KEYS = ("family", "arch", "layers", "decoder_layers", "hidden", "heads", "head_dim", "kv_heads",
+                 "ffn_hidden", "vocab", "gated_mlp", "dropout", "qkv_bias", "tied_embeddings", "experts", "top_k")
 
 
 def models() -> list[dict]:
-    """The model catalog (published shapes): name, description, family, layers, hidden,
-    heads, kv_heads, ffn_hidden, vocab, qkv_bias, tied_embeddings, experts, top_k."""
+    """The model catalog (published shapes): name, description, family, arch, layers,
+    decoder_layers, hidden, heads, head_dim, kv_heads, ffn_hidden, vocab, gated_mlp, dropout,
+    qkv_bias, tied_embeddings, experts, top_k."""
     return [{"name": m.name, "description": m.description,
              **{k: getattr(m.config, k) for k in _CATALOG_KEYS}} for m in _core.plan_models()]
 
@@ -351,18 +352,45 @@ def _llama_from_hf(cfg, model_type: str) -> dict:
     return out
 
 
+# T5 feed_forward_proj values the t5 family models (Note [T5 family] in model.cpp).
+_T5_FFN = {"relu": False, "gated-gelu": True}
+
+
+def _t5_from_hf(cfg) -> dict:
+    d_model = _int_key(cfg, "d_model")
+    heads = _int_key(cfg, "num_heads")
+    layers = _int_key(cfg, "num_layers")
+    ffn = _get(cfg, "feed_forward_proj", default="relu")
+    if ffn not in _T5_FFN:
+        raise ValueError(f"key 'feed_forward_proj' value {ffn!r} not modelled (valid: {', '.join(_T5_FFN)})")
+    buckets = _get(cfg, "relative_attention_num_buckets", default=32)
+    if buckets != 32:
+        raise ValueError(f"key 'relative_attention_num_buckets' ({buckets}) not modelled (valid: 32)")
+    return {
+        "family": "t5", "arch": "encoder-decoder",
+        "layers": layers, "decoder_layers": _int_key(cfg, "num_decoder_layers", default=layers),
+        "hidden": d_model, "heads": heads,
+        "head_dim": _int_key(cfg, "d_kv", default=d_model // heads if heads else 0),
+        "ffn_hidden": _int_key(cfg, "d_ff"), "gated_mlp": _T5_FFN[ffn],
+        "dropout": float(_get(cfg, "dropout_rate", default=0.1)) > 0,
+        "tied_embeddings": bool(_get(cfg, "tie_word_embeddings", default=True)),
+    }
+
+
 def config_from_hf(config, seq: int, batch: int) -> dict:
     """Maps a Hugging Face config (object or dict) to a model-config dict: GPT-2,
-    BERT, T5 (family gpt2) or Llama, Qwen2, Mistral, Mixtral, Qwen2-MoE (family llama).
+    BERT (family gpt2), T5 (family t5) or Llama, Qwen2, Mistral, Mixtral, Qwen2-MoE
+    (family llama).
 
     Raises ValueError naming a missing, bad or unsupported key.
 
     GPT-2: n_layer, n_embd, n_head, n_inner (default 4h); BERT: num_hidden_layers,
     hidden_size, num_attention_heads, intermediate_size; T5: num_layers,
-    num_decoder_layers, d_model, num_heads, d_ff (d_kv is kept as
-    ``attention_inner`` = num_heads * d_kv for reference; the formulas assume it
-    equals d_model). flash_attn is True for an attn_implementation other than
-    "eager" (SDPA, flash kernels); unset counts as eager.
+    num_decoder_layers, d_model, num_heads, d_kv (head_dim: the attention is
+    num_heads * d_kv wide, 16 x d_model for T5-11B), d_ff, feed_forward_proj
+    (relu, gated-gelu), dropout_rate, tie_word_embeddings (default true).
+    flash_attn is True for an attn_implementation other than "eager" (SDPA,
+    flash kernels); unset counts as eager.
 
     Llama family: num_hidden_layers, hidden_size, num_attention_heads,
     num_key_value_heads, intermediate_size, hidden_act (silu, gelu), attention_dropout,
@@ -384,12 +412,7 @@ def config_from_hf(config, seq: int, batch: int) -> dict:
                    heads=int(_get(config, "num_attention_heads")),
                    ffn_hidden=int(_get(config, "intermediate_size")), arch="encoder")
     else:
-        layers = int(_get(config, "num_layers"))
-        heads = int(_get(config, "num_heads"))
-        out.update(layers=layers, decoder_layers=int(_get(config, "num_decoder_layers", default=layers)),
-                   hidden=int(_get(config, "d_model")), heads=heads, ffn_hidden=int(_get(config, "d_ff")),
-                   arch="encoder-decoder",
-                   attention_inner=heads * int(_get(config, "d_kv", default=_get(config, "d_model") // heads)))
+        out.update(_t5_from_hf(config))
     vocab = _get(config, "vocab_size")
     if vocab is not None:
         out["vocab"] = _int_key(config, "vocab_size")
@@ -513,23 +536,23 @@ def predicted_saved_bytes(hf_config, seq: int, batch: int, dtype="fp32", *, devi
     act_name = _get(hf_config, "dense_act_fn", default=None)
     if act_name is None:
         ff_proj = _get(hf_config, "feed_forward_proj", default="relu")
-        act_name = ff_proj.split("-")[-1]
+        act_name = "gelu_new" if ff_proj == "gated-gelu" else ff_proj.split("-")[-1]  # as T5Config maps it
         gated = gated or ff_proj.startswith("gated-")
     act_saved, act_out_saved = _act({"a": act_name}, "a", default="relu")
+    sbw = s * b * a * cfg["head_dim"]  # q, k, v and the o-projection input: num_heads * d_kv wide
     c32 = 4 * sbh if p != 4 else 0  # T5LayerNorm's fp32 copy of a half-precision input
     ln = 2 * p * sbh + c32 + 4 * s * b
-    attn = p * sbh + 3 * p * sbh + scores(drop) + p * sbh + drop_mask(drop, sbh)
+    attn = p * sbh + 3 * p * sbw + scores(drop) + p * sbw + drop_mask(drop, sbh)
     ff = p * sbh + act_saved * p * sbf
     if gated:
-        ff += p * sbf + p * sbf  # the linear branch and the product
-        act_out_saved = True     # the product is what dropout / wo sees
+        ff += p * sbf + p * sbf  # the product's inputs: the activation output and the linear branch
     if drop and drop > 0:
         ff += mask * sbf + p * sbf
-    elif not act_out_saved:
-        ff += p * sbf
+    elif gated or not act_out_saved:
+        ff += p * sbf  # the wo input: the product, or an activation output nothing saved yet
     ff += drop_mask(drop, sbh)
     enc_layer = ln + attn + ln + ff
-    cross = ln + p * sbh + p * sbh + 2 * p * sbh + scores(drop) + p * sbh + drop_mask(drop, sbh)
+    cross = ln + p * sbh + 3 * p * sbw + scores(drop) + p * sbw + drop_mask(drop, sbh)
     dec_layer = enc_layer + cross
     stack = cfg["layers"] * enc_layer + cfg["decoder_layers"] * dec_layer
     per_stack = ints * s * b + drop_mask(drop, sbh) + ints * s * s + ln + drop_mask(drop, sbh)

@@ -19,7 +19,9 @@ def register(subparsers):
     p.add_argument("--decoder-layers", type=int, default=None,
                    help="decoder layers for --arch encoder-decoder (default: --layers)")
     p.add_argument("--hidden", type=int, help="hidden size h")
-    p.add_argument("--heads", type=int, help="attention heads a (must divide --hidden)")
+    p.add_argument("--heads", type=int, help="attention heads a (must divide --hidden unless --head-dim)")
+    p.add_argument("--head-dim", type=int, default=None,
+                   help="width of one attention head (default hidden/heads; T5: d_kv)")
     p.add_argument("--seq", help="sequence length s, or 'auto': the longest (a multiple of 256) that fits one "
                                  "sample per GPU, with and without offloading")
     p.add_argument("--batch", type=int, default=1, help="micro-batch b (default 1)")
@@ -104,7 +106,9 @@ def _print_catalogs(out):
               f"{'experts':>7}  description\n")
     for m in model.models():
         experts = f"{m['experts']}/top{m['top_k']}" if m["experts"] else "-"
-        out.write(f"  {m['name']:<13} {m['layers']:>6} {m['hidden']:>6} {m['heads']:>5} {m['kv_heads']:>3} "
+        layers = f"{m['layers']}+{m['decoder_layers']}" if m["decoder_layers"] else str(m["layers"])
+        heads = f"{m['heads']}x{m['head_dim']}" if m["head_dim"] else str(m["heads"])
+        out.write(f"  {m['name']:<13} {layers:>6} {m['hidden']:>6} {heads:>5} {m['kv_heads']:>3} "
                   f"{m['ffn_hidden']:>6} {m['vocab']:>6} {experts:>7}  {m['description']}\n")
     out.write("\n")
     out.write("GPUs\n")
@@ -156,6 +160,10 @@ def _print_report(r, out):
         if c["experts"]:
             layer += (f", {c['experts']} experts top-{c['top_k']} ffn={c['expert_ffn_hidden']}"
                       + (f" + shared {c['shared_expert_ffn_hidden']}" if c["shared_expert_ffn_hidden"] else ""))
+    elif c["family"] == "t5":
+        layer = (f"t5, {c['layers']} + {c['decoder_layers']} decoder layers, h={c['hidden']}, "
+                 f"a={c['heads']} x {c['head_dim']}, ffn={c['ffn_hidden']}"
+                 f"{' gated-gelu' if c['gated_mlp'] else ' relu'}, V={c['vocab']}")
     else:
         layer = (f"{c['arch']}, {c['layers']} layers"
                  + (f" + {c['decoder_layers']} decoder layers" if c["arch"] == "encoder-decoder" else "")
@@ -188,6 +196,9 @@ def _print_report(r, out):
                             f"{r['max_micro_batch_without_offload']} without offloading  (per GPU; global "
                             f"{r['max_micro_batch'] * sh['dp']} / {r['max_micro_batch_without_offload'] * sh['dp']})"),
     ]
+    if r["recomputed_layer_bytes"]:
+        rows.insert(len(rows) - 1, ("rebuilt layer", f"{_bytes(r['recomputed_layer_bytes'])}  (full recompute: "
+                                                     "the largest layer, rebuilt during its backward)"))
     if "max_micro_batch_with_budget_mix" in r:
         rows.append(("  with a budget mix", f"{r['max_micro_batch_with_budget_mix']} (keep / offload / recompute "
                                             "per layer in the memory the model state leaves)"))
@@ -216,7 +227,7 @@ _FLAG_KEYS = {  # argparse dest -> config key, applied over --hf-config / --mode
     "layers": "layers", "decoder_layers": "decoder_layers", "hidden": "hidden", "heads": "heads",
     "ffn_hidden": "ffn_hidden", "vocab": "vocab", "kv_heads": "kv_heads", "experts": "experts",
     "top_k": "top_k", "expert_ffn_hidden": "expert_ffn_hidden",
-    "shared_expert_ffn_hidden": "shared_expert_ffn_hidden", "norm": "norm",
+    "shared_expert_ffn_hidden": "shared_expert_ffn_hidden", "norm": "norm", "head_dim": "head_dim",
 }
 
 
@@ -243,7 +254,6 @@ def _hf_config(path, seq, batch):
         config = model.config_from_hf(raw, seq, batch)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    config.pop("attention_inner", None)
     try:
         model.normalize_config(config)
     except ValueError as e:
