@@ -605,3 +605,37 @@ TEST(PlanBudget, GuardedWritesPreferAShortWaitToRecompute) {
   ASSERT_TRUE(slow.feasible);
   EXPECT_GT(slow.modules_recomputed, 0);
 }
+
+// The capped sweep's 103.8 MiB point (issue 29's bench, 491 MB/s): in the
+// guarded model offloading every block fits the forward by waiting for the
+// link, and a descent in that model settled there (predicted 1.38 s against
+// 0.7 s for recomputing). The descent without the guard is tried too.
+TEST(PlanBudget, GuardedWritesNeverSettleOnLongWaits) {
+  const uint64_t mib = 1 << 20;
+  std::vector<ModuleProfile> mods{{"<before blocks>", 0.003, 0, 16384}};
+  for (int i = 0; i < 8; ++i) {
+    ModuleProfile m{"layer" + std::to_string(i), 0.032, 40 * mib, 49152};
+    m.recomputable = true;
+    m.recompute_bytes = 2 * mib;
+    m.recompute_seconds = 0.032;
+    mods.push_back(m);
+  }
+  mods.push_back({"<after blocks>", 0.023, 22 * mib, 0});
+  PlannerOptions o;
+  o.write_bps = 491e6;
+  o.read_bps = 1.7e9;
+  o.keep_last_modules = 2;
+  o.backward_factor = 1.35;
+  o.prefetch_modules = 1;
+  o.activation_budget_bytes = 104 * mib;
+  o.guarded_writes = true;
+  const Plan p = plan_budget(mods, o);
+  ASSERT_TRUE(p.feasible);
+  EXPECT_LE(p.peak_resident_bytes, o.activation_budget_bytes);
+  std::vector<Placement> recompute_all(mods.size(), Placement::kKeep);
+  for (int i = 1; i <= 8; ++i) recompute_all[i] = Placement::kRecompute;
+  const Plan r = simulate_plan(mods, o, recompute_all);
+  ASSERT_LE(r.peak_resident_bytes, o.activation_budget_bytes);
+  EXPECT_LE(p.predicted_step_seconds(), r.predicted_step_seconds() + 1e-9);
+  EXPECT_LT(p.forward_wait_seconds, 0.05);
+}

@@ -394,7 +394,10 @@ class Adaptive:
         if r is None or r["bytes_written"] < _MIN_MEASURED_BYTES or r["write_bps"] <= 0:
             return
         slower = planner.needs_replan(self.plan, r["write_bps"])
-        if slower or planner.link_faster(self.plan, r["write_bps"]):
+        # A plan at the cap gains nothing from a faster link (the cap lets
+        # bursts through, so a step may measure above it).
+        at_cap = self.max_write_bps and self.plan["planned_write_bps"] >= self.max_write_bps * (1 - 1e-9)
+        if slower or (not at_cap and planner.link_faster(self.plan, r["write_bps"])):
             # Note [Quiet re-plan]: the plan is remade with the measured rate; only
             # a plan that places blocks differently is a re-plan users hear of
             # (`replans`, the INFO line; a WARNING when the SSD got slower). Small

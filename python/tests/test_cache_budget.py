@@ -521,3 +521,31 @@ def test_replan_when_the_link_measures_faster(tmp_path, caplog, monkeypatch):
     assert fast["predicted_step_seconds"] < slow["predicted_step_seconds"]
     msgs = [r for r in caplog.records if "re-planned" in r.getMessage()]
     assert len(msgs) == 1 and msgs[0].levelno == logging.INFO and "above 143% of" in msgs[0].getMessage()
+
+
+def test_no_replan_up_at_the_write_cap(tmp_path, monkeypatch):
+    """A plan already at max_write_mbps gains nothing from a faster
+    measurement (the cap lets bursts through): no re-plan, not even a quiet
+    one, whatever the steps measure. Times and meters are the test's: 50 ms
+    per block, which a 100 MB/s link carries."""
+    model = make_net()
+    x = torch.randn(256, 128)
+    with cache_for(tmp_path, activation_budget_bytes=1 << 40).attach(model) as c:
+        run(model, x, c, steps=2)
+        keep_peak = c.stats()["peak_resident_bytes"]
+    with cache_for(tmp_path, activation_budget_bytes=keep_peak // 2, max_write_mbps=100).attach(model) as c:
+        adapt = c._adapt
+        real_times = adapt._scope_times
+        monkeypatch.setattr(adapt, "_scope_times", lambda: {s: 0.05 for s in real_times()})
+        monkeypatch.setattr(adapt, "_block_seconds", lambda scope: 0.05)
+        monkeypatch.setattr(adapt, "_measured_backward_factor", lambda fwd, stall: 2.0)
+        monkeypatch.setattr(adapt, "_tier_rates", lambda core_stats: {
+            "ssd": dict(bytes_written=64 << 20, write_bps=10e9, bytes_read=64 << 20, read_bps=10e9)})
+        made = []
+        real = adapt._make_plan
+        monkeypatch.setattr(adapt, "_make_plan", lambda reason, log=True: (made.append(reason), real(reason, log)))
+        run(model, x, c, steps=4)
+        s = c.stats()
+    assert s["planner"]["bytes_ssd"] > 0 and s["planner"]["planned_write_bps"] == pytest.approx(100e6)
+    assert made == ["profile"]
+    assert s["replans"] == 0
