@@ -606,36 +606,40 @@ TEST(PlanBudget, GuardedWritesPreferAShortWaitToRecompute) {
   EXPECT_GT(slow.modules_recomputed, 0);
 }
 
-// The capped sweep's 103.8 MiB point (issue 29's bench, 491 MB/s): in the
-// guarded model offloading every block fits the forward by waiting for the
-// link, and a descent in that model settled there (predicted 1.38 s against
-// 0.7 s for recomputing). The descent without the guard is tried too.
-TEST(PlanBudget, GuardedWritesNeverSettleOnLongWaits) {
-  const uint64_t mib = 1 << 20;
-  std::vector<ModuleProfile> mods{{"<before blocks>", 0.003, 0, 16384}};
+// A profile of issue 29's bench (capped sweep, 103.8 MiB; times as measured
+// there). A descent in the guarded model alone, where an offload fits the
+// forward by waiting, stops at a plan predicted 0.842 s; the descent without
+// the guard, polished in the guarded model, finds 0.834 s. The search tries
+// both and keeps the faster; neither is slower than recomputing every block.
+TEST(PlanBudget, GuardedWritesAlsoDescendWithoutTheGuard) {
+  const double fwd[8] = {0.034883, 0.028455, 0.026510, 0.030020, 0.028589, 0.030018, 0.036193, 0.035694};
+  const double rec[8] = {0.034487, 0.028189, 0.026265, 0.029592, 0.027890, 0.029020, 0.035886, 0.035694};
+  std::vector<ModuleProfile> mods{{"<before blocks>", 0.003048, 0, 16384}};
   for (int i = 0; i < 8; ++i) {
-    ModuleProfile m{"layer" + std::to_string(i), 0.032, 40 * mib, 49152};
+    ModuleProfile m{"layer" + std::to_string(i), fwd[i], i == 0 ? 42205184u : i == 7 ? 41992192u : 41943040u,
+                    i == 7 ? 0u : 49152u};
     m.recomputable = true;
-    m.recompute_bytes = 2 * mib;
-    m.recompute_seconds = 0.032;
+    m.recompute_bytes = 2097152;
+    m.recompute_seconds = rec[i];
     mods.push_back(m);
   }
-  mods.push_back({"<after blocks>", 0.023, 22 * mib, 0});
+  mods.push_back({"<after blocks>", 0.022970, 23093252, 0});
   PlannerOptions o;
-  o.write_bps = 491e6;
-  o.read_bps = 1.7e9;
+  o.write_bps = 494.657e6;
+  o.read_bps = 1644.474e6;
+  o.max_write_bps = 491e6;
   o.keep_last_modules = 2;
-  o.backward_factor = 1.35;
+  o.backward_factor = 1.616429;
   o.prefetch_modules = 1;
-  o.activation_budget_bytes = 104 * mib;
+  o.activation_budget_bytes = 108842188;
   o.guarded_writes = true;
   const Plan p = plan_budget(mods, o);
   ASSERT_TRUE(p.feasible);
   EXPECT_LE(p.peak_resident_bytes, o.activation_budget_bytes);
+  EXPECT_LT(p.predicted_step_seconds(), 0.838);
   std::vector<Placement> recompute_all(mods.size(), Placement::kKeep);
   for (int i = 1; i <= 8; ++i) recompute_all[i] = Placement::kRecompute;
   const Plan r = simulate_plan(mods, o, recompute_all);
   ASSERT_LE(r.peak_resident_bytes, o.activation_budget_bytes);
-  EXPECT_LE(p.predicted_step_seconds(), r.predicted_step_seconds() + 1e-9);
-  EXPECT_LT(p.forward_wait_seconds, 0.05);
+  EXPECT_LE(p.predicted_step_seconds(), r.predicted_step_seconds());
 }
