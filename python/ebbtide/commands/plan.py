@@ -102,13 +102,15 @@ def _print_catalogs(out):
     from ebbtide import model
 
     out.write("Models (--model)\n")
-    out.write(f"  {'name':<13} {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>3} {'ffn':>6} {'vocab':>6} "
+    out.write(f"  {'name':<13} {'layers':>6} {'hidden':>6} {'heads':>7} {'kv':>3} {'ffn':>6} {'vocab':>6} "
               f"{'experts':>7}  description\n")
     for m in model.models():
         experts = f"{m['experts']}/top{m['top_k']}" if m["experts"] else "-"
         layers = f"{m['layers']}+{m['decoder_layers']}" if m["decoder_layers"] else str(m["layers"])
-        heads = f"{m['heads']}x{m['head_dim']}" if m["head_dim"] else str(m["heads"])
-        out.write(f"  {m['name']:<13} {layers:>6} {m['hidden']:>6} {heads:>5} {m['kv_heads']:>3} "
+        wide = m["head_dim"] and m["head_dim"] * m["heads"] != m["hidden"]  # T5: num_heads x d_kv != d_model
+        heads = f"{m['heads']}x{m['head_dim']}" if wide else str(m["heads"])
+        kv = m["kv_heads"] or "-"
+        out.write(f"  {m['name']:<13} {layers:>6} {m['hidden']:>6} {heads:>7} {kv:>3} "
                   f"{m['ffn_hidden']:>6} {m['vocab']:>6} {experts:>7}  {m['description']}\n")
     out.write("\n")
     out.write("GPUs\n")
