@@ -576,7 +576,7 @@ TEST(PlanBudget, GuardedWritesWaitInsteadOfExceeding) {
 // forward by a little, so the unguarded model sees a peak over the budget at
 // the forward's end and recomputes; with the guard (memory coming back
 // tensor by tensor as the writes go) it offloads every block, and is faster.
-TEST(PlanBudget, GuardedWritesPreferAShortWaitToRecompute) {
+TEST(PlanBudget, GuardedWritesOffloadWhatTheUnguardedModelRecomputes) {
   const int n = 8;
   const uint64_t mb = 1000000;
   const auto mods = recomputable(n, 0.02, 40 * mb, 2 * mb);
