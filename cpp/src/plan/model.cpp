@@ -345,8 +345,9 @@ ActivationBytes llama_activation_bytes(const ModelConfig& c) {
 //   outside, per stack: int64 ids, the embedding and final dropout masks, the
 //     int64 s x s relative-position buckets, the final norm; the LM-head input.
 //     Full recompute (checkpointing each block) keeps each block's input, and
-//     the three (b, a, s, s) position biases (encoder, decoder, cross: bias
-//     plus mask) that every checkpointed block holds as an input.
+//     the three (1, a, s, s) position biases (encoder, decoder, cross; HF 5
+//     adds the masks inside the attention) every checkpointed block holds
+//     as an input: a term that does not grow with the batch.
 //   logits: CrossEntropyLoss's log-softmax in p, int64 targets, a scalar.
 ActivationBytes t5_activation_bytes(const ModelConfig& c) {
   const double s = static_cast<double>(c.seq);
@@ -396,7 +397,7 @@ ActivationBytes t5_activation_bytes(const ModelConfig& c) {
   const double final_norm = (2 * p + (p != kFp32 ? kFp32 : 0.0)) * sbh + kFp32 * sb;
   const double per_stack = kInt64 * sb + kInt64 * s * s + (2 * drop * sbh + final_norm) / sp_div;
   out.outside = 2 * per_stack + p * sbh / sp_div;
-  if (c.recompute == Recompute::kFull) out.outside += 3 * p * ss / t;
+  if (c.recompute == Recompute::kFull) out.outside += 3 * p * a * s * s / t;
   out.logits = p * sb * static_cast<double>(c.vocab) / t + kInt64 * sb + p;
   return out;
 }
@@ -767,18 +768,27 @@ PlanReport make_plan(const ModelConfig& config, const GpuSpec& gpu, const SsdSpe
   r.ssd_capacity_bytes = ssd.capacity_tb * 1e12 * ssds;
   r.gpu_memory_bytes = gpu.memory_gb * 1e9;
 
-  // Every activation term is linear in the micro-batch: size one sample and divide.
+  // Every activation term is affine in the micro-batch (a few, such as
+  // position tables, do not grow with it): size one and two samples, fit
+  // per sample in what the fixed part leaves.
   ModelConfig one = config;
   one.batch = 1;
+  ModelConfig two = config;
+  two.batch = 2;
   const ActivationBytes a1 = activation_bytes(one);
+  const ActivationBytes a2 = activation_bytes(two);
   const double free_gpu = r.gpu_memory_bytes - r.model_state_bytes;
-  const double resident1 = a1.last_layer + a1.shared + a1.logits + a1.outside + a1.recompute_layer;
-  const double offloaded1 = std::max(0.0, a1.per_step - a1.last_layer - a1.shared);
-  const int64_t by_gpu = fit(free_gpu, resident1);
-  const int64_t by_ssd = offloaded1 > 0 ? fit(r.ssd_capacity_bytes, offloaded1) : by_gpu;
+  auto resident = [](const ActivationBytes& a) {
+    return a.last_layer + a.shared + a.logits + a.outside + a.recompute_layer;
+  };
+  auto kept = [](const ActivationBytes& a) { return a.per_step + a.logits + a.outside + a.recompute_layer; };
+  auto offloaded = [](const ActivationBytes& a) { return std::max(0.0, a.per_step - a.last_layer - a.shared); };
+  auto fit_affine = [](double budget, double at1, double at2) { return fit(budget - (2 * at1 - at2), at2 - at1); };
+  const int64_t by_gpu = fit_affine(free_gpu, resident(a1), resident(a2));
+  const int64_t by_ssd =
+      offloaded(a1) > 0 ? fit_affine(r.ssd_capacity_bytes, offloaded(a1), offloaded(a2)) : by_gpu;
   r.max_micro_batch = std::min(by_gpu, by_ssd);
-  r.max_micro_batch_without_offload =
-      fit(free_gpu, a1.per_step + a1.logits + a1.outside + a1.recompute_layer);
+  r.max_micro_batch_without_offload = fit_affine(free_gpu, kept(a1), kept(a2));
   return r;
 }
 
