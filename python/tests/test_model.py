@@ -676,3 +676,22 @@ def test_cli_t5_seed_scaling():
     assert "rebuilt layer" in table.stdout
     listing = _cli("--list")
     assert "t5-11b" in listing.stdout and "128x128" in listing.stdout and "a100-eth2x100" in listing.stdout
+
+
+def test_cli_hf_config_t5(tmp_path):
+    """A T5 config.json (t5-11b's keys) reads as family t5 with its 128 x 128 attention."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({
+        "model_type": "t5", "d_ff": 65536, "d_kv": 128, "d_model": 1024, "dropout_rate": 0.1,
+        "feed_forward_proj": "relu", "num_decoder_layers": 24, "num_heads": 128, "num_layers": 24,
+        "relative_attention_num_buckets": 32, "vocab_size": 32128}))
+    r = _cli("--hf-config", str(path), "--seq", "512", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["params"] == 11307321344 and d["config"]["head_dim"] == 128 and d["config"]["family"] == "t5"
+    catalog = json.loads(_cli("--model", "t5-11b", "--seq", "512", "--json").stdout)
+    assert d["activation_bytes_per_step"] == catalog["activation_bytes_per_step"]
+    path.write_text(json.dumps({"model_type": "t5", "d_model": 1024, "num_heads": 16, "num_layers": 2,
+                                "d_ff": 4096, "feed_forward_proj": "gated-silu"}))
+    bad = _cli("--hf-config", str(path), "--seq", "512")
+    assert bad.returncode != 0 and "'feed_forward_proj' value 'gated-silu' not modelled" in bad.stderr
