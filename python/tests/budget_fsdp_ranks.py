@@ -1,18 +1,20 @@
-"""Two gloo ranks train a 4-block net under FSDP2 with and without an
-ebbtide budget plan forcing keep/offload/recompute/recompute_offload per
-block; each rank writes "<bitwise 0|1> <blocks recomputed>" to <out>.<rank>.
-Run by test_cache_budget.py::test_fsdp2_on_gloo_bitwise."""
+"""Two gloo ranks train a 4-block net under FSDP2 or DDP (argv[3]) with and
+without an ebbtide budget plan forcing keep/offload/recompute/recompute_offload
+per block; each rank writes "<bitwise 0|1> <blocks recomputed>" to
+<out>.<rank>. Run by test_cache_budget.py::test_data_parallel_on_gloo_bitwise."""
 import os, sys, tempfile
 import torch, torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_cache_budget import make_net, run, force, PLACEMENT_SETS
 import ebbtide
 
-def main(rank, world, init, out):
+def main(rank, world, init, out, mode):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    from torch.distributed.fsdp import fully_shard
     def sharded():
         m = make_net(layers=4)
+        if mode == "ddp":
+            return torch.nn.parallel.DistributedDataParallel(m)
+        from torch.distributed.fsdp import fully_shard
         for b in m.blocks:
             fully_shard(b)
         fully_shard(m)
@@ -41,5 +43,5 @@ def main(rank, world, init, out):
 
 if __name__ == "__main__":
     import torch.multiprocessing as mp
-    init, out = sys.argv[1], sys.argv[2]
-    mp.spawn(main, args=(2, init, out), nprocs=2)
+    init, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    mp.spawn(main, args=(2, init, out, mode), nprocs=2)

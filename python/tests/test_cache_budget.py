@@ -322,17 +322,22 @@ def test_pipeline_stages_are_never_recomputed(tmp_path):
 
 
 
-def test_fsdp2_on_gloo_bitwise(tmp_path):
+@pytest.mark.parametrize("mode", ["fsdp2", "ddp"])
+def test_data_parallel_on_gloo_bitwise(tmp_path, mode):
+    """FSDP2 and DDP on 2 gloo ranks: every placement (keep, offload,
+    recompute, recompute_offload) gives each rank the gradients it gets
+    without ebbtide, bit for bit."""
     import subprocess
-    pytest.importorskip("torch.distributed.fsdp")
+    if mode == "fsdp2":
+        pytest.importorskip("torch.distributed.fsdp")
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "budget_fsdp_ranks.py")
     out = tmp_path / "result"
-    r = subprocess.run([sys.executable, script, f"file://{tmp_path}/init", str(out)], capture_output=True,
+    r = subprocess.run([sys.executable, script, f"file://{tmp_path}/init", str(out), mode], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in range(2):
         same, recomputed, *diff = (tmp_path / f"result.{rank}").read_text().split(" ", 2)
-        assert same == "1", f"rank {rank}: gradients differ from FSDP2 without ebbtide: {diff}"
+        assert same == "1", f"rank {rank}: gradients differ from {mode} without ebbtide: {diff}"
         assert int(recomputed) > 0
 
 
