@@ -127,6 +127,7 @@ _TABLE = [
     _C("ckpt.tree.depth", ValueError, "corrupt object tree (containers nested more than {limit} deep)"),
 
     # -- ebbtide checkpoints: delta chains --------------------------------------------------------
+    _C("ckpt.delta.base_missing", FileNotFoundError, "delta checkpoint {delta} needs its base, which does not exist"),
     _C("ckpt.delta.base_id", ValueError,
        "delta checkpoint needs base {base} with id {want}, but that directory now holds checkpoint {have}"),
     _C("ckpt.delta.cycle", ValueError, "delta checkpoint's chain of bases comes back to {base}"),

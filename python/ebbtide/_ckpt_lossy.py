@@ -1,23 +1,36 @@
-"""Lossy delta compression of checkpoints in the style of ExCP (Li et al.,
-2024, "ExCP: Extreme LLM Checkpoint Compression via Weight-Momentum Joint
-Shrinking"); see docs/checkpoints.md.
+"""Lossy delta compression of checkpoints after ExCP (Li et al., 2024,
+"ExCP: Extreme LLM Checkpoint Compression via Weight-Momentum Joint
+Shrinking", arXiv 2406.11257); the method and where it differs from the
+paper: docs/checkpoints.md, "Lossy delta checkpoints".
 
-For each floating-point weight W with a tensor of the same path and shape in
-the base checkpoint B (the base as *loaded*, so errors do not accumulate):
+For each floating-point weight W (at least `min_numel` elements) with a
+tensor of the same path and shape in the base B, the base *as loaded* (so
+pruning and quantisation errors are carried into the next residual instead
+of accumulating along the chain), and, when the state holds a torch Adam
+state, its moments m and v:
   1. residual r = W - B;
-  2. joint pruning: with its Adam second moment v, an element's score is
-     |r| * sqrt(v) (ExCP's threshold alpha / sqrt(v) * median|W| rearranged),
-     else |r|; the `density` fraction with the highest scores is kept;
-  3. the Adam moments of that weight are pruned with the same mask plus
-     ExCP's own rule |m| > beta * mean|m| for the first moment;
-  4. what remains is quantised non-uniformly: a codebook of 2**bits centres
-     started at quantiles and refined by a few k-means (Lloyd) steps; codes
-     are stored as uint8, the mask as packed bits.
+  2. weight-to-momentum pruning: keep r where |r| * sqrt(v) is large (the
+     paper's threshold alpha / sqrt(v) * median|W| on |r|, rearranged; the
+     per-element v makes it the Fisher-weighted error 1/2 v r^2): the top
+     `density` fraction, or with `alpha` set the paper's fixed threshold;
+  3. momentum-to-weight pruning: m is kept only where r is kept and
+     |m| > beta * mean|m| (the paper's rule; beta=0 keeps m on the whole
+     weight mask); unkept m are 0;
+  4. v is kept on m's mask; an unkept v is carried from the base (the paper
+     zeroes it: on resume those elements then take steps of about lr /
+     sqrt(1 - beta2) per unit gradient until v refills; see
+     Note [Second moments are carried]);
+  5. kept values are quantised non-uniformly: a 2**bits k-means codebook
+     (quantile start, Lloyd steps) per tensor; v in the log domain, where
+     its orders of magnitude are. Masks are bit-packed (m's and v's masks
+     over the weight's kept positions only), codes one per byte, and the
+     writer entropy-codes both with zstd.
 Everything else (ints, small tensors, tensors without a base) is stored
 losslessly. The error of each lossy tensor against the exact value is
 measured after encoding: max abs and relative L2, per tensor and overall.
 """
 import dataclasses
+import math
 
 import torch
 
@@ -27,41 +40,79 @@ from ebbtide._ckpt_checks import fail
 
 @dataclasses.dataclass
 class LossyOptions:
-    density: float = 0.2     # fraction of weight residuals kept
-    beta: float = 0.5        # first-moment pruning: keep |m| > beta * mean|m|
-    bits: int = 4            # codebook size 2**bits
-    kmeans_iters: int = 6
-    min_numel: int = 4096    # smaller tensors are stored losslessly
+    """Options of compress="delta" (docs/checkpoints.md, "Lossy delta
+    checkpoints").
+
+    Args:
+        density: fraction of each weight's residuals kept (top by |r| sqrt(v)).
+        alpha: when set, the paper's fixed threshold instead of `density`:
+            keep |r| sqrt(v) > alpha * median|W| (the kept fraction then varies).
+        beta: first moments are kept where the residual is and |m| > beta * mean|m|.
+        bits: codebook of the weight residuals, 2**bits centres.
+        bits_moments: codebook of the kept moments.
+        v_unkept: "carry" (an unkept v keeps the base's value) or "zero" (the paper).
+        kmeans_iters: Lloyd steps of each codebook.
+        min_numel: smaller tensors are stored losslessly.
+    """
+    density: float = 0.1
+    alpha: float = None
+    beta: float = 0.0
+    bits: int = 4
+    bits_moments: int = 4
+    v_unkept: str = "carry"
+    kmeans_iters: int = 8
+    min_numel: int = 4096
 
 
 def _opts(lossy):
     if lossy is None:
-        return LossyOptions()
-    if isinstance(lossy, LossyOptions):
-        return lossy
-    if isinstance(lossy, dict):
-        return LossyOptions(**lossy)
-    raise TypeError(f"lossy= must be a dict or LossyOptions, not {type(lossy).__name__}")
+        o = LossyOptions()
+    elif isinstance(lossy, LossyOptions):
+        o = lossy
+    elif isinstance(lossy, dict):
+        names = {f.name for f in dataclasses.fields(LossyOptions)}
+        bad = sorted(set(lossy) - names)
+        if bad:
+            raise ValueError(f"lossy=: unknown option {bad[0]!r} (valid: {', '.join(sorted(names))})")
+        o = LossyOptions(**lossy)
+    else:
+        raise TypeError(f"lossy= must be a dict or LossyOptions, not {type(lossy).__name__}")
+    if not 0 < o.density <= 1:
+        raise ValueError(f"lossy=: density {o.density!r} is not in (0, 1]")
+    if o.alpha is not None and not o.alpha >= 0:
+        raise ValueError(f"lossy=: alpha {o.alpha!r} is not >= 0")
+    if not o.beta >= 0:
+        raise ValueError(f"lossy=: beta {o.beta!r} is not >= 0")
+    for k in ("bits", "bits_moments"):
+        if type(getattr(o, k)) is not int or not 1 <= getattr(o, k) <= 8:
+            raise ValueError(f"lossy=: {k} {getattr(o, k)!r} is not an integer in [1, 8]")
+    if o.v_unkept not in ("carry", "zero"):
+        raise ValueError(f"lossy=: v_unkept {o.v_unkept!r} is not 'carry' or 'zero'")
+    return o
 
 
 def _quantise(values, bits, iters):
-    """values: 1-D float32 -> (codes uint8, codebook float32)."""
+    """values: 1-D float32 -> (codes uint8, codebook float32 [2**bits], sorted)."""
     k = 1 << bits
     if values.numel() == 0:
         return torch.zeros(0, dtype=torch.uint8), torch.zeros(k, dtype=torch.float32)
     q = torch.linspace(0.5 / k, 1 - 0.5 / k, k)
-    sample = values if values.numel() <= 1 << 20 else values[torch.randint(values.numel(), (1 << 20,))]
+    g = torch.Generator().manual_seed(0)
+    sample = values if values.numel() <= 1 << 20 else values[torch.randint(values.numel(), (1 << 20,), generator=g)]
     centres = torch.quantile(sample, q).contiguous()
+    ones = torch.ones_like(values)
     for _ in range(iters):
         centres, _ = torch.sort(centres)
-        bounds = (centres[1:] + centres[:-1]) / 2
-        idx = torch.bucketize(values, bounds)
+        idx = torch.bucketize(values, (centres[1:] + centres[:-1]) / 2)
         sums = torch.zeros(k).index_add_(0, idx, values)
-        counts = torch.zeros(k).index_add_(0, idx, torch.ones_like(values))
+        counts = torch.zeros(k).index_add_(0, idx, ones)
         centres = torch.where(counts > 0, sums / counts.clamp(min=1), centres)
     centres, _ = torch.sort(centres)
     idx = torch.bucketize(values, (centres[1:] + centres[:-1]) / 2)
     return idx.to(torch.uint8), centres.float()
+
+
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
 def _pack_mask(mask):
@@ -69,40 +120,51 @@ def _pack_mask(mask):
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, torch.zeros(pad, dtype=torch.uint8)])
-    w = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-    return (flat.view(-1, 8) * w).sum(1, dtype=torch.uint8) if flat.numel() else flat
+    return (flat.view(-1, 8) * _BIT_WEIGHTS).sum(1, dtype=torch.uint8) if flat.numel() else flat
 
 
-def _unpack_mask(packed, numel):
-    w = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-    bits = (packed.view(-1, 1) & w).ne(0).view(-1)
-    return bits[:numel]
+def _unpack_mask(packed, n):
+    return (packed.view(-1, 1) & _BIT_WEIGHTS).ne(0).view(-1)[:n]
 
 
-def _encode_tensor(x, mask, o, mode):
+_TINY = 1e-30  # log-domain floor of second moments (an exact 0 decodes to 1e-30)
+
+
+def _encode_tensor(x, mask, bits, iters, mode, ref=None, log=False):
+    """Encodes the elements of `x` under the boolean `mask` (Note [Lossy
+    tensor layout]). With `ref` = (path, mask of that tensor) the mask is
+    stored over the ref's kept positions only."""
     vals = x.reshape(-1)[mask.reshape(-1)].float()
-    codes, book = _quantise(vals, o.bits, o.kmeans_iters)
-    n = codes.numel()
-    if o.bits <= 4:  # two codes per byte
-        if n % 2:
-            codes = torch.cat([codes, torch.zeros(1, dtype=torch.uint8)])
-        codes = codes[0::2] | (codes[1::2] << 4)
-    return {"__excp__": {"mode": mode, "dtype": tree.dtype_name(x.dtype), "shape": list(x.shape),
-                         "mask": _pack_mask(mask), "codes": codes, "codebook": book, "count": n,
-                         "bits": o.bits}}
+    if log:
+        vals = vals.clamp(min=_TINY).log()
+    codes, book = _quantise(vals, bits, iters)
+    stored_mask = mask.reshape(-1) if ref is None else mask.reshape(-1)[ref[1].reshape(-1)]
+    e = {"mode": mode, "dtype": tree.dtype_name(x.dtype), "shape": list(x.shape),
+         "mask": _pack_mask(stored_mask), "codes": codes, "codebook": book, "count": codes.numel(), "bits": bits}
+    if ref is not None:
+        e["mask_ref"] = ref[0]
+    if log:
+        e["log"] = True
+    return {"__excp__": e}
 
 
-def _codes(enc):
-    codes = enc["codes"]
-    if enc["bits"] <= 4:
-        codes = torch.stack([codes & 15, codes >> 4], 1).reshape(-1)[:enc["count"]]
-    return codes
+def _kept(e, numel, encs):
+    """The boolean mask of encoding `e` over its tensor's `numel` elements
+    (an encoding with a mask_ref holds its mask over the ref's kept ones)."""
+    if "mask_ref" not in e:
+        return _unpack_mask(e["mask"], numel)
+    ref = _unpack_mask(encs[e["mask_ref"]]["mask"], numel)
+    full = torch.zeros(numel, dtype=torch.bool)
+    full[ref] = _unpack_mask(e["mask"], int(encs[e["mask_ref"]]["count"]))
+    return full
 
 
-def _decode_values(enc, numel):
-    mask = _unpack_mask(enc["mask"], numel)
-    out = torch.zeros(numel, dtype=torch.float32, device=enc["codebook"].device)
-    out[mask.to(out.device)] = enc["codebook"][_codes(enc).long().to(out.device)]
+def _decode_dense(e, kept):
+    book = e["codebook"].float()
+    if e.get("log"):
+        book = book.exp()
+    out = torch.zeros(kept.numel(), dtype=torch.float32, device=book.device)
+    out[kept.to(out.device)] = book[e["codes"].long().to(out.device)]
     return out
 
 
@@ -139,10 +201,21 @@ def _find_moments(flat):
     pairs = {}
     for (wp, w), i in zip(weights, ids):
         mv = moments[i]
-        if "m" not in mv or "v" not in mv or tuple(tensors[mv["v"]].shape) != tuple(w.shape):
+        if "m" not in mv or "v" not in mv or tuple(tensors[mv["v"]].shape) != tuple(w.shape) \
+                or tuple(tensors[mv["m"]].shape) != tuple(w.shape):
             return {}
         pairs[wp] = (mv["m"], mv["v"])
     return pairs
+
+
+def _weight_mask(r, w, v, o):
+    """Weight-to-momentum pruning of residual `r` (Note [Which residuals are kept])."""
+    score = r.abs() if v is None else r.abs() * v.sqrt()
+    if o.alpha is not None:
+        return score > o.alpha * float(w.abs().median())
+    k = max(1, int(round(o.density * r.numel())))
+    thresh = torch.topk(score.reshape(-1), k, sorted=False).values.min()
+    return score >= thresh if float(thresh) > 0 else score > 0
 
 
 def encode(state, base_state, lossy):
@@ -162,42 +235,73 @@ def encode(state, base_state, lossy):
         e2 = float(d.pow(2).sum())
         r2 = float(exact.float().pow(2).sum())
         ma = float(d.max()) if d.numel() else 0.0
-        report[path] = {"max_abs": ma, "rel_l2": (e2 ** 0.5) / (r2 ** 0.5) if r2 > 0 else (0.0 if e2 == 0 else 1.0)}
+        report[path] = {"max_abs": ma, "rel_l2": (e2 ** 0.5) / (r2 ** 0.5) if r2 > 0 else (0.0 if e2 == 0 else 1.0),
+                        "kept": 0.0}
         sq_err += e2
         sq_ref += r2
         max_abs = max(max_abs, ma)
+
+    def usable_base(path, t):
+        b = base.get(path)
+        return b is not None and tuple(b.shape) == tuple(t.shape) and b.is_floating_point()
 
     moment_paths = {p for mv in pairs.values() for p in mv}
     for path, w in flat:
         if path in moment_paths or path in replace:
             continue
-        b = base.get(path)
-        if (not w.is_floating_point() or w.numel() < o.min_numel or b is None or tuple(b.shape) != tuple(w.shape)
-                or not b.is_floating_point()):
+        if not w.is_floating_point() or w.numel() < o.min_numel or not usable_base(path, w):
             continue
         wf = w.detach().float().cpu()
-        r = wf - b.float().cpu()
+        bw = base[path].float().cpu()
+        r = wf - bw
         mv = pairs.get(path)
-        score = r.abs()
-        if mv is not None:
-            score = score * tensors[mv[1]].detach().float().cpu().sqrt()
-        k = max(1, int(o.density * r.numel()))
-        thresh = torch.topk(score.reshape(-1), k, sorted=False).values.min()
-        mask = score >= thresh
-        enc = _encode_tensor(r, mask, o, "delta")
+        v = tensors[mv[1]].detach().float().cpu() if mv is not None else None
+        mask = _weight_mask(r, wf, v, o)
+        enc = _encode_tensor(r, mask, o.bits, o.kmeans_iters, "delta")
         replace[path] = enc
-        approx = b.float().cpu().reshape(-1) + _decode_values(enc["__excp__"], r.numel())
+        kept = mask.reshape(-1)
+        approx = bw.reshape(-1) + _decode_dense(enc["__excp__"], kept)
         account(path, wf.reshape(-1), approx.to(w.dtype).float())
-        if mv is not None:
-            m = tensors[mv[0]].detach().float().cpu()
-            mmask = mask & (m.abs() > o.beta * m.abs().mean())
-            for mp, mt in ((mv[0], m), (mv[1], tensors[mv[1]].detach().float().cpu())):
-                enc = _encode_tensor(mt, mmask, o, "direct")
-                replace[mp] = enc
-                account(mp, mt.reshape(-1), _decode_values(enc["__excp__"], mt.numel()))
+        report[path]["kept"] = float(kept.float().mean())
+        if mv is None:
+            continue
+        m = tensors[mv[0]].detach().float().cpu()
+        mmask = mask & (m.abs() > o.beta * m.abs().mean()) if o.beta > 0 else mask
+        enc = _encode_tensor(m, mmask, o.bits_moments, o.kmeans_iters, "direct", ref=(path, mask))
+        replace[mv[0]] = enc
+        account(mv[0], m.reshape(-1), _decode_dense(enc["__excp__"], mmask.reshape(-1)))
+        report[mv[0]]["kept"] = float(mmask.float().mean())
+        carry = o.v_unkept == "carry" and usable_base(mv[1], v)
+        enc = _encode_tensor(v, mmask, o.bits_moments, o.kmeans_iters, "carry" if carry else "direct",
+                             ref=(path, mask), log=True)
+        replace[mv[1]] = enc
+        dv = _decode_dense(enc["__excp__"], mmask.reshape(-1))
+        if carry:
+            dv = torch.where(mmask.reshape(-1), dv, base[mv[1]].float().cpu().reshape(-1))
+        account(mv[1], v.reshape(-1), dv)
+        report[mv[1]]["kept"] = float(mmask.float().mean())
     overall = {"max_abs": max_abs, "rel_l2": (sq_err ** 0.5) / (sq_ref ** 0.5) if sq_ref > 0 else 0.0,
                "tensors": len(report)}
+    _share_storage([r["__excp__"] for r in replace.values()])
     return _substitute(state, replace, "state"), {"overall": overall, "tensors": report}
+
+
+def _share_storage(encs):
+    """Moves the masks, codes and codebooks of `encs` into views of one uint8
+    storage, so the writer stores them as one blob: one zstd stream, and one
+    aligned extent instead of three per tensor (Note [Lossy tensor layout])."""
+    pieces, size = [], 0
+    for e in encs:
+        for k in ("codebook", "mask", "codes"):  # codebooks first in each group: float32 needs 4-byte offsets
+            size = (size + 3) // 4 * 4 if k == "codebook" else size
+            pieces.append((e, k, size))
+            size += e[k].numel() * e[k].element_size()
+    buf = torch.empty(size, dtype=torch.uint8)
+    for e, k, off in pieces:
+        t = e[k].contiguous()
+        n = t.numel() * t.element_size()
+        buf[off:off + n] = t.view(torch.uint8).reshape(-1)
+        e[k] = buf[off:off + n].view(t.dtype)
 
 
 _DESCEND = object()
@@ -230,42 +334,65 @@ def decode(state, base_state, where=""):
     the base as loaded. Codes and masks that do not fit (data) raise
     ValueError naming `where`."""
     base = dict(tree.walk_tensors(base_state))
-    return _map_tree(state, "state", lambda o, p: _decode_leaf(o, base, p, where))
+    encs = dict(encoded_tensors(state))
+    return _map_tree(state, "state", lambda o, p: _decode_leaf(o, base, encs, p, where))
 
 
 def _is_encoded(obj):
     return isinstance(obj, dict) and set(obj) == {"__excp__"}
 
 
-def _decode_leaf(obj, base, path, where):
+def _decode_leaf(obj, base, encs, path, where):
     if not _is_encoded(obj):
         return _DESCEND
     e = obj["__excp__"]
-    vals = decode_values(e, path, where)
+    kept, vals = _checked_values(e, encs, path, where)
     if e["mode"] == "delta":
         vals = base[path].float().reshape(-1).to(vals.device) + vals
+    elif e["mode"] == "carry":
+        vals = torch.where(kept.to(vals.device), vals, base[path].float().reshape(-1).to(vals.device))
     return vals.reshape(e["shape"]).to(tree.dtype_from_name(e["dtype"], where))
 
 
-def decode_values(e, path, where):
-    """The values of encoded tensor `e` (at `path`, its layout checked by
-    check()): ValueError naming `where` when its data do not fit (the mask
-    keeps another number of values than `count`, a code lies past the
-    codebook), found before indexing with them (on a GPU an index out of
-    range is a device-side assert, not an error)."""
-    numel = 1
-    for s in e["shape"]:
-        numel *= s
-    kept = int(_unpack_mask(e["mask"], numel).sum())
-    if kept != e["count"]:
-        raise fail("ckpt.delta.values", where, path=path, error=f"its mask keeps {kept} values, its count is "
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _checked_values(e, encs, path, where):
+    """(kept mask, dense values with 0 where not kept) of encoded tensor `e`
+    at `path` (its layout checked by check()): ValueError naming `where` when
+    its data do not fit (the mask keeps another number of values than
+    `count`, a code lies past the codebook), found before indexing with them
+    (on a GPU an index out of range is a device-side assert, not an error)."""
+    numel = _numel(e["shape"])
+    if "mask_ref" in e:
+        ref = encs[e["mask_ref"]]
+        ref_kept = int(_unpack_mask(ref["mask"], numel).sum())
+        if ref_kept != ref["count"]:
+            raise fail("ckpt.delta.values", where, path=path, error=f"the mask of {e['mask_ref']} keeps {ref_kept} "
+                                                                   f"values, its count is {ref['count']}")
+    kept = _kept(e, numel, encs)
+    n = int(kept.sum())
+    if n != e["count"]:
+        raise fail("ckpt.delta.values", where, path=path, error=f"its mask keeps {n} values, its count is "
                                                                f"{e['count']}")
-    codes = _codes(e)
+    codes = e["codes"]
     top = int(codes.max()) if codes.numel() else 0
     if top >= e["codebook"].numel():
         raise fail("ckpt.delta.values", where, path=path, error=f"code {top} lies past its codebook of "
                                                                f"{e['codebook'].numel()}")
-    return _decode_values(e, numel)
+    return kept, _decode_dense(e, kept)
+
+
+def verify(state, where):
+    """The data checks decode() makes, on every lossy tensor of `state` (a
+    delta checkpoint's state, its lossy tensors encoded), without a base."""
+    encs = dict(encoded_tensors(state))
+    for p, e in encs.items():
+        _checked_values(e, encs, p, where)
 
 
 def encoded_tensors(state):
@@ -283,14 +410,19 @@ def encoded_tensors(state):
 
 
 # Note [Lossy tensor layout]
-# An encoded tensor holds its dtype, shape and mode ("delta" adds the base's
-# tensor at its path, "direct" stands alone), `bits` (codebook of 2**bits
-# float32 centres), `count` kept values, `mask` (uint8, one bit per element,
-# ceil(numel / 8) bytes) and `codes` (uint8, two 4-bit codes per byte when
-# bits <= 4: ceil(count / 2) bytes; else one per byte). check() holds an
-# encoding to that from the metadata alone (the tensors are stand-ins then);
-# what only the data can tell (the mask has `count` bits set, every code
-# indexes the codebook) decode_values finds while decoding.
+# An encoded tensor holds its dtype, shape and mode ("delta": the base's
+# tensor at its path plus the decoded values; "direct": the decoded values,
+# 0 where not kept; "carry": the decoded values where kept, the base's
+# tensor elsewhere), `bits` (codebook of 2**bits float32 centres, sorted;
+# with "log": true the centres are logarithms of the values), `count` kept
+# values, `codes` (uint8, one per kept value, each < 2**bits: entropy coding
+# is left to the writer's zstd, which codes bytes) and `mask` (uint8, one bit
+# per element, ceil(numel / 8) bytes; with "mask_ref": PATH, one bit per
+# value kept by the encoded tensor at PATH, which has the same shape, mode
+# "delta" and no mask_ref of its own). check() holds an encoding to that from
+# the metadata alone (the tensors are stand-ins then); what only the data can
+# tell (the mask has `count` bits set, every code indexes the codebook)
+# _checked_values finds while decoding.
 def check(state, base_state, where):
     """Checks every lossy tensor of `state`, a delta checkpoint's state built
     on the meta device (Note [Lossy tensor layout]), against `base_state`,
@@ -298,41 +430,57 @@ def check(state, base_state, where):
     each encoded tensor's dtype and shape in its place. ValueError naming
     `where` and the tensor."""
     base = dict(tree.walk_tensors(base_state))
+    encs = dict(encoded_tensors(state))
 
     def leaf(o, p):
         if not _is_encoded(o):
             return _DESCEND
-        dtype, shape = _check_encoding(o["__excp__"], base, p, where)
+        dtype, shape = _check_encoding(o["__excp__"], base, encs, p, where)
         return torch.empty(shape, dtype=dtype, device="meta")
     return _map_tree(state, "state", leaf)
 
 
-def _check_encoding(e, base, path, where):
+def _check_shape(shape, bad):
+    if (not isinstance(shape, list) or len(shape) > 64
+            or not all(type(n) is int and 0 <= n <= 1 << 62 for n in shape)):
+        raise bad(f"shape {str(shape)[:80]} is not a list of sizes")
+    numel = _numel(shape)
+    if numel > 1 << 62:
+        raise bad(f"shape {shape} has more than 2^62 elements")
+    return numel
+
+
+def _check_encoding(e, base, encs, path, where):
     def bad(what):
         return fail("ckpt.delta.tensor", where, path=path, what=what)
     keys = {"mode", "dtype", "shape", "mask", "codes", "codebook", "count", "bits"}
     if not isinstance(e, dict) or not keys <= set(e):
         raise bad(f"needs {', '.join(sorted(keys))}")
-    if not isinstance(e["mode"], str) or e["mode"] not in ("delta", "direct"):
-        raise bad(f"mode {str(e['mode'])[:40]!r} is not delta or direct")
+    extra = set(e) - keys - {"mask_ref", "log"}
+    if extra:
+        raise bad(f"has unknown key {sorted(extra)[0][:40]!r}")
+    if not isinstance(e["mode"], str) or e["mode"] not in ("delta", "direct", "carry"):
+        raise bad(f"mode {str(e['mode'])[:40]!r} is not delta, direct or carry")
     shape = e["shape"]
-    if (not isinstance(shape, list) or len(shape) > 64
-            or not all(type(n) is int and 0 <= n <= 1 << 62 for n in shape)):
-        raise bad(f"shape {str(shape)[:80]} is not a list of sizes")
-    numel = 1
-    for n in shape:
-        numel *= n
-    if numel > 1 << 62:
-        raise bad(f"shape {shape} has more than 2^62 elements")
+    numel = _check_shape(shape, bad)
     dtype = tree.dtype_from_name(e["dtype"], where) if isinstance(e["dtype"], str) else None
     if dtype is None or not (dtype.is_floating_point or dtype.is_complex):
         raise bad(f"dtype {str(e['dtype'])[:40]!r} is not a floating dtype")
     bits, count = e["bits"], e["count"]
-    if type(bits) is not int or not 0 <= bits <= 16:
-        raise bad(f"bits {str(bits)[:40]!r} is not an integer in [0, 16]")
-    if type(count) is not int or not 0 <= count <= numel:
-        raise bad(f"count {str(count)[:40]!r} is not an integer in [0, {numel}]")
-    want = {"mask": (torch.uint8, (numel + 7) // 8), "codes": (torch.uint8, (count + 1) // 2 if bits <= 4 else count),
+    if type(bits) is not int or not 0 <= bits <= 8:
+        raise bad(f"bits {str(bits)[:40]!r} is not an integer in [0, 8]")
+    if "log" in e and e["log"] is not True:
+        raise bad(f"log {str(e['log'])[:40]!r} is not true")
+    mask_bits = numel
+    if "mask_ref" in e:
+        ref = encs.get(e["mask_ref"]) if isinstance(e["mask_ref"], str) else None
+        if (not isinstance(ref, dict) or ref.get("mode") != "delta" or "mask_ref" in ref
+                or ref.get("shape") != shape or type(ref.get("count")) is not int or not 0 <= ref["count"] <= numel):
+            raise bad(f"mask_ref {str(e['mask_ref'])[:80]!r} is not a delta-encoded tensor of its shape")
+        mask_bits = ref["count"]
+    if type(count) is not int or not 0 <= count <= mask_bits:
+        raise bad(f"count {str(count)[:40]!r} is not an integer in [0, {mask_bits}]")
+    want = {"mask": (torch.uint8, (mask_bits + 7) // 8), "codes": (torch.uint8, count),
             "codebook": (torch.float32, 1 << bits)}
     for k, (dt, n) in want.items():
         t = e[k]
@@ -340,7 +488,7 @@ def _check_encoding(e, base, path, where):
                 t.numel() != n:
             got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise bad(f"{k} is {got}, not {str(dt).replace('torch.', '')} [{n}]")
-    if e["mode"] == "delta":
+    if e["mode"] in ("delta", "carry"):
         b = base.get(path)
         if b is None or list(b.shape) != shape:
             raise fail("ckpt.delta.base_tensor", where, path=path, shape=shape)

@@ -342,6 +342,8 @@ def open_chain(path, idx, r):
     seen = {idx["id"]}
     while chain[-1].base is not None:
         top, base = chain[-1], chain[-1].base
+        if not os.path.isdir(base):
+            raise fail("ckpt.delta.base_missing", base, delta=top.path)
         base_idx = read_index(base)
         if base_idx["id"] != top.meta["delta"]["base_id"]:
             raise fail("ckpt.delta.base_id", top.path, base=base, want=top.meta["delta"]["base_id"][:64],

@@ -946,8 +946,9 @@ def inspect(path, *, verify=True, progress=None):
                                   "tensors": [], "problems": []})
             continue
         shard = _describe_shard(chain[0])
+        shard["chain"] = [_describe_link(s, verify) for s in chain]
         if verify:
-            shard["problems"] = [p for s in chain for p in s.reader.verify()]
+            shard["problems"] = [p for link in shard["chain"] for p in link["problems"]]
             if not shard["problems"]:
                 try:
                     _verify_data(chain)
@@ -957,6 +958,16 @@ def inspect(path, *, verify=True, progress=None):
     if progress is not None:
         progress(sum(sizes), sum(sizes))
     return out
+
+
+def _describe_link(shard, verify):
+    """One link of a delta chain as inspect() lists it: its file, id, base,
+    stored bytes, recorded lossy error and (verify) its bad chunks."""
+    le = shard.meta.get("lossy_error")
+    return {"file": shard.file, "id": shard.meta["id"], "compress": shard.meta.get("compress", "none"),
+            "base": shard.base, "stored_bytes": sum(b["stored_bytes"] for b in shard.reader.blobs),
+            "lossy_error": le.get("overall") if isinstance(le, dict) else None,
+            "problems": shard.reader.verify() if verify else []}
 
 
 def _file_bytes(path):
@@ -1007,8 +1018,7 @@ def _verify_data(chain):
         tensors = tree.view_tensors(shard.file, meta, storages)
         if encoded:
             state = tree.build(meta["tree"], tensors, shard.file)
-            for p, e in _ckpt_lossy.encoded_tensors(state):
-                _ckpt_lossy.decode_values(e, p, shard.file)
+            _ckpt_lossy.verify(state, shard.file)
 
 
 def save_safetensors(tensors, path, metadata=None):

@@ -203,9 +203,12 @@ def _set_delta(**kw):
 
 
 def _odd_count(m):
-    """count one off from what the mask keeps, the codes' length unchanged."""
+    """count one less than the mask keeps, the codes tensor one shorter with
+    it (a view of the same storage), so only the data can tell."""
     pair = _find_pairs(m["tree"], "count", [])[0]
-    pair[1] = pair[1] - 1 if pair[1] % 2 == 0 else pair[1] + 1
+    pair[1] -= 1
+    codes = m["tensors"][_find_pairs(m["tree"], "codes", [])[0][1]["tensor"]]
+    codes["shape"][0] -= 1
 
 
 def _rename_delta_key(m):
@@ -504,7 +507,7 @@ CRAFTED = {
     "file.special": _index_special,
     "file.too_large": _index_too_large,
     # index.json
-    "ckpt.index.no_directory": _set_delta(base="nowhere"),
+    "ckpt.index.no_directory": lambda o, tmp: Case(lambda: ckpt.load(tmp / "nowhere"), tmp / "nowhere"),
     "ckpt.index.missing": lambda o, tmp: _set_delta(base="empty")(o, tmp) if os.mkdir(tmp / "empty") is None
     else None,
     "ckpt.index.json": _index_raw("{"),
@@ -556,6 +559,7 @@ CRAFTED = {
     "ckpt.tree.key": _native_meta(lambda m: m.update(tree={"dict": [[{"dict": []}, 1]]})),
     "ckpt.tree.depth": _native_meta(_deep_tree),
     # delta chains
+    "ckpt.delta.base_missing": _set_delta(base="nowhere"),
     "ckpt.delta.base_id": _set_delta(base_id="ff"),
     "ckpt.delta.cycle": _delta_cycle,
     "ckpt.delta.base_rank": _delta_base_rank,

@@ -105,8 +105,13 @@ def _inspect(args):
                   f"over {int(o['tensors'])} tensors")
         except (TypeError, KeyError, ValueError):
             pass  # none recorded (lossless), or not in the form the writer records it
-        for name, off, msg in s.get("problems", []):
-            print(f"BAD CHUNK: tensor '{name}' at file offset {off}: {_one_line(msg)}", file=sys.stderr)
+        chain = s.get("chain", [])
+        if len(chain) > 1:
+            _print_chain(chain)
+        for link in chain or [{"file": s["file"], "problems": s.get("problems", [])}]:
+            for name, off, msg in link["problems"]:
+                print(f"BAD CHUNK: {link['file']}: tensor '{name}' at file offset {off}: {_one_line(msg)}",
+                      file=sys.stderr)
         if "error" in s:  # refused for its data (sparse indices, lossy codes): found when verifying
             print(f"BAD SHARD: {_one_line(s['error'])}", file=sys.stderr)
     if refused:
@@ -118,6 +123,25 @@ def _inspect(args):
     elif not refused:
         print("\nall chunk checksums OK")
     return 1 if bad or refused else 0
+
+
+def _print_chain(chain):
+    """The delta chain from this checkpoint down to its full base. Each delta
+    decodes against its base as loaded, so the error of the loaded state is
+    the top link's alone: errors do not add up along the chain."""
+    print(f"  delta chain ({len(chain)} checkpoints, this one first; each link checked by id"
+          f"{' and checksums' if any('problems' in c for c in chain) else ''}):")
+    for k, link in enumerate(chain):
+        le = link.get("lossy_error")
+        err = (f"max abs {float(le['max_abs']):.3g}, rel L2 {float(le['rel_l2']):.3g}"
+               if isinstance(le, dict) and "max_abs" in le else "exact")
+        state = f"{len(link['problems'])} BAD CHUNK(S)" if link["problems"] else "ok"
+        print(f"    [{k}] {link['file']}  id {link['id'][:12]}  {link['compress']:<8} "
+              f"{_fmt(link['stored_bytes']):>10}  error vs exact: {err}  {state}")
+    top = chain[0].get("lossy_error")
+    if isinstance(top, dict) and "rel_l2" in top:
+        print(f"  error bound of the loaded state: max abs {float(top['max_abs']):.3g}, "
+              f"rel L2 {float(top['rel_l2']):.3g} (the top link's: bases decode exactly as they were encoded against)")
 
 
 def _inspect_safetensors(args):

@@ -1,0 +1,159 @@
+"""ExCP-style delta chains (docs/checkpoints.md, "Lossy delta checkpoints"):
+what a chain keeps of the weights and Adam moments, and how loading one
+refuses a broken link, a missing base and a base from another run, naming
+the file."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ebbtide import checkpoint as ckpt
+from ebbtide import _ckpt_lossy
+
+
+def _train(model, opt, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(16, 64, generator=g)
+        loss = (model(x) - x.roll(1, 1)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _state(model, opt):
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
+            "optimizer": {"state": {i: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+                                    for i, s in opt.state_dict()["state"].items()},
+                          "param_groups": opt.state_dict()["param_groups"]}}
+
+
+def _chain(root, links=3, lossy=None, seed=0):
+    """A chain root/c0 (full), root/c1 .. c{links} (deltas) of a small MLP
+    trained with AdamW; returns (paths, exact states)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    paths, states = [], []
+    for k in range(links + 1):
+        _train(model, opt, 10, seed * 100 + k)
+        st = _state(model, opt)
+        p = root / f"c{k}"
+        if k == 0:
+            ckpt.save(st, p, compress="lossless")
+        else:
+            ckpt.save(st, p, compress="delta", base=paths[-1], lossy=lossy)
+        paths.append(p)
+        states.append(st)
+    return paths, states
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_chain_keeps_second_moments_and_bounds_the_error(tmp_path):
+    paths, states = _chain(tmp_path)
+    zeroed, _ = _chain(tmp_path / "zero", lossy={"v_unkept": "zero"})  # the same run, the paper's rule
+    got, want, paper = ckpt.load(paths[-1]), states[-1], ckpt.load(zeroed[-1])
+    for i in want["optimizer"]["state"]:
+        v1, v0 = got["optimizer"]["state"][i]["exp_avg_sq"], want["optimizer"]["state"][i]["exp_avg_sq"]
+        if v0.numel() >= 4096:  # lossy: unkept second moments carried from the base, never zeroed
+            assert int(((v1 == 0) & (v0 > 0)).sum()) == 0
+            assert _rel(v1, v0) < 0.8 * _rel(paper["optimizer"]["state"][i]["exp_avg_sq"], v0)
+    info = ckpt.inspect(paths[-1])
+    chain = info["shards"][0]["chain"]
+    assert [c["file"] for c in chain] == [os.path.join(str(p), "rank0.ebt") for p in reversed(paths)]
+    assert chain[-1]["lossy_error"] is None and chain[0]["lossy_error"]["rel_l2"] > 0
+    # The loaded state's error is the top link's as recorded at save time (no accumulation along the chain).
+    w1, w0 = got["model"]["0.weight"], want["model"]["0.weight"]
+    assert float((w1 - w0).abs().max()) <= chain[0]["lossy_error"]["max_abs"] * (1 + 1e-6) + 1e-12
+
+
+def test_paper_mode_zeroes_unkept_second_moments(tmp_path):
+    paths, states = _chain(tmp_path, links=1, lossy={"v_unkept": "zero", "beta": 2.0})
+    got, want = ckpt.load(paths[-1]), states[-1]
+    v1, v0 = got["optimizer"]["state"][0]["exp_avg_sq"], want["optimizer"]["state"][0]["exp_avg_sq"]
+    assert int(((v1 == 0) & (v0 > 0)).sum()) > v0.numel() // 2
+
+
+def test_moment_masks_are_coded_over_the_weight_mask(tmp_path):
+    paths, _ = _chain(tmp_path, links=1, lossy={"beta": 1.0})
+    assert ckpt.load(paths[-1])["model"]["0.weight"].shape == (128, 64)
+    rows = {t["path"]: t for t in ckpt.inspect(paths[-1])["shards"][0]["tensors"]}
+    w_mask = rows["state.model.0.weight.__excp__.mask"]["shape"][0]
+    assert w_mask == 128 * 64 // 8
+    for k in ("exp_avg", "exp_avg_sq"):  # bits only where the weight's residual is kept (10%)
+        assert rows[f"state.optimizer.state[0].{k}.__excp__.mask"]["shape"][0] <= w_mask // 9
+
+
+def test_options_are_checked():
+    for bad, what in (({"density": 0}, "density"), ({"bits": 9}, "bits"), ({"v_unkept": "x"}, "v_unkept"),
+                      ({"dens": 0.1}, "unknown option 'dens'")):
+        with pytest.raises(ValueError, match=what):
+            _ckpt_lossy._opts(bad)
+
+
+def _flip_data_byte(shard_file):
+    """Flips one byte inside the first chunk of tensor data (past the 4 KiB header)."""
+    with open(shard_file, "r+b") as f:
+        f.seek(4096 + 7)
+        b = f.read(1)
+        f.seek(4096 + 7)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_broken_middle_link_is_named(tmp_path):
+    paths, _ = _chain(tmp_path)
+    middle = os.path.join(str(paths[1]), "rank0.ebt")
+    _flip_data_byte(middle)
+    with pytest.raises(Exception) as ei:
+        ckpt.load(paths[-1])
+    assert middle in str(ei.value) or str(paths[1]) in str(ei.value), str(ei.value)
+    info = ckpt.inspect(paths[-1])
+    bad = [c["file"] for c in info["shards"][0]["chain"] if c["problems"]]
+    assert bad == [middle]
+    p = subprocess.run([sys.executable, "-m", "ebbtide", "ckpt", "inspect", str(paths[-1])],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    assert f"BAD CHUNK: {middle}:" in p.stderr
+    assert "delta chain (4 checkpoints" in p.stdout and "error bound of the loaded state" in p.stdout
+
+
+def test_missing_base_is_named(tmp_path):
+    paths, _ = _chain(tmp_path, links=2)
+    shutil.rmtree(paths[0])
+    with pytest.raises(FileNotFoundError) as ei:
+        ckpt.load(paths[-1])
+    msg = str(ei.value)
+    assert ei.value.check == "ckpt.delta.base_missing"
+    assert str(paths[0]) in msg and str(paths[1]) in msg, msg
+    p = subprocess.run([sys.executable, "-m", "ebbtide", "ckpt", "inspect", str(paths[-1])],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and str(paths[0]) in p.stderr
+
+
+def test_base_from_another_run_is_named(tmp_path):
+    paths, _ = _chain(tmp_path, links=2)
+    other, _ = _chain(tmp_path / "other", links=0, seed=1)
+    shutil.rmtree(paths[1])
+    shutil.copytree(other[0], paths[1])  # the path of the middle link now holds another run's checkpoint
+    with pytest.raises(ValueError) as ei:
+        ckpt.load(paths[-1])
+    msg = str(ei.value)
+    assert ei.value.check == "ckpt.delta.base_id"
+    assert str(paths[1]) in msg and str(paths[2]) in msg, msg
+
+
+def test_quick_bench_runs_end_to_end(run_bench):
+    pytest.importorskip("transformers")
+    p, r = run_bench("excp_bench.py", "--quick", timeout=300)
+    rows = {x["setting"]: x for x in r["settings"]}
+    control = rows["lossless chain (control)"]
+    assert control["loss_delta_pct"] == 0.0 and control["state_rel_l2"]["exp_avg"] == 0.0
+    d = rows["default (d=0.1, 4/4 bits, v carried)"]
+    assert d["delta_ratio_mean"] > 1.5 and len(d["links"]) == r["links"] + 1
+    assert "uninterrupted run" in p.stdout
