@@ -339,6 +339,40 @@ TEST(CkptWriter, GatedSaveCommitsOnlyWhenApproved) {
   h2.approve();  // decided already: no effect
 }
 
+// Note [Uncopied async saves] (checkpoint.py): wait_written() returns once the
+// data is durable, while a gated save still waits for its decision.
+TEST(CkptWriter, WaitWrittenReturnsBeforeTheGatedCommit) {
+  TempDir d;
+  auto a = test::random_bytes(1 << 20, 11), b = test::random_bytes(2 << 20, 12);
+  CheckpointWriter w;
+  w.save(commit_request(d.path(), a, false)).wait();
+  auto req = commit_request(d.path(), b, true);
+  req.pipelined = true;
+  const std::string file = req.file;
+  auto h = w.save(std::move(req));
+  h.wait_written();
+  EXPECT_FALSE(h.done()) << "written, but the commit waits for approve()";
+  EXPECT_EQ(committed_bytes(d.path()), a.size());
+  EXPECT_EQ(std::filesystem::file_size(file) >= b.size(), true) << "the shard is written before the gate";
+  h.approve();
+  EXPECT_EQ(h.wait().raw_bytes, b.size());
+  EXPECT_EQ(committed_bytes(d.path()), b.size());
+}
+
+// Note [First async save]: reserve_arena grows the arena after the save.
+TEST(CkptWriter, ReserveArenaGrowsTheArenaAfterTheSave) {
+  TempDir d;
+  auto a = test::random_bytes(1 << 20, 13);
+  CheckpointWriter w;
+  auto req = commit_request(d.path(), a, false);
+  req.pipelined = true;
+  req.reserve_arena = 200ull << 20;
+  w.save(std::move(req)).wait();
+  w.join();  // the growth runs on the writer's thread after done()
+  EXPECT_GE(w.snapshot_capacity(), 200ull << 20);
+  EXPECT_EQ(committed_bytes(d.path()), a.size());
+}
+
 TEST(CkptWriter, DestroyedWriterRejectsAWaitingGatedSave) {
   TempDir d;
   auto a = test::random_bytes(1 << 20, 10);

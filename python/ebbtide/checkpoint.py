@@ -57,7 +57,8 @@ class SaveHandle:
 
     staged() / wait_staged(): whether the snapshot is taken, i.e. the saved
     tensors may change again. True from the start unless the save was made
-    with snapshot="background" (Note [Background snapshot])."""
+    with snapshot="background" (Note [Background snapshot]) or "none" (then
+    once the tensors' bytes are written, Note [Uncopied async saves])."""
 
     def __init__(self, finish):
         self._finish = finish
@@ -115,7 +116,21 @@ class SaveHandle:
 # engine instead of queueing behind it. Under torch.distributed the thread
 # also reserves the save's directories, a collective (Note [Checkpoint
 # collectives]), so save() waits neither for the GPU nor for the other ranks.
-_background = weakref.WeakSet()  # handles whose snapshot is running
+# Note [Uncopied async saves]
+# save(..., async_=True, snapshot="none") copies nothing: the save is
+# pipelined as a synchronous one is (Note [Save ring] in writer.cpp: the
+# writer's threads read each chunk from the tensors into its 64 MiB ring
+# just before writing it), but on the writer's thread, so save() returns
+# after the Python-side set-up (flattening, the temporary directory). The
+# caller promises not to change the tensors until handle.wait_staged()
+# (here: until every byte is written and durable), and the same guards as a
+# background snapshot hold it to that: every torch.optim step waits for it
+# first, and a tensor whose version counter moved before the writes ended
+# fails the save (the writer waits before its commit, Note [Gated commit],
+# until a thread of this module has checked the counters). Meant for
+# machines whose memory copy is too slow to keep a blocking snapshot under
+# 10% of a save (docs/checkpoints.md, "What an async save blocks on").
+_background = weakref.WeakSet()  # handles whose snapshot (or uncopied writes) is running
 _hook = None
 
 
@@ -248,8 +263,11 @@ def save(state_dict, path, *, async_=False, compress=None, base=None, block=Fals
     "blocking" (default) returns once the tensors are copied; "background"
     returns at once and copies them on a thread: the next optimizer step
     waits for the copy, and a tensor changed in place before it finished
-    fails the save (Note [Background snapshot]). Returns SaveInfo (or a
-    SaveHandle)."""
+    fails the save (Note [Background snapshot]); "none" copies nothing: the
+    writes read the tensors themselves until handle.wait_staged(), which
+    every optimizer step waits for, and a tensor changed in place before
+    then fails the save (Note [Uncopied async saves]; uncompressed only).
+    Returns SaveInfo (or a SaveHandle)."""
     return _save(writer or _writer(), state_dict, path, async_=async_, compress=compress, base=base,
                  block=block, lossy=lossy, stripe_dirs=stripe_dirs, snapshot=snapshot)
 
@@ -330,11 +348,15 @@ def _stripe_dir_list(stripe_dirs):
 
 def _check_save_args(async_, compress, base, snapshot):
     """Rejects bad save() arguments before anything is written."""
-    if snapshot not in ("blocking", "background"):
-        raise ValueError(f"checkpoint.save: snapshot={snapshot!r} is not valid (valid: 'blocking', 'background')")
-    if snapshot == "background" and not async_:
-        raise ValueError("checkpoint.save: snapshot='background' needs async_=True (a synchronous save "
+    if snapshot not in ("blocking", "background", "none"):
+        raise ValueError(f"checkpoint.save: snapshot={snapshot!r} is not valid "
+                         "(valid: 'blocking', 'background', 'none')")
+    if snapshot != "blocking" and not async_:
+        raise ValueError(f"checkpoint.save: snapshot={snapshot!r} needs async_=True (a synchronous save "
                          "returns when the checkpoint is durable anyway)")
+    if snapshot == "none" and compress not in (None, "none"):
+        raise ValueError(f"checkpoint.save: snapshot='none' writes the tensors' own bytes, uncompressed; "
+                         f"compress={compress!r} needs a snapshot (snapshot='blocking' or 'background')")
     if compress not in (None, "none", "lossless", "delta"):
         raise ValueError(f"checkpoint.save: compress={compress!r} is not valid "
                          "(valid: None, 'lossless', 'delta')")
@@ -380,7 +402,7 @@ class _Save:
     finish() is kept by the SaveHandle, so nothing here references the
     handle, and the state and blobs are dropped once the snapshot holds them."""
 
-    def __init__(self, w, path, *, async_, compress, block, background, stripe_dirs):
+    def __init__(self, w, path, *, async_, compress, block, background, stripe_dirs, uncopied=False):
         self.w = w
         self.path = os.path.abspath(os.fspath(path))
         self.stripe_dirs = _stripe_dir_list(stripe_dirs)
@@ -390,12 +412,15 @@ class _Save:
         self.compress = compress
         self.block = block
         self.background = background
-        self.pipelined = not async_  # the caller waits: the snapshot overlaps the writes
+        self.uncopied = uncopied  # Note [Uncopied async saves]
+        # The caller waits, or promises to keep the tensors: the writes read them through the ring.
+        self.pipelined = not async_ or uncopied
         self.lossy_error = self.delta = self.original_bytes = None
         self.stripes, self.tmp, self.ckpt_id, self.txn = [], None, None, None
         self.native = self.stage_error = self.keep = None
         self.group = self.reserve_ticket = None  # Note [Checkpoint collectives]
-        self.staged = threading.Event() if background else None
+        self.staged = threading.Event() if background or uncopied else None
+        self.reserve = 0  # Note [First async save] in writer.cpp: the arena to grow after a written-through save
         self.shard = f"rank{self.rank}.ebt"
 
     def encode(self, state_dict, base, lossy):
@@ -497,17 +522,60 @@ class _Save:
                 commit_dir=self.tmp if single else "", commit_path=self.path if single else "",
                 extra_files=[(INDEX_NAME, self.index)] if single else [], block=self.block,
                 stripe_files=[os.path.join(sd, self.shard) for sd in self.stripes],
-                pipelined=self.pipelined, gated=self.background)
+                pipelined=self.pipelined, gated=self.background or self.uncopied, reserve_arena=self.reserve)
         except BaseException:
             if single:
                 self.txn.discard()
             raise
 
+    def write_through_if_fresh(self):
+        """Note [First async save] in cpp/src/ckpt/writer.cpp: an async save
+        with a blocking snapshot that the writer's arena cannot hold is
+        written through the ring like a synchronous save (its caller waits
+        for the writes of the tensors' bytes, not for fresh memory), and the
+        writer grows the arena for the next one after it."""
+        needed = sum((b[2] + 4095) // 4096 * 4096 for b in self.blobs)
+        if needed > self.w._native.snapshot_capacity:
+            self.pipelined = True
+            self.reserve = needed
+
     def start_blocking(self):
         self.native = self.start()
+        if self.reserve:  # Note [First async save]: back to the caller once the tensors are read
+            self.native.wait_written()
         # Async: the snapshot holds the data now. Pipelined: the writer still reads the tensors.
         self.keep = (self.fl, self.blobs, self.state_dict) if self.pipelined else None
+        versions = self.versions
         self._drop_inputs()
+        self.versions = versions if self.uncopied else None
+
+    def watch_writes(self, handle):
+        """Note [Uncopied async saves], on its own thread: once the tensors'
+        bytes are written and durable, approves the commit unless a saved
+        tensor changed meanwhile; then the tensors may change again."""
+        n = self.native
+        try:
+            n.wait_written()
+            self.decide(n, "while the save (snapshot='none') was writing it from its own memory, so the file "
+                           "may hold a torn copy")
+        finally:
+            self.keep = self.versions = None
+            handle.snapshot_seconds = time.perf_counter() - self.t_start
+            self.staged.set()
+            _background.discard(handle)
+
+    def decide(self, n, when):
+        """Approves the gated save `n` (Note [Gated commit]) unless a saved
+        tensor's version counter moved since save(); then rejects it, the
+        message naming the tensor and `when` it changed."""
+        changed = [p for t, v, p in self.versions if t._version != v]
+        if changed:
+            n.reject(f"checkpoint.save to {self.path}: tensor {changed[0]!r}"
+                     f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''} was changed in place "
+                     f"{when}; nothing was committed. Wait for handle.wait_staged() (every torch.optim step "
+                     "does) before changing saved tensors")
+        else:
+            n.approve()
 
     def _drop_inputs(self):
         self.fl = self.blobs = self.state_dict = self.meta = self.versions = None
@@ -528,15 +596,7 @@ class _Save:
             self.w._native.release_claim()  # in case the core's save() was not reached
             self.stage_error = e
         else:
-            changed = [p for t, v, p in self.versions if t._version != v]
-            if changed:
-                n.reject(f"checkpoint.save to {self.path}: tensor {changed[0]!r}"
-                         f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''} was changed in "
-                         "place while its background snapshot was taken, so the copy may be torn; nothing "
-                         "was committed. Wait for handle.wait_staged() (every torch.optim step does) "
-                         "before changing saved tensors")
-            else:
-                n.approve()
+            self.decide(n, "while its background snapshot was taken, so the copy may be torn")
             self.native = n
             handle._native = n
         finally:
@@ -616,7 +676,7 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_d
     _check_save_args(async_, compress, base, snapshot)
     background = snapshot == "background"
     s = _Save(w, path, async_=async_, compress=compress, block=block, background=background,
-              stripe_dirs=stripe_dirs)
+              stripe_dirs=stripe_dirs, uncopied=snapshot == "none")
     _claim(w, block, s.path)
     try:  # until the core's save() (on the snapshot thread for background saves) takes the claim
         s.encode(state_dict, base, lossy)
@@ -625,6 +685,8 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_d
         # Note [Checkpoint collectives]: a background snapshot under torch.distributed reserves on its thread.
         if not (background and s.dist is not None):
             s.reserve_directories()
+        if async_ and snapshot == "blocking" and compress in (None, "none"):
+            s.write_through_if_fresh()
         if not background:
             s.start_blocking()
     except BaseException:
@@ -635,6 +697,18 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_d
     handle._native = s.native
     handle._path = s.path
     w._pending = handle
+    if s.uncopied:
+        handle._staged = s.staged
+        _install_optimizer_hook()
+        _background.add(handle)
+        try:  # like the snapshot thread below: holds the writer until the commit is decided
+            threading.Thread(target=lambda: (w, s.watch_writes(handle)), name="ebbtide-ckpt-watch",
+                             daemon=False).start()
+        except BaseException:
+            s.native.reject(f"checkpoint.save to {s.path}: no thread could watch the save")
+            s.staged.set()
+            _background.discard(handle)
+            raise
     if background:
         handle._staged = s.staged
         _install_optimizer_hook()

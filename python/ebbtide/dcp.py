@@ -321,6 +321,12 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         stripe_dirs: extra directories (one per SSD) to stripe each rank's
             data over (Note [DCP striping]); such checkpoints load only with
             EbbtideReader, from `path`. Not with use_collectives=False.
+        staging: "copy" (default): async_save copies the state before it
+            returns. "none": it copies nothing and the upload writes the
+            tensors' own bytes (Note [Uncopied DCP saves]): the caller must
+            not change them until the upload future completes; a tensor
+            changed in place before then fails the save, naming it, and
+            nothing is committed. Not with async_staging=True.
 
     With ``use_collectives=False`` (each rank saves on its own, Note [DCP
     without collectives]) the ranks share PATH: rank r writes a data file of
@@ -328,7 +334,8 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
 
     Raises:
         ValueError: a bad option (from save: a stripe directory that does
-            not exist, is listed twice or lies inside `path`).
+            not exist, is listed twice or lies inside `path`; staging not
+            "copy" or "none", or "none" with async_staging).
         NotImplementedError: compress="lossless" in a build without zstd
             (from save); async_staging=True with a torch whose async_save
             cannot take a staging future.
@@ -339,7 +346,7 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
     """
 
     def __init__(self, path, *, compress=None, zstd_level=None, chunk_bytes=None, queue_depth=None, threads=None,
-                 direct=None, cache_staged_state_dict=True, stripe_dirs=None, async_staging=False):
+                 direct=None, cache_staged_state_dict=True, stripe_dirs=None, async_staging=False, staging="copy"):
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         if compress not in (None, "lossless"):
@@ -347,7 +354,14 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         if async_staging and not hasattr(_saver, "AsyncSaveResponse"):
             raise NotImplementedError(f"EbbtideWriter(async_staging=True): torch {torch.__version__}'s async_save "
                                       "cannot take a staging future (it needs AsyncSaveResponse)")
+        if staging not in ("copy", "none"):
+            raise ValueError(f"EbbtideWriter: staging={staging!r} is not valid (valid: 'copy', 'none')")
+        if staging == "none" and async_staging:
+            raise ValueError("EbbtideWriter: staging='none' copies nothing, so there is no staging to run in the "
+                             "background: pass async_staging=False")
         self.async_staging = bool(async_staging)
+        self.staging = staging
+        self._unstaged = None  # staging="none": the saved tensors' version counters (Note [Uncopied DCP saves])
         self._stager = None  # the staging thread (async_staging)
         self.path = os.fspath(path)
         self.stripe_dirs = _stripe_dir_list(stripe_dirs)
@@ -370,13 +384,14 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
     # the saves it runs one after another keep one set of pinned buffers.
     def __getstate__(self):
         state = self.__dict__.copy()
-        for k in ("_native", "_stager", "_txn", "state_dict_cache"):
+        for k in ("_native", "_stager", "_txn", "state_dict_cache", "_unstaged"):
             state.pop(k, None)
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._stager = None
+        self._unstaged = None  # the version counters stay with the caller's process
         self.state_dict_cache = None
         key = tuple(sorted(self._options.items()))
         native = _unpickled_natives.get(key)
@@ -396,7 +411,11 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         """async_save's staging: a CPU copy of `state_dict` (kept for the next
         call with cache_staged_state_dict; pinned only where CUDA is usable).
         With async_staging, a Future of that copy, made on the writer's
-        staging thread (Note [Async staging])."""
+        staging thread (Note [Async staging]). With staging="none",
+        `state_dict` itself (Note [Uncopied DCP saves])."""
+        if self.staging == "none":
+            self._unstaged = list(_saved_versions(state_dict))
+            return state_dict
         if not self.async_staging:
             return self._stage_now(state_dict)
         versions = list(_saved_versions(state_dict))
@@ -413,6 +432,20 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         except BaseException:
             handle.done()
             raise
+
+    # Note [Uncopied DCP saves]
+    # EbbtideWriter(staging="none") is DCP's no-staging mode: stage() hands
+    # async_save the caller's state dict, so async_save blocks for nothing but
+    # torch's own set-up, and the upload's write_data reads the tensors
+    # through the writer's ring (Note [Pipelined save]) as a synchronous save
+    # does. The caller promises not to change them until the upload future
+    # completes. stage() notes each tensor's version counter; write_data
+    # compares them once every byte is written and durable, and a change
+    # fails the save there, before finish() could commit (the previous
+    # checkpoint stays). Unlike ebbtide.checkpoint's snapshot="none",
+    # torch.optim steps do not wait for it: a save that fails in DCP's
+    # planning never reaches write_data, and a step waiting for it would wait
+    # forever. Changes through `.data` are not seen.
 
     # Note [Async staging]
     # EbbtideWriter(async_staging=True) makes async_save return before the
@@ -618,9 +651,18 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         # caller's tensors during dcp.save, or DCP's staged copy during
         # async_save), so the writer copies chunk k while chunk k-1 is being
         # written instead of snapshotting everything first (Note [Pipelined save]).
+        unstaged, self._unstaged = self._unstaged, None  # Note [Uncopied DCP saves]
         h = self._native.save(file, blobs, meta, block=True, pipelined=True, frames=frames, stripe_files=stripe_files)
         h.wait()
         del keep
+        _test_hook_gate("uncopied-written")
+        changed = [path for t, v, path in unstaged or () if t._version != v]
+        if changed:
+            raise RuntimeError(
+                f"dcp.async_save to {self.path}: tensor {changed[0]!r}"
+                f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''} was changed in place while "
+                f"{file} was being written from it (staging='none'), so the file may hold a torn copy; nothing "
+                "was committed. With staging='none', wait for async_save's future before changing saved tensors")
         written = _core.CkptReader(file, stripes=stripe_files).blobs
         desc = ([STRIPED_DESCRIPTOR] if stripe_files else []) + ([COMPRESSED_DESCRIPTOR] if self.compress else [])
         results = [WriteResult(index=item.index, size_in_bytes=b["nbytes"],

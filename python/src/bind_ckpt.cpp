@@ -42,6 +42,12 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
 
   nb::class_<SaveHandle>(m, "CkptSaveHandle")
       .def("done", &SaveHandle::done)
+      .def("wait_written",
+           [](const SaveHandle& h) {
+             ebbtide::py::gil_release g;
+             h.wait_written();
+           },
+           "Blocks until the save's sources are written and durable (or the save is done).")
       .def("approve", &SaveHandle::approve)
       .def("reject", &SaveHandle::reject, nb::arg("why"))
       .def("wait", [](const SaveHandle& h) {
@@ -72,7 +78,7 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
               const std::string& commit_dir, const std::string& commit_path,
               const std::vector<std::pair<std::string, std::string>>& extra_files, bool block,
               const std::vector<std::string>& stripe_files, bool pipelined, bool gated,
-              const std::vector<std::pair<nb::bytes, nb::bytes>>& frames) {
+              const std::vector<std::pair<nb::bytes, nb::bytes>>& frames, uint64_t reserve_arena) {
              if (!frames.empty() && frames.size() != blobs.size())
                throw ebbtide::InvalidArgument(ebbtide::detail::concat("save: ", frames.size(), " frames for ",
                                                                       blobs.size(), " blobs"));
@@ -80,6 +86,7 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
              req.stripe_files = stripe_files;
              req.pipelined = pipelined;
              req.gated = gated;
+             req.reserve_arena = reserve_arena;
              req.file = file;
              req.meta = meta;
              req.commit_dir = commit_dir;
@@ -99,7 +106,8 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
            nb::arg("file"), nb::arg("blobs"), nb::arg("meta"), nb::arg("commit_dir") = "", nb::arg("commit_path") = "",
            nb::arg("extra_files") = std::vector<std::pair<std::string, std::string>>{}, nb::arg("block") = false,
            nb::arg("stripe_files") = std::vector<std::string>{}, nb::arg("pipelined") = false,
-           nb::arg("gated") = false, nb::arg("frames") = std::vector<std::pair<nb::bytes, nb::bytes>>{})
+           nb::arg("gated") = false, nb::arg("frames") = std::vector<std::pair<nb::bytes, nb::bytes>>{},
+           nb::arg("reserve_arena") = 0)
       .def("claim", [](CheckpointWriter& w, const std::string& target, bool block) {
         ebbtide::py::gil_release g;
         w.claim(target, block);

@@ -69,6 +69,11 @@ struct SaveRequest {
   // The write waits before its commit until approve() or reject() is called
   // on the handle (Note [Gated commit] in writer.cpp).
   bool gated = false;
+  // After the save is done, the writer's thread grows the snapshot arena to
+  // this many bytes and faults them in, so that the next save that
+  // snapshots first (an async one) finds its memory present (Note [First
+  // async save] in writer.cpp). 0: no growth.
+  uint64_t reserve_arena = 0;
   // When commit_path is set: after the shard is durable, commit commit_dir
   // (the directory holding `file`) to commit_path with `extra_files` written
   // into it (commit_checkpoint()).
@@ -103,6 +108,9 @@ class SaveHandle {
   // save with StateError(why). No effect on other saves or once decided.
   void approve() const;
   void reject(const std::string& why) const;
+  // Blocks until every byte of the save's sources is written and durable
+  // (a gated save then waits for approve()/reject()), or the save is done.
+  void wait_written() const;
 
  private:
   std::shared_ptr<detail::SaveState> s_;

@@ -1,0 +1,249 @@
+"""Async saves (issue 31 §2): what the caller may do once save() returns
+(Note [First async save] in cpp/src/ckpt/writer.cpp, Note [Uncopied async
+saves] in ebbtide/checkpoint.py, Note [Uncopied DCP saves] in ebbtide/dcp.py),
+errors of the background writes, and the benchmark run end to end. Nothing
+here is timed."""
+import errno
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ebbtide import _core
+from ebbtide import checkpoint as ckpt
+from ebbtide import dcp as edcp
+from ebbtide.dcp import EbbtideReader, EbbtideWriter
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "ckpt_first_save.py")
+
+
+def make_state():
+    g = torch.Generator().manual_seed(1)
+    return {"w": torch.randn(512, 1024, generator=g), "b": torch.randn(3000, generator=g).bfloat16(),
+            "step": 3, "small": torch.arange(7)}
+
+
+def clone(state):
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def mutate(state):
+    with torch.no_grad():
+        state["w"].add_(1)
+        state["b"].zero_()
+        state["small"].mul_(5)
+
+
+def assert_bitwise(got, want):
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+        else:
+            assert got[k] == v, k
+
+
+def test_first_and_later_async_saves_hold_the_state_at_save(tmp_path):
+    """The first async save of a writer is written through (its arena is too
+    small); later ones snapshot into the arena it then grows. Either way the
+    checkpoint is the state at save(), whatever the caller does after."""
+    state = make_state()
+    w = ckpt.Writer()
+    assert w._native.snapshot_capacity == 0
+    for i in range(3):
+        want = clone(state)
+        h = w.save(state, tmp_path / "c", async_=True)
+        mutate(state)  # at once, before the writes are done
+        info = h.wait()
+        assert ("pipelined snapshot" in info["backend"]) == (i == 0), info["backend"]
+        w.join()
+        if i == 0:  # grown after the first save, for the next one
+            assert w._native.snapshot_capacity >= state["w"].nbytes + state["b"].nbytes
+        assert_bitwise(ckpt.load(tmp_path / "c"), want)
+
+
+class HeldWrites:
+    """Stands in for a Writer's native half: the handles it returns report the
+    save written only after release(), so a test acts while the writes of an
+    uncopied save are pending (whatever the disk's speed)."""
+
+    def __init__(self, native):
+        self._native = native
+        self._go = threading.Event()
+
+    def release(self):
+        self._go.set()
+
+    def save(self, *args, **kwargs):
+        return HeldHandle(self._native.save(*args, **kwargs), self._go)
+
+    def __getattr__(self, name):
+        return getattr(self._native, name)
+
+
+class HeldHandle:
+    def __init__(self, h, go):
+        self._h, self._go = h, go
+
+    def wait_written(self):
+        assert self._go.wait(30), "test never released the writes"
+        self._h.wait_written()
+
+    def __getattr__(self, name):
+        return getattr(self._h, name)
+
+
+def held_writer():
+    w = ckpt.Writer()
+    held = HeldWrites(w._native)
+    w._native = held
+    return w, held
+
+
+def test_uncopied_save_waits_for_the_optimizer_step(tmp_path):
+    model = torch.nn.Linear(64, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    w, held = held_writer()
+    h = w.save({"model": model.state_dict()}, tmp_path / "c", async_=True, snapshot="none")
+    assert not h.staged() and not h.done()
+    model(torch.randn(4, 64)).sum().backward()
+    threading.Timer(0.2, held.release).start()
+    opt.step()  # the step pre-hook waits until the writes of the tensors' bytes are done
+    assert h.staged()
+    h.wait()
+    got = ckpt.load(tmp_path / "c")["model"]
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert not torch.equal(model.weight, want["weight"])
+
+
+def test_uncopied_save_changed_in_place_is_rejected(tmp_path):
+    ckpt.save({"x": torch.ones(4)}, tmp_path / "c")
+    x = torch.randn(1 << 16)
+    w, held = held_writer()
+    h = w.save({"layer": {"x": x}}, tmp_path / "c", async_=True, snapshot="none")
+    with torch.no_grad():
+        x.add_(1)  # outside torch.optim, before the writes are done: the version counter tells
+    held.release()
+    with pytest.raises(ckpt.StateError, match=r"tensor 'state\.layer\.x' was changed in place while the save "
+                                              r"\(snapshot='none'\)"):
+        h.wait()
+    w.join()
+    assert torch.equal(ckpt.load(tmp_path / "c")["x"], torch.ones(4)), "the previous checkpoint stays"
+    assert sorted(os.listdir(tmp_path)) == ["c"], "nothing half-written is left"
+
+
+def test_uncopied_save_round_trip(tmp_path):
+    state = make_state()
+    want = clone(state)
+    h = ckpt.save(state, tmp_path / "c", async_=True, snapshot="none")
+    h.wait_staged()
+    mutate(state)  # allowed once staged
+    h.wait()
+    assert_bitwise(ckpt.load(tmp_path / "c"), want)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(snapshot="none"), "snapshot='none' needs async_=True"),
+    (dict(async_=True, snapshot="none", compress="lossless"), "snapshot='none' writes the tensors' own bytes"),
+])
+def test_bad_uncopied_settings(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ckpt.save({"x": torch.ones(2)}, tmp_path / "c", **kwargs)
+    assert not os.path.exists(tmp_path / "c")
+
+
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("snapshot", ["blocking", "none"])
+def test_async_write_error_names_the_file(tmp_path, first, snapshot):
+    w = ckpt.Writer()
+    ckpt.save({"x": torch.ones(4)}, tmp_path / "c")
+    if not first:  # the arena holds the state: the later saves' path
+        w.save({"x": torch.randn(1 << 18)}, tmp_path / "d", async_=True).wait()
+        w.join()
+    _core.ckpt_inject_write_fault(0, errno.ENOSPC)
+    try:
+        h = w.save({"x": torch.randn(1 << 18)}, tmp_path / "c", async_=True, snapshot=snapshot)
+        with pytest.raises(OSError) as ei:
+            h.wait()
+    finally:
+        _core.ckpt_inject_write_fault(0, 0)
+    assert ei.value.errno == errno.ENOSPC
+    assert "rank0.ebt" in str(ei.value) and str(tmp_path / "c") in str(ei.value), str(ei.value)
+    with pytest.raises(OSError):  # the handle keeps its error
+        h.wait()
+    w.join()
+    assert torch.equal(ckpt.load(tmp_path / "c")["x"], torch.ones(4))
+
+
+@pytest.mark.parametrize("staging", ["copy", "none"])
+def test_dcp_async_save_holds_the_state_at_save(tmp_path, staging):
+    state = make_state()
+    del state["step"]  # DCP keeps non-tensor values as bytes items; tensors are the point here
+    w = EbbtideWriter(tmp_path / "c", staging=staging)
+    for _ in range(2):
+        want = clone(state)
+        fut = dcp.async_save(state, storage_writer=w)
+        if staging == "copy":
+            mutate(state)  # at once: the staged copy is what is written
+        fut.result()
+        if staging == "none":
+            mutate(state)  # only after the future: the promise of staging="none"
+        got = {k: torch.empty_like(v) for k, v in want.items()}
+        dcp.load(got, storage_reader=EbbtideReader(tmp_path / "c"))
+        assert_bitwise(got, want)
+
+
+def test_dcp_uncopied_change_fails_the_save(tmp_path, monkeypatch):
+    dcp.save({"x": torch.ones(4)}, storage_writer=EbbtideWriter(tmp_path / "c"))
+    x = torch.randn(1 << 16)
+    w = EbbtideWriter(tmp_path / "c", staging="none")
+
+    def change():  # on the upload thread, after the bytes were written, before the check
+        with torch.no_grad():
+            x.add_(1)
+    monkeypatch.setitem(edcp._test_gates, "uncopied-written", change)
+    fut = dcp.async_save({"x": x}, storage_writer=w)
+    with pytest.raises(BaseException, match=r"tensor 'x' was changed in place while .*__0_0\.distcp was being "
+                                        r"written from it \(staging='none'\)"):
+        fut.result()
+    got = {"x": torch.empty(4)}
+    dcp.load(got, storage_reader=EbbtideReader(tmp_path / "c"))
+    assert torch.equal(got["x"], torch.ones(4)), "the previous checkpoint stays"
+
+
+def test_dcp_async_write_error_names_the_file(tmp_path):
+    w = EbbtideWriter(tmp_path / "c")
+    _core.ckpt_inject_write_fault(0, errno.ENOSPC)
+    try:
+        fut = dcp.async_save({"x": torch.randn(1 << 18)}, storage_writer=w)
+        with pytest.raises(BaseException) as ei:  # DCP's CheckpointException
+            fut.result()
+    finally:
+        _core.ckpt_inject_write_fault(0, 0)
+    assert "__0_0.distcp" in str(ei.value) and "No space left" in str(ei.value), str(ei.value)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(staging="lazy"), "staging='lazy' is not valid"),
+    (dict(staging="none", async_staging=True), "staging='none' copies nothing"),
+])
+def test_dcp_bad_staging(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EbbtideWriter(tmp_path / "c", **kwargs)
+
+
+def test_async_bench_runs(tmp_path):
+    out = tmp_path / "r.json"
+    subprocess.run([sys.executable, BENCH, "--mode", "async", "--dir", str(tmp_path / "b"), "--size", "0.01",
+                    "--saves", "2", "--json", str(out)], check=True, capture_output=True, text=True, timeout=600)
+    r = json.loads(out.read_text())
+    assert [(x["path"], x["copy"]) for x in r["runs"]] == [("native", True), ("native", False), ("dcp", True),
+                                                            ("dcp", False)]
+    for x in r["runs"]:
+        assert x["first_blocked_s"] > 0 and len(x["later_blocked_s"]) == 1 and len(x["sync_s"]) == 2
+        assert x["first_ratio"] > 0 and x["later_ratio"] > 0
