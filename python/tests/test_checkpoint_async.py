@@ -246,4 +246,4 @@ def test_async_bench_runs(tmp_path):
                                                             ("dcp", False)]
     for x in r["runs"]:
         assert x["first_blocked_s"] > 0 and len(x["later_blocked_s"]) == 1 and len(x["sync_s"]) == 2
-        assert x["first_ratio"] > 0 and x["later_ratio"] > 0
+        assert x["first_ratio"] > 0 and x["later_ratio"] > 0 and x["first_sync_s"] > 0 and x["first_vs_first_sync"] > 0
