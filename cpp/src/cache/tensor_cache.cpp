@@ -1,6 +1,7 @@
-// The entry table and its states, steps, close and statistics. The rest of
-// TensorCache: tensor_cache_save.cpp, tensor_cache_device.cpp,
-// tensor_cache_load.cpp, tensor_cache_workers.cpp (tensor_cache_impl.hpp).
+// The entry table and its states, the per-device event pools, steps, close
+// and statistics. The rest of TensorCache: tensor_cache_save.cpp,
+// tensor_cache_device.cpp, tensor_cache_load.cpp, tensor_cache_workers.cpp
+// (tensor_cache_impl.hpp).
 #include "tensor_cache_impl.hpp"
 
 #include <algorithm>
@@ -129,6 +130,43 @@ void TensorCache::mutate(Entry& e, EntryState s, bool acked) {
   if (w0 && !w1) window_ -= e.nbytes;
   if (!w0 && w1) window_ += e.nbytes;
   step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_);
+}
+
+// Note [Caller's context]
+// save(), start_load() and wait() run on the training thread, whose current
+// CUDA context is whatever torch last used there: another GPU's, or none at
+// all on an autograd thread that has not launched a kernel yet. They record
+// and wait on events, which act in the current context, so each binds the
+// entry's device for the call (mem::cuda::DeviceScope) and restores the
+// caller's context after. Events live in per-device pools and are all created
+// there, never on a worker (a worker binds its device only when it copies).
+// An event may have several holders (a copy event: its entry, the lane's
+// pending list, a fenced free); it returns to the pool when the last gives it.
+mem::cuda::Event TensorCache::take_event_locked(int device) {
+  auto& pool = free_events_[device];
+  mem::cuda::Event ev = 0;
+  if (!pool.empty()) {
+    ev = pool.back();
+    pool.pop_back();
+  } else {
+    EBB_CHECK_STATE(opts_.driver != nullptr, "tensor cache: device tensor but no CUDA driver");
+    ev = opts_.driver->event_create();
+  }
+  event_refs_[ev] = 1;
+  return ev;
+}
+
+void TensorCache::ref_event_locked(mem::cuda::Event ev) { event_refs_[ev] += 1; }
+
+void TensorCache::give_event_locked(int device, mem::cuda::Event& ev) {
+  if (ev != 0) {
+    auto it = event_refs_.find(ev);
+    if (it == event_refs_.end() || --it->second <= 0) {
+      if (it != event_refs_.end()) event_refs_.erase(it);
+      free_events_[device].push_back(ev);
+    }
+  }
+  ev = 0;
 }
 
 void TensorCache::add_stall(double s) { step_c_.stall_seconds += s; }

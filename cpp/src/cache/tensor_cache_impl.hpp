@@ -1,8 +1,8 @@
 // Internal: TensorCache's entry and the helpers shared by the files that
-// implement it: tensor_cache.cpp (the entry table and states, steps, close,
-// statistics), tensor_cache_save.cpp (save, release and the glue's other
-// calls), tensor_cache_device.cpp (the stream-ordered device path),
-// tensor_cache_load.cpp (reloads, unpack, prefetch) and
+// implement it: tensor_cache.cpp (the entry table and states, event pools,
+// steps, close, statistics), tensor_cache_save.cpp (save, release and the
+// glue's other calls), tensor_cache_device.cpp (the stream-ordered device
+// path), tensor_cache_load.cpp (reloads, unpack, prefetch) and
 // tensor_cache_workers.cpp (the store workers).
 #pragma once
 
