@@ -68,6 +68,7 @@ import os
 import pathlib
 import pickle
 import re
+import sys
 import threading
 import uuid
 import warnings
@@ -241,6 +242,22 @@ class _StagingHandle:
         _checkpoint._background.discard(self)
 
 
+def _thread_upload():
+    """Whether the caller is torch's async_save with its thread executor
+    (Note [First DCP async save]): read from async_save's frame; anything
+    else (another torch, the process executor) counts as no."""
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_name != "async_save":
+        f = f.f_back
+    kind = f.f_locals.get("async_checkpointer_type") if f is not None else None
+    return kind is not None and getattr(kind, "value", None) == "thread"
+
+
+def _upload_threads():
+    """The threads of DCP's thread executor now alive (torch names them)."""
+    return {t for t in threading.enumerate() if t.name.startswith("AsyncCheckpointExecutor")}
+
+
 def _local_tensors(obj, path=""):
     """(tensor, path) for each tensor in a state dict, the local tensor of a DTensor."""
     if isinstance(obj, torch.Tensor):
@@ -362,6 +379,8 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         self.async_staging = bool(async_staging)
         self.staging = staging
         self._unstaged = None  # staging="none": the saved tensors' version counters (Note [Uncopied DCP saves])
+        self._written = None  # the first async_save, written through: set once its bytes are (Note [First DCP async save])
+        self._cache_filler = None  # the thread that makes the staged copy after a written-through save
         self._stager = None  # the staging thread (async_staging)
         self.path = os.fspath(path)
         self.stripe_dirs = _stripe_dir_list(stripe_dirs)
@@ -384,7 +403,7 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
     # the saves it runs one after another keep one set of pinned buffers.
     def __getstate__(self):
         state = self.__dict__.copy()
-        for k in ("_native", "_stager", "_txn", "state_dict_cache", "_unstaged"):
+        for k in ("_native", "_stager", "_txn", "state_dict_cache", "_unstaged", "_written", "_cache_filler"):
             state.pop(k, None)
         return state
 
@@ -392,6 +411,7 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         self.__dict__.update(state)
         self._stager = None
         self._unstaged = None  # the version counters stay with the caller's process
+        self._written = self._cache_filler = None
         self.state_dict_cache = None
         key = tuple(sorted(self._options.items()))
         native = _unpickled_natives.get(key)
@@ -415,6 +435,14 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         `state_dict` itself (Note [Uncopied DCP saves])."""
         if self.staging == "none":
             self._unstaged = list(_saved_versions(state_dict))
+            return state_dict
+        if self._cache_filler is not None:  # Note [First DCP async save]
+            self._cache_filler.join()
+            self._cache_filler = None
+        if (not self.async_staging and self.cache_staged_state_dict and self.state_dict_cache is None
+                and _thread_upload()):
+            self._written = (threading.Event(), _upload_threads(), state_dict)
+            self._synchronize_after_execute = True
             return state_dict
         if not self.async_staging:
             return self._stage_now(state_dict)
@@ -476,6 +504,43 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
     # thread waits for those events before it copies; it also makes the
     # caller's device its own, so the pinned staged copy is made in that
     # device's context, not in a new one on GPU 0.
+    # Note [First DCP async save]
+    # The default async_save blocks for a staging copy of the state, and the
+    # first one of a writer also allocates that copy: fresh memory, which on
+    # the 2-core VM costs 0.3-2.6 s per GB to fault in, so it blocked about 3x
+    # as long as a synchronous dcp.save (as ebbtide.checkpoint's first async
+    # save did, Note [First async save] in cpp/src/ckpt/writer.cpp). So the
+    # first call hands DCP the caller's state dict uncopied and asks torch to
+    # call synchronize_staging() before async_save returns; that waits until
+    # write_data has written and synced the tensors' bytes through the ring
+    # (as dcp.save does), or until the upload thread ended without getting
+    # there (a planning error: the future carries it). Then a thread makes
+    # the staged copy, pages faulted in, for the next call, which waits for
+    # it. Only with DCP's thread executor, found in async_save's frame: with
+    # the process executor the state is pickled on a thread after
+    # async_save returns, so the first call copies as before.
+    def synchronize_staging(self):
+        pending = self._written
+        self._synchronize_after_execute = False
+        if pending is None:
+            return
+        written, before, state_dict = pending
+        while not written.wait(0.01):
+            uploads = _upload_threads() - before
+            if uploads and not any(t.is_alive() for t in uploads):
+                break  # the upload ended before write_data: its future has the error
+        self._written = None  # after write_data took it
+        self._cache_filler = threading.Thread(target=self._fill_cache, args=(state_dict,),
+                                              name="ebbtide-dcp-staged-copy", daemon=True)
+        self._cache_filler.start()
+
+    def _fill_cache(self, state_dict):
+        cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+        for t, _ in _local_tensors(cache):
+            if t.device.type == "cpu" and t.numel():
+                t.view(-1).view(torch.uint8).zero_() if t.is_contiguous() else t.zero_()  # faulted in now
+        self.state_dict_cache = cache
+
     def _stage_checked(self, state_dict, versions, handle, ready=(), device=None):
         try:
             if device is not None:
@@ -652,8 +717,14 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         # async_save), so the writer copies chunk k while chunk k-1 is being
         # written instead of snapshotting everything first (Note [Pipelined save]).
         unstaged, self._unstaged = self._unstaged, None  # Note [Uncopied DCP saves]
-        h = self._native.save(file, blobs, meta, block=True, pipelined=True, frames=frames, stripe_files=stripe_files)
-        h.wait()
+        written = self._written  # Note [First DCP async save]
+        try:
+            h = self._native.save(file, blobs, meta, block=True, pipelined=True, frames=frames,
+                                  stripe_files=stripe_files)
+            h.wait()
+        finally:
+            if written is not None:
+                written[0].set()
         del keep
         _test_hook_gate("uncopied-written")
         changed = [path for t, v, path in unstaged or () if t._version != v]
