@@ -40,7 +40,7 @@ namespace ebbtide::mem {
 // I/O benchmark's buffers then reach the device in 2 MiB pieces. The host
 // store's blobs (HostBufferPool) stay on small pages: they are sized to
 // activations and come and go with them. Measured on the 2-core VM
-// (docs/benchmarks.md, 2026-11-24): steady safetensors saves 1.35x faster,
+// (docs/benchmarks-journal.md, 2026-11-24): steady safetensors saves 1.35x faster,
 // ebbtide.checkpoint saves 1.15x, DCP plugin saves 1.07x. The price is on the
 // first touch: a fresh huge page costs that VM's hypervisor more than 512
 // small ones, and pinning a fresh 1 GB arena for io_uring (which faults it

@@ -17,7 +17,7 @@ namespace ebbtide::mem {
 // by DMA, that is the difference: a 1 GB safetensors load into existing
 // tensors, copies from staging alternating with and without, took 6-9% less
 // (medians 0.414-0.464 s -> 0.387-0.432 s in 6 runs on the 2-core VM;
-// docs/benchmarks.md, session 13). Only for destinations read again later,
+// docs/benchmarks-journal.md, session 13). Only for destinations read again later,
 // if at all: a copy into scratch that is read at once belongs in the cache.
 // The head up to a 16-byte boundary and the tail are memcpy'd; the sfence
 // orders the streamed lines before whatever the caller does next (another
