@@ -109,7 +109,7 @@ class Run:
 
     def fresh(self):
         model = make_model(self.size)
-        opt = torch.optim.AdamW(model.parameters(), lr=self.args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+        opt = torch.optim.AdamW(model.parameters(), lr=self.args.lr, betas=(0.9, self.args.beta2), weight_decay=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_lambda)
         return model, opt, sched
 
@@ -302,6 +302,7 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--beta2", type=float, default=0.95, help="AdamW beta2 (Pythia: 0.95; torch's default: 0.999)")
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--settings", nargs="*", default=None, help="names of settings to run (default: all)")
     ap.add_argument("--dir", default=None, help="where the chains are written (default: a temporary directory)")
@@ -333,7 +334,8 @@ def main(argv=None):
     try:
         run = Run(a, a.size)
         base = run.train()
-        print(f"Llama-style {a.size}: {base['params']:,} parameters, {a.steps}+{a.resume_steps} steps "
+        print(f"Llama-style {a.size}: {base['params']:,} parameters, {a.steps}+{a.resume_steps} steps, AdamW "
+              f"betas (0.9, {a.beta2}) "
               f"(batch {a.batch}x{a.seq}), chain of 1 full + {a.links} deltas every {a.every} steps; "
               f"source entropy {run.corpus.entropy():.3f} nats, held-out loss {base['loss_at_chain_end']:.4f} at "
               f"the chain's end, {base['heldout_loss']:.4f} after {a.resume_steps} more steps "
@@ -347,7 +349,7 @@ def main(argv=None):
         print(fmt_table(rows, base["heldout_loss"]))
         result = {"bench": "excp", "size": a.size, "params": base["params"], "steps": a.steps,
                   "resume_steps": a.resume_steps, "every": a.every, "links": a.links, "batch": a.batch,
-                  "seq": a.seq, "lr": a.lr, "uninterrupted_heldout_loss": base["heldout_loss"],
+                  "seq": a.seq, "lr": a.lr, "beta2": a.beta2, "uninterrupted_heldout_loss": base["heldout_loss"],
                   "loss_at_chain_end": base["loss_at_chain_end"], "source_entropy": run.corpus.entropy(),
                   "settings": rows, "sizes": []}
         if a.sizes:

@@ -289,26 +289,38 @@ def encode(state, base_state, lossy):
         report[mv[1]]["kept"] = float(mmask.float().mean())
     overall = {"max_abs": max_abs, "rel_l2": (sq_err ** 0.5) / (sq_ref ** 0.5) if sq_ref > 0 else 0.0,
                "tensors": len(report)}
-    _share_storage([r["__excp__"] for r in replace.values()])
+    small = {p: {"t": t} for p, t in flat if p not in replace and _packable(t, o)}
+    _share_storage([r["__excp__"] for r in replace.values()] + list(small.values()))
+    replace.update({p: d["t"] for p, d in small.items()})
     return _substitute(state, replace, "state"), {"overall": overall, "tensors": report}
 
 
-def _share_storage(encs):
-    """Moves the masks, codes and codebooks of `encs` into views of one uint8
-    storage, so the writer stores them as one blob: one zstd stream, and one
-    aligned extent instead of three per tensor (Note [Lossy tensor layout])."""
+def _packable(t, o):
+    """A small dense CPU tensor stored exactly, but packed with the lossy
+    tensors' data (norms, biases, optimizer step counters)."""
+    return (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type == "cpu"
+            and t.numel() < o.min_numel and not t.is_quantized and not t.is_complex())
+
+
+def _share_storage(groups):
+    """Moves the masks, codes and codebooks of the encodings in `groups`, and
+    the small tensors ({"t": tensor}), into views of one uint8 storage, so the
+    writer stores them as one blob: one zstd stream and one aligned extent
+    instead of one per tensor (Note [Lossy tensor layout]). Each view starts
+    at a multiple of its element size."""
     pieces, size = [], 0
-    for e in encs:
-        for k in ("codebook", "mask", "codes"):  # codebooks first in each group: float32 needs 4-byte offsets
-            size = (size + 3) // 4 * 4 if k == "codebook" else size
+    for e in groups:
+        for k in [k for k in ("codebook", "mask", "codes", "t") if k in e]:
+            align = e[k].element_size()
+            size = (size + align - 1) // align * align
             pieces.append((e, k, size))
             size += e[k].numel() * e[k].element_size()
     buf = torch.empty(size, dtype=torch.uint8)
     for e, k, off in pieces:
-        t = e[k].contiguous()
+        t = e[k].detach().contiguous()
         n = t.numel() * t.element_size()
-        buf[off:off + n] = t.view(torch.uint8).reshape(-1)
-        e[k] = buf[off:off + n].view(t.dtype)
+        buf[off:off + n] = t.reshape(-1).view(torch.uint8)
+        e[k] = buf[off:off + n].view(t.dtype).view(t.shape)
 
 
 _DESCEND = object()
