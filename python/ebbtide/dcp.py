@@ -525,10 +525,11 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         if pending is None:
             return
         written, before, state_dict = pending
-        while not written.wait(0.01):
-            uploads = _upload_threads() - before
-            if uploads and not any(t.is_alive() for t in uploads):
-                break  # the upload ended before write_data: its future has the error
+        # DCP's executor started its thread before this call; gone already, or
+        # ended without reaching write_data, the upload failed (its future says why).
+        uploads = _upload_threads() - before
+        while not written.wait(0.01) and any(t.is_alive() for t in uploads):
+            pass
         self._written = None  # after write_data took it
         self._cache_filler = threading.Thread(target=self._fill_cache, args=(state_dict,),
                                               name="ebbtide-dcp-staged-copy", daemon=True)

@@ -250,3 +250,20 @@ def test_async_bench_runs(tmp_path):
         assert x["first_blocked_s"] > 0 and len(x["later_blocked_s"]) == 1 and len(x["sync_s"]) == 2
         assert x["first_ratio"] > 0 and x["later_ratio"] > 0
         assert x["first_sync_s"] > 0 and x["first_vs_first_sync"] > 0
+
+
+def test_dcp_first_async_save_failing_before_the_writes_returns(tmp_path):
+    """The first async_save waits for write_data (Note [First DCP async save]);
+    an upload that fails in planning (a stripe directory that does not exist)
+    never gets there, and async_save must return all the same."""
+    w = EbbtideWriter(tmp_path / "c", stripe_dirs=[tmp_path / "missing"])
+    out = {}
+
+    def call():
+        out["fut"] = dcp.async_save({"x": torch.randn(1 << 16)}, storage_writer=w)
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "async_save did not return after its upload failed"
+    with pytest.raises(BaseException, match="missing"):  # DCP's CheckpointException
+        out["fut"].result()
