@@ -720,7 +720,7 @@ class TensorCache:
             stream = 0
         version = t._version
         key = st._cdata
-        # Note [Glue objects] (tensor_cache.cpp): the core holds `t` only while
+        # Note [Glue objects] (tensor_cache_save.cpp): the core holds `t` only while
         # the entry needs it resident; the storage's weak reference comes back
         # with prefetch candidates and keeps its key unique meanwhile.
         # Completions come back with the call (Note [Release points]: on a GPU
@@ -735,7 +735,7 @@ class TensorCache:
         if done is not None:
             native.ack(done)
         if off and t.is_cuda:
-            # Note [Stream-ordered drops] (tensor_cache.cpp), as in the C++ hooks.
+            # Note [Stream-ordered drops] (tensor_cache_device.cpp), as in the C++ hooks.
             t.record_stream(torch.cuda.current_stream(t.device))
         if is_new:
             native.note_plan(nbytes, off, decision == "offload", tier)
@@ -779,7 +779,7 @@ class TensorCache:
             if self._closed:
                 return
             if self._on_cuda() and torch.cuda.is_current_stream_capturing():
-                return  # Note [Graph capture] (tensor_cache.cpp): nothing to release or load inside one
+                return  # Note [Graph capture] (tensor_cache_device.cpp): nothing to release or load inside one
             if self._on_cuda():
                 # Note [Release points]: backward of the micro-batch begins.
                 self._core.release_copies(mb, _ALL_SCOPES, self._stream())
@@ -914,7 +914,7 @@ class TensorCache:
             self._poll_locked()
 
     def _release_after_block(self):
-        # Note [Release points] (tensor_cache.cpp): after this block's forward,
+        # Note [Release points] (tensor_cache_device.cpp): after this block's forward,
         # the compute stream waits for the copies the plan has done by now and
         # the glue drops those tensors, an ordinary stream-ordered free.
         with self._lock:

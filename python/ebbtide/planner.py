@@ -38,7 +38,7 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
     target: "auto" (SSD, and host memory when a budget is given), "ssd" (host
     memory ignored) or "cpu" (host memory only; needs host_budget_bytes).
     writes_within_forward: GPU offload: a module is offloaded only if its copy
-    ends before the forward does (Note [Release points] in tensor_cache.cpp).
+    ends before the forward does (Note [Release points] in tensor_cache_device.cpp).
     guarded_writes: the worker path (host tensors): a tensor's memory comes
     back when its own write ends, and under a budget saves wait while more
     than the budget less the kept bytes wait to be stored; the forward then

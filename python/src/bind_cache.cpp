@@ -56,7 +56,7 @@ ebbtide::mem::cuda::Driver* cuda_driver(bool want) {
   return want ? ebbtide::mem::cuda::driver() : nullptr;
 }
 
-// Note [Glue objects] (tensor_cache.cpp): a Python object the core keeps for
+// Note [Glue objects] (tensor_cache_save.cpp): a Python object the core keeps for
 // an entry. Its deleter takes the interpreter's lock (the core never destroys
 // one under its own lock or on a worker) and leaks the object once the
 // interpreter is gone.

@@ -222,7 +222,7 @@ class DriverImpl final : public Driver {
   Event event_create() override {
     CUevent e = nullptr;
     // Blocking sync: a host thread waiting on it sleeps instead of spinning
-    // on a core the training process needs (Note [Spill readiness] in tensor_cache.cpp).
+    // on a core the training process needs (Note [Spill readiness] in tensor_cache_workers.cpp).
     check(api_.event_create(&e, CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC), "cuEventCreate");
     return reinterpret_cast<Event>(e);
   }

@@ -431,7 +431,7 @@ struct Hooks {
       throw nb::python_error();
     }
     ack(res.done);
-    // Note [Stream-ordered drops] (tensor_cache.cpp): the release makes this
+    // Note [Stream-ordered drops] (tensor_cache_device.cpp): the release makes this
     // stream wait for the copy; a tensor allocated on another stream (an
     // all-to-all's output) is then held by the allocator until this stream
     // passed that wait. A no-op for a tensor allocated on this stream.
@@ -468,7 +468,7 @@ struct Hooks {
     throw nb::python_error();
   }
 
-  // Note [One call per unpack] (tensor_cache.cpp), for host entries.
+  // Note [One call per unpack] (tensor_cache_load.cpp), for host entries.
   nb::object reload(Handle& h) {
     if (closed) raise_runtime("ebbtide.TensorCache: a saved tensor was unpacked after the cache was closed");
     std::optional<at::Tensor> orig = h.original();

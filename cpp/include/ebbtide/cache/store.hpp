@@ -4,7 +4,7 @@
 // memory ordered on a CUDA stream) into new space and returns its location;
 // get() copies a location back; free() returns the space. Calls block the
 // calling thread until the bytes have moved (the cache calls them on its own
-// worker threads; see Note [Store workers] in tensor_cache.cpp). Thread safe.
+// worker threads; see Note [Store workers] in tensor_cache_workers.cpp). Thread safe.
 #pragma once
 
 #include <cstdint>

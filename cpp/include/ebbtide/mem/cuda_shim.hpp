@@ -48,7 +48,7 @@ class Driver {
   // True while `s` is being captured into a CUDA graph (cuStreamIsCapturing;
   // legal during a capture). Work enqueued on it then does not run, and host
   // synchronisation, queries and host registration are illegal (Note [Graph
-  // capture] in cache/tensor_cache.cpp). Default: false.
+  // capture] in cache/tensor_cache_device.cpp). Default: false.
   virtual bool stream_is_capturing(Stream s);
   // Lets the calling thread make host-synchronising calls while another
   // thread captures a graph in global mode (cuThreadExchangeStreamCaptureMode
