@@ -1,5 +1,5 @@
 """First and later checkpoint saves in one fresh process: the synchronous
-A/B of Note [Save ring] (docs/benchmarks.md, session 14), and what an async
+A/B of Note [Save ring] (docs/benchmarks-journal.md, session 14), and what an async
 save blocks its caller for (issue 31 §2).
 
     python bench/ckpt_first_save.py --mode native --dir /var/tmp/ckb/ab [--json out.json]
