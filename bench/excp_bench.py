@@ -57,7 +57,9 @@ class Corpus:
     def __init__(self, seed=1234, fanout=8):
         g = torch.Generator().manual_seed(seed)
         self.succ = torch.randint(VOCAB, (VOCAB, fanout), generator=g)
-        self.prob = torch.distributions.Dirichlet(torch.full((fanout,), 0.5)).sample((VOCAB,))
+        torch.manual_seed(seed)  # Dirichlet(0.5) rows: normalised Gamma(0.5) draws, the same in every run
+        gamma = torch._standard_gamma(torch.full((VOCAB, fanout), 0.5))
+        self.prob = gamma / gamma.sum(1, keepdim=True)
         self.cum = self.prob.cumsum(1)
 
     def batch(self, key, bsz, seq):
