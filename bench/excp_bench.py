@@ -44,6 +44,8 @@ SETTINGS = {
     "d=0.05, 4/4 bits": {"density": 0.05},
     "d=0.05, 3/3 bits": {"density": 0.05, "bits": 3, "bits_moments": 3},
     "d=0.03, 3/3 bits": {"density": 0.03, "bits": 3, "bits_moments": 3},
+    "d=0.02, 3/3 bits": {"density": 0.02, "bits": 3, "bits_moments": 3},
+    "d=0.03, 3/2 bits": {"density": 0.03, "bits": 3, "bits_moments": 2},
 }
 QUICK_SETTINGS = ["lossless chain (control)", "ExCP code defaults (beta=2, v zeroed)",
                   "default (d=0.1, 4/4 bits, v carried)"]
