@@ -107,7 +107,7 @@ def _inspect(args):
             pass  # none recorded (lossless), or not in the form the writer records it
         chain = s.get("chain", [])
         if len(chain) > 1:
-            _print_chain(chain)
+            _print_chain(chain, verified=not args.no_verify)
         for link in chain or [{"file": s["file"], "problems": s.get("problems", [])}]:
             for name, off, msg in link["problems"]:
                 print(f"BAD CHUNK: {link['file']}: tensor '{name}' at file offset {off}: {_one_line(msg)}",
@@ -125,17 +125,17 @@ def _inspect(args):
     return 1 if bad or refused else 0
 
 
-def _print_chain(chain):
+def _print_chain(chain, verified):
     """The delta chain from this checkpoint down to its full base. Each delta
     decodes against its base as loaded, so the error of the loaded state is
     the top link's alone: errors do not add up along the chain."""
     print(f"  delta chain ({len(chain)} checkpoints, this one first; each link checked by id"
-          f"{' and checksums' if any('problems' in c for c in chain) else ''}):")
+          f"{' and checksums' if verified else ''}):")
     for k, link in enumerate(chain):
         le = link.get("lossy_error")
         err = (f"max abs {float(le['max_abs']):.3g}, rel L2 {float(le['rel_l2']):.3g}"
                if isinstance(le, dict) and "max_abs" in le else "exact")
-        state = f"{len(link['problems'])} BAD CHUNK(S)" if link["problems"] else "ok"
+        state = f"{len(link['problems'])} BAD CHUNK(S)" if link["problems"] else "ok" if verified else ""
         print(f"    [{k}] {link['file']}  id {link['id'][:12]}  {link['compress']:<8} "
               f"{_fmt(link['stored_bytes']):>10}  error vs exact: {err}  {state}")
     top = chain[0].get("lossy_error")
