@@ -20,6 +20,8 @@
 #            the checkpoint tests with CUDA tensors. On a GPU machine a
 #            skipped test there fails the stage (pytest's JUnit XML is
 #            read), except "needs two GPUs" on a machine with one.
+#            TEST_K (pytest -k) runs only the CUDA tests it selects and
+#            skips the checkpoint ones (a rerun of the tests that failed)
 #   sanitize the CUDA test files under compute-sanitizer, where it is on
 #            PATH or in /usr/local/cuda*/bin (else recorded as not run):
 #            SANITIZE_TOOLS (default "memcheck racecheck") one after the
@@ -333,10 +335,12 @@ for stage in "${stages[@]}"; do
         record ctest "-" 0 "-" "not run: no C++ tests in $build; build_py builds only the modules, build builds them"
       fi
       step pytest-cuda pytest-cuda.log 300 "$py" -m pytest -q -p no:cacheprovider -rs --junitxml="$out/pytest-cuda.xml" \
+        ${TEST_K:+-k "$TEST_K"} \
         python/tests/test_cache_cuda.py python/tests/test_checkpoint_gpu.py python/tests/test_torchtune_offload_loading.py
       tail -n 3 "$out/pytest-cuda.log"
       skip_check pytest-cuda.xml
       # Checkpoints with device tensors: safetensors (device= and into=) and the DCP plugin.
+      [ -n "${TEST_K:-}" ] && continue
       step pytest-ckpt-cuda pytest-ckpt-cuda.log 200 "$py" -m pytest -q -p no:cacheprovider -rs -k cuda \
         --junitxml="$out/pytest-ckpt-cuda.xml" python/tests/test_safetensors.py python/tests/test_dcp.py
       tail -n 3 "$out/pytest-ckpt-cuda.log"

@@ -157,19 +157,25 @@ def test_cuda_planned_stream_ordered_steps(target, tmp_path):
     torch.manual_seed(0)
     model = Net(layers=8, d=1024).cuda().to(torch.bfloat16)
     x = torch.randn(4, 2048, 1024, device="cuda", dtype=torch.bfloat16)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    ref = run(model, x)
-    peak_ref = torch.cuda.max_memory_allocated() - base
+
+    def measured(ctx=None):
+        # Each step from the same start: no gradients allocated, nothing of
+        # an earlier step held (the results returned are clones of the
+        # gradients; counted from before them they would add a model's size).
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        got = run(model, x, ctx)
+        return got, torch.cuda.max_memory_allocated() - base
+
+    ref, peak_ref = measured()
     cache = ebbtide.TensorCache(target=target, path=str(tmp_path)).attach(model)
     assert cache.adaptive, "every target is planned on a GPU"
     try:
         for i in range(3):  # profile, then planned steps
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            out = run(model, x, cache.step())
-            peak = torch.cuda.max_memory_allocated() - base
+            out = None
+            out, peak = measured(cache.step())
             assert torch.equal(out[0], ref[0]) and all(torch.equal(a, b) for a, b in zip(out[1], ref[1]))
             s = cache.stats()
             assert peak <= peak_ref * 1.02, f"step {i}: peak {peak} above no offload {peak_ref}"
@@ -268,6 +274,10 @@ def sleep_cycles(seconds, device=None):
     d = torch.cuda.current_device() if d is None else d
     if d not in _SLEEP_RATE:
         with torch.cuda.device(d):
+            # One launch first: a lazily loaded kernel's first launch loads its
+            # module on the host while e0 has already completed, which would
+            # count the load as sleep and make every later sleep shorter.
+            torch.cuda._sleep(1000)
             torch.cuda.synchronize()
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
@@ -276,6 +286,51 @@ def sleep_cycles(seconds, device=None):
             e1.synchronize()
             _SLEEP_RATE[d] = 20_000_000 / max(e0.elapsed_time(e1) / 1e3, 1e-6)
     return int(seconds * _SLEEP_RATE[d])
+
+
+class StreamGate:
+    """A gate on a CUDA stream. Work queued on the stream after close() runs
+    only once open() is called from the host: the stream waits, with
+    cuStreamWaitValue32, for a page-locked host word to become 1. Tests that
+    need "the GPU is still busy when the host gets here" close a gate rather
+    than queue a long kernel, whose length depends on the GPU's speed.
+    A watchdog opens the gate after `watchdog` seconds, so a host that waits
+    for the gated work (the defect a test looks for) does not hang the test;
+    `forced` then says the host waited."""
+
+    def __init__(self, watchdog=60.0):
+        import ctypes
+        self._ct = ctypes
+        self._lib = ctypes.CDLL("libcuda.so.1")
+        self.flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        dptr = ctypes.c_uint64()
+        rc = self._lib.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ctypes.c_void_p(self.flag.data_ptr()), 0)
+        # Unified addressing: a page-locked host pointer is its own device address.
+        self._addr = dptr.value if rc == 0 else self.flag.data_ptr()
+        self._timer = threading.Timer(watchdog, self._force)
+        self._timer.daemon = True
+        self.forced = False
+
+    def _force(self):
+        self.forced = True
+        self.open()
+
+    def close(self, stream=None):
+        """Queues the wait on `stream` (default: the current stream)."""
+        ct = self._ct
+        s = stream if stream is not None else torch.cuda.current_stream()
+        fn = getattr(self._lib, "cuStreamWaitValue32_v2", None) or self._lib.cuStreamWaitValue32
+        fn.argtypes = [ct.c_void_p, ct.c_uint64, ct.c_uint32, ct.c_uint]
+        rc = fn(ct.c_void_p(s.cuda_stream), ct.c_uint64(self._addr), ct.c_uint32(1), ct.c_uint(0))  # GEQ
+        if rc != 0:
+            pytest.fail(f"cuStreamWaitValue32 returned CUresult {rc}: this driver or device cannot gate a stream "
+                        "on a host word (CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1)")
+        self._timer.start()
+        return self
+
+    def open(self):
+        self.flag.fill_(1)
+        self._timer.cancel()
 
 
 def same(a, b):
@@ -753,14 +808,16 @@ def test_cuda_forward_does_not_wait_for_the_device(target, tmp_path):
         for _ in range(2):
             assert same(ref, run(model, x, cache.step()))
         model.zero_grad(set_to_none=True)
-        slept = torch.cuda.Event()
+        gated = torch.cuda.Event()
+        gate = StreamGate()
         with cache.step():
-            torch.cuda._sleep(sleep_cycles(3.0))
-            slept.record()
+            gate.close()
+            gated.record()
             loss = model(x)
-            busy = not slept.query()
+            busy = not gated.query()
+            gate.open()
             loss.backward()
-        assert busy, "the forward waited on the host for the device (a host sync in the hooks)"
+        assert busy and not gate.forced, "the forward waited on the host for the device (a host sync in the hooks)"
         assert same(ref, result_of(model, loss))
     finally:
         cache.close()

@@ -93,7 +93,7 @@ def test_cuda_dcp_async_staging_orders_after_the_callers_stream(tmp_path):
 _BACKGROUND_UNDER_NCCL = """
 import time, torch, torch.distributed as dist
 from ebbtide import checkpoint
-from test_cache_cuda import sleep_cycles
+from test_cache_cuda import StreamGate
 torch.cuda.set_device(0)
 dist.init_process_group("nccl", init_method="file://" + {init!r}, rank=0, world_size=1)
 try:
@@ -102,7 +102,9 @@ try:
     state = {{k: v.cuda() for k, v in host.items()}}
     # A first save: NCCL's communicator and the writer's buffers exist after it.
     checkpoint.save(state, {path!r} + "/warm", async_=True, snapshot="background").wait()
-    torch.cuda._sleep(sleep_cycles(4.0))
+    # The update waits behind a closed gate until save() has returned: the
+    # GPU is busy with work queued before save() however fast it is.
+    gate = StreamGate().close()
     for v in state.values():
         v.add_(1.0)
     done = torch.cuda.Event()
@@ -110,7 +112,8 @@ try:
     t0 = time.perf_counter()
     h = checkpoint.save(state, {path!r} + "/c", async_=True, snapshot="background")
     returned = time.perf_counter() - t0
-    pending = not done.query()
+    pending = not done.query() and not gate.forced
+    gate.open()
     h.wait()
     out = checkpoint.load({path!r} + "/c", device="cpu")
     bad = [k for k, v in host.items() if not torch.equal(out[k], v + 1.0)]
@@ -124,9 +127,10 @@ finally:
 
 
 # Finding 10: under an NCCL process group (world size 1, file:// rendezvous),
-# a snapshot="background" save returns while a long kernel queued before it
-# still runs (the event recorded after it is not complete); the checkpoint
-# is the state at save(), including an update queued behind that kernel. In
+# a snapshot="background" save returns while work queued before it still
+# waits (behind a closed StreamGate: the event recorded after it is not
+# complete); the checkpoint is the state at save(), including an update
+# queued behind the gate. In
 # a fresh process: the process group and its communicator are its own.
 def test_cuda_background_save_under_nccl_returns_before_the_gpu(tmp_path):
     import torch.distributed as dist
