@@ -45,7 +45,7 @@ namespace ebbtide::mem {
 // first touch: a fresh huge page costs that VM's hypervisor more than 512
 // small ones, and pinning a fresh 1 GB arena for io_uring (which faults it
 // all in on one thread) made a process's first save 2.5-3.1 s instead of
-// 0.9-1.3 s, until Note [Fresh arena] in ckpt/writer.cpp. MADV_POPULATE_WRITE
+// 0.9-1.3 s, until Note [Fresh arena] in ckpt/writer_arena.cpp. MADV_POPULATE_WRITE
 // stands in for MAP_POPULATE, which would fault in small pages before the
 // advice is given.
 //

@@ -43,7 +43,7 @@ struct Superblock {
   uint64_t header_bytes = 0;
   uint64_t file_bytes = 0;   // size of the complete file
   uint32_t header_crc = 0;   // crc32c of the header bytes
-  // Version 2 (Note [Striping] in writer.cpp): files of the shard (1 when not
+  // Version 2 (Note [Striping] in writer_shard.cpp): files of the shard (1 when not
   // striped; v1 files read as 1), and this file's stripe number (0 = the
   // shard file holding the header, k >= 1 = stripe data file k).
   uint16_t stripe_index = 0;

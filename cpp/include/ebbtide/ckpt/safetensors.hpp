@@ -68,7 +68,7 @@ struct IoOptions {
   unsigned queue_depth = 8;                          // transfers in flight
   // Device tensors: read by cuFile (GPUDirect Storage) straight into device
   // memory when it is usable and the file is O_DIRECT, else through pinned
-  // staging (Note [Reads into device memory] in safetensors.cpp).
+  // staging (Note [Reads into device memory] in safetensors_read.cpp).
   bool try_cufile = true;
   // The drivers to use; null: the process-wide ones (mem::cuda::driver(),
   // mem::cufile::cufile()). Tests give simulated ones.
@@ -125,7 +125,7 @@ SaveResult save(const std::string& path, const std::vector<SaveTensor>& tensors,
                 const IoOptions& options = IoOptions::from_env());
 
 // Waits until the files that saves renamed over are closed, so their blocks
-// are free (Note [Replaced files] in safetensors.cpp: save() closes the file
+// are free (Note [Replaced files] in safetensors_save.cpp: save() closes the file
 // it replaces on a background thread, and waits for this itself first).
 void finish_replaced_files();
 // Tests: holds (true) or lets go (false) the closing of replaced files.

@@ -27,7 +27,7 @@ struct WriterOptions {
   bool direct = true;                 // O_DIRECT where the filesystem allows it
   io::BackendKind backend = io::BackendKind::kAuto;  // engine backend (EBBTIDE_IO_BACKEND)
   // Buffer of a synchronous (pipelined) save, reused round the ring (Note
-  // [Save ring] in writer.cpp; EBBTIDE_CKPT_RING): 0 = max(64 MiB, two
+  // [Save ring] in writer_shard.cpp; EBBTIDE_CKPT_RING): 0 = max(64 MiB, two
   // chunks per write in flight); otherwise at least two chunks.
   uint64_t ring_bytes = 0;
   // Device blobs' copies: null = the process-wide driver (mem::cuda::driver());
@@ -46,7 +46,7 @@ struct BlobSource {
   uint16_t elem_bytes = 1;
   Codec codec = Codec::kNone;
   // Bytes stored right before and after `data`, in the same
-  // blob (Note [Framed blobs] in writer.cpp); the blob is head + data + tail.
+  // blob (Note [Framed blobs] in writer_arena.cpp); the blob is head + data + tail.
   std::string head, tail;
   uint64_t stored_nbytes() const { return head.size() + data.nbytes + tail.size(); }
 };
@@ -55,7 +55,7 @@ struct SaveRequest {
   std::string file;                   // shard file to create (must not exist)
   std::vector<BlobSource> blobs;
   std::string meta;                   // JSON stored in the header
-  // Striping (Note [Striping] in writer.cpp): stripe data files to create
+  // Striping (Note [Striping] in writer_shard.cpp): stripe data files to create
   // (must not exist; their directories must), typically one per extra
   // directory. Chunks go round-robin over `file` and these, written in
   // parallel; the header in `file` records where each chunk lives.
@@ -72,7 +72,7 @@ struct SaveRequest {
   // After the save is done, the writer's thread grows the snapshot arena to
   // this many bytes and faults them in, so that the next save that
   // snapshots first (an async one) finds its memory present (Note [First
-  // async save] in writer.cpp). 0: no growth.
+  // async save] in writer_arena.cpp). 0: no growth.
   uint64_t reserve_arena = 0;
   // When commit_path is set: after the shard is durable, commit commit_dir
   // (the directory holding `file`) to commit_path with `extra_files` written

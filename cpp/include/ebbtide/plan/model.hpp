@@ -1,7 +1,7 @@
 // Performance model: activation bytes per transformer layer, FLOPs and step
 // time on a GPU, the SSD write bandwidth offloading needs, SSD lifetime and the
 // largest micro-batch that fits. Pure arithmetic, no I/O; every formula and its
-// source is in docs/model.md (Note [Activation bytes] in model.cpp).
+// source is in docs/model.md (Note [Activation bytes] in model_activations.cpp).
 #pragma once
 
 #include <cstdint>
@@ -15,7 +15,7 @@ namespace ebbtide::plan {
 
 enum class Arch { kDecoder, kEncoder, kEncoderDecoder };
 enum class Recompute { kNone, kSelective, kFull };
-// Layer family (Note [Layer families] in model.cpp): kGpt2 counts what
+// Layer family (Note [Layer families] in model_activations.cpp): kGpt2 counts what
 // Megatron-LM's fused kernels save (Korthikanti et al.); kLlama counts what
 // the Hugging Face Llama/Qwen2/Mistral/Mixtral layers save in PyTorch eager;
 // kT5 what the Hugging Face T5 blocks save (Note [T5 family]).
@@ -150,7 +150,7 @@ struct SsdSpec {
   double seq_read_gbps;
 };
 
-// A published model shape (Note [Model catalog] in model.cpp); seq, batch,
+// A published model shape (Note [Model catalog] in model_catalog.cpp); seq, batch,
 // dtype and parallelism are the caller's.
 struct ModelSpec {
   std::string name;  // catalog key, e.g. "llama3-8b"
@@ -208,7 +208,7 @@ PlanReport make_plan(const ModelConfig& config, const GpuSpec& gpu, const SsdSpe
                      const PlanOptions& options);
 
 // The data-parallel collectives of one step of `report` on `network` (Note
-// [Collective time] in model.cpp): per-layer all-gather / reduce-scatter
+// [Collective time] in model_plan.cpp): per-layer all-gather / reduce-scatter
 // under stage 3, the gradient all-reduce otherwise, and what of them the
 // compute does not hide.
 CommTimes communication(const PlanReport& report, const NetworkSpec& network);
