@@ -64,20 +64,27 @@ namespace ebbtide::plan {
 // SP shards the rest, as for family gpt2.
 namespace {
 
+// The sizes each count below starts from, as doubles (Note [Activation
+// bytes]'s letters): s seq, b batch, h hidden, a heads, f MLP width, t
+// tensor-parallel ranks, p bytes per element.
+struct Sizes {
+  double s, b, h, a, f, t, p;
+};
+
+Sizes sizes_of(const ModelConfig& c) {
+  return {static_cast<double>(c.seq),   static_cast<double>(c.batch), static_cast<double>(c.hidden),
+          static_cast<double>(c.heads), static_cast<double>(c.ffn()), static_cast<double>(c.tp),
+          static_cast<double>(c.bytes_per_element)};
+}
+
 double norm_bytes(const ModelConfig& c, double sbh, double sb) {
   const double p = static_cast<double>(c.bytes_per_element);
   return c.norm == Norm::kRmsNorm ? 4 * sbh + 4 * sb + p * sbh : p * sbh + 8 * sb;
 }
 
 ActivationBytes llama_activation_bytes(const ModelConfig& c) {
-  const double s = static_cast<double>(c.seq);
-  const double b = static_cast<double>(c.batch);
-  const double h = static_cast<double>(c.hidden);
-  const double a = static_cast<double>(c.heads);
+  const auto [s, b, h, a, f, t, p] = sizes_of(c);
   const double g = static_cast<double>(c.kv());
-  const double f = static_cast<double>(c.ffn());
-  const double t = static_cast<double>(c.tp);
-  const double p = static_cast<double>(c.bytes_per_element);
   const double sb = s * b;
   const double sbh = sb * h;
   const double sp_div = c.sp ? t : 1.0;
@@ -148,13 +155,7 @@ ActivationBytes llama_activation_bytes(const ModelConfig& c) {
 //     as an input: a term that does not grow with the batch.
 //   logits: CrossEntropyLoss's log-softmax in p, int64 targets, a scalar.
 ActivationBytes t5_activation_bytes(const ModelConfig& c) {
-  const double s = static_cast<double>(c.seq);
-  const double b = static_cast<double>(c.batch);
-  const double h = static_cast<double>(c.hidden);
-  const double a = static_cast<double>(c.heads);
-  const double f = static_cast<double>(c.ffn());
-  const double t = static_cast<double>(c.tp);
-  const double p = static_cast<double>(c.bytes_per_element);
+  const auto [s, b, h, a, f, t, p] = sizes_of(c);
   const double sb = s * b;
   const double sbh = sb * h;
   const double sbw = sb * static_cast<double>(c.attention_width());
@@ -201,24 +202,16 @@ ActivationBytes t5_activation_bytes(const ModelConfig& c) {
 }
 
 ActivationBytes stack_activation_bytes(const ModelConfig& c) {
-  const double s = static_cast<double>(c.seq);
-  const double b = static_cast<double>(c.batch);
-  const double h = static_cast<double>(c.hidden);
-  const double a = static_cast<double>(c.heads);
-  const double f = static_cast<double>(c.ffn());
-  const double t = static_cast<double>(c.tp);
-  const double p = static_cast<double>(c.bytes_per_element);
+  const auto [s, b, h, a, f, t, p] = sizes_of(c);
   const double sbh = s * b * h;
   const double sbw = s * b * static_cast<double>(c.attention_width());
   const double sp_div = c.sp ? t : 1.0;
   const double kMask = 1.0;  // dropout masks are bool/uint8
   const double kLse = 4.0;   // FlashAttention's log-sum-exp is fp32
 
-  auto attention_core = [&]() {
-    if (c.recompute == Recompute::kSelective) return 0.0;
-    if (c.flash_attn) return kLse * a * s * b / t;
-    return (2 * p + kMask) * a * s * s * b / t;
-  };
+  const double attention_core = c.recompute == Recompute::kSelective ? 0.0
+                                : c.flash_attn                       ? kLse * a * s * b / t
+                                                                     : (2 * p + kMask) * a * s * s * b / t;
 
   ActivationBytes out;
   if (c.recompute == Recompute::kFull) {
@@ -227,11 +220,11 @@ ActivationBytes stack_activation_bytes(const ModelConfig& c) {
   } else {
     const double replicated = (4 * p + 2 * kMask) * sbh;
     const double sharded = 4 * p * sbw + 2 * p * f / h * sbh;
-    out.self_layer = replicated / sp_div + sharded / t + attention_core();
+    out.self_layer = replicated / sp_div + sharded / t + attention_core;
     if (c.cross_layers() > 0) {
       const double x_replicated = (2 * p + kMask) * sbh;
       const double x_sharded = 4 * p * sbw;
-      out.cross_layer = out.self_layer + x_replicated / sp_div + x_sharded / t + attention_core();
+      out.cross_layer = out.self_layer + x_replicated / sp_div + x_sharded / t + attention_core;
     }
   }
   out.shared = c.cross_layers() > 0 ? p * sbh / sp_div : 0.0;
