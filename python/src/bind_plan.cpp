@@ -288,6 +288,8 @@ void bind_planner(nb::module_& m) {
       .rw("replan_fraction", &PlannerOptions::replan_fraction)
       .rw("writes_within_forward", &PlannerOptions::writes_within_forward)
       .rw("guarded_writes", &PlannerOptions::guarded_writes)
+      .rw("copy_bound_bytes", &PlannerOptions::copy_bound_bytes)
+      .rw("partial_offload", &PlannerOptions::partial_offload)
       .rw("activation_budget_bytes", &PlannerOptions::activation_budget_bytes);
   Record<ModuleDecision>(m, "ModuleDecision", "Where one module's activations go, and when.")
       .ro("name", &ModuleDecision::name)
@@ -303,7 +305,8 @@ void bind_planner(nb::module_& m) {
       .ro("forward_end_seconds", &ModuleDecision::forward_end_seconds)
       .ro("write_done_seconds", &ModuleDecision::write_done_seconds)
       .ro("read_start_seconds", &ModuleDecision::read_start_seconds)
-      .ro("backward_start_seconds", &ModuleDecision::backward_start_seconds);
+      .ro("backward_start_seconds", &ModuleDecision::backward_start_seconds)
+      .ro("offload_bytes", &ModuleDecision::offload_bytes);
   Record<Plan>(m, "Plan", "The planner's decisions and the step it predicts.")
       .ro("modules", &Plan::modules)
       .ro("forward_seconds", &Plan::forward_seconds)
@@ -388,12 +391,17 @@ void ebbtide::py::bind_plan(nb::module_& m) {
   m.def("plan_budget", &plan_budget, nb::arg("modules"), nb::arg("options"));
   m.def("plan_simulate",
         [](const std::vector<ModuleProfile>& modules, const PlannerOptions& options,
-           const std::vector<std::string>& placements) {
+           const std::vector<std::string>& placements, const std::vector<int64_t>& offload_limits) {
           std::vector<Placement> p;
           for (const auto& name : placements) p.push_back(parse_placement(name));
-          return simulate_plan(modules, options, p);
+          if (offload_limits.empty()) return simulate_plan(modules, options, p);
+          // Note [Partial offload]: a negative limit moves the module whole.
+          std::vector<uint64_t> limits;
+          for (int64_t v : offload_limits) limits.push_back(v < 0 ? kWholeModule : static_cast<uint64_t>(v));
+          return simulate_plan(modules, options, p, limits);
         },
-        nb::arg("modules"), nb::arg("options"), nb::arg("placements"));
+        nb::arg("modules"), nb::arg("options"), nb::arg("placements"),
+        nb::arg("offload_limits") = std::vector<int64_t>{});
   // The re-plan triggers of a plan the glue holds as a dict.
   const auto replan_plan = [](uint64_t bytes_ssd, double planned_write_bps, double replan_fraction) {
     Plan p;

@@ -123,6 +123,38 @@ double ssd_write_rate(const PlannerOptions& o) {
 // can take ends the walk: it and every later module stay resident. This is
 // ARCHITECTURE.md's rule (offload while the writes so far and the reloads fit
 // in the compute time elapsed and left) made exact for uneven modules.
+
+// Note [Copy bound in the plan]
+// On a GPU the cache makes the compute stream wait, after a save, while more
+// than device_inflight_bytes of copies are queued ahead of it (Note [Copy
+// bound] in tensor_cache_device.cpp): on the device that wait lasts until the
+// copy stream has drained to the bound. With copy_bound_bytes = D the model
+// does the same on the host tier's queue: after module i enqueues its copies,
+// the bytes still queued when its last save is made, m, are
+// (w_cpu - m) * W; above D the forward waits until w_cpu - D / W, and module
+// i and everything after it end that much later (forward_wait_seconds, part
+// of the stall, so the walk refuses what the link cannot absorb). A whole
+// module's last save is taken at its end; a prefix's (Note [Partial offload])
+// at its start, since when within the module the first bytes are made is not
+// profiled. Without this the planner took the H200's shape b (1.95 GB
+// blocks, 10.5 ms each, 55 GB/s) as two blocks whose copies end by the
+// forward's end, and the 1 GiB bound made the forward wait 30 ms (predicted
+// now, test PlanPlanner.CopyBoundWaitIsPredicted; measured 34 ms).
+//
+// Note [Partial offload]
+// A block's copy may not fit whole where a part of it would: the copies must
+// end by the forward's end (writes_within_forward) and stay under the copy
+// bound, and with blocks of 0.7-2 GB one block more or less is 12-20% of what
+// the link can carry (the H200's shape a: one 712 MB block fitted, two took
+// 25.8 ms of copying in a 25.2 ms forward; 0.49 of the link limit). With
+// partial_offload the walk first tries a module whole, as before; when that
+// fails it takes the largest prefix of the module's saves, by bytes in save
+// order, that fits (bisection to 1/1024 of the module), and goes on to the
+// next module instead of ending the walk (a later module may fit where this
+// one did not). The glue offloads a scope's saves while their bytes stay
+// within offload_bytes and keeps the rest; the prefix's copies are queued as
+// the whole module's are (from its start, ending no earlier than its end), its
+// rest counts as resident until its backward.
 namespace {
 
 // Note [Guarded writes]
@@ -172,8 +204,10 @@ double drained_by(const double w[2], const double rate[2], double t, double slac
 // greedy walk needs the stall alone). Inputs already validated.
 // `area`, when given, receives the sum of the resident bytes at every point
 // the peak scan looks at (Note [Budget plan]'s tie-break).
+// `limits` (may be null: every module whole): Note [Partial offload].
 Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o,
-              const std::vector<Placement>& placements, bool with_peak, double* area = nullptr) {
+              const std::vector<Placement>& placements, bool with_peak, double* area = nullptr,
+              const std::vector<uint64_t>* limits = nullptr) {
   const size_t n = modules.size();
   Plan plan;
   plan.replan_fraction = o.replan_fraction;
@@ -231,9 +265,13 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
       continue;
     }
     const int tier = tier_of(d.placement);
+    // Note [Partial offload]: the first offload_bytes of the saves move, the
+    // rest stays resident.
+    d.offload_bytes = limits == nullptr ? d.saved_bytes : std::min(d.saved_bytes, (*limits)[i]);
+    plan.bytes_keep += d.saved_bytes - d.offload_bytes;
     const double rate = write_rate[tier];
     const double duration =
-        d.saved_bytes == 0 ? 0.0 : (rate > 0 ? static_cast<double>(d.saved_bytes) / rate : INFINITY);
+        d.offload_bytes == 0 ? 0.0 : (rate > 0 ? static_cast<double>(d.offload_bytes) / rate : INFINITY);
     // Device copies are enqueued as the module's tensors are produced, and
     // the worker path queues each tensor's write as it is saved (Note
     // [Guarded writes]), so they may start with the module rather than after
@@ -242,7 +280,19 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
     d.write_done_seconds = std::max(t, std::max(start, w_tier[tier]) + duration);
     w_tier[tier] = d.write_done_seconds;
     module_rate[i] = rate;
-    (tier == 0 ? plan.bytes_cpu : plan.bytes_ssd) += d.saved_bytes;
+    (tier == 0 ? plan.bytes_cpu : plan.bytes_ssd) += d.offload_bytes;
+    if (o.copy_bound_bytes > 0 && tier == 0 && rate > 0 && std::isfinite(w_tier[0])) {
+      // Note [Copy bound in the plan]: the compute stream waits until the
+      // queued copies are down to the bound, from the module's last save
+      // (its end; a partial module's prefix: its start).
+      const double made = d.partial() ? start : t;
+      const double resumed = w_tier[0] - static_cast<double>(o.copy_bound_bytes) / rate;
+      if (resumed > made) {
+        plan.forward_wait_seconds += resumed - made;
+        t += resumed - made;
+        d.forward_end_seconds = t;
+      }
+    }
     if (slack >= 0) {
       const double resumed = drained_by(w_tier, write_rate, t, slack);
       plan.forward_wait_seconds += resumed - t;
@@ -261,7 +311,7 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
   // the glue sizes it (Note [Prefetch window] in ebbtide/cache.py).
   uint64_t biggest = 0;
   for (const auto& m : plan.modules)
-    if (is_offload(m.placement)) biggest = std::max(biggest, m.saved_bytes);
+    if (is_offload(m.placement)) biggest = std::max(biggest, m.offload_bytes);
   const double window = static_cast<double>(k) * static_cast<double>(biggest);
   std::vector<size_t> reloaded;  // offloaded modules, in backward order
   double ahead_all = 0;          // their bytes
@@ -274,17 +324,17 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
       // started, and it, fit the window (a module leaves the window as its
       // backward starts); at F when all of them fit.
       double window_open = t;
-      double ahead = ahead_all + static_cast<double>(d.saved_bytes);
+      double ahead = ahead_all + static_cast<double>(d.offload_bytes);
       for (size_t q = 0; q < reloaded.size() && ahead > window; ++q) {
-        ahead -= static_cast<double>(plan.modules[reloaded[q]].saved_bytes);
+        ahead -= static_cast<double>(plan.modules[reloaded[q]].offload_bytes);
         window_open = plan.modules[reloaded[q]].backward_start_seconds;
       }
       reloaded.push_back(idx);
-      ahead_all += static_cast<double>(d.saved_bytes);
+      ahead_all += static_cast<double>(d.offload_bytes);
       d.read_start_seconds = std::max({d.write_done_seconds, r_tier[tier], window_open});
       const double rate = read_rate[tier];
       const double duration =
-          d.saved_bytes == 0 ? 0.0 : (rate > 0 ? static_cast<double>(d.saved_bytes) / rate : INFINITY);
+          d.offload_bytes == 0 ? 0.0 : (rate > 0 ? static_cast<double>(d.offload_bytes) / rate : INFINITY);
       const double ready = d.read_start_seconds + duration;
       r_tier[tier] = ready;
       if (ready > start) {
@@ -306,12 +356,14 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
 // its backward under every placement but recompute.
   // Offloaded bytes not yet written at `now`: all of the module's, or with
   // guarded_writes its unwritten part (Note [Guarded writes]).
+  // A partial module's unmoved rest counts as resident throughout.
   const auto unwritten = [&](size_t j, double now) -> uint64_t {
     const auto& m = plan.modules[j];
-    if (m.write_done_seconds <= now) return 0;
+    const uint64_t rest = m.saved_bytes - m.offload_bytes;
+    if (m.write_done_seconds <= now) return rest;
     if (!partial || !std::isfinite(m.write_done_seconds)) return m.saved_bytes;
     const double left = (m.write_done_seconds - now) * module_rate[j];
-    return left >= static_cast<double>(m.saved_bytes) ? m.saved_bytes : static_cast<uint64_t>(left);
+    return rest + (left >= static_cast<double>(m.offload_bytes) ? m.offload_bytes : static_cast<uint64_t>(left));
   };
   uint64_t peak = 0;
   double sum = 0;
@@ -341,7 +393,8 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
       } else if (m.write_done_seconds > now) {
         resident += unwritten(j, now);
       } else {
-        below += static_cast<double>(m.saved_bytes);
+        resident += m.saved_bytes - m.offload_bytes;
+        below += static_cast<double>(m.offload_bytes);
       }
     }
     resident += static_cast<uint64_t>(std::min(below, window));
@@ -363,6 +416,18 @@ Plan simulate_plan(const std::vector<ModuleProfile>& modules, const PlannerOptio
   return simulate(modules, o, placements, true);
 }
 
+Plan simulate_plan(const std::vector<ModuleProfile>& modules, const PlannerOptions& o,
+                   const std::vector<Placement>& placements, const std::vector<uint64_t>& offload_limits) {
+  validate(modules, o);
+  EBB_CHECK(placements.size() == modules.size() && offload_limits.size() == modules.size(), "simulate_plan: ",
+            placements.size(), " placements and ", offload_limits.size(), " offload limits for ", modules.size(),
+            " modules");
+  for (size_t i = 0; i < modules.size(); ++i)
+    EBB_CHECK(!is_offload(placements[i]) || offload_limits[i] > 0, "module ", i, " ('", modules[i].name,
+              "'): an offload limit of 0 bytes moves nothing (keep it instead)");
+  return simulate(modules, o, placements, true, nullptr, &offload_limits);
+}
+
 namespace {
 
 // The greedy walk of Note [Offload rule], trying the tiers in `order`.
@@ -370,6 +435,7 @@ Plan plan_greedy(const std::vector<ModuleProfile>& modules, const PlannerOptions
                  std::initializer_list<Placement> order) {
   const size_t n = modules.size();
   std::vector<Placement> placements(n, Placement::kKeep);
+  std::vector<uint64_t> limits(n, kWholeModule);
   const size_t keep = std::min(n, static_cast<size_t>(o.keep_last_modules));
   const size_t candidates = n - keep;
   const double step = [&] {
@@ -384,28 +450,60 @@ Plan plan_greedy(const std::vector<ModuleProfile>& modules, const PlannerOptions
   uint64_t host_left = o.host_budget_bytes;
 
   double base_stall = 0;
+  // Whether module i fits with the placements so far; its stall when it does.
+  const auto fits = [&](size_t i) -> std::optional<double> {
+    const Plan trial = simulate(modules, o, placements, false, nullptr, &limits);
+    const double stall = trial.predicted_stall_seconds;
+    const bool in_time = !o.writes_within_forward ||
+                         trial.modules[i].write_done_seconds <= trial.forward_seconds + tolerance;
+    if (in_time && stall <= base_stall + tolerance) return stall;
+    return std::nullopt;
+  };
   for (size_t i = 0; i < candidates; ++i) {
-    if (modules[i].bytes == 0) continue;  // nothing to move
+    const uint64_t bytes = modules[i].bytes;
+    if (bytes == 0) continue;  // nothing to move
     bool placed = false;
     for (Placement tier : order) {
       if (tier == Placement::kOffloadSsd && !ssd_usable) continue;
-      if (tier == Placement::kOffloadCpu && (!cpu_usable || host_left < modules[i].bytes)) continue;
+      if (tier == Placement::kOffloadCpu && !cpu_usable) continue;
+      const uint64_t room = tier == Placement::kOffloadCpu ? host_left : kWholeModule;
+      if (room < bytes && !o.partial_offload) continue;
       placements[i] = tier;
-      const Plan trial = simulate(modules, o, placements, false);
-      const double stall = trial.predicted_stall_seconds;
-      const bool in_time = !o.writes_within_forward ||
-                           trial.modules[i].write_done_seconds <= trial.forward_seconds + tolerance;
-      if (in_time && stall <= base_stall + tolerance) {
-        base_stall = stall;
-        if (tier == Placement::kOffloadCpu) host_left -= modules[i].bytes;
+      std::optional<double> stall;
+      if (room >= bytes) stall = fits(i);
+      if (!stall && o.partial_offload) {
+        // Note [Partial offload]: the largest prefix that fits, to within
+        // 1/1024 of the module (the stall, the copies' end and the copy
+        // bound's wait all grow with the prefix).
+        uint64_t lo = 0, hi = std::min(bytes - 1, room);
+        const uint64_t resolution = std::max<uint64_t>(1, bytes >> 10);
+        limits[i] = hi;
+        if (hi > 0 && fits(i)) lo = hi;
+        while (hi - lo > resolution) {
+          const uint64_t mid = lo + (hi - lo) / 2;
+          limits[i] = mid;
+          (fits(i) ? lo : hi) = mid;
+        }
+        if (lo > 0) {
+          limits[i] = lo;
+          stall = fits(i);
+        }
+      }
+      if (stall) {
+        base_stall = *stall;
+        if (tier == Placement::kOffloadCpu) host_left -= std::min(bytes, limits[i]);
         placed = true;
         break;
       }
       placements[i] = Placement::kKeep;
+      limits[i] = kWholeModule;
     }
-    if (!placed) break;
+    // Whole modules: the first one no tier takes ends the walk. With partial
+    // offload a later module may still fit where this one did not (the copy
+    // bound drains, a smaller module), so the walk goes on.
+    if (!placed && !o.partial_offload) break;
   }
-  return simulate(modules, o, placements, true);
+  return simulate(modules, o, placements, true, nullptr, &limits);
 }
 
 }  // namespace
@@ -463,6 +561,7 @@ namespace {
 
 struct Candidate {
   std::vector<Placement> placements;
+  std::vector<uint64_t> limits;  // Note [Partial offload]; a changed module moves whole
   Plan plan;
   double area = 0;
 };
@@ -479,10 +578,11 @@ class BudgetSearch {
     slack_ = 1e-9 * f * (1 + o.backward_factor) + o.stall_tolerance_seconds;
   }
 
-  Candidate evaluate(std::vector<Placement> placements) const {
+  Candidate evaluate(std::vector<Placement> placements, std::vector<uint64_t> limits) const {
     Candidate c;
-    c.plan = simulate(modules_, o_, placements, true, &c.area);
+    c.plan = simulate(modules_, o_, placements, true, &c.area, &limits);
     c.placements = std::move(placements);
+    c.limits = std::move(limits);
     return c;
   }
 
@@ -522,8 +622,10 @@ class BudgetSearch {
       for (Placement p : options(i)) {
         if (p == cur.placements[i]) continue;
         std::vector<Placement> trial = cur.placements;
+        std::vector<uint64_t> limits = cur.limits;
         trial[i] = p;
-        Candidate c = evaluate(std::move(trial));
+        limits[i] = kWholeModule;
+        Candidate c = evaluate(std::move(trial), std::move(limits));
         if (allowed(c.plan)) visit(std::move(c));
       }
     }
@@ -600,13 +702,17 @@ struct Fit {
 Fit fit_budget(const std::vector<ModuleProfile>& modules, const PlannerOptions& start_options,
                const BudgetSearch& descent, const BudgetSearch& polish, uint64_t budget) {
   std::vector<Placement> start;
-  for (const auto& d : plan_offload(modules, start_options).modules) start.push_back(d.placement);
-  Candidate cur = descent.evaluate(std::move(start));
+  std::vector<uint64_t> limits;
+  for (const auto& d : plan_offload(modules, start_options).modules) {
+    start.push_back(d.placement);
+    limits.push_back(d.partial() ? d.offload_bytes : kWholeModule);
+  }
+  Candidate cur = descent.evaluate(std::move(start), std::move(limits));
   const size_t rounds = 8 * modules.size() + 8;
   for (size_t r = 0; r < rounds && cur.plan.peak_resident_bytes > budget; ++r) {
     if (!descent.descend(cur)) break;
   }
-  if (&descent != &polish) cur = polish.evaluate(std::move(cur.placements));
+  if (&descent != &polish) cur = polish.evaluate(std::move(cur.placements), std::move(cur.limits));
   Fit fit;
   fit.feasible = cur.plan.peak_resident_bytes <= budget;
   // Infeasible: the fastest plan at the lowest peak found.

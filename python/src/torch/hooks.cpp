@@ -173,6 +173,13 @@ struct Hooks {
   bool placement_valid = false;
   bool place_offload = true;
   int place_tier = -1;
+  int64_t place_limit = -1;  // Note [Scope byte limits]; -1: none
+  struct ScopeLimit {
+    int mb = -1;
+    uint64_t used = 0;     // offloaded in the scope by this micro-batch's forward
+    bool reached = false;  // the rest of the scope stays resident
+  };
+  std::map<int64_t, ScopeLimit> limits;  // this step's, per scope
   bool warned_store = false;
   // Note [Kept tensors]
   struct KeyHash {
@@ -218,7 +225,31 @@ struct Hooks {
     nb::tuple pl = nb::cast<nb::tuple>(glue().attr("_scope_placement")());
     place_offload = nb::cast<std::string>(pl[0]) == "offload";
     place_tier = nb::cast<int>(pl[1]);
+    place_limit = nb::len(pl) > 2 ? nb::cast<int64_t>(pl[2]) : -1;
     placement_valid = true;
+  }
+
+  // Note [Scope byte limits]
+  // A plan may offload only the first bytes of a scope's saves (Note
+  // [Partial offload] in cpp/src/plan/planner.cpp): the glue's placement then
+  // carries a byte limit, and a save is offloaded while the bytes the scope
+  // offloaded in this micro-batch's forward stay within it. The first save
+  // that would pass it, and every later one of the scope, stays resident, so
+  // what moves is a prefix in save order, as the planner timed it. A storage
+  // already offloaded this step goes to the core whatever the limit (its
+  // entry is shared; kept here, its memory would stay held).
+  ScopeLimit& scope_limit() {
+    ScopeLimit& l = limits[scope];
+    if (l.mb != fwd_mb) l = ScopeLimit{fwd_mb, 0, false};
+    return l;
+  }
+
+  bool within_limit(uint64_t key, uint64_t version, uint64_t nbytes) {
+    if (place_limit < 0 || offloaded_keys.count({key, version})) return true;
+    ScopeLimit& l = scope_limit();
+    if (!l.reached && l.used + nbytes <= static_cast<uint64_t>(place_limit)) return true;
+    l.reached = true;
+    return false;
   }
 
   void link(Kept* k) {
@@ -401,7 +432,8 @@ struct Hooks {
     uint64_t nbytes = t.storage().nbytes();
     if (nbytes == 0) return nb::borrow(th);
     placement();
-    if (nbytes < min_bytes || !place_offload) return keep(self, obj, t, key, nbytes, place_offload, place_tier);
+    if (nbytes < min_bytes || !place_offload || !within_limit(key, t._version(), nbytes))
+      return keep(self, obj, t, key, nbytes, place_offload, place_tier);
     uint64_t version = t._version();
     SaveRequest r;
     r.key = key;
@@ -436,6 +468,7 @@ struct Hooks {
     // all-to-all's output) is then held by the allocator until this stream
     // passed that wait. A no-op for a tensor allocated on this stream.
     if (cur && res.offloaded) t.record_stream(*cur);
+    if (res.is_new && res.offloaded && place_limit >= 0) scope_limit().used += nbytes;
     if (res.is_new) {
       note_plan(nbytes, res.offloaded, true, place_tier);
       offloaded_keys.insert({key, version});
@@ -565,6 +598,7 @@ struct Hooks {
     unflushed = 0;
     unlist_all();
     plan.clear();
+    limits.clear();
     offloaded_keys.clear();
     placement_valid = false;
   }

@@ -55,6 +55,16 @@ struct PlannerOptions {
   // of a module's bytes and makes the forward wait rather than exceed the
   // budget.
   bool guarded_writes = false;
+  // GPU (Note [Copy bound] in tensor_cache_device.cpp): the compute stream
+  // waits while more than this many bytes of host-tier copies are queued
+  // ahead of it (the cache's device_inflight_bytes; 0: no bound). The model
+  // makes the forward wait as the device does (Note [Copy bound in the plan]),
+  // so a plan the bound would slow down costs its stall.
+  uint64_t copy_bound_bytes = 0;
+  // The walk may offload a prefix of a module's saves, by bytes in save
+  // order, where the whole module would stall or miss the forward (Note
+  // [Partial offload]); ModuleDecision::offload_bytes is the prefix.
+  bool partial_offload = false;
   // Bound on the predicted peak of resident saved bytes (0: none; then
   // plan_budget is plan_offload). Note [Budget plan].
   uint64_t activation_budget_bytes = 0;
@@ -83,6 +93,12 @@ struct ModuleDecision {
   double write_done_seconds = 0;     // offloaded only
   double read_start_seconds = 0;     // offloaded only
   double backward_start_seconds = 0; // including the stalls before it
+  // Offloaded placements: the bytes moved, the first offload_bytes of the
+  // module's saves in save order (Note [Partial offload]); saved_bytes when
+  // the whole module moves, less for a partial one, whose rest stays
+  // resident. 0 for placements that move nothing.
+  uint64_t offload_bytes = 0;
+  bool partial() const { return offload_bytes < saved_bytes && offload_bytes > 0; }
 };
 
 struct Plan {
@@ -141,5 +157,12 @@ Plan plan_budget(const std::vector<ModuleProfile>& modules, const PlannerOptions
 // decisions are those given. Used by plan_offload and by tests.
 Plan simulate_plan(const std::vector<ModuleProfile>& modules, const PlannerOptions& options,
                    const std::vector<Placement>& placements);
+// The same with a byte limit per module (Note [Partial offload]): an
+// offloaded module moves min(limit, its saved bytes), the first bytes of its
+// saves; kWholeModule moves all of them. InvalidArgument for a limit of 0 on
+// an offloaded module (keep it instead) or a size mismatch.
+inline constexpr uint64_t kWholeModule = ~uint64_t{0};
+Plan simulate_plan(const std::vector<ModuleProfile>& modules, const PlannerOptions& options,
+                   const std::vector<Placement>& placements, const std::vector<uint64_t>& offload_limits);
 
 }  // namespace ebbtide::plan
