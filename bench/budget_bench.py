@@ -18,13 +18,24 @@ keep-all peak against full recompute, torch's activation_memory_budget at the
 same fractions with each block compiled, and torchtune's offloading with HF
 checkpointing (--strategies narrows them); allocator peaks. Target: ebbtide
 faster than each peer whose peak is at or above its own. Exit code 3 when a
-target is missed.
+target is missed. Progress goes to stderr, flushed, each line with the
+seconds since the start: the model built (once, on the device), each
+strategy set up, each strategy's step. --time-limit stops the rounds so the
+table comes out in time (a strategy left without a timed step is a row
+marked cut); --strategy-limit cuts a strategy whose steps, compiles
+included, take longer; --watchdog dumps every thread's stack when no
+progress line came for that long (and on SIGTERM: a killed run shows where
+it was). scripts/gpu_check.sh's budget_a and budget_b stages split the
+peers in two runs.
 """
 import argparse
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 
@@ -46,10 +57,19 @@ def main():
     ap.add_argument("--fractions", help="GPU stage: comma-separated fractions of the keep-all peak")
     ap.add_argument("--strategies", default="keep,recompute,compiler,torchtune,budget",
                     help="GPU stage: which strategies run")
+    ap.add_argument("--time-limit", type=float, help="GPU stage: seconds from the start after which no step "
+                    "starts (nor a round that would end past it); the table comes out with what ran")
+    ap.add_argument("--strategy-limit", type=float, help="GPU stage: cut a strategy (not keep) whose steps, "
+                    "compiles included, took longer than this many seconds in all")
+    ap.add_argument("--watchdog", type=float, default=120.0, help="GPU stage: dump every thread's stack to "
+                    "stderr when no progress line came for this many seconds (0: off; default 120)")
     ap.add_argument("--path", help="directory for ebbtide's SSD files (default: a temporary one)")
     ap.add_argument("--json", help="write the results to this file")
     ap.add_argument("--png", help="write the plot to this file")
     args = ap.parse_args()
+    started = time.monotonic()
+    # A run killed by a timeout (SIGTERM) first shows where each thread was.
+    faulthandler.register(signal.SIGTERM, chain=True)
 
     import torch
 
@@ -63,14 +83,35 @@ def main():
                                                 kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
                                                 vocab=args.vocab, seq=args.seq, batch=args.batch).items()
                          if v is not None})
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    watchdog = args.watchdog if args.fractions else 0
+
+    def log(msg):
+        print(f"[{time.monotonic() - started:6.1f} s] {msg}", file=sys.stderr, flush=True)
+        if watchdog > 0:
+            faulthandler.dump_traceback_later(watchdog, file=sys.stderr)
+
     if args.fractions:
         fractions = [float(f) for f in args.fractions.split(",") if f.strip()]
+        strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[
             args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")]
-        result = budget_sweep.run_fractions(spec, fractions=fractions, strategies=args.strategies.split(","),
+        if "compiler" in strategies:
+            torch._logging.set_logs(recompiles=True)  # a recompile between steps is in the log, with its reason
+        log(f"[budget] {', '.join(strategies)} at {args.fractions} on {args.device}, {args.warmup} + {args.steps} "
+            f"steps" + (f", time limit {args.time_limit:g} s" if args.time_limit else ""))
+        time_limit = args.time_limit - (time.monotonic() - started) if args.time_limit else None
+        result = budget_sweep.run_fractions(spec, fractions=fractions, strategies=strategies,
                                             steps=args.steps, warmup=args.warmup, device=args.device,
-                                            dtype=dtype, path=args.path, log=log)
+                                            dtype=dtype, path=args.path, log=log, time_limit=time_limit,
+                                            strategy_limit=args.strategy_limit)
+        faulthandler.cancel_dump_traceback_later()
+        from torch._dynamo.utils import counters
+
+        # One graph per compiled fraction; frames: how many times dynamo compiled a frame.
+        result["dynamo"] = dict(stats=dict(counters["stats"]), frames=dict(counters["frames"]))
+        result["strategies"] = strategies
+        result["seconds"] = round(time.monotonic() - started, 1)
+        log(f"[budget] done; dynamo: {result['dynamo']}")
         print(budget_sweep.format_fractions(result), flush=True)
         if args.json:
             with open(args.json, "w") as f:

@@ -46,10 +46,24 @@
 #            ebbtide with an activation budget at 0.5 and 0.25 of the keep-all
 #            peak against full recompute (HF checkpointing), torch's
 #            activation_memory_budget at the same fractions with each block
-#            compiled, and torchtune's offloading with HF checkpointing
-#            (BUDGET_STRATEGIES narrows them); allocator peaks; exit code 3
-#            (recorded "targets missed") when ebbtide is not faster than a
-#            peer whose peak is at or above its own. JSON: budget.json
+#            compiled (one compile per fraction), and torchtune's offloading
+#            with HF checkpointing (BUDGET_STRATEGIES narrows them); allocator
+#            peaks; exit code 3 (recorded "targets missed") when ebbtide is not
+#            faster than a peer whose peak is at or above its own. JSON:
+#            budget.json. Progress lines (seconds since the start, each
+#            strategy's set-up and step) go to budget.txt as they happen; the
+#            bench gets --time-limit (the step's limit less 45 s), so the
+#            table comes out with what ran, a strategy left without a timed
+#            step marked cut; BUDGET_STRATEGY_LIMIT=S cuts a strategy whose
+#            steps took more than S s in all. Expected on an H200: 3-5 min,
+#            most of it compiling the blocks twice (cold inductor cache).
+#   budget_a the same, recompute, torchtune and ebbtide only (no compiles):
+#            1-2 min. JSON: budget_a.json
+#   budget_b the same, torch's activation_memory_budget and ebbtide only:
+#            2-4 min (two compiles). JSON: budget_b.json. budget_a and
+#            budget_b give budget's table in two parts, each well inside
+#            one call: `bash scripts/gpu_check.sh build_py budget_a budget_b`
+#            on a fresh machine, or one per call
 #   pytest   the whole pytest suite (CPU tests included)
 #   demo     ebbtide demo on CUDA, every method
 #   io       ebbtide bench io (device <-> file)
@@ -119,7 +133,7 @@ jobs=$(nproc)
 build=$repo/build/gpu
 stages=("$@")
 ((${#stages[@]})) || stages=(build test offload offload2 pytest demo io dist)
-all_stages="build build_py test sanitize offload offload2 shape_a shape_a_compiled shape_b shape_c budget pytest demo io ckpt dist"
+all_stages="build build_py test sanitize offload offload2 shape_a shape_a_compiled shape_b shape_c budget budget_a budget_b pytest demo io ckpt dist"
 summary=()
 deadline_hit=0
 
@@ -156,7 +170,7 @@ step() {
   elif ((rc == 10)); then
     rc=n/a
     note=$(tail -n 1 "$out/$log")
-  elif ((rc == 3)) && [[ $name == offload* || $name == budget ]]; then
+  elif ((rc == 3)) && [[ $name == offload* || $name == budget* ]]; then
     note="targets missed"
   fi
   pack
@@ -392,12 +406,22 @@ for stage in "${stages[@]}"; do
         --path /tmp/ebbtide-bench --json "$out/offload_$stage.json"
       tail -n 30 "$out/offload_$stage.txt"
       ;;
-    budget)
+    budget | budget_a | budget_b)
+      case $stage in
+        budget) strategies=${BUDGET_STRATEGIES:-keep,recompute,compiler,torchtune,budget} limit=480 ;;
+        budget_a) strategies=keep,recompute,torchtune,budget limit=240 ;;
+        budget_b) strategies=keep,compiler,budget limit=360 ;;
+      esac
+      # The bench stops its rounds 45 s before the step is killed (the
+      # table, the JSON and tearing down seven models on the GPU need less).
+      room=$(($(left) - 10))
+      ((limit > room)) && limit=$room
       mkdir -p /tmp/ebbtide-bench
-      step budget budget.txt 480 "$py" bench/budget_bench.py --device cuda --shape a --fractions 0.5,0.25 \
-        --steps "${BUDGET_STEPS:-4}" --warmup 2 --path /tmp/ebbtide-bench \
-        ${BUDGET_STRATEGIES:+--strategies "$BUDGET_STRATEGIES"} --json "$out/budget.json"
-      tail -n 20 "$out/budget.txt"
+      step "$stage" "$stage.txt" "$limit" "$py" -u bench/budget_bench.py --device cuda --shape a --fractions 0.5,0.25 \
+        --steps "${BUDGET_STEPS:-4}" --warmup 2 --path /tmp/ebbtide-bench --strategies "$strategies" \
+        --time-limit $((limit > 90 ? limit - 45 : limit / 2)) ${BUDGET_STRATEGY_LIMIT:+--strategy-limit "$BUDGET_STRATEGY_LIMIT"} \
+        --json "$out/$stage.json"
+      tail -n 20 "$out/$stage.txt"
       ;;
     demo)
       step demo demo.json 300 "$py" -m ebbtide demo --device cuda \
