@@ -2,7 +2,7 @@
 """Activation budgets on CPU (issue 29): a Llama-style model, keep / ebbtide
 offloading every block / full recompute (HF gradient checkpointing) / ebbtide
 with a budget at --points budgets from the smallest the planner meets to the
-keep-all peak, stepped in turn (ebbtide.budget_sweep). Runs twice: SSD writes
+keep-all peak, stepped in turn (ebbtide.harness.budget_sweep). Runs twice: SSD writes
 uncapped, then capped (--cap MB/s; default a quarter of what offloading every
 block during the forward would need) so the link cannot carry everything.
 Prints a table per sweep; --json FILE and --png FILE (step time against
@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn-hidden", "vocab", "seq", "batch"):
-        ap.add_argument(f"--{name}", type=int, help="model shape (default: ebbtide.budget_sweep.DEFAULT_MODEL, "
+        ap.add_argument(f"--{name}", type=int, help="model shape (default: ebbtide.harness.budget_sweep.DEFAULT_MODEL, "
                                                      "or the --shape)")
     ap.add_argument("--points", type=int, default=6, help="budgets per sweep (default 6)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per strategy (median)")
@@ -73,7 +73,7 @@ def main():
 
     import torch
 
-    from ebbtide import budget_sweep
+    from ebbtide.harness import budget_sweep
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if args.threads:

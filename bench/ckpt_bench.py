@@ -403,7 +403,7 @@ def dcp_plugin_rounds(flat, work, repeat):
     fut = dcp.async_save(flat, storage_writer=wa)
     out["dcp_ebb_async_blocked_first_s"] = time.perf_counter() - t0
     fut.result()
-    # async_staging=True (Note [Async staging] in ebbtide/dcp.py): async_save returns before the
+    # async_staging=True (Note [Async staging] in ebbtide/checkpoint/dcp_writer.py): async_save returns before the
     # staging copy; a training loop waits for staging_completion at its next optimizer step.
     ws = EbbtideWriter(epath, async_staging=True)
 

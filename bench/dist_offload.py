@@ -94,7 +94,7 @@ class _Job:
         import torch
         import torch.distributed as dist
 
-        from ebbtide.demo import _method_context
+        from ebbtide.harness.methods import _method_context
 
         self.wrap, self.method, self.args, self.device = wrap, method, args, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -142,7 +142,7 @@ class _Job:
         """Runs step i; returns the local gradients (on the host)."""
         import torch
 
-        from ebbtide.memmeter import PeakMeter
+        from ebbtide.harness.memmeter import PeakMeter
 
         # Pipeline stages need the same batch on every rank (ids on the first,
         # targets on the last); data parallel ranks each take their own.
@@ -183,7 +183,7 @@ class _Job:
 
 
 def _diff(grads, ref):
-    from ebbtide.demo import max_grad_diff
+    from ebbtide.harness.demo import max_grad_diff
 
     return max_grad_diff([grads], [ref])
 
@@ -192,7 +192,7 @@ def run(args):
     import torch
     import torch.distributed as dist
 
-    from ebbtide.demo import build_model
+    from ebbtide.harness.models import build_model
 
     if args.device not in (None, "cpu", "cuda"):
         raise SystemExit(f"--device {args.device!r}: use cpu or cuda (each rank takes cuda:LOCAL_RANK)")

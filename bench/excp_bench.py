@@ -177,7 +177,7 @@ def clone_state(model, opt, sched, step):
 
 
 def raw_bytes(state):
-    from ebbtide import _ckpt_tree as tree
+    from ebbtide.checkpoint import tree
     return sum(t.numel() * t.element_size() for _, t in tree.walk_tensors(state))
 
 

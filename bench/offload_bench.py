@@ -2,7 +2,7 @@
 """Training-step benchmark of activation offloading against its targets.
 
 One model per run, shared by every method; the methods' steps are rotated
-round by round (ebbtide.demo, Note [One model for every method]).
+round by round (ebbtide.harness.demo, Note [One model for every method]).
 
 Shapes (--shape; --layers/--hidden/... override any of their numbers):
   a  Llama style (--model llama), SDPA attention, 8 layers, hidden 4096, seq 2048, batch 2, bf16
@@ -97,7 +97,7 @@ def auto_layers(device, model, hidden, heads, seq, batch, attn, dtype, optimizer
     """
     import torch
 
-    from ebbtide.demo import build_model
+    from ebbtide.harness.models import build_model
 
     if device.type != "cuda":
         return 2, dict(reason="not a CUDA device: a small fixed number")
@@ -162,7 +162,7 @@ def measure_grad_floor(model, make_batch, device, batch, runs=3):
     """
     import torch
 
-    from ebbtide.demo import _GradCompare
+    from ebbtide.harness.demo import _GradCompare
 
     compare = _GradCompare(model.parameters(), device)
     compare.begin_round()
@@ -393,7 +393,7 @@ def format_table(result):
 
 
 def main():
-    from ebbtide.demo import MODELS
+    from ebbtide.harness.models import MODELS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -424,7 +424,9 @@ def main():
 
     import torch
 
-    from ebbtide.demo import compiler_offload_options, run_demo
+    from ebbtide.harness.demo import run_demo
+
+    from ebbtide.harness.methods import compiler_offload_options
 
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = dev.type == "cuda"

@@ -18,7 +18,7 @@ Every method starts from the same weights and sees the same batches; the
 torchtune methods take turns step by step (the order rotating), the TRL runs
 one after the other (a Trainer cannot be stepped from outside). Per
 method: median optimizer-step time (after --warmup steps), the largest step
-peak of memory above the step's start (ebbtide.memmeter: the CUDA allocator
+peak of memory above the step's start (ebbtide.harness.memmeter: the CUDA allocator
 on a GPU, the process heap on the CPU), bytes ebbtide offloaded, and whether
 the parameters after training are bitwise those of none. The frameworks'
 offloaders need a CUDA (or other accelerator) device: on a CPU-only machine
@@ -61,12 +61,12 @@ class _Meter:
 
     def __init__(self, device, caches=lambda: ()):
         # caches(): the TensorCaches of the step, whose host tiers PeakMeter
-        # counts on the CPU (Note [Host tier on the heap] in ebbtide/memmeter.py).
+        # counts on the CPU (Note [Host tier on the heap] in ebbtide/harness/memmeter.py).
         self.device, self.times, self.peaks, self._m, self._t0 = device, [], [], None, 0.0
         self.caches = caches
 
     def begin(self):
-        from ebbtide.memmeter import PeakMeter
+        from ebbtide.harness.memmeter import PeakMeter
 
         if self.device.type == "cuda":
             import torch

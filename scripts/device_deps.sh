@@ -32,7 +32,7 @@ done
 # nanobind's wheel holds its CMake package and C++ sources; the pin is the
 # version the development venv has (requirements-dev.txt asks nanobind>=2.0).
 # torchtune is pure Python. Its package __init__ imports torchao, HF datasets,
-# torchdata and more, none of which OffloadActivations uses: ebbtide.demo loads
+# torchdata and more, none of which OffloadActivations uses: ebbtide.harness.methods loads
 # that class from its own file when the package import fails, so it needs only
 # psutil (the GPU image has it) and no other wheel, torchao included
 # (python/tests/test_torchtune_offload_loading.py loads it that way, with

@@ -15,7 +15,7 @@
 #            every stage but `test`'s ctest needs), skipping the C++ tests
 #   test     preflight: the CUDA shim is built and, where torch sees a GPU,
 #            ebbtide._core.cuda_driver_available(); ctest (the GPU tests run
-#            now); the CUDA pytest files (test_cache_cuda.py,
+#            now); the CUDA pytest files (test_cache_cuda*.py,
 #            test_checkpoint_gpu.py, test_torchtune_offload_loading.py) and
 #            the checkpoint tests with CUDA tensors. On a GPU machine a
 #            skipped test there fails the stage (pytest's JUnit XML is
@@ -201,7 +201,7 @@ export PYTHONUNBUFFERED=1
 # its dependencies, into a scratch folder on PYTHONPATH. That puts it ahead of
 # site-packages, so the build's `python -m nanobind` finds the carried nanobind,
 # not the machine's own. torchtune's package import then fails (no torchao):
-# ebbtide.demo.load_torchtune_offload loads its OffloadActivations by file
+# ebbtide.harness.methods.load_torchtune_offload loads its OffloadActivations by file
 # (test_torchtune_offload_loading.py checks that path).
 wheels=/tmp/ebbtide-wheels
 unpack_wheels() {
@@ -350,7 +350,7 @@ for stage in "${stages[@]}"; do
       fi
       step pytest-cuda pytest-cuda.log 300 "$py" -m pytest -q -p no:cacheprovider -rs --junitxml="$out/pytest-cuda.xml" \
         ${TEST_K:+-k "$TEST_K"} \
-        python/tests/test_cache_cuda.py python/tests/test_checkpoint_gpu.py python/tests/test_torchtune_offload_loading.py
+        python/tests/test_cache_cuda.py python/tests/test_cache_cuda_findings.py python/tests/test_checkpoint_gpu.py python/tests/test_torchtune_offload_loading.py
       tail -n 3 "$out/pytest-cuda.log"
       skip_check pytest-cuda.xml
       # Checkpoints with device tensors: safetensors (device= and into=) and the DCP plugin.
@@ -372,7 +372,7 @@ for stage in "${stages[@]}"; do
         k=${SANITIZE_K:-not does_not_wait and not under_nccl}
         for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
           step "sanitize-$tool" "sanitize-$tool.log" 280 "$cs" --tool "$tool" --target-processes all --error-exitcode 9 \
-            "$py" -m pytest -q -p no:cacheprovider -rs -k "$k" python/tests/test_cache_cuda.py python/tests/test_checkpoint_gpu.py
+            "$py" -m pytest -q -p no:cacheprovider -rs -k "$k" python/tests/test_cache_cuda.py python/tests/test_cache_cuda_findings.py python/tests/test_checkpoint_gpu.py
           grep -E "ERROR SUMMARY|========= (Invalid|Race|Error)|passed|failed" "$out/sanitize-$tool.log" | tail -n 8
         done
       fi

@@ -611,7 +611,7 @@ TEST(CacheCore, InflightLimitMakesSaveWaitForStores) {
 }
 
 // The glue lowers and raises the bound as budget plans change
-// (Note [Budget guard] in ebbtide/_adaptive.py): a save waiting on the old
+// (Note [Budget guard] in ebbtide/cache/adaptive.py): a save waiting on the old
 // bound re-checks against the new one, with the store still held.
 TEST(CacheCore, SetMaxInflightWakesAWaitingSave) {
   Fixture f;

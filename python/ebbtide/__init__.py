@@ -2,6 +2,19 @@
 
 Heavy submodules (torch glue) load lazily, so ``import ebbtide`` stays cheap
 and works without torch for the storage engine and the planner.
+
+The package mirrors the C++ core (cpp/src: util, mem, io, cache, plan, ckpt):
+- cache/: the activation cache's torch glue (TensorCache, offload, adaptive placement);
+- checkpoint/: checkpoints (native format, safetensors, the DCP plugin; ``ebbtide.dcp``
+  is the plugin's public name);
+- plan/: the performance model and the planner (C++ in ebbtide._core);
+- io.py: the storage engine;
+- integrations/: trainers (HF, Lightning, torchtune, pipelines, Ray);
+- commands/: the ``ebbtide`` command's subcommands (cli.py dispatches);
+- harness/: the demo and benchmark harness (models, methods, the demo, ROK and budget
+  sweeps, the memory meter), apart from the library: nothing above imports it.
+The compiled modules ebbtide._core (the core) and ebbtide._torch (the saved-tensor
+hooks, built against the installed torch) sit beside these sources.
 """
 from pkgutil import extend_path
 
@@ -16,7 +29,7 @@ _LAZY = {
     "offload": "ebbtide.cache",
     "TensorCache": "ebbtide.cache",
     "release_pooled_stores": "ebbtide.cache",
-    "model": "ebbtide.model",
+    "model": "ebbtide.plan.model",
     "checkpoint": "ebbtide.checkpoint",
     "Engine": "ebbtide.io",
     "IoError": "ebbtide.io",

@@ -1,5 +1,5 @@
 // Bindings of the tensor cache core (cpp/include/ebbtide/cache). The torch glue
-// lives in python/ebbtide/cache.py; this only converts arguments and releases
+// lives in python/ebbtide/cache/tensor_cache.py; this only converts arguments and releases
 // the GIL where the core may block (release, wait, drain, close).
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>

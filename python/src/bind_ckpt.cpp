@@ -1,4 +1,4 @@
-// Checkpoint writer/reader bindings: the Python glue (ebbtide/checkpoint.py)
+// Checkpoint writer/reader bindings: the Python glue (ebbtide/checkpoint/native_save.py)
 // flattens state dicts into blobs (pointer, size) and JSON metadata.
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>

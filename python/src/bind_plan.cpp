@@ -1,8 +1,8 @@
 // Performance model and offload planner (cpp/include/ebbtide/plan) as classes:
 // the inputs (ModelConfig, PlannerOptions, ModuleProfile) with writable
 // fields, the results with read-only ones. ebbtide/_records.py fills inputs
-// from settings and turns results into the dicts ebbtide/model.py and
-// ebbtide/planner.py return.
+// from settings and turns results into the dicts ebbtide/plan/model.py and
+// ebbtide/plan/planner.py return.
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>

@@ -1,4 +1,4 @@
-// safetensors bindings: the Python glue (ebbtide/_safetensors.py) maps torch
+// safetensors bindings: the Python glue (ebbtide/checkpoint/safetensors.py) maps torch
 // dtypes and allocates tensors; parsing, validation and I/O are the core's.
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>

@@ -31,7 +31,7 @@ def test_gpu_stage_runs_on_cpu_with_what_it_can(tmp_path):
     the keep-all peak, recompute beside them, a peer that cannot run here (torchtune
     needs CUDA) a row with its error, not a failed stage."""
     pytest.importorskip("transformers")
-    from ebbtide import budget_sweep
+    from ebbtide.harness import budget_sweep
 
     spec = dict(layers=2, hidden=64, heads=2, kv_heads=1, ffn_hidden=128, vocab=256, seq=64, batch=2)
     r = budget_sweep.run_fractions(spec, fractions=(0.9, 0.6), strategies=("keep", "recompute", "budget", "torchtune"),

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import ebbtide
-from ebbtide import _adaptive, _core, planner
+from ebbtide import _core
+from ebbtide.cache import adaptive as _adaptive
+from ebbtide.plan import planner
 
 pytestmark = pytest.mark.skipif(not _core.build_info.get("cache_ssd", False),
                                 reason="storage engine not in this build")
@@ -459,7 +461,7 @@ def test_a_storage_shared_by_blocks_counts_once_in_the_profile(tmp_path):
     The profile counts it once (as the core dedups the offloaded saves), so
     the planner's keep-all peak equals the measured one and a budget of that
     peak keeps everything (before: one table over, and the plan offloaded)."""
-    from ebbtide.budget_sweep import SavedBytesMeter
+    from ebbtide.harness.budget_sweep import SavedBytesMeter
 
     torch.manual_seed(0)
     model = TableNet()

@@ -1,6 +1,6 @@
 """Async saves (issue 31 §2): what the caller may do once save() returns
-(Note [First async save] in cpp/src/ckpt/writer.cpp, Note [Uncopied async
-saves] in ebbtide/checkpoint.py, Note [Uncopied DCP saves] in ebbtide/dcp.py),
+(Note [First async save] in cpp/src/ckpt/writer_arena.cpp, Note [Uncopied async
+saves] in ebbtide/checkpoint/native_save.py, Note [Uncopied DCP saves] in ebbtide/checkpoint/dcp_writer.py),
 errors of the background writes, and the benchmark run end to end. Nothing
 here is timed."""
 import errno
@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from ebbtide import _core
 from ebbtide import checkpoint as ckpt
 from ebbtide import dcp as edcp
+from ebbtide.checkpoint import dcp_format
 from ebbtide.dcp import EbbtideReader, EbbtideWriter
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "ckpt_first_save.py")
@@ -208,7 +209,7 @@ def test_dcp_uncopied_change_fails_the_save(tmp_path, monkeypatch):
     def change():  # on the upload thread, after the bytes were written, before the check
         with torch.no_grad():
             x.add_(1)
-    monkeypatch.setitem(edcp._test_gates, "uncopied-written", change)
+    monkeypatch.setitem(dcp_format._test_gates, "uncopied-written", change)
     fut = dcp.async_save({"x": x}, storage_writer=w)
     with pytest.raises(BaseException, match=r"tensor 'x' was changed in place while .*__0_0\.distcp was being "
                                         r"written from it \(staging='none'\)"):

@@ -1,4 +1,4 @@
-"""Background snapshots (Note [Background snapshot] in ebbtide/checkpoint.py)
+"""Background snapshots (Note [Background snapshot] in ebbtide/checkpoint/native_save.py)
 and loads straight into existing tensors (Note [Load in place])."""
 import errno
 import os
@@ -10,6 +10,7 @@ import torch
 
 from ebbtide import _core
 from ebbtide import checkpoint as ckpt
+from ebbtide.checkpoint import native_load, native_save
 
 
 class HeldSnapshots:
@@ -149,12 +150,12 @@ def test_bad_snapshot_settings(tmp_path, kwargs, match):
 
 def count_fresh_buffers(monkeypatch):
     calls = []
-    real = ckpt._host_buffer
+    real = native_load._host_buffer
 
     def spy(nbytes):
         calls.append(nbytes)
         return real(nbytes)
-    monkeypatch.setattr(ckpt, "_host_buffer", spy)
+    monkeypatch.setattr(native_load, "_host_buffer", spy)
     return calls
 
 
@@ -218,11 +219,11 @@ def test_snapshot_streams_are_taken_once_per_device(tmp_path, monkeypatch, backg
                 b[3] = torch.device("cuda", len(self.blobs) % 2)
             return out
 
-    monkeypatch.setattr(ckpt.tree, "Flattener", OnTwoDevices)
-    monkeypatch.setattr(ckpt, "_snapshot_stream", FakeStream)
+    monkeypatch.setattr(native_save.tree, "Flattener", OnTwoDevices)
+    monkeypatch.setattr(native_save, "_snapshot_stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "current_stream", FakeStream)
     state = {f"t{i}": torch.randn(8) for i in range(40)}
-    s = ckpt._Save(ckpt.Writer(), tmp_path / "c", async_=True, compress=None, block=False, background=background,
+    s = native_save._Save(ckpt.Writer(), tmp_path / "c", async_=True, compress=None, block=False, background=background,
                    stripe_dirs=None)
     s.encode(state, None, None)
     assert sorted(d.index for d in taken) == [0, 1]

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ebbtide import checkpoint as ckpt
+from ebbtide.checkpoint import native_save
 
 
 def _rank_state(rank):
@@ -144,13 +145,13 @@ def _two_writers_worker(rank, world, init_file, paths, results):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=30))
     try:
-        reserve = ckpt._Save.reserve_directories
+        reserve = native_save._Save.reserve_directories
 
         def late_on_rank1(self):
             if rank == 1 and self.path.endswith("a"):
                 time.sleep(1.0)  # rank 1's first save reaches its reservation after its second
             return reserve(self)
-        ckpt._Save.reserve_directories = late_on_rank1
+        native_save._Save.reserve_directories = late_on_rank1
         wa, wb = ckpt.Writer(), ckpt.Writer()
         ha = wa.save(_rank_state(rank), paths[0], async_=True, snapshot="background")
         hb = wb.save(_rank_state(rank + 10), paths[1], async_=True, snapshot="background")

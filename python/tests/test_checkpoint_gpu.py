@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ebbtide import _core
-from test_cache_cuda import run_script, sleep_cycles
+from test_cache_cuda import preload, run_script, sleep_cycles
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and _core.cuda_driver_available()),
                                 reason="needs a CUDA device and driver")
@@ -20,12 +20,18 @@ warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|loa
 _SAFETENSORS_INTO_DEVICES = """
 import torch
 from ebbtide import _core, checkpoint
-from test_cache_cuda import sleep_cycles
+from test_cache_cuda import preload, sleep_cycles
 devices = [torch.device(f"cuda:{{i}}") for i in range({ndev})]
 g = torch.Generator().manual_seed(0)
 src = {{f"t{{i}}_{{k}}": torch.randn(1024, 1024 + k, generator=g) for i in range(len(devices)) for k in range(4)}}
 checkpoint.save_safetensors(src, {path!r})
 into = {{n: torch.empty(t.shape, device=devices[int(n[1])]) for n, t in src.items()}}
+# The fill's kernel is loaded on each device first: a lazily loaded kernel's
+# first launch may synchronize the context, and the host would wait for the
+# sleep in the fill, before the load is called (preload in test_cache_cuda).
+for d in devices:
+    with torch.cuda.device(d):
+        preload(lambda: [t.fill_(-1.0) for t in into.values() if t.device == d])
 # Each device's current stream: a long kernel, then a fill of that device's
 # targets. The load must land after both, on every device; the last device
 # sleeps longest.
@@ -73,6 +79,10 @@ def test_cuda_dcp_async_staging_orders_after_the_callers_stream(tmp_path):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     writer = EbbtideWriter(tmp_path / "c", async_staging=True)
+    # The updates' kernels are loaded first: a lazily loaded kernel's first
+    # launch may synchronize the context, and the host would wait for the
+    # sleep there, so async_save would find the GPU idle (preload).
+    preload(lambda: sd["w"].clone().add_(1.0), lambda: sd["b"].clone().mul_(2.0))
     try:
         with torch.cuda.stream(side):
             torch.cuda._sleep(sleep_cycles(1.0))
@@ -93,15 +103,21 @@ def test_cuda_dcp_async_staging_orders_after_the_callers_stream(tmp_path):
 _BACKGROUND_UNDER_NCCL = """
 import time, torch, torch.distributed as dist
 from ebbtide import checkpoint
-from test_cache_cuda import StreamGate
+from test_cache_cuda import StreamGate, preload
 torch.cuda.set_device(0)
 dist.init_process_group("nccl", init_method="file://" + {init!r}, rank=0, world_size=1)
 try:
     g = torch.Generator().manual_seed(0)
     host = {{f"w{{i}}": torch.randn(2048, 2048, generator=g) for i in range(4)}}
     state = {{k: v.cuda() for k, v in host.items()}}
-    # A first save: NCCL's communicator and the writer's buffers exist after it.
+    # A first save: the gloo group of the checkpoint collectives (Note
+    # [Checkpoint collectives]), the snapshot stream and the writer's pinned
+    # arena exist after it.
     checkpoint.save(state, {path!r} + "/warm", async_=True, snapshot="background").wait()
+    # The update's kernel is loaded before the gate closes: the state's first
+    # kernel launch in this process, lazily loaded, may synchronize the
+    # context and so wait for the gate before save() is called (preload).
+    preload(lambda: [v.clone().add_(1.0) for v in state.values()])
     # The update waits behind a closed gate until save() has returned: the
     # GPU is busy with work queued before save() however fast it is.
     gate = StreamGate().close()
@@ -109,6 +125,7 @@ try:
         v.add_(1.0)
     done = torch.cuda.Event()
     done.record()
+    update_waited = gate.forced  # the watchdog opened the gate while the host queued the update
     t0 = time.perf_counter()
     h = checkpoint.save(state, {path!r} + "/c", async_=True, snapshot="background")
     returned = time.perf_counter() - t0
@@ -117,8 +134,10 @@ try:
     h.wait()
     out = checkpoint.load({path!r} + "/c", device="cpu")
     bad = [k for k, v in host.items() if not torch.equal(out[k], v + 1.0)]
-    print("returned after", round(returned, 3), "s; GPU still busy:", pending, flush=True)
+    print("returned after", round(returned, 3), "s; GPU still busy:", pending, "; the update waited:",
+          update_waited, flush=True)
     assert not bad, f"saved values are not the state at save(): {{bad}}"
+    assert not update_waited, "the host waited for the gate while queueing the update, before save() was called"
     assert pending, "save() returned only after the GPU finished the work queued before it"
     print("ok")
 finally:

@@ -358,7 +358,7 @@ def _check_outcome(kind, load, saved, declared_bytes):
 
 def test_seeded_mutations_load_exactly_or_raise_typed_errors(tmp_path, capsys):
     """...and `ebbtide ckpt inspect` agrees with each outcome (Note [One
-    validator] in ebbtide/_ckpt_checks.py): exit 0 for what loaded, load()'s
+    validator] in ebbtide/checkpoint/checks.py): exit 0 for what loaded, load()'s
     message and a non-zero exit for what it refused."""
     from ebbtide import cli
     rng = random.Random(1234)

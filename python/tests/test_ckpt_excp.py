@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ebbtide import checkpoint as ckpt
-from ebbtide import _ckpt_lossy
+from ebbtide.checkpoint import lossy as _lossy
 
 
 def _train(model, opt, steps, seed):
@@ -94,7 +94,7 @@ def test_options_are_checked():
     for bad, what in (({"density": 0}, "density"), ({"bits": 9}, "bits"), ({"v_unkept": "x"}, "v_unkept"),
                       ({"dens": 0.1}, "unknown option 'dens'")):
         with pytest.raises(ValueError, match=what):
-            _ckpt_lossy._opts(bad)
+            _lossy._opts(bad)
 
 
 def _flip_data_byte(shard_file):

@@ -1,5 +1,5 @@
 """`ebbtide ckpt inspect` says exactly what load() will do (Note [One
-validator] in ebbtide/_ckpt_checks.py).
+validator] in ebbtide/checkpoint/checks.py).
 
 test_every_check_refuses_alike walks _ckpt_checks.CHECKS, the table the
 validators raise from: for each check it crafts a file breaking it (checksums
@@ -23,7 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from ebbtide import _core, cli
 from ebbtide import checkpoint as ckpt
-from ebbtide._ckpt_checks import CHECKS, check_of
+from ebbtide.checkpoint.checks import CHECKS, check_of
 from ebbtide.dcp import EbbtideReader, EbbtideWriter, load_metadata
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import metadata as md_types

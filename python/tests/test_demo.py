@@ -59,7 +59,7 @@ def test_demo_models_build_and_train(name):
     and takes a training step (every Llama-family parameter gets a gradient)."""
     import torch
 
-    from ebbtide.demo import DEFAULT_MODEL, MODELS, build_model
+    from ebbtide.harness.models import DEFAULT_MODEL, MODELS, build_model
 
     assert set(MODELS) == set(ARCHITECTURES) and DEFAULT_MODEL == "llama"
     torch.manual_seed(0)

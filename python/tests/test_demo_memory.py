@@ -23,7 +23,8 @@ pytest.importorskip("transformers")
 SCRIPT = r"""
 import json, sys, tempfile
 import torch
-from ebbtide.demo import _Runner, build_model, resolve_size
+from ebbtide.harness.demo import _Runner
+from ebbtide.harness.models import build_model, resolve_size
 
 def status(key):
     with open("/proc/self/status") as f:
@@ -60,7 +61,7 @@ json.dump(out, sys.stdout)
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    from ebbtide.memmeter import heap_measurable
+    from ebbtide.harness.memmeter import heap_measurable
 
     if not heap_measurable():
         pytest.skip("glibc without mallinfo2: the demo cannot measure CPU memory here")

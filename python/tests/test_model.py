@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ebbtide import model
+from ebbtide.plan import model
 
 # ---------------------------------------------------------------------------
 # llm-analysis (PyPI `llm-analysis`, 0.2.2). Like for like (docs/model.md,

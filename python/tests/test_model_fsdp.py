@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ebbtide import model
+from ebbtide.plan import model
 
 WORLD = 2
 WIDTH, FFN, BLOCKS = 64, 128, 3  # every dim-0 divides by WORLD: FSDP2's shards are even, no padding

@@ -6,8 +6,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import ebbtide  # noqa: E402
-from ebbtide.demo import build_model  # noqa: E402
-from ebbtide.model import predicted_saved_bytes  # noqa: E402
+from ebbtide.harness.models import build_model  # noqa: E402
+from ebbtide.plan.model import predicted_saved_bytes  # noqa: E402
 
 SEQ, BATCH = 128, 2
 

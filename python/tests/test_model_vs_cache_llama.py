@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import ebbtide  # noqa: E402
-from ebbtide.model import activation_bytes, config_from_hf, predicted_saved_bytes  # noqa: E402
+from ebbtide.plan.model import activation_bytes, config_from_hf, predicted_saved_bytes  # noqa: E402
 
 SEQ, BATCH, VOCAB = 64, 2, 256
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,

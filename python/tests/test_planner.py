@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from ebbtide import planner
+from ebbtide.plan import planner
 
 GB = 10**9
 
@@ -113,7 +113,7 @@ def test_bad_input_names_the_problem():
 
 
 def test_planner_and_model_do_not_import_torch():
-    code = ("import sys, ebbtide.planner, ebbtide.model; "
+    code = ("import sys, ebbtide.plan.planner, ebbtide.plan.model; "
             "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
     import os
     env = dict(os.environ)

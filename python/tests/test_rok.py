@@ -30,7 +30,7 @@ def test_rok_bad_batch(cli):
 
 
 def test_rok_budget_curve(cli, tmp_path):
-    """`ebbtide rok --budget`: the activation-budget sweep of ebbtide.budget_sweep, bitwise rows."""
+    """`ebbtide rok --budget`: the activation-budget sweep of ebbtide.harness.budget_sweep, bitwise rows."""
     png = tmp_path / "budget.png"
     proc = cli("rok", "--budget", "--budget-points", "2", "--batch", "2", "--layers", "2", "--hidden", "64",
                "--heads", "2", "--seq", "64", "--steps", "1", "--warmup", "2", "--path", str(tmp_path),

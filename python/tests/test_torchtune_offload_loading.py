@@ -2,7 +2,7 @@
 the lent GPU machine loads it: torchtune's wheel unpacked without its
 dependencies (scripts/device_deps.sh, scripts/gpu_check.sh), torchao absent.
 torchtune's package __init__ then fails (it imports torchao, HF datasets,
-torchdata, ...), and ebbtide.demo.load_torchtune_offload loads
+torchdata, ...), and ebbtide.harness.methods.load_torchtune_offload loads
 torchtune/training/_activation_offloading.py by file, with a stand-in for
 the one torchao name it uses. Here that machine is simulated in a fresh
 Python: torchtune's package copied to a folder on PYTHONPATH (the unpacked
@@ -19,7 +19,7 @@ import textwrap
 import pytest
 import torch
 
-from ebbtide.demo import load_torchtune_offload
+from ebbtide.harness.methods import load_torchtune_offload
 
 # What the device lacks: torchao and torchtune's data-side dependencies
 # (the bench needs transformers, so huggingface_hub, safetensors and
@@ -40,7 +40,7 @@ sys.meta_path.insert(0, _Absent())
 
 _LOAD = """
 import inspect
-from ebbtide.demo import load_torchtune_offload
+from ebbtide.harness.methods import load_torchtune_offload
 cls, how = load_torchtune_offload()
 print("HOW", how)
 print("FILE", cls.__init__.__code__.co_filename)  # the module is in no sys.modules entry

@@ -5,7 +5,7 @@
 // without following a symlink (Note [Regular files only]), and every range
 // must lie inside the file's size as fstat reports it, checked without
 // overflow, before any byte is read. The caller confines the file names to
-// the checkpoint directory (python/ebbtide/dcp.py).
+// the checkpoint directory (python/ebbtide/checkpoint/dcp_writer.py).
 #include <cstring>
 
 #include "ebbtide/ckpt/reader.hpp"

@@ -243,7 +243,7 @@ void ShardReader::Impl::run_chunks(const std::vector<const ChunkEntry*>& chunks,
 // checked (checksum, decoding), the chunks outside the range only to be
 // dropped: a load then fails exactly where verify() finds a bad chunk, so
 // `ebbtide ckpt inspect` and the load agree (Note [One validator] in
-// python/ebbtide/_ckpt_checks.py). Those chunks are the frame's few bytes
+// python/ebbtide/checkpoint/checks.py). Those chunks are the frame's few bytes
 // before and after the tensor's, at most one chunk at each end.
 void ShardReader::read(const std::vector<BlobTarget>& targets, unsigned threads, mem::cuda::Driver* cuda_driver) {
   auto& I = *impl_;

@@ -162,7 +162,7 @@ namespace {
 // saved (so a module's writes start with it, as on a GPU) and its memory
 // comes back when its own write ends, not with its module's; under a budget the cache makes
 // saves wait while more than slack = budget - K bytes wait to be stored, K
-// the plan's kept bytes (Note [Budget guard] in ebbtide/_adaptive.py). With
+// the plan's kept bytes (Note [Budget guard] in ebbtide/cache/adaptive.py). With
 // guarded_writes the model follows: each tier's queue drains at its rate, so
 // a module's unwritten bytes at time t are clamp((w_j - t) * rate, 0, B_j)
 // and all of a tier's are max(0, w_tier - t) * rate (every queued write
@@ -308,7 +308,7 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
   double r_tier[2] = {0, 0};
   double stall = plan.forward_wait_seconds;
   // The prefetch window: k times the largest offloaded module's bytes, as
-  // the glue sizes it (Note [Prefetch window] in ebbtide/cache.py).
+  // the glue sizes it (Note [Prefetch window] in ebbtide/cache/tensor_cache.py).
   uint64_t biggest = 0;
   for (const auto& m : plan.modules)
     if (is_offload(m.placement)) biggest = std::max(biggest, m.offload_bytes);
@@ -549,7 +549,7 @@ Plan plan_offload(const std::vector<ModuleProfile>& modules, const PlannerOption
 //    keeps what need not move (less SSD wear).
 // The peak is predicted at the measured rates. A write that runs slower
 // frees its memory later; the cache then holds the budget by making saves
-// wait for the writes (Note [Budget guard] in ebbtide/_adaptive.py), which
+// wait for the writes (Note [Budget guard] in ebbtide/cache/adaptive.py), which
 // costs stall, not memory.
 // Offload changes follow plan_offload's limits: none for the last
 // keep_last_modules, the host tier within host_budget_bytes, and on a GPU

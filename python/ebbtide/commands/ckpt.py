@@ -1,6 +1,6 @@
 """`ebbtide ckpt inspect PATH`: lists a checkpoint's tensors, sizes and
 compression, checks it as load() does, with load()'s own validator (Note [One
-validator] in ebbtide/_ckpt_checks.py), and verifies every chunk's checksum
+validator] in ebbtide/checkpoint/checks.py), and verifies every chunk's checksum
 and the data load() checks (`--no-verify`: no tensor data is read).
 Exit 1 when a shard would be refused by load() (one `BAD SHARD: why` line
 each, load()'s message) or a chunk is bad (one `BAD CHUNK: ...` line each,
@@ -55,7 +55,8 @@ def _one_line(text):
 
 
 def _inspect(args):
-    from ebbtide import _safetensors, checkpoint
+    from ebbtide import checkpoint
+    from ebbtide.checkpoint import safetensors as _safetensors
     if _safetensors.looks_like_safetensors(args.path):
         return _inspect_safetensors(args)
     if os.path.isdir(args.path):
@@ -145,7 +146,7 @@ def _print_chain(chain, verified):
 
 
 def _inspect_safetensors(args):
-    from ebbtide import _safetensors
+    from ebbtide.checkpoint import safetensors as _safetensors
     try:
         info = _safetensors.inspect(args.path)
     except (OSError, ValueError, NotImplementedError) as e:

@@ -1,10 +1,11 @@
-"""`ebbtide demo`: the main job (see ebbtide.demo)."""
+"""`ebbtide demo`: the main job (see ebbtide.harness.demo)."""
 import json
 import sys
 
 
 def register(subparsers):
-    from ebbtide.demo import DEFAULT_MODEL, EXTRA_METHODS, METHODS, MODELS
+    from ebbtide.harness.methods import EXTRA_METHODS, METHODS
+    from ebbtide.harness.models import DEFAULT_MODEL, MODELS
 
     p = subparsers.add_parser(
         "demo", help="train a small HF model with and without offloading and compare")
@@ -31,7 +32,8 @@ def register(subparsers):
 
 def run(args):
     from ebbtide._progress import progress, wanted
-    from ebbtide.demo import EXTRA_METHODS, METHODS, format_table, plot, run_demo
+    from ebbtide.harness.demo import format_table, plot, run_demo
+    from ebbtide.harness.methods import EXTRA_METHODS, METHODS
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     valid = METHODS + EXTRA_METHODS

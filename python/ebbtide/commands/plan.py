@@ -99,7 +99,7 @@ def _bytes(n):
 
 
 def _print_catalogs(out):
-    from ebbtide import model
+    from ebbtide.plan import model
 
     out.write("Models (--model)\n")
     out.write(f"  {'name':<13} {'layers':>6} {'hidden':>6} {'heads':>7} {'kv':>3} {'ffn':>6} {'vocab':>6} "
@@ -241,7 +241,7 @@ _HF_KEYS = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "nu
 
 
 def _hf_config(path, seq, batch):
-    from ebbtide import model
+    from ebbtide.plan import model
 
     try:
         with open(path, encoding="utf-8") as f:
@@ -341,7 +341,7 @@ def plot_sweep(rows, png_path):
 
 
 def model_plan(config, hardware):
-    from ebbtide import model
+    from ebbtide.plan import model
 
     return model.plan(config, **hardware)
 
@@ -384,7 +384,7 @@ def run(args):
     if args.list:
         _print_catalogs(sys.stdout)
         return 0
-    from ebbtide import model
+    from ebbtide.plan import model
 
     if args.hf_config and args.model:
         raise ValueError("give --hf-config or --model, not both")

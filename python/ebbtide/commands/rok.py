@@ -1,10 +1,10 @@
-"""`ebbtide rok`: recompute-offload-keep curves (see ebbtide.rok)."""
+"""`ebbtide rok`: recompute-offload-keep curves (see ebbtide.harness.rok)."""
 import json
 import sys
 
 
 def register(subparsers):
-    from ebbtide.demo import DEFAULT_MODEL, MODELS
+    from ebbtide.harness.models import DEFAULT_MODEL, MODELS
 
     p = subparsers.add_parser("rok", help="throughput against activation peak for keep / "
                                           "offload / recompute per micro-batch size")
@@ -21,7 +21,7 @@ def register(subparsers):
     p.add_argument("--path", help="directory for ebbtide's SSD files")
     p.add_argument("--png", help="write the plot to this file")
     p.add_argument("--budget", action="store_true",
-                   help="the activation-budget curve instead (ebbtide.budget_sweep, a Llama-style model): keep, "
+                   help="the activation-budget curve instead (ebbtide.harness.budget_sweep, a Llama-style model): keep, "
                         "offload, full recompute and ebbtide at --budget-points budgets from the smallest the "
                         "planner meets to the keep-all peak; --batch takes one size, the model flags override")
     p.add_argument("--budget-points", type=int, default=6)
@@ -31,7 +31,7 @@ def register(subparsers):
 
 
 def run_budget(args):
-    from ebbtide import budget_sweep
+    from ebbtide.harness import budget_sweep
 
     spec = {k: v for k, v in dict(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq).items()
             if v is not None}
@@ -56,7 +56,7 @@ def run(args):
     if args.budget:
         return run_budget(args)
     from ebbtide._progress import progress, wanted
-    from ebbtide.rok import format_table, plot, run_rok
+    from ebbtide.harness.rok import format_table, plot, run_rok
 
     try:
         batches = [int(b) for b in args.batch.split(",") if b.strip()]

@@ -24,7 +24,7 @@ attached root module, which starts a micro-batch record); with
 ``hint_torch_pipeline_stage`` a backward starts prefetching its micro-batch
 before its first gradient arrives. Multi-stage schedules (interleaved 1F1B,
 zero bubble) share one cache among the rank's stages:
-``hint_torch_pipeline_stages`` (Note [Stages sharing a cache] in ebbtide/cache.py).
+``hint_torch_pipeline_stages`` (Note [Stages sharing a cache] in ebbtide/cache/tensor_cache.py).
 """
 from __future__ import annotations
 
@@ -234,7 +234,7 @@ def hint_torch_pipeline_stages(stages, cache) -> PipelineHints:
     ``backward_weight_one_chunk`` so each gives hints first, keyed by
     (stage index, micro-batch). Wrap ``schedule.step(...)`` in ``cache.step()``.
     ``keep_last_modules=k`` keeps the activations of the last k stages given
-    resident (Note [Stages sharing a cache] in ebbtide/cache.py).
+    resident (Note [Stages sharing a cache] in ebbtide/cache/tensor_cache.py).
 
     Args:
         stages: the rank's pipeline stages, first to last.

@@ -8,7 +8,7 @@
 // hooks do (bench/pack_overhead.py). Here they are one C++ call each: the
 // checks read the at::Tensor directly, host entries go to the core through
 // the table of Note [Two modules] (glue_api.hpp), and reloads are allocated
-// with ATen. The glue (python/ebbtide/cache.py) keeps what is per block or
+// with ATen. The glue (python/ebbtide/cache/tensor_cache.py) keeps what is per block or
 // per step (module hooks, plans, stats, CUDA streams) and tells the hooks what
 // they need (device, scope, micro-batch, parameters, placement).
 // Two cases take the glue's Python pack (`_pack`), which keeps its books
@@ -68,7 +68,7 @@ nb::object wrap(const at::TensorBase& t) { return nb::steal(THPVariable_Wrap(t))
 // The error Python's glue raises for a saved tensor changed in place (the
 // message autograd gives); made there so both paths word it alike.
 [[noreturn]] void raise_version_error(const at::Tensor& t, uint64_t saved) {
-  nb::module_::import_("ebbtide.cache").attr("_check_version")(
+  nb::module_::import_("ebbtide.cache.hooks").attr("_check_version")(
       nb::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()))),
       nb::cast(std::vector<int64_t>(t.sizes().begin(), t.sizes().end())), saved, t._version());
   throw nb::python_error();  // _check_version always raises on a mismatch
@@ -607,7 +607,7 @@ struct Hooks {
     while (listed) unlink(listed);
   }
 
-  // Note [Kept cycles] (cache.py): the step's surviving kept handles hold
+  // Note [Kept cycles] (cache/hooks.py): the step's surviving kept handles hold
   // detached tensors from now on.
   // Dropping a tensor may free a graph and with it kept handles, this list's
   // included, so the old tensors go only once the walk is over.
@@ -648,7 +648,7 @@ Handle::~Handle() {
   int gone = g_api->release_handle(s.core, hid, eid);
   if (gone < 0) PyErr_Clear();
   if (gone == 1 && s.close_pending) {
-    // Note [Lifetime after the block] (cache.py).
+    // Note [Lifetime after the block] (cache/tensor_cache.py).
     PyObject* r = PyObject_CallMethod(glue.ptr(), "_entry_gone", nullptr);
     if (r) Py_DECREF(r);
     else PyErr_Clear();

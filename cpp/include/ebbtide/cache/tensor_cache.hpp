@@ -1,6 +1,6 @@
 // The tensor cache core: bookkeeping and scheduling of offloaded activations.
 //
-// Knows nothing of torch. The glue (python/ebbtide/cache.py) calls save() from
+// Knows nothing of torch. The glue (python/ebbtide/cache/tensor_cache.py) calls save() from
 // the pack hook with a storage's identity, pointer and size, and the tensor as
 // an opaque object the cache holds while the entry needs it resident (Note
 // [Glue objects] in the .cpp); the cache dedups by key and offloads. Small
@@ -216,7 +216,7 @@ class TensorCache {
   // held) and answers unpacks from it: the glue saw the tensor of a completion
   // written in place since its save, so its version check reports the change
   // (Note [Torn snapshots]); or the glue swaps a held tensor for one that
-  // makes no reference cycle (Note [Kept cycles] in cache.py).
+  // makes no reference cycle (Note [Kept cycles] in cache/hooks.py).
   void hold_live(EntryId id, GlueObj live);
   // The tensors the cache holds for entries of step `step` (0: every step).
   std::vector<std::pair<EntryId, GlueObj>> held_lives(uint64_t step) const;

@@ -10,10 +10,11 @@ import os
 
 import torch
 
-from ebbtide import _ckpt_tree as tree
-from ebbtide import _ckpt_validate as check
+from ebbtide.checkpoint import tree
+from ebbtide.checkpoint import validate as check
 from ebbtide import _core
-from ebbtide._ckpt_checks import fail, tag
+from ebbtide.checkpoint.checks import fail, tag
+
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -32,7 +33,7 @@ _NAMES = {v: k for k, v in _DTYPES.items()}
 
 # Host tensors at least this large get memory of their own, placed so that
 # O_DIRECT reads land in them in place (Note [Reading in place] in
-# cpp/src/ckpt/safetensors.cpp); smaller ones are copied from staging.
+# cpp/src/ckpt/safetensors_read.cpp); smaller ones are copied from staging.
 _IN_PLACE_MIN_BYTES = 1 << 20
 _BLOCK = 4096
 
@@ -169,7 +170,7 @@ def _files(path):
 
 def _open(file, names, index):
     """The validator of one safetensors file (Note [One validator] in
-    _ckpt_checks.py), for load() and inspect alike: its header checked in C++
+    checks.py), for load() and inspect alike: its header checked in C++
     and, for a file of an index, its tensors exactly those mapped to it."""
     try:
         reader = _core.SafetensorsReader(file)
@@ -327,7 +328,7 @@ def _check_shard(reader, names, ip):
 def inspect(path):
     """Describes a safetensors file, an index json or a directory holding one,
     checking it as load() does, with the same code (Note [One validator] in
-    _ckpt_checks.py), without reading tensor data. Returns {"path", "index"
+    checks.py), without reading tensor data. Returns {"path", "index"
     (its path or None), "files": [{"file", "file_bytes", "metadata",
     "tensors": [{"name", "dtype", "shape", "nbytes"}]} or {"file", "error"}],
     "errors": [one line each]}."""
@@ -365,3 +366,66 @@ def looks_like_safetensors(path):
         return any(f.endswith(".safetensors") or f.endswith(".safetensors.index.json") for f in os.listdir(p))
     except OSError:
         return False
+
+
+def save_safetensors(tensors, path, metadata=None):
+    """Writes a safetensors file (docs/checkpoints.md, "safetensors") with
+    ebbtide's I/O: through pinned buffers, O_DIRECT where the filesystem
+    allows it, to a temporary file renamed over `path` once durable.
+
+    Args:
+        tensors: dict of name -> dense tensor (CPU or CUDA; non-contiguous
+            ones are copied first).
+        path: the file to write (replaced atomically when it exists).
+        metadata: optional dict of str -> str, stored as "__metadata__".
+
+    Returns:
+        {"file_bytes", "data_bytes", "backend"}.
+
+    Raises:
+        TypeError: tensors or metadata of the wrong type.
+        ValueError: a dtype the format lacks, a reserved or repeated name.
+        OSError: the file cannot be written (naming it).
+
+    Example:
+        checkpoint.save_safetensors(model.state_dict(), "model.safetensors", {"format": "pt"})
+    """
+    return save(tensors, path, metadata)
+
+
+def load_safetensors(path, device=None, *, into=None, strict=True):
+    """Reads a safetensors file, or a sharded HF checkpoint (a
+    model.safetensors.index.json, or a directory holding it or
+    model.safetensors), validating every header as hostile input.
+
+    Args:
+        path: a .safetensors file, an index json, or a directory.
+        device: where the tensors go (default CPU); CUDA reads go straight
+            to device memory by cuFile where it is usable (EBBTIDE_CUFILE),
+            else through pinned staging buffers.
+        into: a module (its parameters and buffers) or a dict of tensors to
+            read into in place, by name, instead of new tensors (Note
+            [Loading into existing tensors] in safetensors.py): no new
+            memory, no load_state_dict copy; each tensor on its target's
+            device.
+        strict: with `into`, every target must be in the file and every
+            tensor of the file must have a target (tied weights stored once
+            count as loaded); else ValueError before anything is read.
+
+    Returns:
+        dict of name -> tensor; with `into`, (missing_keys, unexpected_keys)
+        like Module.load_state_dict.
+
+    Raises:
+        ValueError: an invalid file or index, naming the file and the tensor;
+            with `into`, a dtype or shape that differs from its target's, or
+            (strict) names that do not match: nothing is loaded then.
+        NotImplementedError: a dtype torch has no equivalent for (F4, F6).
+        OSError: a missing or unreadable file.
+
+    Example:
+        state = checkpoint.load_safetensors("out/llama-tiny")   # save_pretrained's directory
+        model.load_state_dict(state)
+        checkpoint.load_safetensors("out/llama-tiny", into=model)  # the same, in place
+    """
+    return load(path, device, into, strict)

@@ -1,8 +1,9 @@
 """Recompute-offload-keep (ROK) curves: for each micro-batch size, train a few
 steps keeping all activations, offloading them with ebbtide, and recomputing
 them (full activation checkpointing), and plot model throughput against the
-step's peak memory. Built on the demo harness (ebbtide.demo)."""
-from ebbtide.demo import DEFAULT_MODEL, run_demo
+step's peak memory. Built on the demo harness (ebbtide.harness.demo)."""
+from ebbtide.harness.demo import run_demo
+from ebbtide.harness.models import DEFAULT_MODEL
 
 ROK_METHODS = {"keep": "none", "offload": "ebbtide-ssd", "recompute": "recompute"}
 

@@ -3,8 +3,8 @@
 Note [One validator]
 `load()` and `ebbtide ckpt inspect` must never disagree about a file: a user
 runs inspect to decide whether a long job may resume from a checkpoint. So
-each format has one validator, which both call: `_ckpt_validate.open_chain`
-(ebbtide checkpoints and their delta chains), `dcp._validate_file` with
+each format has one validator, which both call: `validate.open_chain`
+(ebbtide checkpoints and their delta chains), `dcp_format._DataFile` with
 `dcp.load_metadata` (torch.distributed.checkpoint) and `_safetensors._shards`
 (safetensors), on top of the C++ readers' own checks. Every refusal they make
 is one entry of CHECKS below: a stable id, the exception type and a message

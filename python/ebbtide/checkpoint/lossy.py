@@ -34,8 +34,8 @@ import math
 
 import torch
 
-from ebbtide import _ckpt_tree as tree
-from ebbtide._ckpt_checks import fail
+from ebbtide.checkpoint import tree
+from ebbtide.checkpoint.checks import fail
 
 
 @dataclasses.dataclass

@@ -216,7 +216,7 @@ def budget_plan(config: Mapping[str, Any] | None = None, *, activation_budget_by
                 **kwargs) -> dict:
     """The planner's keep / offload / recompute mix for a model of the catalog
     within ``activation_budget_bytes`` per GPU (Note [Budget from the model]
-    in cpp/src/plan/budget.cpp); the dict of ``ebbtide.planner.plan_offload``."""
+    in cpp/src/plan/budget.cpp); the dict of ``ebbtide.plan.planner.plan_offload``."""
     plan = _core.plan_report_budget(_config(config, kwargs), gpu, ssd, ssds, mfu, int(activation_budget_bytes),
                                     int(host_budget_bytes))
     return as_dict(plan)
@@ -270,7 +270,7 @@ def _get(cfg, *names, default=None):
     return default
 
 
-# model_type values read as the llama family (Note [Layer families] in model.cpp).
+# model_type values read as the llama family (Note [Layer families] in model_activations.cpp).
 _LLAMA_TYPES = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe")
 # Activations that save only their input: the gated MLP's count holds for them.
 _GATED_ACTS = ("silu", "swish", "gelu", "gelu_pytorch_tanh")
@@ -352,7 +352,7 @@ def _llama_from_hf(cfg, model_type: str) -> dict:
     return out
 
 
-# T5 feed_forward_proj values the t5 family models (Note [T5 family] in model.cpp).
+# T5 feed_forward_proj values the t5 family models (Note [T5 family] in model_activations.cpp).
 _T5_FFN = {"relu": False, "gated-gelu": True}
 
 
@@ -472,7 +472,7 @@ def predicted_saved_bytes(hf_config, seq: int, batch: int, dtype="fp32", *, devi
         raise ValueError(f"seq and batch must be positive, got seq={seq}, batch={batch}")
     family = _family(hf_config)
     if family in _LLAMA_TYPES:
-        # Note [Layer families] (model.cpp): the C++ model counts these layers.
+        # Note [Layer families] (model_activations.cpp): the C++ model counts these layers.
         cfg = config_from_hf(hf_config, seq, batch)
         cfg["bytes_per_element"] = _dtype_bytes(dtype)
         a = activation_bytes(cfg)

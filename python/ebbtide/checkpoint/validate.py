@@ -1,11 +1,11 @@
 """The validator of ebbtide checkpoints (Note [One validator] in
-_ckpt_checks.py): `open_chain` checks a shard, and the delta bases it
+checks.py): `open_chain` checks a shard, and the delta bases it
 depends on, exactly as load() needs them, for load() and `ebbtide ckpt
 inspect` alike. Everything here treats the checkpoint as hostile
 (docs/checkpoints.md, "Threat model"): a field of the wrong type, a path
 leading out of the checkpoint directory, a tensor reaching past its storage,
 a tree referring to a tensor that is not there or a special file in place of
-a regular one raises the error of its entry in _ckpt_checks.CHECKS, naming
+a regular one raises the error of its entry in checks.CHECKS, naming
 the file and what is wrong, before any tensor memory is allocated. The
 binary shard tables are checked by the C++ reader (Note [Hostile headers] in
 cpp/src/ckpt/format.cpp); this module checks the JSON index and metadata
@@ -21,9 +21,9 @@ import threading
 
 import torch
 
-from ebbtide import _ckpt_tree as tree
+from ebbtide.checkpoint import tree
 from ebbtide import _core
-from ebbtide._ckpt_checks import fail, tag
+from ebbtide.checkpoint.checks import fail, tag
 
 # JSON numbers become Python ints of any size; torch and the C++ core take
 # 64-bit ones. Sizes, strides and offsets above this are refused.
@@ -337,7 +337,7 @@ def open_chain(path, idx, r):
     on: [Shard, ...], each checked (Shard), each base carrying the id its
     delta recorded, the chain ending in a checkpoint that is not a delta
     and never returning to a checkpoint in it, and every lossy tensor's
-    encoding fitting its base as loaded (_ckpt_lossy.check)."""
+    encoding fitting its base as loaded (_lossy.check)."""
     chain = [Shard(path, idx, r)]
     seen = {idx["id"]}
     while chain[-1].base is not None:
@@ -354,7 +354,7 @@ def open_chain(path, idx, r):
         if r >= base_idx["world_size"]:
             raise fail("ckpt.delta.base_rank", top.path, rank=r, base=base, world=base_idx["world_size"])
         chain.append(Shard(base, base_idx, r))
-    from ebbtide import _ckpt_lossy
+    from ebbtide.checkpoint import lossy as _lossy
     for k in range(len(chain) - 2, -1, -1):  # bases first: a delta decodes against its base as loaded
-        chain[k].decoded = _ckpt_lossy.check(chain[k].state, chain[k + 1].decoded, chain[k].file)
+        chain[k].decoded = _lossy.check(chain[k].state, chain[k + 1].decoded, chain[k].file)
     return chain

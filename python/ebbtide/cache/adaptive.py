@@ -1,10 +1,10 @@
 """Adaptive placement for TensorCache: the profiling step, the plan, re-plans.
 
-The tensor cache (ebbtide/cache.py) calls into one ``Adaptive`` per cache:
+The tensor cache (ebbtide/cache/tensor_cache.py) calls into one ``Adaptive`` per cache:
 ``mark(scope)`` at every scope change of a forward (block pre-hooks, root
 hooks), ``placement(scope)`` from the pack hook, ``begin_step`` /
 ``end_step`` around each step. The decision itself is the C++ planner's
-(``ebbtide.planner.plan_offload``, Note [Offload rule] in
+(``ebbtide.plan.planner.plan_offload``, Note [Offload rule] in
 cpp/src/plan/planner.cpp); this module only measures and passes numbers.
 
 Note [Profiling step]
@@ -48,7 +48,8 @@ from typing import Optional
 
 import torch
 
-from ebbtide import _core, _settings, planner
+from ebbtide import _core, _settings
+from ebbtide.plan import planner
 
 logger = logging.getLogger("ebbtide")
 
@@ -57,7 +58,7 @@ _TIER_OF = {"cpu": _core.TIER_CPU, "ssd": _core.TIER_SSD}
 _MIN_MEASURED_BYTES = 1 << 20
 # On a GPU the prefetch window spans this many of the largest blocks, and the
 # plan assumes the same lead for reloads (Note [Release points]); on CPU one
-# (prefetch_modules, the window of Note [Prefetch window] in cache.py).
+# (prefetch_modules, the window of Note [Prefetch window] in tensor_cache.py).
 _CUDA_PREFETCH_MODULES = 4
 _PROBE_BYTES = 8 << 20
 _DEFAULT_HOST_FRACTION = 0.25  # of MemAvailable: auto's host tier when training on CUDA

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ebbtide._ckpt_checks import fail
+from ebbtide.checkpoint.checks import fail
 
 _DTYPES = {
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
@@ -162,7 +162,7 @@ def build(node, tensors, where=""):
     untrusted: a node of the wrong shape, a tensor index that is not one of
     `tensors` (negative, a bool, out of range), an unknown dtype, an
     unhashable key or containers nested more than MAX_TREE_DEPTH deep raise
-    ValueError naming `where` (Note [One validator] in _ckpt_checks.py)."""
+    ValueError naming `where` (Note [One validator] in checks.py)."""
     return _build(node, tensors, where, 0)
 
 

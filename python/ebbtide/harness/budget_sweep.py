@@ -118,7 +118,7 @@ class Runner:
         if strategy in ("recompute", "torchtune"):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if strategy == "torchtune":
-            from ebbtide.demo import load_torchtune_offload
+            from ebbtide.harness.methods import load_torchtune_offload
 
             offload_cls, _origin = load_torchtune_offload()
             self.context = offload_cls()

@@ -1,0 +1,240 @@
+// The planner on a GPU: the copy bound in the plan and partial offload (Note
+// [Copy bound in the plan], Note [Partial offload] in cpp/src/plan/planner.cpp).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "ebbtide/plan/budget.hpp"
+#include "ebbtide/plan/planner.hpp"
+#include "ebbtide/util/error.hpp"
+#include "plan_test_helpers.hpp"
+
+using namespace ebbtide::plan;
+using namespace ebbtide::plan::test;
+
+// ------------------------------------------- GPU: copy bound, partial offload
+// Note [Copy bound in the plan], Note [Partial offload], on the profiles of
+// the first H200 runs (2026-11-26, docs/benchmarks.md, "Activation offloading, GPU":
+// offload_bench shapes a and b; per-scope times from CUDA events with everything kept, the
+// link measured at 55.3 GB/s) and the options the glue passes on a GPU.
+
+namespace {
+
+// Shape a: llama, 8 layers, hidden 4096, seq 2048, batch 2, bf16.
+std::vector<ModuleProfile> shape_a() {
+  return {{"<before blocks>", 0.0010080959796905519, 32768ULL},
+          {"model.layers.0", 0.0030504961013793947, 712540176ULL},
+          {"model.layers.1", 0.002915839910507202, 711491600ULL},
+          {"model.layers.2", 0.00291644811630249, 711491600ULL},
+          {"model.layers.3", 0.0029145920276641844, 711491600ULL},
+          {"model.layers.4", 0.002916224002838135, 711491600ULL},
+          {"model.layers.5", 0.0029189438819885254, 711491600ULL},
+          {"model.layers.6", 0.002913088083267212, 711491600ULL},
+          {"model.layers.7", 0.0037435200214385985, 979976212ULL}};
+}
+
+// Shape b: gpt2, 9 layers, hidden 8192, seq 2048, batch 2, bf16.
+std::vector<ModuleProfile> shape_b() {
+  return {{"<before blocks>", 0.00122435200214386, 33603584ULL},
+          {"transformer.h.0", 0.010544511795043945, 1947271184ULL},
+          {"transformer.h.1", 0.010215840339660644, 1947271184ULL},
+          {"transformer.h.2", 0.010224543571472167, 1947271184ULL},
+          {"transformer.h.3", 0.01021513557434082, 1947271184ULL},
+          {"transformer.h.4", 0.010221759796142578, 1947271184ULL},
+          {"transformer.h.5", 0.010177375793457032, 1947271184ULL},
+          {"transformer.h.6", 0.01040764808654785, 1947271184ULL},
+          {"transformer.h.7", 0.011098848342895509, 1947271184ULL},
+          {"transformer.h.8", 0.012301695823669434, 2215772180ULL}};
+}
+
+// What ebbtide/cache/adaptive.py passes on a GPU (target auto, host tier).
+PlannerOptions gpu_options(double write_bps, double read_bps, double backward_factor) {
+  PlannerOptions o;
+  o.host_budget_bytes = 1ull << 40;
+  o.host_write_bps = write_bps;
+  o.host_read_bps = read_bps;
+  o.keep_last_modules = 1;
+  o.backward_factor = backward_factor;
+  o.prefetch_modules = 4;
+  o.writes_within_forward = true;
+  return o;
+}
+
+PlannerOptions shape_a_options() { return gpu_options(55266382949.31681, 55472138284.46099, 2.00024588614953); }
+PlannerOptions shape_b_options() { return gpu_options(55317768243.66902, 55416439731.55898, 2.119044640737976); }
+
+constexpr uint64_t kGiB = 1ull << 30;  // the cache's default device_inflight_bytes
+
+uint64_t moved(const Plan& p) { return p.bytes_cpu + p.bytes_ssd; }
+
+}  // namespace
+
+// Shape b without the copy bound in the model: the planner offloads the
+// blocks' scope before them and blocks 0 and 1 whole, every copy ending by
+// the forward's end and nothing predicted to wait; on the H200 the forward
+// took 0.131 s instead of 0.097 s. Replayed with the 1 GiB bound the same
+// placements wait, by hand (R = 55.318 GB/s, D = 2^30 B, D/R = 19.41 ms):
+//   before: t = 1.224 ms, copy done 1.224 ms;
+//   block 0: t = 11.769 ms, w = 1.224 + 1947.27 MB / R = 36.426 ms;
+//            w - D/R = 17.015 ms > t: waits 5.247 ms, t = 17.015 ms;
+//   block 1: t = 27.231 ms, w = 36.426 + 35.201 = 71.627 ms;
+//            w - D/R = 52.217 ms: waits 24.986 ms.
+// 30.23 ms in all (measured: 34 ms, the bound's waits being whole tensors).
+TEST(PlanPlanner, CopyBoundWaitIsPredicted) {
+  PlannerOptions o = shape_b_options();
+  const Plan unbounded = plan_offload(shape_b(), o);
+  std::vector<Placement> old(10, Placement::kKeep);
+  old[0] = old[1] = old[2] = Placement::kOffloadCpu;
+  ASSERT_EQ(placements_of(unbounded), old) << "the H200's plan";
+  EXPECT_EQ(unbounded.forward_wait_seconds, 0);
+  EXPECT_EQ(unbounded.predicted_stall_seconds, 0);
+
+  o.copy_bound_bytes = kGiB;
+  const Plan replay = simulate_plan(shape_b(), o, old);
+  EXPECT_NEAR(replay.forward_wait_seconds, 0.0052466 + 0.0249857, 2e-7);
+  EXPECT_NEAR(replay.modules[1].forward_end_seconds, 0.017015469, 1e-8);
+  EXPECT_NEAR(replay.modules[2].forward_end_seconds, 0.052217019, 1e-8);
+  EXPECT_NEAR(replay.predicted_stall_seconds, replay.forward_wait_seconds, 1e-12) << "no reload stalls";
+
+  // Planned with the bound, whole blocks only: block 0 alone already waits
+  // 5.2 ms, so only the 34 MB before the blocks moves, and nothing waits.
+  const Plan p = plan_offload(shape_b(), o);
+  EXPECT_EQ(p.modules[0].placement, Placement::kOffloadCpu);
+  for (size_t i = 1; i < p.modules.size(); ++i) EXPECT_EQ(p.modules[i].placement, Placement::kKeep) << i;
+  EXPECT_EQ(p.forward_wait_seconds, 0);
+  EXPECT_EQ(p.predicted_stall_seconds, 0);
+}
+
+// A bound that the copies never reach changes nothing.
+TEST(PlanPlanner, CopyBoundAboveTheBacklogChangesNothing) {
+  PlannerOptions o = shape_a_options();
+  const Plan free = plan_offload(shape_a(), o);
+  o.copy_bound_bytes = kGiB;  // shape a's backlog peaks at 544 MB
+  const Plan bounded = plan_offload(shape_a(), o);
+  EXPECT_EQ(placements_of(bounded), placements_of(free));
+  EXPECT_EQ(bounded.forward_wait_seconds, 0);
+  for (size_t i = 0; i < free.modules.size(); ++i)
+    EXPECT_EQ(bounded.modules[i].write_done_seconds, free.modules[i].write_done_seconds) << i;
+}
+
+// Shape a, whole blocks: block 0's copy ends at 13.90 ms, block 1's would
+// end at 26.77 ms, after the 25.30 ms forward: one block (0.49 of the link
+// limit on the H200). With partial offload, by hand (R = 55.266 GB/s):
+//   block 1 starts at 4.059 ms with 543.9 MB still queued; its prefix L1
+//   is queued at its start (Note [Copy bound in the plan]): L1 <= 2^30 B -
+//   543.9 MB = 529.79 MB (the forward's end would allow 629.8 MB);
+//   block 2 starts at 6.974 ms; the queue runs to 13.901 + 9.586 = 23.487 ms,
+//   so L2 <= (25.297 - 23.487) ms x R = 100.04 MB (the bound would allow
+//   160.4 MB); then the link is full to the forward's end: blocks 3-6 keep.
+TEST(PlanPlanner, PartialOffloadFillsTheLinkShapeA) {
+  PlannerOptions o = shape_a_options();
+  o.copy_bound_bytes = kGiB;
+  const Plan whole = plan_offload(shape_a(), o);
+  EXPECT_EQ(count(whole, Placement::kOffloadCpu), 2) << "the scope before the blocks, and block 0";
+  EXPECT_EQ(whole.bytes_cpu, 32768u + 712540176u);
+  for (const auto& d : whole.modules) EXPECT_FALSE(d.partial()) << d.name;
+
+  o.partial_offload = true;
+  const Plan p = plan_offload(shape_a(), o);
+  ASSERT_EQ(p.modules.size(), 9u);
+  EXPECT_EQ(p.modules[0].offload_bytes, 32768u);
+  EXPECT_EQ(p.modules[1].offload_bytes, 712540176u) << "block 0 whole, as before";
+  EXPECT_FALSE(p.modules[1].partial());
+  EXPECT_TRUE(p.modules[2].partial());
+  EXPECT_LE(p.modules[2].offload_bytes, 529791534u);
+  EXPECT_GE(p.modules[2].offload_bytes, 529791534u - (711491600u >> 10));
+  EXPECT_TRUE(p.modules[3].partial());
+  // Together the two prefixes fill the link from 13.90 ms to the forward's end.
+  EXPECT_LE(p.modules[2].offload_bytes + p.modules[3].offload_bytes, 629833408u + 8);
+  EXPECT_GE(p.modules[3].offload_bytes, 100040000u - (711491600u >> 10));
+  for (size_t i = 4; i < 9; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kKeep) << i;
+  EXPECT_EQ(p.predicted_stall_seconds, 0);
+  EXPECT_EQ(p.forward_wait_seconds, 0);
+  for (const auto& d : p.modules)
+    if (is_offload(d.placement)) EXPECT_LE(d.write_done_seconds, p.forward_seconds + 1e-9) << d.name;
+  // What moved, against what the link carries in the forward (the bench's
+  // link limit): 0.96 with prefixes, 0.51 with whole blocks.
+  const double link = o.host_write_bps * p.forward_seconds;
+  EXPECT_GT(static_cast<double>(moved(p)) / link, 0.95);
+  EXPECT_LT(static_cast<double>(moved(whole)) / link, 0.52);
+  // The unmoved rest of a prefix stays resident: kept bytes and moved bytes
+  // add up to everything.
+  EXPECT_EQ(p.bytes_keep + p.bytes_cpu, p.all_resident_bytes);
+}
+
+// Shape b with the bound and prefixes: every block before the last takes
+// the part the link can carry, nothing waits, and the link is busy from the
+// first block to the forward's end.
+TEST(PlanPlanner, PartialOffloadUnderTheCopyBoundShapeB) {
+  PlannerOptions o = shape_b_options();
+  o.copy_bound_bytes = kGiB;
+  o.partial_offload = true;
+  const Plan p = plan_offload(shape_b(), o);
+  EXPECT_EQ(p.forward_wait_seconds, 0);
+  EXPECT_EQ(p.predicted_stall_seconds, 0);
+  // Block 0's prefix is queued at its start on an idle link: 2^30 B.
+  EXPECT_LE(p.modules[1].offload_bytes, kGiB);
+  EXPECT_GE(p.modules[1].offload_bytes, kGiB - (1947271184u >> 10));
+  for (const auto& d : p.modules)
+    if (is_offload(d.placement)) EXPECT_LE(d.write_done_seconds, p.forward_seconds + 1e-9) << d.name;
+  EXPECT_EQ(p.modules.back().placement, Placement::kKeep);
+  const double link = o.host_write_bps * p.forward_seconds;
+  EXPECT_GT(static_cast<double>(moved(p)) / link, 0.9) << moved(p);
+  EXPECT_LE(static_cast<double>(moved(p)), link);
+  // Replayed with the same prefixes, the model agrees with itself.
+  std::vector<uint64_t> limits;
+  for (const auto& d : p.modules) limits.push_back(d.partial() ? d.offload_bytes : kWholeModule);
+  const Plan again = simulate_plan(shape_b(), o, placements_of(p), limits);
+  EXPECT_EQ(moved(again), moved(p));
+  EXPECT_EQ(again.peak_resident_bytes, p.peak_resident_bytes);
+}
+
+// Where whole modules fit, partial offload changes nothing.
+TEST(PlanPlanner, PartialOffloadLeavesWholeModulesAlone) {
+  for (bool gpu : {false, true}) {
+    PlannerOptions o;
+    o.write_bps = o.read_bps = 1e15;
+    o.writes_within_forward = gpu;
+    const Plan whole = plan_offload(uniform(8, 0.1, kGB), o);
+    o.partial_offload = true;
+    const Plan p = plan_offload(uniform(8, 0.1, kGB), o);
+    EXPECT_EQ(placements_of(p), placements_of(whole));
+    for (const auto& d : p.modules) {
+      EXPECT_FALSE(d.partial()) << d.name;
+      EXPECT_EQ(d.offload_bytes, is_offload(d.placement) ? d.saved_bytes : 0u) << d.name;
+    }
+    EXPECT_EQ(p.peak_resident_bytes, whole.peak_resident_bytes);
+  }
+}
+
+// A prefix by hand: 3 modules of 1 GB in 0.1 s, a 5 GB/s host link, module
+// 0 moving its first 0.25 GB: copy 0.05 s from its start, done at its end
+// (0.1 s; Note [Partial offload]); 2.75 GB stay resident.
+TEST(PlanPlanner, SimulatedPrefixByHand) {
+  PlannerOptions o;
+  o.host_budget_bytes = 1ull << 40;
+  o.host_write_bps = o.host_read_bps = 5e9;
+  o.writes_within_forward = true;
+  o.prefetch_modules = 1;
+  const std::vector<Placement> pl{Placement::kOffloadCpu, Placement::kKeep, Placement::kKeep};
+  const Plan p = simulate_plan(uniform(3, 0.1, kGB), o, pl, {kGB / 4, kWholeModule, kWholeModule});
+  EXPECT_EQ(p.modules[0].offload_bytes, kGB / 4);
+  EXPECT_TRUE(p.modules[0].partial());
+  EXPECT_EQ(p.bytes_cpu, kGB / 4);
+  EXPECT_EQ(p.bytes_keep, 3 * kGB - kGB / 4);
+  EXPECT_DOUBLE_EQ(p.modules[0].write_done_seconds, 0.1);
+  // Forward end: 2.75 GB resident; backward: the reload is back by the time
+  // module 0's backward starts, so the peak is at the forward's end or the
+  // last module's backward with the reload in the window: 3 GB at most.
+  EXPECT_GE(p.peak_resident_bytes, 3 * kGB - kGB / 4);
+  EXPECT_LE(p.peak_resident_bytes, 3 * kGB);
+  // A limit past the module's bytes moves it whole; 0 is refused.
+  const Plan whole = simulate_plan(uniform(3, 0.1, kGB), o, pl, {2 * kGB, kWholeModule, kWholeModule});
+  EXPECT_FALSE(whole.modules[0].partial());
+  EXPECT_EQ(whole.bytes_cpu, kGB);
+  EXPECT_THROW(simulate_plan(uniform(3, 0.1, kGB), o, pl, {0, kWholeModule, kWholeModule}),
+               ebbtide::InvalidArgument);
+  EXPECT_THROW(simulate_plan(uniform(3, 0.1, kGB), o, pl, {kWholeModule}), ebbtide::InvalidArgument);
+}

@@ -1,0 +1,14 @@
+"""The activation cache's torch glue (docs/tensor-cache.md), as the core's
+cpp/src/cache is the cache itself:
+- tensor_cache.py: ``TensorCache`` (construction, attach, steps, stats, close)
+  and ``offload()``;
+- hooks.py: what runs inside a step (the pack path, module hooks, release
+  points, recompute by the cache); the C++ side is python/src/torch/hooks.cpp;
+- adaptive.py: adaptive placement (the profiling step, plans, re-plans),
+  measuring for the C++ planner (ebbtide.plan.planner).
+Modules here may import ebbtide._core, ebbtide._torch, ebbtide._settings and
+ebbtide.plan; never ebbtide.checkpoint or the harness.
+"""
+from ebbtide.cache.tensor_cache import TensorCache, offload, release_pooled_stores
+
+__all__ = ["TensorCache", "offload", "release_pooled_stores"]
