@@ -325,6 +325,7 @@ void ebbtide::py::bind_cache(nb::module_& m) {
       .def("set_prefetch_window", &TensorCache::set_prefetch_window, nb::arg("bytes"))
       .def("set_max_inflight", &TensorCache::set_max_inflight, nb::arg("bytes"))
       .def_prop_ro("prefetch_window_bytes", [](const TensorCache& c) { return c.options().prefetch_window_bytes; })
+      .def_prop_ro("device_inflight_bytes", [](const TensorCache& c) { return c.options().device_inflight_bytes; })
       .def("set_write_limit", &TensorCache::set_write_limit, nb::arg("tier"), nb::arg("bytes_per_second"))
       .def("probe", &TensorCache::probe, nb::arg("tier"), nb::arg("nbytes"), nb::call_guard<nb::gil_scoped_release>())
       .def("pause_stores", &TensorCache::pause_stores, nb::arg("paused"))

@@ -309,3 +309,27 @@ def test_failed_profiling_step_profiles_again(tmp_path):
         grads_of(model, x, c)
         s = c.stats()
         assert s["profiled"] and s["planner"] is not None
+
+
+# Note [Scope byte limits] (python/src/torch/hooks.cpp), Note [Partial
+# offload] (cpp/src/plan/planner.cpp): a plan that moves only the first bytes
+# of a block's saves. The glue's placement carries the limit; the hooks offload
+# a prefix of the block's saves in save order and keep the rest, each forward.
+# Here the placement is forced (plans use limits on a GPU only). Each Block
+# saves two 256 KiB tensors: the Linear's input, then GELU's input.
+@pytest.mark.parametrize("limit,per_block", [(-1, 2), (256 << 10, 1), ((512 << 10) - 1, 1), (0, 0)])
+def test_a_scope_byte_limit_offloads_a_prefix_of_each_block(limit, per_block, monkeypatch):
+    model = make_model()
+    x = torch.randn(256, 256)
+    want = grads_of(model, x)[0]
+    with ebbtide.TensorCache(target="cpu", adaptive=False, min_bytes=0) as c:
+        c.attach(model)
+        monkeypatch.setattr(c, "_scope_placement",
+                            lambda: ("keep", -1, -1) if c._keeping_scope() else ("offload", -1, limit))
+        for _ in range(2):  # the limit holds per step
+            got = grads_of(model, x, c)[0]
+            assert all(torch.equal(a, b) for a, b in zip(want, got))
+            s = c.stats()
+            blocks = len(model.blocks) - 1  # keep_last_modules=1
+            assert s["tensors_offloaded"] == per_block * blocks, s
+            assert s["bytes_offloaded"] == per_block * blocks * (256 << 10), s

@@ -142,6 +142,7 @@ class Adaptive:
         self._profile_next = True
         self.plan: Optional[dict] = None
         self.decisions: dict = {}    # scope -> (offload, tier)
+        self.limits: dict = {}       # scope -> bytes of its saves offloaded (Note [Partial offload]); absent: all
         self.profile_modules: list = []
         self.measured: dict = {}     # tier name -> {"write_bps", "read_bps", "source"}
         self.replans = 0
@@ -272,6 +273,14 @@ class Adaptive:
         if self.plan is None:
             return True, -1
         return self.decisions.get(scope, (False, -1))
+
+    def offload_limit(self, scope: int) -> int:
+        """The bytes of `scope`'s saves the plan offloads, the first in save
+        order (Note [Partial offload] in cpp/src/plan/planner.cpp, Note [Scope
+        byte limits] in python/src/torch/hooks.cpp); -1: all of them."""
+        if self.plan is None or self.profiling:
+            return -1
+        return self.limits.get(scope, -1)
 
     def release_through(self, scope: int) -> int:
         """After block `scope`'s forward: the last scope whose copies the plan
@@ -453,7 +462,11 @@ class Adaptive:
             keep_last_modules=keep_last, backward_factor=self.backward_factor,
             prefetch_modules=max(self.prefetch_modules, _CUDA_PREFETCH_MODULES) if cuda else self.prefetch_modules,
             replan_fraction=self.replan_fraction, writes_within_forward=cuda,
-            guarded_writes=not cuda, activation_budget_bytes=budget)
+            guarded_writes=not cuda, activation_budget_bytes=budget,
+            # Note [Copy bound in the plan]: the device waits behind the bound
+            # when a plan queues more; the plan counts that wait.
+            copy_bound_bytes=cache._core.device_inflight_bytes if cuda else 0,
+            partial_offload=cuda)
         for m, d in zip(self.profile_modules, plan["modules"]):
             d["scope"] = m["scope"]
             d["forward_seconds"] = m["forward_seconds"]
@@ -463,12 +476,15 @@ class Adaptive:
         cache = self.cache
         plan = self._planned(self.activation_budget_bytes)
         decisions = {}
+        limits = {}
         recompute = set()
         for m, d in zip(self.profile_modules, plan["modules"]):
             if m.get("tail"):
                 continue  # its scope's placement is the last block's
             tier = _TIER_OF.get(d["tier"])
             decisions[m["scope"]] = (tier is not None, -1 if tier is None else tier)
+            if tier is not None and 0 < d["offload_bytes"] < d["saved_bytes"]:
+                limits[m["scope"]] = d["offload_bytes"]  # Note [Partial offload]
             if d["placement"].startswith("recompute"):
                 recompute.add(m["scope"])
         self.recompute_scopes = recompute
@@ -498,6 +514,7 @@ class Adaptive:
         plan["measured"] = {k: dict(v) for k, v in self.measured.items()}
         self.plan = plan
         self.decisions = decisions
+        self.limits = limits
         self.plans += 1
         if log:
             self._log_plan()

@@ -204,7 +204,11 @@ class _StepHooks:
         nbytes = st.nbytes()
         if nbytes == 0:
             return t
-        decision, tier = self._scope_placement()
+        # The scope's byte limit (Note [Scope byte limits]) is the C++ hooks':
+        # this path takes no planned GPU step (the first tensor of a cache
+        # whose device is unknown comes in its profiling step; CUDA tensors
+        # without the driver shim stay resident).
+        decision, tier, _limit = self._scope_placement()
         native = self._native
         if nbytes < self.min_bytes or decision != "offload":
             # Note [Kept tensors]: a save that stays resident needs no core
@@ -248,13 +252,15 @@ class _StepHooks:
             self._core.note_kept(self._fwd_mb, n)
 
     def _scope_placement(self):
-        """("keep" | "offload", store tier hint) for the current scope: keep_last_modules, then the plan."""
+        """("keep" | "offload", store tier hint, byte limit or -1) for the
+        current scope: keep_last_modules, then the plan (Note [Scope byte
+        limits] in python/src/torch/hooks.cpp)."""
         if self._keeping_scope():
-            return "keep", -1
+            return "keep", -1, -1
         if self._adapt is not None:
             offload, tier = self._adapt.placement(self._scope)
-            return ("offload" if offload else "keep"), tier
-        return "offload", -1
+            return ("offload" if offload else "keep"), tier, self._adapt.offload_limit(self._scope)
+        return "offload", -1, -1
 
     def _scope_name(self, s):
         return self._blocks[s][0] if 0 <= s < len(self._blocks) else ("<before blocks>" if s < 0 else

@@ -24,7 +24,8 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
                  keep_last_modules: int = 1, backward_factor: float = 2.0,
                  prefetch_modules: int = 2, stall_tolerance_seconds: float = 0.0,
                  replan_fraction: float = 0.7, writes_within_forward: bool = False,
-                 guarded_writes: bool = False, activation_budget_bytes: int = 0) -> dict:
+                 guarded_writes: bool = False, activation_budget_bytes: int = 0,
+                 copy_bound_bytes: int = 0, partial_offload: bool = False) -> dict:
     """Plans where each module's saved activations go.
 
     modules: forward order, each ``{"name": str, "forward_seconds": float, "bytes": int}``,
@@ -44,13 +45,20 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
     than the budget less the kept bytes wait to be stored; the forward then
     waits (``forward_wait_seconds``, part of the stall) rather than exceed the
     budget (Note [Guarded writes] in planner.cpp).
+    copy_bound_bytes: GPU: the cache's device_inflight_bytes; the forward
+    waits, as on the device, while more host-tier copies than this are queued
+    (Note [Copy bound in the plan] in planner.cpp; 0: no bound).
+    partial_offload: a module may move only the first ``offload_bytes`` of its
+    saves, in save order, where the whole would stall or miss the forward
+    (Note [Partial offload]).
     activation_budget_bytes: bound on the predicted peak of resident saved
     bytes (0: none, offload what hides). A budget no mix meets gives
     ``feasible`` False and ``min_budget_bytes``, the smallest it can meet.
 
     Returns ``{"modules": [{"name", "placement", "tier" ("cpu", "ssd" or None),
     "bytes", "saved_bytes", "fixed_bytes", "recompute_seconds", "forward_end_seconds",
-    "write_done_seconds", "read_start_seconds", "backward_start_seconds"}, ...],
+    "write_done_seconds", "read_start_seconds", "backward_start_seconds",
+    "offload_bytes" (bytes moved: saved_bytes, or less for a partial module)}, ...],
     "forward_seconds", "backward_seconds", "predicted_stall_seconds", "forward_wait_seconds",
     "recompute_seconds", "predicted_step_seconds", "all_resident_bytes",
     "peak_resident_bytes", "peak_resident_fraction", "bytes_keep", "bytes_cpu",
@@ -65,27 +73,31 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
                        backward_factor=backward_factor, prefetch_modules=prefetch_modules,
                        stall_tolerance_seconds=stall_tolerance_seconds, replan_fraction=replan_fraction,
                        writes_within_forward=writes_within_forward, guarded_writes=guarded_writes,
-                       activation_budget_bytes=activation_budget_bytes)
+                       activation_budget_bytes=activation_budget_bytes, copy_bound_bytes=copy_bound_bytes,
+                       partial_offload=partial_offload)
     profiles = [_module(i, dict(m)) for i, m in enumerate(modules)]
     return as_dict(_core.plan_budget(profiles, options))
 
 
 def simulate(modules: Iterable[Mapping[str, Any]], placements: Iterable[str], write_bps: float = 0.0,
-             read_bps: float = 0.0, **settings) -> dict:
+             read_bps: float = 0.0, *, offload_limits: Iterable[int | None] | None = None, **settings) -> dict:
     """The timing model replayed for given placements, one per module:
     "keep", "offload_cpu", "offload_ssd", "recompute", "recompute_offload_cpu"
     or "recompute_offload_ssd" (a fixed strategy's row of a ROK curve, or a
-    plan forced in tests). ``settings`` are plan_offload's keywords; returns
+    plan forced in tests). ``offload_limits``: per module, the bytes an
+    offloaded module moves (the first of its saves; None: all of them; Note
+    [Partial offload]). ``settings`` are plan_offload's keywords; returns
     the same dict."""
     options = _options(write_bps, read_bps, **settings)
     profiles = [_module(i, dict(m)) for i, m in enumerate(modules)]
-    return as_dict(_core.plan_simulate(profiles, options, [str(p) for p in placements]))
+    limits = [] if offload_limits is None else [-1 if v is None else int(v) for v in offload_limits]
+    return as_dict(_core.plan_simulate(profiles, options, [str(p) for p in placements], limits))
 
 
 def _options(write_bps, read_bps, *, target="auto", max_write_mbps=None, host_budget_bytes=0, host_write_bps=0.0,
              host_read_bps=0.0, keep_last_modules=1, backward_factor=2.0, prefetch_modules=2,
              stall_tolerance_seconds=0.0, replan_fraction=0.7, writes_within_forward=False,
-             guarded_writes=False, activation_budget_bytes=0):
+             guarded_writes=False, activation_budget_bytes=0, copy_bound_bytes=0, partial_offload=False):
     if target not in ("auto", "ssd", "cpu"):
         raise ValueError(f"planner target {target!r} is not valid (valid: auto, ssd, cpu)")
     if target == "cpu" and int(host_budget_bytes) <= 0:
@@ -112,6 +124,8 @@ def _options(write_bps, read_bps, *, target="auto", max_write_mbps=None, host_bu
         "writes_within_forward": bool(writes_within_forward),
         "guarded_writes": bool(guarded_writes),
         "activation_budget_bytes": int(activation_budget_bytes),
+        "copy_bound_bytes": int(copy_bound_bytes),
+        "partial_offload": bool(partial_offload),
     }, "planner")
 
 
