@@ -14,6 +14,7 @@ time; the planner's predicted peak includes them).
 from __future__ import annotations
 
 import contextlib
+import copy
 import statistics
 import tempfile
 import time
@@ -34,14 +35,18 @@ _MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "
 
 
 def build_llama(layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq, seed=0, device="cpu", dtype=torch.float32):
-    """A random-init LlamaForCausalLM (nothing downloaded)."""
+    """A random-init LlamaForCausalLM (nothing downloaded), made on `device`:
+    shape a's 2.0 B parameters take 30-70 s to initialise on the host, one
+    thread drawing the random numbers and fresh pages faulted in (the GPU
+    stage built seven that way and never reached its first step)."""
     import transformers
 
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn_hidden,
                                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                                    max_position_embeddings=seq, use_cache=False)
-    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", torch_dtype=dtype)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", torch_dtype=dtype)
     model.to(device)
     model.train()
     return model
@@ -94,21 +99,40 @@ class _Held:
         self.t = t
 
 
+class _InductorAtBudget:
+    """torch.compile's backend for the compiler peer at one fraction: dynamo
+    keys its cache by backend (compared by identity here), so the blocks of
+    one runner share one compile and a runner at another fraction compiles
+    its own. With the default backend the second fraction's blocks would reuse
+    the first's graphs, partitioned at the first's budget (one graph in all)."""
+
+    def __init__(self, fraction: float):
+        self.fraction = float(fraction)
+
+    def __call__(self, gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        with torch._functorch.config.patch(activation_memory_budget=self.fraction):
+            return compile_fx(gm, example_inputs)
+
+
 class Runner:
     """One strategy's model, inputs and cache, stepped one step at a time so a
     sweep can alternate strategies step by step (drifting machine load then
-    hits all alike)."""
+    hits all alike). `model`: one built already (build_llama's, on the
+    device), else it is built here."""
 
     def __init__(self, strategy: str, spec: dict, *, budget: Optional[int] = None,
                  max_write_mbps: Optional[float] = None, path: Optional[str] = None, device: str = "cpu",
-                 dtype=torch.float32, fraction: Optional[float] = None):
+                 dtype=torch.float32, fraction: Optional[float] = None, model: Optional[torch.nn.Module] = None):
         import ebbtide
 
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
         self.strategy, self.spec, self.budget, self.fraction = strategy, spec, budget, fraction
         self.device = torch.device(device)
-        self.model = build_llama(**{k: spec[k] for k in _MODEL_KEYS}, device=self.device, dtype=dtype)
+        self.model = model if model is not None else build_llama(**{k: spec[k] for k in _MODEL_KEYS},
+                                                                 device=self.device, dtype=dtype)
         self.ids = torch.randint(3, spec["vocab"], (spec["batch"], spec["seq"]),
                                  generator=torch.Generator().manual_seed(1)).to(self.device)
         self.cache = None
@@ -127,8 +151,9 @@ class Runner:
             # fraction of activation memory, in each block compiled apart.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self.config = dict(activation_memory_budget=float(fraction))
+            backend = _InductorAtBudget(fraction)
             for layer in self.model.model.layers:
-                layer.compile()
+                layer.compile(backend=backend)
         elif strategy == "offload":
             self.cache = ebbtide.TensorCache("ssd", path, adaptive=False, max_write_mbps=max_write_mbps)
         elif strategy == "budget":
@@ -138,6 +163,11 @@ class Runner:
             self.cache.attach(self.model)
         self.steps = 0
         self.times, self.peaks, self.moved = [], [], []
+        self.seconds = 0.0  # every step's, warm-up (and compiles) included
+
+    @property
+    def label(self) -> str:
+        return self.strategy + (f" {self.fraction:g}" if self.fraction is not None else "")
 
     def step(self, timed: bool) -> None:
         """One step (gradients only, seeded by its index so dropout would match)."""
@@ -173,6 +203,7 @@ class Runner:
         if cuda:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
+        self.seconds += elapsed
         if not timed:
             return
         self.times.append(elapsed)
@@ -201,7 +232,8 @@ class Runner:
             diff = max(float((a - b).abs().max()) for a, b in zip(self.grads(), reference.grads()))
         peaks = [p for p in self.peaks if p is not None]
         return dict(strategy=self.strategy, budget_bytes=self.budget, fraction=self.fraction,
-                    step_seconds=statistics.median(self.times), peak_bytes=max(peaks) if peaks else None,
+                    step_seconds=statistics.median(self.times), timed_steps=len(self.times),
+                    peak_bytes=max(peaks) if peaks else None,
                     allocated_peak_bytes=max(self.alloc_peaks) if self.alloc_peaks else None,
                     bytes_offloaded=max(self.moved), blocks_recomputed=recomputed,
                     max_grad_diff=diff,
@@ -228,23 +260,61 @@ def _scratch(path: Optional[str]):
             tmp.cleanup()
 
 
-def _step_in_turn(runners, keep, warmup, steps, log, failed=None):
+def _step_in_turn(runners, keep, warmup, steps, log, failed=None, *, each_step=False,
+                  deadline: Optional[float] = None, strategy_limit: Optional[float] = None):
     """`warmup` + `steps` rounds, each stepping every runner once (keep's first
-    step ran already). With `failed`, a runner that raises leaves the rounds
-    as a row of its error instead of failing the sweep."""
-    for i in range(warmup + steps):
-        log(f"[budget] step {i + 1} of {warmup + steps}")
+    step ran already); `each_step` logs every runner's step and its seconds.
+    With `failed`, a runner that raises leaves the rounds as a row of its
+    error instead of failing the sweep, and so does one (not keep) whose
+    steps took more than `strategy_limit` seconds in all, compiles included.
+    At `deadline` (time.monotonic()) the rounds stop: no timed round starts
+    that the last round's length says would end past it, no step starts past
+    it. A runner left without a timed step is then a row saying so; the
+    others' medians are of the timed steps they have."""
+    def drop(r, error, cut=False):
+        failed.append(dict(strategy=r.strategy, fraction=r.fraction, error=error, cut=cut))
+        runners.remove(r)
+        r.close()
+
+    total = warmup + steps
+    last_round = 0.0
+    for i in range(total):
+        start = time.monotonic()
+        if deadline is not None and i > warmup and start + last_round > deadline:
+            log(f"[budget] time limit: {i - warmup} of {steps} timed rounds run, the next would end past it "
+                f"(the last took {last_round:.1f} s)")
+            break
+        log(f"[budget] step {i + 1} of {total}" + (" (warm-up)" if i < warmup else ""))
+        stopped = False
         for r in list(runners):
             if r is keep and i == 0:
                 continue
+            if deadline is not None and time.monotonic() > deadline:
+                log(f"[budget] time limit: stopped in step {i + 1}, before {r.label}")
+                stopped = True
+                break
+            before = r.seconds
             try:
                 r.step(timed=i >= warmup)
             except Exception as exc:
                 if failed is None:
                     raise
-                failed.append(dict(strategy=r.strategy, fraction=r.fraction, error=f"{type(exc).__name__}: {exc}"))
-                runners.remove(r)
-                r.close()
+                log(f"[budget]   {r.label}: {type(exc).__name__}: {exc}")
+                drop(r, f"{type(exc).__name__}: {exc}")
+                continue
+            if each_step:
+                log(f"[budget]   {r.label}: {r.seconds - before:.3f} s")
+            if failed is not None and strategy_limit is not None and r is not keep and r.seconds > strategy_limit:
+                log(f"[budget]   {r.label}: cut, its {r.steps} steps took {r.seconds:.1f} s > {strategy_limit:g} s")
+                drop(r, f"cut: {r.steps} steps took {r.seconds:.1f} s > {strategy_limit:g} s", cut=True)
+        if stopped:
+            break
+        last_round = time.monotonic() - start
+    for r in list(runners):
+        if not r.times:
+            if failed is None:
+                raise RuntimeError(f"{r.label}: no timed step")
+            drop(r, f"cut: no timed step before the time limit ({r.steps} steps, {r.seconds:.1f} s)", cut=True)
 
 
 def smallest_budget(spec: dict, *, max_write_mbps: Optional[float], path: Optional[str]) -> int:
@@ -301,24 +371,25 @@ def run_sweep(spec: Optional[dict] = None, *, points: int = 6, steps: int = 3, w
 
 def run_fractions(spec: Optional[dict] = None, *, fractions=(0.5, 0.25), strategies=STRATEGIES, steps: int = 4,
                   warmup: int = 2, device: str = "cuda", dtype=torch.bfloat16, path: Optional[str] = None,
-                  log: Callable[[str], None] = print) -> dict:
+                  log: Callable[[str], None] = print, time_limit: Optional[float] = None,
+                  strategy_limit: Optional[float] = None) -> dict:
     """The GPU stage (issue 29): ebbtide at budgets of `fractions` of the
     keep-all peak of saved activations, against full recompute, torch's
     activation_memory_budget at the same fractions with each block compiled,
     and torchtune's offloading with HF checkpointing, stepped in turn. Peaks
     are the allocator's (max_memory_allocated over the step, less what was
     allocated before it) on CUDA. A strategy that cannot run here is a row
-    with its error."""
+    with its error. The model is built once, on the device, and copied for
+    each strategy. `time_limit` (seconds from the call) and `strategy_limit`
+    (seconds of one strategy's steps): _step_in_turn; what they cut is a
+    failed row marked cut."""
+    deadline = time.monotonic() + time_limit if time_limit is not None else None
     spec = dict(SHAPE_A, **(spec or {}))
     failed = []
     with _scratch(path) as (path, runners):
-        keep = Runner("keep", spec, device=device, dtype=dtype)
-        runners.append(keep)
-        keep.step(timed=True)
-        keep_saved = keep.peaks.pop()
-        keep.times.pop()
-        keep.alloc_peaks[:] = []
-        log(f"[budget] keep-all peak of saved activations {keep_saved / 2**30:.2f} GiB")
+        t0 = time.perf_counter()
+        template = build_llama(**{k: spec[k] for k in _MODEL_KEYS}, device=torch.device(device), dtype=dtype)
+        log(f"[budget] model built on {device} in {time.perf_counter() - t0:.1f} s")
         wanted = []
         for s in strategies:
             if s in ("keep", "offload"):
@@ -327,14 +398,32 @@ def run_fractions(spec: Optional[dict] = None, *, fractions=(0.5, 0.25), strateg
                 wanted += [(s, f) for f in fractions]
             else:
                 wanted.append((s, None))
-        for s, f in wanted:
+        # The copies first: the template then has no gradients to copy.
+        t0 = time.perf_counter()
+        copies = [copy.deepcopy(template) for _ in wanted]
+        log(f"[budget] {len(copies)} copies in {time.perf_counter() - t0:.1f} s")
+        keep = Runner("keep", spec, device=device, dtype=dtype, model=template)
+        runners.append(keep)
+        keep.step(timed=True)
+        keep_saved = keep.peaks.pop()
+        keep.times.pop()
+        keep.alloc_peaks[:] = []
+        log(f"[budget] keep-all peak of saved activations {keep_saved / 2**30:.2f} GiB (first step "
+            f"{keep.seconds:.2f} s)")
+        for (s, f), model in zip(wanted, copies):
+            t0 = time.perf_counter()
             try:
-                runners.append(Runner(s, spec, device=device, dtype=dtype, path=path, fraction=f,
+                runners.append(Runner(s, spec, device=device, dtype=dtype, path=path, fraction=f, model=model,
                                       budget=int(f * keep_saved) if s == "budget" else None))
             except Exception as exc:  # a peer missing here is a row, not a failed stage
-                failed.append(dict(strategy=s, fraction=f, error=f"{type(exc).__name__}: {exc}"))
-        _step_in_turn(runners, keep, warmup, steps, log, failed)
-        rows = [r.result(reference=keep) for r in runners]
+                failed.append(dict(strategy=s, fraction=f, error=f"{type(exc).__name__}: {exc}", cut=False))
+                log(f"[budget] {s}" + (f" {f:g}" if f is not None else "") + f" cannot run: {failed[-1]['error']}")
+                continue
+            log(f"[budget] {runners[-1].label} set up in {time.perf_counter() - t0:.1f} s")
+        del copies
+        _step_in_turn(runners, keep, warmup, steps, log, failed, each_step=True, deadline=deadline,
+                      strategy_limit=strategy_limit)
+        rows = [r.result(reference=keep) for r in runners]  # keep's gradients: its last step's, cut or not
     mine = [r for r in rows if r["strategy"] == "budget"]
     checks = []
     for m in mine:
@@ -365,7 +454,9 @@ def format_fractions(result) -> str:
         lines.append(f"{r['strategy']:<11}{frac:>9}{r['step_seconds']:>9.3f}{fmt(r['allocated_peak_bytes']):>12}"
                      f"{fmt(r['peak_bytes']):>12}{r['blocks_recomputed']:>7}{diff:>10}")
     for f in result["failed"]:
-        lines.append(f"{f['strategy']:<11} did not run: {f['error']}")
+        frac = f" {f['fraction']:g}" if f["fraction"] is not None else ""
+        lines.append(f"{f['strategy'] + frac:<11} {'cut' if f.get('cut') else 'did not run'}: "
+                     f"{f['error'].removeprefix('cut: ')}")
     for c in result["checks"]:
         lines.append(f"budget {c['budget_fraction']:g} vs {c['peer']}"
                      + (f" {c['peer_fraction']:g}" if c["peer_fraction"] is not None else "")
