@@ -15,3 +15,24 @@ def write_result(result, path):
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=2, default=str)
+
+
+def gpt2_batch(args):
+    """The CPU benches' model: a random-init HF GPT-2 LM (eager attention) of
+    args.layers/hidden/heads/seq, in training mode, and one batch of
+    args.batch sequences; torch threads set from args.threads (0: leave)."""
+    import logging
+
+    import torch
+    import transformers
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads,
+                                  n_positions=args.seq, vocab_size=8192, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="eager")
+    model.train()
+    ids = torch.randint(0, 8192, (args.batch, args.seq))
+    return model, dict(input_ids=ids, labels=ids)

@@ -9,7 +9,6 @@ drifting machine load hits both alike.
 """
 import argparse
 import json
-import logging
 import os
 import statistics
 import sys
@@ -17,6 +16,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+
+from bench_common import gpt2_batch  # noqa: E402
 
 
 def main():
@@ -35,20 +36,10 @@ def main():
     args = ap.parse_args()
 
     import torch
-    import transformers
 
     import ebbtide
 
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads,
-                                  n_positions=args.seq, vocab_size=8192, bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="eager")
-    model.train()
-    ids = torch.randint(0, 8192, (args.batch, args.seq))
-    batch = dict(input_ids=ids, labels=ids)
+    model, batch = gpt2_batch(args)
 
     workdir = args.path or tempfile.mkdtemp(prefix="ebbtide-bench-")
     caches = {"none": None}

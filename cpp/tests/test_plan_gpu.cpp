@@ -22,31 +22,35 @@ using namespace ebbtide::plan::test;
 
 namespace {
 
+// A profile as the H200 run measured it: the scope before the blocks, then
+// one block per entry of `seconds` named prefix + index; every block saved
+// `bytes` but the last, which holds the head and the loss too (`last_bytes`).
+std::vector<ModuleProfile> h200_profile(ModuleProfile before, const std::string& prefix,
+                                        const std::vector<double>& seconds, uint64_t first_bytes,
+                                        uint64_t bytes, uint64_t last_bytes) {
+  std::vector<ModuleProfile> m{std::move(before)};
+  for (size_t i = 0; i < seconds.size(); ++i) {
+    const uint64_t b = i == 0 ? first_bytes : i + 1 == seconds.size() ? last_bytes : bytes;
+    m.push_back({prefix + std::to_string(i), seconds[i], b});
+  }
+  return m;
+}
+
 // Shape a: llama, 8 layers, hidden 4096, seq 2048, batch 2, bf16.
 std::vector<ModuleProfile> shape_a() {
-  return {{"<before blocks>", 0.0010080959796905519, 32768ULL},
-          {"model.layers.0", 0.0030504961013793947, 712540176ULL},
-          {"model.layers.1", 0.002915839910507202, 711491600ULL},
-          {"model.layers.2", 0.00291644811630249, 711491600ULL},
-          {"model.layers.3", 0.0029145920276641844, 711491600ULL},
-          {"model.layers.4", 0.002916224002838135, 711491600ULL},
-          {"model.layers.5", 0.0029189438819885254, 711491600ULL},
-          {"model.layers.6", 0.002913088083267212, 711491600ULL},
-          {"model.layers.7", 0.0037435200214385985, 979976212ULL}};
+  return h200_profile({"<before blocks>", 0.0010080959796905519, 32768ULL}, "model.layers.",
+                      {0.0030504961013793947, 0.002915839910507202, 0.00291644811630249, 0.0029145920276641844,
+                       0.002916224002838135, 0.0029189438819885254, 0.002913088083267212, 0.0037435200214385985},
+                      712540176ULL, 711491600ULL, 979976212ULL);
 }
 
 // Shape b: gpt2, 9 layers, hidden 8192, seq 2048, batch 2, bf16.
 std::vector<ModuleProfile> shape_b() {
-  return {{"<before blocks>", 0.00122435200214386, 33603584ULL},
-          {"transformer.h.0", 0.010544511795043945, 1947271184ULL},
-          {"transformer.h.1", 0.010215840339660644, 1947271184ULL},
-          {"transformer.h.2", 0.010224543571472167, 1947271184ULL},
-          {"transformer.h.3", 0.01021513557434082, 1947271184ULL},
-          {"transformer.h.4", 0.010221759796142578, 1947271184ULL},
-          {"transformer.h.5", 0.010177375793457032, 1947271184ULL},
-          {"transformer.h.6", 0.01040764808654785, 1947271184ULL},
-          {"transformer.h.7", 0.011098848342895509, 1947271184ULL},
-          {"transformer.h.8", 0.012301695823669434, 2215772180ULL}};
+  return h200_profile({"<before blocks>", 0.00122435200214386, 33603584ULL}, "transformer.h.",
+                      {0.010544511795043945, 0.010215840339660644, 0.010224543571472167, 0.01021513557434082,
+                       0.010221759796142578, 0.010177375793457032, 0.01040764808654785, 0.011098848342895509,
+                       0.012301695823669434},
+                      1947271184ULL, 1947271184ULL, 2215772180ULL);
 }
 
 // What ebbtide/cache/adaptive.py passes on a GPU (target auto, host tier).

@@ -43,16 +43,11 @@ ModelConfig llama_shape(int64_t layers, int64_t hidden, int64_t heads, int64_t k
 
 // A T5 v1.0 shape: ReLU MLP, tied embeddings, dropout 0.1, eager attention.
 ModelConfig t5_shape(int64_t layers, int64_t d_model, int64_t heads, int64_t d_kv, int64_t d_ff) {
-  ModelConfig c;
+  ModelConfig c = llama_shape(layers, d_model, heads, 0, d_ff, 32128);  // kv_heads is llama's alone
   c.family = Family::kT5;
   c.arch = Arch::kEncoderDecoder;
-  c.layers = layers;
   c.decoder_layers = layers;
-  c.hidden = d_model;
-  c.heads = heads;
   c.head_dim = d_kv;
-  c.ffn_hidden = d_ff;
-  c.vocab = 32128;
   c.gated_mlp = false;
   c.tied_embeddings = true;
   c.dropout = true;

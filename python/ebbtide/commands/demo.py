@@ -1,6 +1,7 @@
 """`ebbtide demo`: the main job (see ebbtide.harness.demo)."""
-import json
 import sys
+
+from ebbtide.commands import report
 
 
 def register(subparsers):
@@ -48,14 +49,4 @@ def run(args):
                           seq=args.seq, batch=args.batch, layers=args.layers, hidden=args.hidden,
                           heads=args.heads, device=args.device, dtype=args.dtype, path=args.path,
                           log=log, progress=bar if shown else None)
-    if args.png:
-        plot(result, args.png)
-        result["png"] = args.png
-    if args.json:
-        json.dump(result, sys.stdout, indent=2, default=str)
-        print()
-    else:
-        print(format_table(result))
-        if args.png:
-            print(f"plot: {args.png}")
-    return 0
+    return report(args, result, format_table, plot)

@@ -1,6 +1,7 @@
 """`ebbtide rok`: recompute-offload-keep curves (see ebbtide.harness.rok)."""
-import json
 import sys
+
+from ebbtide.commands import report
 
 
 def register(subparsers):
@@ -41,15 +42,7 @@ def run_budget(args):
     result = budget_sweep.run_sweep(spec, points=args.budget_points, steps=args.steps,
                                     warmup=max(args.warmup, 2), max_write_mbps=args.max_write_mbps,
                                     path=args.path, log=log)
-    if args.png:
-        budget_sweep.plot([result], args.png)
-        result["png"] = args.png
-    if args.json:
-        json.dump(result, sys.stdout, indent=2)
-        print()
-    else:
-        print(budget_sweep.format_table(result))
-    return 0
+    return report(args, result, budget_sweep.format_table, lambda r, png: budget_sweep.plot([r], png))
 
 
 def run(args):
@@ -70,14 +63,4 @@ def run(args):
                          device=args.device, dtype=args.dtype, path=args.path, log=log,
                          seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads,
                          progress=bar if shown else None)
-    if args.png:
-        plot(result, args.png)
-        result["png"] = args.png
-    if args.json:
-        json.dump(result, sys.stdout, indent=2)
-        print()
-    else:
-        print(format_table(result))
-        if args.png:
-            print(f"plot: {args.png}")
-    return 0
+    return report(args, result, format_table, plot)
