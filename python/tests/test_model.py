@@ -457,7 +457,7 @@ def test_cli_hf_config_moe_and_gpt2(tmp_path):
 @pytest.mark.parametrize("change,message", [
     ({"num_attention_heads": None}, "missing key 'num_attention_heads'"),
     ({"hidden_act": "relu2"}, "key 'hidden_act' value 'relu2' not modelled"),
-    ({"head_dim": 64}, "key 'head_dim' (64) differs"),
+    ({"head_dim": -1}, "key 'head_dim' must be a non-negative integer"),
     ({"num_key_value_heads": 5}, "'kv_heads' (5) must divide 'heads' (32)"),
     ({"model_type": "falcon"}, "unsupported model_type 'falcon'"),
     ({"intermediate_size": "big"}, "key 'intermediate_size' must be a non-negative integer"),

@@ -18,6 +18,8 @@ SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, inter
 def _config(name):
     if name == "llama":
         return transformers.LlamaConfig(**SHAPE), transformers.LlamaForCausalLM
+    if name == "llama_head_dim":  # attention 4 x 32 wide on a hidden of 64 (Qwen3 and Gemma do this)
+        return transformers.LlamaConfig(**SHAPE, head_dim=32), transformers.LlamaForCausalLM
     if name == "qwen2":
         return transformers.Qwen2Config(**SHAPE), transformers.Qwen2ForCausalLM
     if name == "mistral":
@@ -44,7 +46,7 @@ def _measure(name, dtype, attn, path):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["llama", "llama_head_dim", "qwen2", "mistral", "mixtral", "qwen2_moe"])
 def test_predicted_bytes_match_cache(name, dtype, attn, tmp_path):
     tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     model, measured = _measure(name, tdt, attn, tmp_path)

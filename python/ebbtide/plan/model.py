@@ -318,18 +318,18 @@ def _int_key(cfg, key, default=None):
 def _llama_from_hf(cfg, model_type: str) -> dict:
     hidden = _int_key(cfg, "hidden_size")
     heads = _int_key(cfg, "num_attention_heads")
-    if heads == 0 or hidden % heads:
-        raise ValueError(f"key 'num_attention_heads' ({heads}) must divide 'hidden_size' ({hidden})")
-    head_dim = _get(cfg, "head_dim")
-    if head_dim is not None and head_dim != hidden // heads:
-        raise ValueError(f"key 'head_dim' ({head_dim}) differs from hidden_size / num_attention_heads "
-                         f"({hidden // heads}): not modelled")
+    # head_dim (Qwen3, Gemma and others set it): the attention is heads x
+    # head_dim wide, whatever hidden / heads is; absent or None: hidden / heads.
+    head_dim = _int_key(cfg, "head_dim", default=0) if _get(cfg, "head_dim") is not None else 0
+    if heads == 0 or (head_dim == 0 and hidden % heads):
+        raise ValueError(f"key 'num_attention_heads' ({heads}) must divide 'hidden_size' ({hidden}) "
+                         "unless 'head_dim' is given")
     act = _get(cfg, "hidden_act", default="silu")
     if act not in _GATED_ACTS:
         raise ValueError(f"key 'hidden_act' value {act!r} not modelled (valid: {', '.join(_GATED_ACTS)})")
     out: dict[str, Any] = {
         "family": "llama", "arch": "decoder",
-        "layers": _int_key(cfg, "num_hidden_layers"), "hidden": hidden, "heads": heads,
+        "layers": _int_key(cfg, "num_hidden_layers"), "hidden": hidden, "heads": heads, "head_dim": head_dim,
         "kv_heads": _int_key(cfg, "num_key_value_heads", default=heads),
         "ffn_hidden": _int_key(cfg, "intermediate_size"),
         "dropout": float(_get(cfg, "attention_dropout", default=0.0)) > 0,
