@@ -278,7 +278,7 @@ class Adaptive:
         """The bytes of `scope`'s saves the plan offloads, the first in save
         order (Note [Partial offload] in cpp/src/plan/planner.cpp, Note [Scope
         byte limits] in python/src/torch/hooks.cpp); -1: all of them."""
-        if self.plan is None or self.profiling:
+        if self.cache._model_ref is None or self.plan is None or self.profiling:
             return -1
         return self.limits.get(scope, -1)
 

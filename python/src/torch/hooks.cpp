@@ -194,12 +194,17 @@ struct Hooks {
   KeptCounts step, total;
   Kept* listed = nullptr;  // this step's kept handles
   std::map<int64_t, PlanRow> plan;
-  // (storage key, version) offloaded this step: a later scope that keeps the
-  // same storage (the rotary tables every block saves, kept in the last
-  // block) does not count it again in its plan row, as a later scope that
-  // offloads it does not (the core dedups it); else the profile counts it
-  // twice and the planner's keep-all peak is that much above the real one.
-  std::unordered_set<std::pair<uint64_t, uint64_t>, KeyHash> offloaded_keys;
+  // (storage key, version) -> live handles of core entries. While one lives,
+  // its entry holds the storage (weakly, but the key stays unique: Note [Glue
+  // objects]), so the pair names one storage; once the last goes the address
+  // may come back for another storage, e.g. in the next micro-batch's forward
+  // (a set kept for the whole step had counted such storages as offloaded).
+  // A scope that keeps a storage offloaded and alive (the rotary tables every
+  // block saves, kept in the last block) does not count it again in its plan
+  // row, as a later scope that offloads it does not (the core dedups it);
+  // else the profile counts it twice and the keep-all peak is that much above
+  // the real one.
+  std::unordered_map<std::pair<uint64_t, uint64_t>, uint64_t, KeyHash> handle_refs;
 
   nb::object glue() const {
     nb::object g = glue_ref();
@@ -245,7 +250,7 @@ struct Hooks {
   }
 
   bool within_limit(uint64_t key, uint64_t version, uint64_t nbytes) {
-    if (place_limit < 0 || offloaded_keys.count({key, version})) return true;
+    if (place_limit < 0 || handle_refs.count({key, version})) return true;
     ScopeLimit& l = scope_limit();
     if (!l.reached && l.used + nbytes <= static_cast<uint64_t>(place_limit)) return true;
     l.reached = true;
@@ -301,7 +306,7 @@ struct Hooks {
       step.bytes += nbytes;
       kept_live += nbytes;
       step.peak = std::max(step.peak, kept_live);
-      if (!offloaded_keys.count({key, version})) note_plan(nbytes, false, offload, tier);
+      if (!handle_refs.count({key, version})) note_plan(nbytes, false, offload, tier);
       if (t.is_cuda()) unflushed += nbytes;
     } else {
       step.deduped += 1;
@@ -328,6 +333,7 @@ struct Hooks {
     p->tref = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr());
     p->key = key;
     p->nbytes = nbytes;
+    ++handle_refs[{key, version}];
     p->whole = p->offset == 0 && t.is_contiguous() &&
                static_cast<uint64_t>(t.numel()) * t.element_size() == nbytes;
     return h;
@@ -432,7 +438,12 @@ struct Hooks {
     uint64_t nbytes = t.storage().nbytes();
     if (nbytes == 0) return nb::borrow(th);
     placement();
-    if (nbytes < min_bytes || !place_offload || !within_limit(key, t._version(), nbytes))
+    // A storage a kept handle holds stays kept: copying it out would free
+    // nothing (the kept handle holds it) and count it twice (Note [Scope byte
+    // limits]: a partial scope keeps its tail, and a later scope may save the
+    // same storage, as every block saves the rotary tables).
+    if (nbytes < min_bytes || !place_offload || kept_refs.count({key, t._version()}) ||
+        !within_limit(key, t._version(), nbytes))
       return keep(self, obj, t, key, nbytes, place_offload, place_tier);
     uint64_t version = t._version();
     SaveRequest r;
@@ -469,10 +480,7 @@ struct Hooks {
     // passed that wait. A no-op for a tensor allocated on this stream.
     if (cur && res.offloaded) t.record_stream(*cur);
     if (res.is_new && res.offloaded && place_limit >= 0) scope_limit().used += nbytes;
-    if (res.is_new) {
-      note_plan(nbytes, res.offloaded, true, place_tier);
-      offloaded_keys.insert({key, version});
-    }
+    if (res.is_new) note_plan(nbytes, res.offloaded, true, place_tier);
     return make_handle(self, obj, t, res.id, res.handle, version, key, nbytes);
   }
 
@@ -599,7 +607,6 @@ struct Hooks {
     unlist_all();
     plan.clear();
     limits.clear();
-    offloaded_keys.clear();
     placement_valid = false;
   }
 
@@ -641,7 +648,10 @@ Kept::~Kept() {
 }
 
 Handle::~Handle() {
-  if (!owner || owner->closed) return;
+  if (!owner) return;
+  if (auto it = owner->handle_refs.find({key, version}); it != owner->handle_refs.end() && --it->second == 0)
+    owner->handle_refs.erase(it);
+  if (owner->closed) return;
   Hooks& s = *owner;
   PyObject *type, *value, *tb;
   PyErr_Fetch(&type, &value, &tb);  // a handle may die while an exception is being raised
