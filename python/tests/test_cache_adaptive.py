@@ -371,11 +371,10 @@ class SharedTableBlock(torch.nn.Module):
         return torch.nn.functional.gelu(self.lin(x)) * table + x
 
 
-class SharedTableNet(torch.nn.Module):
+class SharedTableNet(Net):
     def __init__(self, layers=4, d=256):
-        super().__init__()
+        super().__init__(layers, d)
         self.blocks = torch.nn.ModuleList(SharedTableBlock(d) for _ in range(layers))
-        self.head = torch.nn.Linear(d, 1)
 
     def forward(self, x):
         table = torch.cos(torch.arange(x.numel(), dtype=x.dtype).reshape(x.shape) / 100)  # not a parameter
