@@ -111,6 +111,28 @@ TEST(PlanPlanner, CopyBoundWaitIsPredicted) {
   EXPECT_EQ(p.predicted_stall_seconds, 0);
 }
 
+// SSD-tier copies cross the same link (into bounce blobs) before they are
+// written: the bound counts them as it counts the host tier's. Four 1 GB
+// modules of 10 ms at 55 GB/s with a 1 GiB bound: the same wait whether the
+// second and third go to host memory or to the SSD (the SSD fast enough not
+// to matter here), and more than with the third kept.
+TEST(PlanPlanner, CopyBoundCountsTheSsdTiersCopies) {
+  PlannerOptions o = gpu_options(55e9, 55e9, 2.0);
+  o.copy_bound_bytes = kGiB;
+  o.write_bps = 100e9;  // the SSD tier
+  o.read_bps = 100e9;
+  const auto mods = uniform(4, 0.010, kGB);
+  using P = Placement;
+  const Plan host = simulate_plan(mods, o, {P::kOffloadCpu, P::kOffloadCpu, P::kOffloadCpu, P::kKeep});
+  const Plan ssd = simulate_plan(mods, o, {P::kOffloadCpu, P::kOffloadSsd, P::kOffloadSsd, P::kKeep});
+  const Plan two = simulate_plan(mods, o, {P::kOffloadCpu, P::kOffloadSsd, P::kKeep, P::kKeep});
+  // By hand: the link is busy to 18.2, 36.4, 54.5 ms; the third module ends
+  // at 30 ms and waits until 54.5 - 19.5 = 35.0 ms.
+  EXPECT_NEAR(host.forward_wait_seconds, 3 * kGB / 55e9 - kGiB / 55e9 - 0.030, 1e-9);
+  EXPECT_NEAR(ssd.forward_wait_seconds, host.forward_wait_seconds, 1e-12);
+  EXPECT_EQ(two.forward_wait_seconds, 0);
+}
+
 // A bound that the copies never reach changes nothing.
 TEST(PlanPlanner, CopyBoundAboveTheBacklogChangesNothing) {
   PlannerOptions o = shape_a_options();

@@ -129,9 +129,11 @@ double ssd_write_rate(const PlannerOptions& o) {
 // than device_inflight_bytes of copies are queued ahead of it (Note [Copy
 // bound] in tensor_cache_device.cpp): on the device that wait lasts until the
 // copy stream has drained to the bound. With copy_bound_bytes = D the model
-// does the same on the host tier's queue: after module i enqueues its copies,
-// the bytes still queued when its last save is made, m, are
-// (w_cpu - m) * W; above D the forward waits until w_cpu - D / W, and module
+// does the same on the link's queue (both tiers: an SSD-tier tensor is first
+// copied into a bounce blob on the same copy stream; the link's rate W is
+// the host tier's, measured on the device): after module i enqueues its
+// copies, the bytes still queued when its last save is made, m, are
+// (w_link - m) * W; above D the forward waits until w_link - D / W, and module
 // i and everything after it end that much later (forward_wait_seconds, part
 // of the stall, so the walk refuses what the link cannot absorb). A whole
 // module's last save is taken at its end; a prefix's (Note [Partial offload])
@@ -217,6 +219,7 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
 
   double t = 0;
   double w_tier[2] = {0, 0};  // 0: cpu, 1: ssd
+  double w_link = 0;          // Note [Copy bound in the plan]: the device's copy stream, both tiers
   const double write_rate[2] = {o.host_write_bps, ssd_write_rate(o)};
   const double read_rate[2] = {o.host_read_bps, o.read_bps};
   auto tier_of = [](Placement p) {
@@ -281,12 +284,16 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
     w_tier[tier] = d.write_done_seconds;
     module_rate[i] = rate;
     (tier == 0 ? plan.bytes_cpu : plan.bytes_ssd) += d.offload_bytes;
-    if (o.copy_bound_bytes > 0 && tier == 0 && rate > 0 && std::isfinite(w_tier[0])) {
+    const double link = write_rate[0];
+    if (o.copy_bound_bytes > 0 && link > 0) {
       // Note [Copy bound in the plan]: the compute stream waits until the
       // queued copies are down to the bound, from the module's last save
-      // (its end; a partial module's prefix: its start).
+      // (its end; a partial module's prefix: its start). Both tiers' copies
+      // queue on the link: an SSD-tier tensor is copied into a bounce blob
+      // on the same copy stream before it is written.
+      w_link = std::max(t, std::max(start, w_link) + static_cast<double>(d.offload_bytes) / link);
       const double made = d.partial() ? start : t;
-      const double resumed = w_tier[0] - static_cast<double>(o.copy_bound_bytes) / rate;
+      const double resumed = w_link - static_cast<double>(o.copy_bound_bytes) / link;
       if (resumed > made) {
         plan.forward_wait_seconds += resumed - made;
         t += resumed - made;
