@@ -40,9 +40,11 @@
 #include <vector>
 
 #include "glue_api.hpp"
+#include "tensor_util.hpp"
 
 namespace nb = nanobind;
 using namespace ebbtide::cache;
+using namespace ebbtide::torch_glue;
 using ebbtide::py::GlueApi;
 
 namespace {
@@ -51,33 +53,6 @@ constexpr int kDeviceUnknown = -2;
 constexpr int kDeviceCpu = -1;
 
 const GlueApi* g_api = nullptr;
-
-// The storage's identity, as Python's untyped_storage()._cdata.
-uint64_t storage_key(const at::TensorBase& t) {
-  return reinterpret_cast<uint64_t>(t.storage().unsafeGetStorageImpl());
-}
-
-bool functorch_wrapped(const at::Tensor& t) {
-  static const c10::DispatchKeySet wrapped({c10::DispatchKey::FuncTorchGradWrapper,
-                                            c10::DispatchKey::FuncTorchBatched});
-  return !(t.unsafeGetTensorImpl()->key_set() & wrapped).empty();
-}
-
-nb::object wrap(const at::TensorBase& t) { return nb::steal(THPVariable_Wrap(t)); }
-
-// The error Python's glue raises for a saved tensor changed in place (the
-// message autograd gives); made there so both paths word it alike.
-[[noreturn]] void raise_version_error(const at::Tensor& t, uint64_t saved) {
-  nb::module_::import_("ebbtide.cache.hooks").attr("_check_version")(
-      nb::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()))),
-      nb::cast(std::vector<int64_t>(t.sizes().begin(), t.sizes().end())), saved, t._version());
-  throw nb::python_error();  // _check_version always raises on a mismatch
-}
-
-[[noreturn]] void raise_runtime(const char* msg) {
-  PyErr_SetString(PyExc_RuntimeError, msg);
-  throw nb::python_error();
-}
 
 // Candidate::orig: a weak reference to the saved storage. Its unpack uses
 // the original when the storage is still alive (Note [Originals still alive]).
@@ -664,17 +639,6 @@ Handle::~Handle() {
     else PyErr_Clear();
   }
   PyErr_Restore(type, value, tb);
-}
-
-at::Tensor tensor_arg(nb::handle t) {
-  if (!THPVariable_Check(t.ptr())) throw nb::type_error("ebbtide._torch: expected a torch.Tensor");
-  return THPVariable_Unpack(t.ptr());
-}
-
-nb::tuple int_tuple(c10::ArrayRef<int64_t> v) {
-  nb::list l;
-  for (int64_t x : v) l.append(x);
-  return nb::tuple(l);
 }
 
 }  // namespace
