@@ -481,20 +481,23 @@ Plan plan_greedy(const std::vector<ModuleProfile>& modules, const PlannerOptions
       if (!stall && o.partial_offload) {
         // Note [Partial offload]: the largest prefix that fits, to within
         // 1/1024 of the module (the stall, the copies' end and the copy
-        // bound's wait all grow with the prefix).
+        // bound's wait all grow with the prefix). `stall` keeps the largest
+        // fitting prefix's, so that prefix is not simulated again.
         uint64_t lo = 0, hi = std::min(bytes - 1, room);
         const uint64_t resolution = std::max<uint64_t>(1, bytes >> 10);
         limits[i] = hi;
-        if (hi > 0 && fits(i)) lo = hi;
+        if (hi > 0 && (stall = fits(i))) lo = hi;
         while (hi - lo > resolution) {
           const uint64_t mid = lo + (hi - lo) / 2;
           limits[i] = mid;
-          (fits(i) ? lo : hi) = mid;
+          if (const auto s = fits(i)) {
+            lo = mid;
+            stall = s;
+          } else {
+            hi = mid;
+          }
         }
-        if (lo > 0) {
-          limits[i] = lo;
-          stall = fits(i);
-        }
+        limits[i] = lo;
       }
       if (stall) {
         base_stall = *stall;

@@ -216,8 +216,8 @@ struct Hooks {
   // offloaded in this micro-batch's forward stay within it. The first save
   // that would pass it, and every later one of the scope, stays resident, so
   // what moves is a prefix in save order, as the planner timed it. A storage
-  // already offloaded this step goes to the core whatever the limit (its
-  // entry is shared; kept here, its memory would stay held).
+  // with a live core entry (handle_refs) goes to the core whatever the limit
+  // (its entry is shared; kept here, its memory would stay held).
   ScopeLimit& scope_limit() {
     ScopeLimit& l = limits[scope];
     if (l.mb != fwd_mb) l = ScopeLimit{fwd_mb, 0, false};
@@ -413,14 +413,14 @@ struct Hooks {
     uint64_t nbytes = t.storage().nbytes();
     if (nbytes == 0) return nb::borrow(th);
     placement();
+    const uint64_t version = t._version();
     // A storage a kept handle holds stays kept: copying it out would free
     // nothing (the kept handle holds it) and count it twice (Note [Scope byte
     // limits]: a partial scope keeps its tail, and a later scope may save the
     // same storage, as every block saves the rotary tables).
-    if (nbytes < min_bytes || !place_offload || kept_refs.count({key, t._version()}) ||
-        !within_limit(key, t._version(), nbytes))
+    if (nbytes < min_bytes || !place_offload || kept_refs.count({key, version}) ||
+        !within_limit(key, version, nbytes))
       return keep(self, obj, t, key, nbytes, place_offload, place_tier);
-    uint64_t version = t._version();
     SaveRequest r;
     r.key = key;
     r.version = version;

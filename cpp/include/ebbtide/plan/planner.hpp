@@ -56,8 +56,8 @@ struct PlannerOptions {
   // budget.
   bool guarded_writes = false;
   // GPU (Note [Copy bound] in tensor_cache_device.cpp): the compute stream
-  // waits while more than this many bytes of host-tier copies are queued
-  // ahead of it (the cache's device_inflight_bytes; 0: no bound). The model
+  // waits while more than this many bytes of device copies (either tier's)
+  // are queued ahead of it (the cache's device_inflight_bytes; 0: no bound). The model
   // makes the forward wait as the device does (Note [Copy bound in the plan]),
   // so a plan the bound would slow down costs its stall.
   uint64_t copy_bound_bytes = 0;
