@@ -33,25 +33,49 @@ def clean_env(**extra):
     return env
 
 
+# What one torch-only venv takes on disk (torch 2.13's CPU wheel and its
+# dependencies: about 0.9 GB), with room for a build and pip's unpacking.
+VENV_BYTES = 1_500_000_000
+
+
+def require_disk(where, need=VENV_BYTES):
+    free = shutil.disk_usage(where).free
+    if free < need:
+        pytest.fail(f"{where} has {free / 1e9:.1f} GB free; a fresh venv with torch needs "
+                    f"about {need / 1e9:.1f} GB (free space there, or set --basetemp elsewhere)")
+
+
 @pytest.fixture(scope="module")
 def make_venv(tmp_path_factory):
     """make_venv(NAME) -> the python of a new virtual environment with this
-    process's torch; removed at the end of the module (about 1 GB each)."""
-    made = []
+    process's torch and nothing else. torch is installed once, into a template
+    venv, and each venv is a hard-linked copy of it: the copies cost no space
+    until pip writes into them (pip replaces files, never rewrites one in
+    place). Two full venvs at once ran CI's disk out (Errno 28, stop 38)."""
+    template = tmp_path_factory.mktemp("torch-only") / "venv"
+    made = [template]
+
+    def make_template():
+        require_disk(template.parent)
+        subprocess.run([sys.executable, "-m", "venv", str(template)], check=True, timeout=120)
+        py = template / "bin" / "python"
+        for pkgs in (["--upgrade", "pip"], [f"torch=={torch.__version__}"]):
+            rc, out = run([py, "-m", "pip", "install", "-q", "--no-cache-dir", *pkgs], env=clean_env())
+            assert rc == 0, out
 
     def make(name):
+        if not (template / "bin" / "python").exists():
+            make_template()
         venv = tmp_path_factory.mktemp(name) / "venv"
         made.append(venv)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+        subprocess.run(["cp", "-al", str(template), str(venv)], check=True, timeout=120)
         py = venv / "bin" / "python"
-        rc, out = run([py, "-m", "pip", "install", "-q", "--upgrade", "pip"], env=clean_env())
-        assert rc == 0, out
-        rc, out = run([py, "-m", "pip", "install", "-q", f"torch=={torch.__version__}"], env=clean_env())
-        assert rc == 0, out
+        prefix = run([py, "-c", "import sys; print(sys.prefix)"], env=clean_env())[1].strip()
+        assert Path(prefix) == venv, (prefix, venv)  # the copy is a venv of its own
         return py
 
     yield make
-    for venv in made:
+    for venv in reversed(made):
         shutil.rmtree(venv, ignore_errors=True)
 
 
@@ -125,7 +149,7 @@ def test_the_repaired_wheel_runs_in_a_fresh_venv(make_venv, tmp_path):
 
     py = make_venv("wheel")
     venv = py.parent.parent
-    rc, out = run([py, "-m", "pip", "install", "-q", wheel, "pytest"], env=clean_env())
+    rc, out = run([py, "-m", "pip", "install", "-q", "--no-cache-dir", wheel, "pytest"], env=clean_env())
     assert rc == 0, out
     site = Path(run([py, "-c", "import ebbtide, os; print(os.path.dirname(ebbtide.__file__))"],
                     cwd=tmp_path, env=clean_env())[1].strip())
