@@ -264,3 +264,50 @@ TEST(PlanPlanner, SimulatedPrefixByHand) {
                ebbtide::InvalidArgument);
   EXPECT_THROW(simulate_plan(uniform(3, 0.1, kGB), o, pl, {kWholeModule}), ebbtide::InvalidArgument);
 }
+
+// Note [Prefix or another tier whole]: a 1.5 GB host budget over 1 GB
+// modules, both tiers fast. Block 0 fits the host whole; block 1 could take
+// only a 0.5 GB host prefix, and the SSD takes it whole, so it goes there;
+// so do blocks 2 and 3 (the last stays). Before, block 1 took the host
+// prefix, the SSD-first walk moved 0.5 GB more, and that plan won: nothing
+// on the host.
+TEST(PlanPlanner, PrefixYieldsToAnotherTierWhole) {
+  for (bool gpu : {false, true}) {
+    PlannerOptions o;
+    o.host_budget_bytes = 3 * kGB / 2;
+    o.host_write_bps = o.host_read_bps = 1e15;
+    o.write_bps = o.read_bps = 1e15;
+    o.writes_within_forward = gpu;
+    o.partial_offload = true;
+    const Plan p = plan_offload(uniform(5, 0.1, kGB), o);
+    EXPECT_EQ(p.modules[0].placement, Placement::kOffloadCpu) << gpu;
+    for (size_t i = 1; i < 4; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kOffloadSsd) << i << gpu;
+    for (const auto& d : p.modules) EXPECT_FALSE(d.partial()) << d.name << gpu;
+    EXPECT_EQ(p.bytes_cpu, kGB) << gpu;
+    EXPECT_EQ(p.bytes_ssd, 3 * kGB) << gpu;
+    EXPECT_EQ(p.predicted_stall_seconds, 0) << gpu;
+  }
+}
+
+// Where no tier takes a module whole, the larger prefix wins: a host tier
+// with room for 0.3 GB, and an SSD at 2 GB/s whose copies must end by the
+// forward's end (0.3 s; the last block stays): block 0's SSD prefix, queued
+// at its start, can be 0.6 GB, twice the host's room, so it goes to the SSD;
+// block 1 then finds the SSD busy to the forward's end and takes the host's
+// 0.3 GB.
+TEST(PlanPlanner, LargerPrefixWinsAcrossTiers) {
+  PlannerOptions o;
+  o.host_budget_bytes = 3 * kGB / 10;
+  o.host_write_bps = o.host_read_bps = 1e15;
+  o.write_bps = o.read_bps = 2e9;
+  o.writes_within_forward = true;
+  o.partial_offload = true;
+  const Plan p = plan_offload(uniform(3, 0.1, kGB), o);
+  const double resolution = static_cast<double>(kGB >> 10);
+  EXPECT_EQ(p.modules[0].placement, Placement::kOffloadSsd);
+  EXPECT_NEAR(static_cast<double>(p.modules[0].offload_bytes), 0.6e9, resolution);
+  EXPECT_EQ(p.modules[1].placement, Placement::kOffloadCpu);
+  EXPECT_NEAR(static_cast<double>(p.modules[1].offload_bytes), 0.3e9, resolution);
+  EXPECT_EQ(p.modules[2].placement, Placement::kKeep);
+  EXPECT_EQ(p.predicted_stall_seconds, 0);
+}

@@ -157,6 +157,16 @@ double ssd_write_rate(const PlannerOptions& o) {
 // within offload_bytes and keeps the rest; the prefix's copies are queued as
 // the whole module's are (from its start, ending no earlier than its end), its
 // rest counts as resident until its backward.
+// Note [Prefix or another tier whole]
+// A module the first tier cannot take whole may fit whole on the next: with
+// a host budget smaller than the module, the host tier can take only a
+// prefix (room-bound), while the SSD tier, if its writes hide, takes it all.
+// So a prefix does not end the module's search: every tier is tried, the
+// first whole fit wins at once (the order's preference, as without prefixes),
+// and otherwise the prefix that moves the most bytes, the earlier tier's at
+// equal bytes. Before, the walk took the host prefix and moved on (a 1.5 GB
+// host budget over 1 GB modules gave block 1 a 0.5 GB host prefix where the
+// SSD took it whole; PlanPlanner.PrefixYieldsToAnotherTierWhole).
 namespace {
 
 // Note [Guarded writes]
@@ -469,16 +479,28 @@ Plan plan_greedy(const std::vector<ModuleProfile>& modules, const PlannerOptions
   for (size_t i = 0; i < candidates; ++i) {
     const uint64_t bytes = modules[i].bytes;
     if (bytes == 0) continue;  // nothing to move
-    bool placed = false;
+    // The first tier that takes the module whole wins; failing that, the tier
+    // whose prefix moves the most bytes (the earlier tier at equal bytes).
+    // Note [Prefix or another tier whole].
+    struct Choice {
+      Placement tier = Placement::kKeep;
+      uint64_t limit = 0;
+      double stall = 0;
+    } best;
     for (Placement tier : order) {
       if (tier == Placement::kOffloadSsd && !ssd_usable) continue;
       if (tier == Placement::kOffloadCpu && !cpu_usable) continue;
       const uint64_t room = tier == Placement::kOffloadCpu ? host_left : kWholeModule;
       if (room < bytes && !o.partial_offload) continue;
       placements[i] = tier;
+      limits[i] = kWholeModule;
       std::optional<double> stall;
       if (room >= bytes) stall = fits(i);
-      if (!stall && o.partial_offload) {
+      if (stall) {
+        best = {tier, kWholeModule, *stall};
+        break;
+      }
+      if (o.partial_offload) {
         // Note [Partial offload]: the largest prefix that fits, to within
         // 1/1024 of the module (the stall, the copies' end and the copy
         // bound's wait all grow with the prefix). `stall` keeps the largest
@@ -497,16 +519,15 @@ Plan plan_greedy(const std::vector<ModuleProfile>& modules, const PlannerOptions
             hi = mid;
           }
         }
-        limits[i] = lo;
+        if (stall && lo > best.limit) best = {tier, lo, *stall};
       }
-      if (stall) {
-        base_stall = *stall;
-        if (tier == Placement::kOffloadCpu) host_left -= std::min(bytes, limits[i]);
-        placed = true;
-        break;
-      }
-      placements[i] = Placement::kKeep;
-      limits[i] = kWholeModule;
+    }
+    placements[i] = best.tier;
+    limits[i] = best.tier == Placement::kKeep ? kWholeModule : best.limit;
+    const bool placed = best.tier != Placement::kKeep;
+    if (placed) {
+      base_stall = best.stall;
+      if (best.tier == Placement::kOffloadCpu) host_left -= std::min(bytes, best.limit);
     }
     // Whole modules: the first one no tier takes ends the walk. With partial
     // offload a later module may still fit where this one did not (the copy
