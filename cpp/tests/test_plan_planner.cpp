@@ -69,18 +69,15 @@ TEST(PlanPlanner, CapOffloadsAPrefixWithoutStall) {
   EXPECT_NEAR(p.predicted_stall_seconds, 0, 1e-9);
   EXPECT_NEAR(p.modules[3].write_done_seconds, 1.7, 1e-12);
   EXPECT_DOUBLE_EQ(p.planned_write_bps, 2.5e9);
-  // Backward starts at 1.0 with modules 2 and 3 still being written and the
-  // prefetch window (2 x 1 GB) refilled from modules 0 and 1 at once: the
-  // peak is everything. A one-module window leaves one module out.
-  EXPECT_EQ(p.peak_resident_bytes, p.all_resident_bytes);
-  PlannerOptions one = o;
-  one.prefetch_modules = 1;
-  EXPECT_EQ(simulate_plan(uniform(10, 0.1, kGB), one, [&] {
-              std::vector<Placement> v;
-              for (const auto& d : p.modules) v.push_back(d.placement);
-              return v;
-            }()).peak_resident_bytes,
-            9 * kGB);
+  // Backward starts at 1.0 with modules 2 and 3 still being written and 4-9
+  // kept: 8 GB. Modules 0 and 1, written, lie 7 GB and more below the point
+  // backward has reached, beyond a 2-module window's distance (Note [Reloads
+  // within the distance]): nothing is reloaded then. An 8-module window
+  // reaches module 1 and reloads it at once: 9 GB.
+  EXPECT_EQ(p.peak_resident_bytes, 8 * kGB);
+  PlannerOptions wide = o;
+  wide.prefetch_modules = 8;
+  EXPECT_EQ(simulate_plan(uniform(10, 0.1, kGB), wide, placements_of(p)).peak_resident_bytes, 9 * kGB);
   // Forcing module 4 too shows the stall the planner avoided: 2.1 + 0.01 - 2.0.
   std::vector<Placement> forced(10, Placement::kKeep);
   for (int i = 0; i < 5; ++i) forced[i] = Placement::kOffloadSsd;
@@ -539,15 +536,18 @@ TEST(PlanBudget, GuardedWritesWaitInsteadOfExceeding) {
 }
 
 // The case that missed issue 29's target: offloading every block lags the
-// forward by a little, so the unguarded model sees a peak over the budget at
-// the forward's end and recomputes; with the guard (memory coming back
-// tensor by tensor as the writes go) it offloads every block, and is faster.
+// forward, so the unguarded model sees a peak over the budget at the
+// forward's end and recomputes; with the guard (memory coming back tensor by
+// tensor as the writes go) it offloads instead, and is faster. (Writes take
+// 30 ms against 20 ms of compute since the backward's reloads are counted
+// within the prefetch distance: at 22 ms both models' peak was the
+// backward's start, 120 MB, which the guard does not change.)
 TEST(PlanBudget, GuardedWritesOffloadWhatTheUnguardedModelRecomputes) {
   const int n = 8;
   const uint64_t mb = 1000000;
   const auto mods = recomputable(n, 0.02, 40 * mb, 2 * mb);
   PlannerOptions o;
-  o.write_bps = o.read_bps = 40 * mb / 0.022;  // a write takes 22 ms against 20 ms of compute
+  o.write_bps = o.read_bps = 40 * mb / 0.03;  // a write takes 30 ms against 20 ms of compute
   o.keep_last_modules = 1;
   std::vector<Placement> all_offload(n, Placement::kOffloadSsd);
   all_offload[n - 1] = Placement::kKeep;
@@ -562,7 +562,8 @@ TEST(PlanBudget, GuardedWritesOffloadWhatTheUnguardedModelRecomputes) {
   const Plan g = plan_budget(mods, o);
   ASSERT_TRUE(g.feasible);
   EXPECT_LE(g.peak_resident_bytes, o.activation_budget_bytes);
-  EXPECT_EQ(placements_of(g), all_offload);
+  EXPECT_EQ(g.modules_recomputed, 0);
+  EXPECT_GE(count(g, Placement::kOffloadSsd), n - 2);
   EXPECT_LT(g.predicted_step_seconds(), plain.predicted_step_seconds());
   // A link far too slow for the budget: the guard's waits would cost more
   // than recompute, so the plan still recomputes.

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "ebbtide/util/error.hpp"
+#include "planner_impl.hpp"
 
 namespace ebbtide::plan {
 
@@ -68,6 +69,10 @@ void check_rate(double v, const char* name) {
             "' must be a non-negative number of bytes/s, got ", v);
 }
 
+}  // namespace
+
+namespace detail {
+
 void validate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o) {
   for (size_t i = 0; i < modules.size(); ++i) {
     EBB_CHECK(std::isfinite(modules[i].forward_seconds) && modules[i].forward_seconds >= 0,
@@ -98,7 +103,10 @@ double ssd_write_rate(const PlannerOptions& o) {
   return o.max_write_bps > 0 ? std::min(o.write_bps, o.max_write_bps) : o.write_bps;
 }
 
-}  // namespace
+}  // namespace detail
+
+using detail::ssd_write_rate;
+using detail::validate;
 
 // Note [Offload rule]
 // Modules i = 0..n-1 in forward order, forward time f_i, bytes B_i,
@@ -157,6 +165,31 @@ double ssd_write_rate(const PlannerOptions& o) {
 // within offload_bytes and keeps the rest; the prefix's copies are queued as
 // the whole module's are (from its start, ending no earlier than its end), its
 // rest counts as resident until its backward.
+// Note [Reloads within the distance]
+// The backward's peak is counted at each module's backward with the module
+// wholly held (its frees come as its backward runs) and, of the modules
+// below it, the reloads the cache may already have made. Those are bounded
+// by Note [Prefetch distance] (tensor_cache_load.cpp): a load starts only
+// when every byte saved between it and the point backward has reached,
+// resident ones included, fits the window. So what is reloaded ahead is the
+// moved bytes within `window` bytes of saves below the module, not the
+// window filled by whatever was moved: with the late blocks kept, a
+// window's distance below them holds few moved bytes. The model counted the
+// whole window before, which on the simulated device (test
+// CacheStreamOrdered.PlannedPeakIsWithinTenPercentOfTheLinkLimit)
+// predicted 16.8/12.6/8.4 MB where the device held 12.8/8.7/4.5 MB, and a
+// budget plan would recompute for memory the cache never takes.
+
+// Note [Frees at release points]
+// On a GPU an offloaded module's memory comes back at a release point, at a
+// module's end (Note [Release points] in tensor_cache_device.cpp), after
+// the compute stream has waited for its copies. So the forward's peak at the
+// end of module i counts every module whose copies ended after module i-1
+// did: module i's allocations are made before the release that frees them.
+// Counting them freed at module i's end put the simulated device's forward
+// peak one block above the plan's (12.85 vs 12.58 MB) when the link was
+// filled to the forward's end.
+
 // Note [Prefix or another tier whole]
 // A module the first tier cannot take whole may fit whole on the next: with
 // a host budget smaller than the module, the host tier can take only a
@@ -167,7 +200,7 @@ double ssd_write_rate(const PlannerOptions& o) {
 // equal bytes. Before, the walk took the host prefix and moved on (a 1.5 GB
 // host budget over 1 GB modules gave block 1 a 0.5 GB host prefix where the
 // SSD took it whole; PlanPlanner.PrefixYieldsToAnotherTierWhole).
-namespace {
+namespace detail {
 
 // Note [Guarded writes]
 // On the worker path (host tensors) each tensor's write is queued as it is
@@ -212,14 +245,10 @@ double drained_by(const double w[2], const double rate[2], double t, double slac
 
 }  // namespace
 
-// The timing model above; the O(n^2) peak-memory scan only when asked (the
-// greedy walk needs the stall alone). Inputs already validated.
-// `area`, when given, receives the sum of the resident bytes at every point
-// the peak scan looks at (Note [Budget plan]'s tie-break).
-// `limits` (may be null: every module whole): Note [Partial offload].
+// The timing model above (planner_impl.hpp says what the arguments mean).
 Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o,
-              const std::vector<Placement>& placements, bool with_peak, double* area = nullptr,
-              const std::vector<uint64_t>* limits = nullptr) {
+              const std::vector<Placement>& placements, bool with_peak, double* area,
+              const std::vector<uint64_t>* limits) {
   const size_t n = modules.size();
   Plan plan;
   plan.replan_fraction = o.replan_fraction;
@@ -385,7 +414,11 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
   uint64_t peak = 0;
   double sum = 0;
   for (size_t i = 0; i < n; ++i) {
-    const double now = plan.modules[i].forward_end_seconds;
+    // On a GPU memory comes back at release points, at module ends (Note
+    // [Release points]): what module i allocates is made while the copies
+    // that end within it are still held. Note [Frees at release points].
+    const double now = o.writes_within_forward ? (i == 0 ? 0.0 : plan.modules[i - 1].forward_end_seconds)
+                                               : plan.modules[i].forward_end_seconds;
     uint64_t resident = 0;
     for (size_t j = 0; j <= i; ++j) {
       const auto& m = plan.modules[j];
@@ -395,9 +428,11 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
     peak = std::max(peak, resident);
     sum += static_cast<double>(resident);
   }
-  // In backward the cache refills its prefetch window tensor by tensor, so
-  // it holds as much of the offloaded modules below as the window takes
-  // (their writes done), whatever the module boundaries.
+  // In backward the cache refills its prefetch window tensor by tensor, as
+  // far ahead as Note [Prefetch distance] lets it: Note [Reloads within the
+  // distance]. order[j]: where module j's saves begin in the save order.
+  std::vector<double> order(n + 1, 0.0);
+  for (size_t j = 0; j < n; ++j) order[j + 1] = order[j] + static_cast<double>(plan.modules[j].saved_bytes);
   for (size_t i = 0; i < n; ++i) {
     const double now = plan.modules[i].backward_start_seconds;
     uint64_t resident = is_recompute(plan.modules[i].placement) ? plan.modules[i].bytes + modules[i].fixed_bytes : 0;
@@ -410,8 +445,12 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
       } else if (m.write_done_seconds > now) {
         resident += unwritten(j, now);
       } else {
+        // The moved prefix [order[j], order[j] + offload_bytes) where it
+        // lies within the window's distance below module i's first save.
         resident += m.saved_bytes - m.offload_bytes;
-        below += static_cast<double>(m.offload_bytes);
+        const double lo = std::max(order[j], order[i] - window);
+        const double hi = std::min(order[j] + static_cast<double>(m.offload_bytes), order[i]);
+        below += std::max(0.0, hi - lo);
       }
     }
     resident += static_cast<uint64_t>(std::min(below, window));
@@ -423,7 +462,9 @@ Plan simulate(const std::vector<ModuleProfile>& modules, const PlannerOptions& o
   return plan;
 }
 
-}  // namespace
+}  // namespace detail
+
+using detail::simulate;
 
 Plan simulate_plan(const std::vector<ModuleProfile>& modules, const PlannerOptions& o,
                    const std::vector<Placement>& placements) {
@@ -554,239 +595,5 @@ Plan plan_offload(const std::vector<ModuleProfile>& modules, const PlannerOption
   return moved(ssd_first) > moved(cpu_first) ? ssd_first : cpu_first;
 }
 
-
-// Note [Budget plan]
-// With activation_budget_bytes B each module takes one of keep, offload_cpu,
-// offload_ssd, recompute, recompute_offload (cpu or ssd), and the plan
-// minimises the predicted step time T = forward + backward + recompute +
-// stall subject to the predicted peak P <= B, both from the timing model of
-// Note [Offload rule]: a recomputed module saves only its recompute_bytes in
-// forward (offloaded like any module's bytes under recompute_offload) and
-// re-runs its forward at the start of its backward, holding all its bytes
-// then. Recompute costs compute the step always pays; offload costs only the
-// stall the links cannot hide; so:
-// 1. Start from plan_offload: what the links hide is free.
-// 2. While P > B, descend: try every change of one module's placement and
-//    take the one that lowers the peak most per second of T it adds (a change
-//    that lowers it for nothing first). A change that leaves the peak equal
-//    but lowers the sum of resident bytes over the scan's points counts a
-//    little, so two equal peaks (say forward end and a backward start) can be
-//    lowered one after the other. If no change lowers anything, B is below
-//    what this planner can reach: feasible = false, min_budget_bytes = the
-//    lowest peak found, and step 3 runs with that peak as the bound.
-// 3. Polish: try every single change again and take the one that lowers T
-//    most with P <= B; at equal T (within float slack), the one that moves
-//    fewer bytes over the links. This undoes the descent's overshoot and
-//    keeps what need not move (less SSD wear).
-// The peak is predicted at the measured rates. A write that runs slower
-// frees its memory later; the cache then holds the budget by making saves
-// wait for the writes (Note [Budget guard] in ebbtide/cache/adaptive.py), which
-// costs stall, not memory.
-// Offload changes follow plan_offload's limits: none for the last
-// keep_last_modules, the host tier within host_budget_bytes, and on a GPU
-// (writes_within_forward) every write done by the end of forward.
-// Each round simulates at most 5 changes per module, O(n^2) each (the peak
-// scan); rounds are bounded by 8n per phase. 80 modules plan in well under a
-// second (test_plan_planner.cpp, bench/planner_bench.py).
-namespace {
-
-struct Candidate {
-  std::vector<Placement> placements;
-  std::vector<uint64_t> limits;  // Note [Partial offload]; a changed module moves whole
-  Plan plan;
-  double area = 0;
-};
-
-class BudgetSearch {
- public:
-  BudgetSearch(const std::vector<ModuleProfile>& modules, const PlannerOptions& o) : modules_(modules), o_(o) {
-    const size_t n = modules.size();
-    candidates_ = n - std::min(n, static_cast<size_t>(o.keep_last_modules));
-    ssd_ = ssd_write_rate(o) > 0 && o.read_bps > 0;
-    cpu_ = o.host_budget_bytes > 0 && o.host_write_bps > 0 && o.host_read_bps > 0;
-    double f = 0;
-    for (const auto& m : modules) f += m.forward_seconds;
-    slack_ = 1e-9 * f * (1 + o.backward_factor) + o.stall_tolerance_seconds;
-  }
-
-  Candidate evaluate(std::vector<Placement> placements, std::vector<uint64_t> limits) const {
-    Candidate c;
-    c.plan = simulate(modules_, o_, placements, true, &c.area, &limits);
-    c.placements = std::move(placements);
-    c.limits = std::move(limits);
-    return c;
-  }
-
-  // Placements module i may take.
-  std::vector<Placement> options(size_t i) const {
-    std::vector<Placement> out{Placement::kKeep};
-    const ModuleProfile& m = modules_[i];
-    const bool offloadable = i < candidates_;
-    if (offloadable && m.bytes > 0) {
-      if (cpu_) out.push_back(Placement::kOffloadCpu);
-      if (ssd_) out.push_back(Placement::kOffloadSsd);
-    }
-    if (m.recomputable) {
-      out.push_back(Placement::kRecompute);
-      if (offloadable && m.recompute_bytes > 0) {
-        if (cpu_) out.push_back(Placement::kRecomputeOffloadCpu);
-        if (ssd_) out.push_back(Placement::kRecomputeOffloadSsd);
-      }
-    }
-    return out;
-  }
-
-  bool allowed(const Plan& p) const {
-    if (p.bytes_cpu > o_.host_budget_bytes) return false;
-    if (!std::isfinite(p.predicted_stall_seconds)) return false;
-    if (o_.writes_within_forward) {
-      for (const auto& d : p.modules)
-        if (is_offload(d.placement) && d.write_done_seconds > p.forward_seconds + slack_) return false;
-    }
-    return true;
-  }
-
-  // Calls visit(candidate) for every allowed plan one module's change away from `cur`.
-  template <class Visit>
-  void for_each_change(const Candidate& cur, Visit&& visit) const {
-    for (size_t i = 0; i < modules_.size(); ++i) {
-      for (Placement p : options(i)) {
-        if (p == cur.placements[i]) continue;
-        std::vector<Placement> trial = cur.placements;
-        std::vector<uint64_t> limits = cur.limits;
-        trial[i] = p;
-        limits[i] = kWholeModule;
-        Candidate c = evaluate(std::move(trial), std::move(limits));
-        if (allowed(c.plan)) visit(std::move(c));
-      }
-    }
-  }
-
-  // One descent round: the best change that lowers the peak (or, at an
-  // equal peak, the resident area); false when none does.
-  bool descend(Candidate& cur) const {
-    const double t0 = cur.plan.predicted_step_seconds();
-    std::optional<Candidate> best;
-    double best_score = 0;
-    bool best_free = false;
-    for_each_change(cur, [&](Candidate c) {
-      double gain = 0;
-      if (c.plan.peak_resident_bytes < cur.plan.peak_resident_bytes)
-        gain = static_cast<double>(cur.plan.peak_resident_bytes - c.plan.peak_resident_bytes);
-      else if (c.plan.peak_resident_bytes == cur.plan.peak_resident_bytes && c.area < cur.area)
-        gain = 1e-3 * (cur.area - c.area);
-      if (gain <= 0) return;
-      const double dt = c.plan.predicted_step_seconds() - t0;
-      const bool free = dt <= slack_;
-      const double score = free ? gain : gain / dt;
-      if (!best || (free && !best_free) || (free == best_free && score > best_score)) {
-        best_score = score;
-        best_free = free;
-        best = std::move(c);
-      }
-    });
-    if (!best) return false;
-    cur = std::move(*best);
-    return true;
-  }
-
-  // One polish round: the change that lowers T most with P <= budget (at
-  // equal T, fewer bytes moved); false when none does.
-  bool polish(Candidate& cur, uint64_t budget) const {
-    const auto moved = [](const Plan& p) { return p.bytes_cpu + p.bytes_ssd; };
-    // a before b: faster, or as fast (within float slack) and moving fewer bytes.
-    const auto before = [&](const Plan& a, const Plan& b) {
-      const double ta = a.predicted_step_seconds(), tb = b.predicted_step_seconds();
-      return ta < tb - slack_ || (ta <= tb + slack_ && moved(a) < moved(b));
-    };
-    std::optional<Candidate> best;
-    for_each_change(cur, [&](Candidate c) {
-      if (c.plan.peak_resident_bytes > budget || !before(c.plan, cur.plan)) return;
-      if (!best || before(c.plan, best->plan)) best = std::move(c);
-    });
-    if (!best) return false;
-    cur = std::move(*best);
-    return true;
-  }
-
- private:
-  const std::vector<ModuleProfile>& modules_;
-  const PlannerOptions& o_;
-  size_t candidates_ = 0;
-  bool ssd_ = false;
-  bool cpu_ = false;
-  double slack_ = 0;
-};
-
-}  // namespace
-
-namespace {
-
-struct Fit {
-  Candidate best;
-  bool feasible = false;
-  uint64_t bound = 0;  // the budget, or (infeasible) the lowest peak found
-};
-
-// Note [Budget plan]'s search: from plan_offload under `start_options`,
-// descend in `descent`'s timing model, then polish in `polish`'s.
-Fit fit_budget(const std::vector<ModuleProfile>& modules, const PlannerOptions& start_options,
-               const BudgetSearch& descent, const BudgetSearch& polish, uint64_t budget) {
-  std::vector<Placement> start;
-  std::vector<uint64_t> limits;
-  for (const auto& d : plan_offload(modules, start_options).modules) {
-    start.push_back(d.placement);
-    limits.push_back(d.partial() ? d.offload_bytes : kWholeModule);
-  }
-  Candidate cur = descent.evaluate(std::move(start), std::move(limits));
-  const size_t rounds = 8 * modules.size() + 8;
-  for (size_t r = 0; r < rounds && cur.plan.peak_resident_bytes > budget; ++r) {
-    if (!descent.descend(cur)) break;
-  }
-  if (&descent != &polish) cur = polish.evaluate(std::move(cur.placements), std::move(cur.limits));
-  Fit fit;
-  fit.feasible = cur.plan.peak_resident_bytes <= budget;
-  // Infeasible: the fastest plan at the lowest peak found.
-  fit.bound = fit.feasible ? budget : cur.plan.peak_resident_bytes;
-  for (size_t r = 0; r < rounds; ++r) {
-    if (!polish.polish(cur, fit.bound)) break;
-  }
-  fit.best = std::move(cur);
-  return fit;
-}
-
-}  // namespace
-
-Plan plan_budget(const std::vector<ModuleProfile>& modules, const PlannerOptions& o) {
-  validate(modules, o);
-  const uint64_t budget = o.activation_budget_bytes;
-  if (budget == 0) return plan_offload(modules, o);
-  BudgetSearch search(modules, o);
-  Fit fit = fit_budget(modules, o, search, search, budget);
-  if (o.guarded_writes) {
-    // Note [Guarded writes]: with the guard any offload fits the forward at
-    // the cost of waits, which changes the descent's path and where it
-    // stops; a greedy descent stops at a local optimum either way. The
-    // descent in the model without the guard is tried too, polished in the
-    // guarded model; the faster plan (or, neither fitting, the lower peak)
-    // wins (PlanBudget.GuardedWritesAlsoDescendWithoutTheGuard: 0.842 s
-    // predicted alone, 0.834 s with both).
-    PlannerOptions strict = o;
-    strict.guarded_writes = false;
-    BudgetSearch strict_search(modules, strict);
-    Fit alt = fit_budget(modules, strict, strict_search, search, budget);
-    const bool better =
-        alt.feasible != fit.feasible
-            ? alt.feasible
-            : (alt.feasible ? alt.best.plan.predicted_step_seconds() < fit.best.plan.predicted_step_seconds()
-                            : alt.bound < fit.bound);
-    if (better) fit = std::move(alt);
-  }
-  Plan plan = std::move(fit.best.plan);
-  plan.activation_budget_bytes = budget;
-  plan.feasible = fit.feasible;
-  plan.min_budget_bytes = fit.feasible ? 0 : fit.bound;
-  return plan;
-}
 
 }  // namespace ebbtide::plan

@@ -25,7 +25,7 @@ i.e. it slightly favours offloading. Keeping everything and probing would give
 cleaner compute times but an idle-disk bandwidth that training never sees.
 
 Note [Budget profile]
-For budget plans (Note [Budget plan] in cpp/src/plan/planner.cpp) the
+For budget plans (Note [Budget plan] in cpp/src/plan/planner_budget.cpp) the
 profiling step also records, per block: the bytes of its positional tensor
 inputs (what torch's checkpoint saves when the block is recomputed) from its
 pre-hook, and its own time and saved bytes between its pre- and post-hook.

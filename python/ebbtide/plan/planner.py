@@ -2,9 +2,9 @@
 offload_cpu / offload_ssd so that the writes and reloads hide behind compute;
 with an activation budget, also recompute / recompute_offload, so that the
 predicted peak fits the budget at the least step time. The rules are
-``ebbtide::plan::plan_offload`` and ``plan_budget`` (Notes [Offload rule] and
-[Budget plan] in cpp/src/plan/planner.cpp, docs/model.md). Plain dicts in and
-out; no torch.
+``ebbtide::plan::plan_offload`` and ``plan_budget`` (Note [Offload rule] in
+cpp/src/plan/planner.cpp, Note [Budget plan] in planner_budget.cpp,
+docs/model.md). Plain dicts in and out; no torch.
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 // GPU, go to host memory or go to the SSD, so that offloading adds no stall;
 // with an activation budget, also which modules are recomputed in backward,
 // so that the predicted peak fits the budget at the least step time.
-// The rules and their math: Notes [Offload rule] and [Budget plan] in
-// planner.cpp, docs/model.md.
+// The rules and their math: Note [Offload rule] in planner.cpp, Note
+// [Budget plan] in planner_budget.cpp, docs/model.md.
 #pragma once
 
 #include <cstdint>
