@@ -1,6 +1,9 @@
 // make_store: which tiers each target name builds, the SSD write cap, bad targets;
-// the pool of idle stores (Note [Store pool]).
+// the pool of idle stores (Note [Store pool]), across fork (Note [Objects
+// across fork]).
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <functional>
 #include <string>
@@ -84,6 +87,54 @@ TEST(StorePool, AStoreGivenBackServesTheNextCacheOfTheSameSettingsOnly) {
   give_other(std::move(cpu));
   EXPECT_EQ(release_pooled_stores(), 2u);
   EXPECT_EQ(release_pooled_stores(), 0u);
+}
+
+// A forked child has the parent's idle store but not its engine's threads:
+// it must neither lend it (its writes would wait for threads that do not
+// exist) nor destroy it (its destructor joins them: a hang before the fix).
+TEST(StorePool, AForkedChildNeitherLendsNorDestroysTheParentsStores) {
+  release_pooled_stores();
+  test::TempDir dir;
+  const StoreSpec s = spec("ssd", dir);
+  std::function<void(std::unique_ptr<Store>)> give_back;
+  auto first = take_pooled_store(s, &give_back);
+  Store* raw = first.get();
+  give_back(std::move(first));
+  std::vector<char> bytes(4096, 'x');
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {  // no gtest assertions here: a bit of the exit status per failed check
+    ::alarm(60);   // a destructor waiting for the parent's threads ends the child by SIGALRM
+    int failed = 0;
+    std::function<void(std::unique_ptr<Store>)> give_mine;
+    auto mine = take_pooled_store(s, &give_mine);
+    if (mine.get() == raw) failed |= 1;
+    Location loc = mine->put(mem::Buffer{bytes.data(), bytes.size()}, kTierFirst);
+    std::vector<char> back(bytes.size());
+    mine->get(loc, mem::Buffer{back.data(), back.size()});
+    if (back != bytes) failed |= 2;
+    mine->free(loc);
+    give_mine(std::move(mine));
+    if (release_pooled_stores() != 2) failed |= 4;  // the parent's let go, the child's own destroyed
+    ::_exit(failed);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child died (signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0)
+                                 << "; SIGALRM is " << SIGALRM << ": a hang)";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "failed checks in the child (bits: 0 lent the parent's store, "
+                                       "1 its own store's round trip, 2 release count)";
+  // The parent's store is pooled and works as before.
+  std::function<void(std::unique_ptr<Store>)> give_again;
+  auto again = take_pooled_store(s, &give_again);
+  EXPECT_EQ(again.get(), raw);
+  Location loc = again->put(mem::Buffer{bytes.data(), bytes.size()}, kTierFirst);
+  std::vector<char> back(bytes.size());
+  again->get(loc, mem::Buffer{back.data(), back.size()});
+  EXPECT_EQ(back, bytes);
+  again->free(loc);
+  give_again(std::move(again));
+  EXPECT_EQ(release_pooled_stores(), 1u);
 }
 
 TEST(MakeStore, UnknownTargetNamesItAndTheValidOnes) {

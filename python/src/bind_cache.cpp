@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <variant>
 
+#include "fork_safe.hpp"
 #include "bind.hpp"
 #include "glue_api.hpp"
 #include "ebbtide/cache/store.hpp"
@@ -162,6 +163,7 @@ ebbtide::py::GlueApi make_glue_api() {
     return guarded([&] { c->hold_live(id, glue_obj(nb::handle(live))); });
   };
   a.state_error = ebbtide::py::state_error_type();
+  a.fork_generation = &ebbtide::mem::fork_generation;
   return a;
 }
 
@@ -339,4 +341,5 @@ void ebbtide::py::bind_cache(nb::module_& m) {
       .def("describe", &TensorCache::describe)
       .def_prop_ro("io_alignment", &TensorCache::io_alignment)
       .def("stats", [](const TensorCache& c) { return record_dict(stat_record(c.stats())); });
+  leak_in_forked_children<TensorCache>(m.attr("CacheCore"));  // Note [Objects across fork]
 }

@@ -6,6 +6,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "fork_safe.hpp"
 #include "bind.hpp"
 #include "ebbtide/ckpt/codec.hpp"
 #include "ebbtide/ckpt/reader.hpp"
@@ -239,4 +240,6 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
         },
         nb::arg("path"), nb::arg("ranges"));
   m.def("ckpt_inject_write_fault", &inject_write_fault, nb::arg("after_bytes"), nb::arg("err"));
+  leak_in_forked_children<CheckpointWriter>(m.attr("CkptWriter"));  // Note [Objects across fork]
+  leak_in_forked_children<ShardReader>(m.attr("CkptReader"));
 }

@@ -9,7 +9,9 @@
 #include <mutex>
 #include <vector>
 
+#include "fork_safe.hpp"
 #include "bind.hpp"
+#include "ebbtide/mem/fork_origin.hpp"
 #include "ebbtide/io/bench.hpp"
 #include "ebbtide/io/engine.hpp"
 #include "ebbtide/util/error.hpp"
@@ -30,7 +32,7 @@ struct HeldBuffer {
   }
 };
 
-class PyEngine {
+class PyEngine : public ebbtide::mem::ForkOrigin {
  public:
   explicit PyEngine(io::EngineOptions o) : engine_(std::move(o)) {}
   ~PyEngine() {
@@ -220,4 +222,5 @@ void ebbtide::py::bind_io(nb::module_& m) {
         nb::arg("backend") = "auto", nb::arg("request") = 64u << 20, nb::arg("checksum") = false,
         nb::arg("device") = true, nb::arg("verify") = true, nb::arg("huge_pages") = true,
         "Writes then reads back `size` bytes through the engine; returns GB/s and what was used.");
+  leak_in_forked_children<PyEngine>(m.attr("Engine"));  // Note [Objects across fork]
 }

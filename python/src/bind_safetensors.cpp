@@ -6,6 +6,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "fork_safe.hpp"
 #include "bind.hpp"
 #include "ebbtide/ckpt/safetensors.hpp"
 
@@ -81,4 +82,5 @@ void ebbtide::py::bind_safetensors(nb::module_& m) {
           return d;
         },
         nb::arg("path"), nb::arg("tensors"), nb::arg("metadata"), nb::arg("direct") = nb::none());
+  leak_in_forked_children<st::Reader>(m.attr("SafetensorsReader"));  // Note [Objects across fork]
 }

@@ -24,7 +24,7 @@
 namespace ebbtide::py {
 
 struct GlueApi {
-  static constexpr uint32_t kVersion = 1;
+  static constexpr uint32_t kVersion = 2;
   uint32_t version = kVersion;
   uint32_t size = sizeof(GlueApi);
   // The core of a CacheCore object; nullptr and TypeError otherwise.
@@ -47,6 +47,8 @@ struct GlueApi {
   bool (*hold_live)(cache::TensorCache* c, cache::EntryId id, PyObject* live);
   // The exception type the core's StateError becomes (closed cache, unknown entry).
   PyObject* state_error;
+  // mem::fork_generation() (Note [Objects across fork]).
+  uint64_t (*fork_generation)();
 };
 
 

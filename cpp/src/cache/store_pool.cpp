@@ -9,6 +9,12 @@
 // ebbtide.release_pooled_stores() drops them). Never destroyed (leaked like
 // the CUDA shim): static destructors at exit would run after the
 // interpreter, in an unspecified order.
+// A forked child inherits the parent's idle stores, whose engine threads it
+// does not have: it neither lends nor destroys them (Note [Objects across
+// fork] in ebbtide/mem/fork_origin.hpp); each entry carries the fork
+// generation that pooled it, and another generation's store is let go
+// without its destructor. The pool's mutex is held across fork
+// (LockedAcrossFork), so the child never finds it held.
 #include "ebbtide/cache/store_pool.hpp"
 
 #include <deque>
@@ -16,6 +22,8 @@
 #include <string>
 #include <utility>
 
+#include "ebbtide/mem/fork_origin.hpp"
+#include "ebbtide/mem/host_mapping.hpp"
 #include "ebbtide/util/error.hpp"
 
 namespace ebbtide::cache {
@@ -23,10 +31,23 @@ namespace {
 
 constexpr size_t kPoolIdle = 2;
 
+struct Idle {
+  std::string key;
+  uint64_t generation = 0;  // mem::fork_generation() when pooled
+  std::unique_ptr<Store> store;
+};
+
 struct StorePool {
   std::mutex mu;
-  std::deque<std::pair<std::string, std::unique_ptr<Store>>> idle;  // oldest first
+  mem::LockedAcrossFork fork_lock{mu};
+  std::deque<Idle> idle;  // oldest first
 };
+
+// A store another process pooled is let go without its destructor.
+void drop(Idle& e) {
+  if (e.generation != mem::fork_generation()) (void)e.store.release();
+  e.store.reset();
+}
 
 StorePool& pool() {
   static auto* p = new StorePool();
@@ -45,13 +66,16 @@ std::string pool_key(const StoreSpec& s) {
 void give(const std::string& key, double max_write_bps, std::unique_ptr<Store> store) {
   if (store->stats().blobs != 0) return;  // not clean: destroyed here
   if (store->has_tier(kTierSsd)) store->set_write_limit(kTierSsd, max_write_bps);
-  std::unique_ptr<Store> evicted;  // destroyed outside the lock (joins its threads)
-  std::lock_guard<std::mutex> lock(pool().mu);
-  pool().idle.emplace_back(key, std::move(store));
-  if (pool().idle.size() > kPoolIdle) {
-    evicted = std::move(pool().idle.front().second);
-    pool().idle.pop_front();
+  Idle evicted;
+  {
+    std::lock_guard<std::mutex> lock(pool().mu);
+    pool().idle.push_back({key, mem::fork_generation(), std::move(store)});
+    if (pool().idle.size() > kPoolIdle) {
+      evicted = std::move(pool().idle.front());
+      pool().idle.pop_front();
+    }
   }
+  drop(evicted);  // outside the lock: a store's destructor joins its threads
 }
 
 }  // namespace
@@ -63,9 +87,10 @@ std::unique_ptr<Store> take_pooled_store(const StoreSpec& spec,
   {
     std::lock_guard<std::mutex> lock(pool().mu);
     auto& idle = pool().idle;
+    const uint64_t generation = mem::fork_generation();
     for (auto it = idle.rbegin(); it != idle.rend(); ++it) {
-      if (it->first != key) continue;
-      store = std::move(it->second);
+      if (it->key != key || it->generation != generation) continue;
+      store = std::move(it->store);
       idle.erase(std::next(it).base());
       break;
     }
@@ -76,12 +101,13 @@ std::unique_ptr<Store> take_pooled_store(const StoreSpec& spec,
 }
 
 size_t release_pooled_stores() {
-  std::deque<std::pair<std::string, std::unique_ptr<Store>>> drop;
+  std::deque<Idle> released;
   {
     std::lock_guard<std::mutex> lock(pool().mu);
-    drop.swap(pool().idle);
+    released.swap(pool().idle);
   }
-  return drop.size();
+  for (auto& e : released) drop(e);
+  return released.size();
 }
 
 }  // namespace ebbtide::cache

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "ebbtide/mem/cuda_shim.hpp"
+#include "ebbtide/mem/fork_origin.hpp"
 #include "ebbtide/util/error.hpp"
 #include "ebbtide/util/log.hpp"
 
@@ -159,6 +160,11 @@ void let_children_inherit(void* p, size_t n) {
 }
 
 }  // namespace
+
+uint64_t fork_generation() {
+  install_fork_handlers();
+  return fork_state().generation.load(std::memory_order_relaxed);
+}
 
 LockedAcrossFork::LockedAcrossFork(std::mutex& mu) : mu_(&mu) {
   install_fork_handlers();

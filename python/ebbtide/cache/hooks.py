@@ -11,6 +11,7 @@ methods and ``offload()``.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import warnings
 import weakref
@@ -110,6 +111,14 @@ class _StepHooks:
     def _check_open(self):
         if self._closed:
             raise RuntimeError("ebbtide.TensorCache: the cache is closed")
+        self._check_process()
+
+    def _check_process(self):
+        if self._pid != os.getpid():
+            # Note [Objects across fork] (cpp/include/ebbtide/mem/fork_origin.hpp):
+            # the store's threads and the step's state are the parent's.
+            raise RuntimeError(f"ebbtide.TensorCache: this cache was made by process {self._pid}; a forked "
+                               f"child (process {os.getpid()}) can neither use nor close it (make one there)")
 
     def _remove_tmpdir(self):
         if self._tmpdir is not None:

@@ -116,6 +116,7 @@ class TensorCache(_StepHooks):
                  device: Union[None, str, torch.device] = None, adaptive: Optional[bool] = None,
                  host_budget_bytes: Optional[int] = None, max_write_mbps: Optional[float] = None,
                  activation_budget_bytes: Optional[int] = None, _pooled: bool = False):
+        self._pid = os.getpid()  # Note [Objects across fork] (cpp/include/ebbtide/mem/fork_origin.hpp)
         if _torch is None:
             raise RuntimeError("ebbtide.TensorCache: ebbtide._torch, the cache's saved-tensor hooks, is not "
                                f"available ({_TORCH_MISSING}); it is built against the installed torch: "
@@ -493,6 +494,9 @@ class TensorCache(_StepHooks):
 
     def close(self) -> None:
         """Frees every entry and its space; the cache is unusable afterwards. Idempotent."""
+        if self._closed:
+            return
+        self._check_process()  # closing the parent's store here would wait for threads it does not have
         with self._lock:
             if self._closed:
                 return
@@ -518,6 +522,8 @@ class TensorCache(_StepHooks):
         self.close()
 
     def __del__(self):
+        if getattr(self, "_pid", None) != os.getpid():
+            return  # a forked child's copy: Note [Objects across fork]
         try:
             self.close()
         except Exception:

@@ -159,6 +159,7 @@ class _StagingHandle:
     snapshots that torch.optim steps wait for (Note [Async staging])."""
 
     def __init__(self):
+        self._pid = os.getpid()  # a forked child's optimizer steps do not wait for it (Note [Objects across fork])
         self._event = threading.Event()
         self.snapshot_wait_seconds = 0.0
 

@@ -39,6 +39,7 @@
 #include <utility>
 #include <vector>
 
+#include "fork_safe.hpp"
 #include "glue_api.hpp"
 #include "tensor_util.hpp"
 
@@ -132,6 +133,10 @@ struct PlanRow {
 };
 
 struct Hooks {
+  // Note [Objects across fork] (ebbtide/mem/fork_origin.hpp), through the
+  // core (this module does not link it).
+  uint64_t fork_generation = g_api->fork_generation();
+  bool made_in_this_process() const noexcept { return fork_generation == g_api->fork_generation(); }
   nb::object glue_ref;  // weakref.ref to the TensorCache (it holds us)
   nb::object core_obj;
   TensorCache* core = nullptr;
@@ -617,13 +622,13 @@ struct Hooks {
 };
 
 Kept::~Kept() {
-  if (!owner) return;
+  if (!owner || !owner->made_in_this_process()) return;  // Note [Objects across fork]
   owner->unlink(this);
   owner->kept_gone(key, version, nbytes);
 }
 
 Handle::~Handle() {
-  if (!owner) return;
+  if (!owner || !owner->made_in_this_process()) return;  // Note [Objects across fork]
   if (auto it = owner->handle_refs.find({key, version}); it != owner->handle_refs.end() && --it->second == 0)
     owner->handle_refs.erase(it);
   if (owner->closed) return;
@@ -766,4 +771,5 @@ NB_MODULE(_torch, m) {
              return out;
            },
            "(scope, offload, tier, tensors, bytes, bytes_offloaded) per scope of the step, in scope order.");
+  ebbtide::py::leak_in_forked_children<Hooks>(m.attr("Hooks"));  // Note [Objects across fork]
 }

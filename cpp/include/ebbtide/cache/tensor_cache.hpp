@@ -32,6 +32,7 @@
 #include <variant>
 #include <vector>
 
+#include "ebbtide/mem/fork_origin.hpp"
 #include "ebbtide/cache/store.hpp"
 #include "ebbtide/mem/buffer.hpp"
 #include "ebbtide/mem/cuda_shim.hpp"
@@ -189,7 +190,7 @@ struct StatField {
 // step and total counters, the gauges, the store's (store_*) and its tiers'.
 StatRecord stat_record(const CacheStats& s);
 
-class TensorCache {
+class TensorCache : public mem::ForkOrigin {
  public:
   TensorCache(std::unique_ptr<Store> store, CacheOptions options);
   ~TensorCache();  // close()

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "ebbtide/mem/fork_origin.hpp"
 #include "ebbtide/ckpt/format.hpp"
 #include "ebbtide/mem/buffer.hpp"
 #include "ebbtide/mem/cuda_shim.hpp"
@@ -31,7 +32,7 @@ struct VerifyProblem {
   std::string message;
 };
 
-class ShardReader {
+class ShardReader : public mem::ForkOrigin {
  public:
   // Opens and validates `path`. InvalidArgument (corrupt, truncated, not a
   // shard), Unsupported (newer format version), IoError (cannot read).

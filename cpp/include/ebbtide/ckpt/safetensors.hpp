@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "ebbtide/mem/fork_origin.hpp"
 #include "ebbtide/io/engine.hpp"
 #include "ebbtide/mem/buffer.hpp"
 #include "ebbtide/mem/cuda_shim.hpp"
@@ -79,7 +80,7 @@ struct IoOptions {
   static IoOptions from_env();
 };
 
-class Reader {
+class Reader : public mem::ForkOrigin {
  public:
   // Opens `path` (a regular file, Note [Regular files only] in io/direct_file.cpp)
   // and validates its header. InvalidArgument (not a valid safetensors file,

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "ebbtide/mem/fork_origin.hpp"
 #include "ebbtide/ckpt/format.hpp"
 #include "ebbtide/io/engine.hpp"
 #include "ebbtide/mem/buffer.hpp"
@@ -125,7 +126,7 @@ struct HostCopy {
   uint64_t nbytes = 0;
 };
 
-class CheckpointWriter {
+class CheckpointWriter : public mem::ForkOrigin {
  public:
   explicit CheckpointWriter(WriterOptions options = WriterOptions{}.with_env());
   ~CheckpointWriter();  // waits for the save in flight (errors are dropped)
