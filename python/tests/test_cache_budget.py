@@ -256,16 +256,19 @@ def test_user_checkpointed_blocks_are_not_wrapped_again(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
     from integration_models import tiny_llama
 
+    from ebbtide.harness.models import enable_hf_recompute
+
     force(monkeypatch, PLACEMENT_SETS["recompute"])
     ids = torch.randint(3, 128, (2, 32), generator=torch.Generator().manual_seed(1))
 
     loss = lm_loss
-    for kwargs in ({"use_reentrant": False}, {"use_reentrant": True}):
+    for reentrant in (False, True):
+        kwargs = {"use_reentrant": reentrant}
         ref_model = tiny_llama()
-        ref_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        enable_hf_recompute(ref_model, reentrant)
         ref = run(ref_model, ids, loss=loss)
         model = tiny_llama()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        enable_hf_recompute(model, reentrant)
         with cache_for(tmp_path, keep_last_modules=0).attach(model) as cache:
             got = run(model, ids, cache, loss=loss)
             assert cache.stats()["recomputed_blocks"] == [], kwargs

@@ -23,6 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ebbtide.harness.models import enable_hf_recompute
+
 # keep / offload / recompute / budget run anywhere; compiler (torch's
 # activation_memory_budget with each block compiled) and torchtune (its
 # OffloadActivations with HF checkpointing) are the GPU stage's peers.
@@ -140,7 +142,7 @@ class Runner:
         self.config = None    # torch._functorch.config settings of the compiler peer
         self.alloc_peaks = []
         if strategy in ("recompute", "torchtune"):
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_hf_recompute(self.model)
         if strategy == "torchtune":
             from ebbtide.harness.methods import load_torchtune_offload
 

@@ -10,6 +10,8 @@ import importlib.util
 import sys
 import types
 
+from ebbtide.harness.models import enable_hf_recompute
+
 METHODS = ("none", "ebbtide-ssd", "ebbtide-cpu", "recompute", "save_on_cpu")
 # Accepted by --methods but not run by default: ebbtide-auto (the default
 # target: the planner offloads per block what it measured to hide, host memory
@@ -263,17 +265,9 @@ def _method_context(method, model, device, workdir, default_variant="eager"):
 
         return cache.step, cache, cleanup
     if method == "recompute":
-        # HF renamed gradient_checkpointing_* to activation_checkpointing_* in v5.
-        kwargs = {"use_reentrant": False}
-
         @contextlib.contextmanager
         def recompute():
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-                disable = model.activation_checkpointing_disable
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-                disable = model.gradient_checkpointing_disable
+            disable = enable_hf_recompute(model)
             try:
                 yield
             finally:

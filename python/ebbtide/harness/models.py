@@ -20,6 +20,19 @@ SIZES = {
 VOCAB = 8192
 
 
+def enable_hf_recompute(model, use_reentrant=False):
+    """Turns on HF activation checkpointing (recompute) on `model` and returns
+    the function that turns it off: activation_checkpointing_enable from
+    transformers 5, gradient_checkpointing_enable (deprecated there, to be
+    removed in 6) before."""
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        return model.activation_checkpointing_disable
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model.gradient_checkpointing_disable
+
+
 def build_model(name, layers, hidden, heads, seq, dtype, device, attn="eager"):
     """A random-init HF model and a function making its training batch.
 
