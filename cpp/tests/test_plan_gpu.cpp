@@ -265,6 +265,22 @@ TEST(PlanPlanner, SimulatedPrefixByHand) {
   EXPECT_THROW(simulate_plan(uniform(3, 0.1, kGB), o, pl, {kWholeModule}), ebbtide::InvalidArgument);
 }
 
+namespace {
+
+// Both tiers with prefixes allowed: a host tier of `host_budget` at a fast
+// link, an SSD at `ssd_bps` each way (Note [Prefix or another tier whole]).
+PlannerOptions two_tiers(uint64_t host_budget, double ssd_bps, bool gpu) {
+  PlannerOptions o;
+  o.host_budget_bytes = host_budget;
+  o.host_write_bps = o.host_read_bps = 1e15;
+  o.write_bps = o.read_bps = ssd_bps;
+  o.writes_within_forward = gpu;
+  o.partial_offload = true;
+  return o;
+}
+
+}  // namespace
+
 // Note [Prefix or another tier whole]: a 1.5 GB host budget over 1 GB
 // modules, both tiers fast. Block 0 fits the host whole; block 1 could take
 // only a 0.5 GB host prefix, and the SSD takes it whole, so it goes there;
@@ -273,13 +289,7 @@ TEST(PlanPlanner, SimulatedPrefixByHand) {
 // on the host.
 TEST(PlanPlanner, PrefixYieldsToAnotherTierWhole) {
   for (bool gpu : {false, true}) {
-    PlannerOptions o;
-    o.host_budget_bytes = 3 * kGB / 2;
-    o.host_write_bps = o.host_read_bps = 1e15;
-    o.write_bps = o.read_bps = 1e15;
-    o.writes_within_forward = gpu;
-    o.partial_offload = true;
-    const Plan p = plan_offload(uniform(5, 0.1, kGB), o);
+    const Plan p = plan_offload(uniform(5, 0.1, kGB), two_tiers(3 * kGB / 2, 1e15, gpu));
     EXPECT_EQ(p.modules[0].placement, Placement::kOffloadCpu) << gpu;
     for (size_t i = 1; i < 4; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kOffloadSsd) << i << gpu;
     for (const auto& d : p.modules) EXPECT_FALSE(d.partial()) << d.name << gpu;
@@ -296,13 +306,7 @@ TEST(PlanPlanner, PrefixYieldsToAnotherTierWhole) {
 // block 1 then finds the SSD busy to the forward's end and takes the host's
 // 0.3 GB.
 TEST(PlanPlanner, LargerPrefixWinsAcrossTiers) {
-  PlannerOptions o;
-  o.host_budget_bytes = 3 * kGB / 10;
-  o.host_write_bps = o.host_read_bps = 1e15;
-  o.write_bps = o.read_bps = 2e9;
-  o.writes_within_forward = true;
-  o.partial_offload = true;
-  const Plan p = plan_offload(uniform(3, 0.1, kGB), o);
+  const Plan p = plan_offload(uniform(3, 0.1, kGB), two_tiers(3 * kGB / 10, 2e9, true));
   const double resolution = static_cast<double>(kGB >> 10);
   EXPECT_EQ(p.modules[0].placement, Placement::kOffloadSsd);
   EXPECT_NEAR(static_cast<double>(p.modules[0].offload_bytes), 0.6e9, resolution);
