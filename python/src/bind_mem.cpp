@@ -4,10 +4,13 @@
 #include "bind.hpp"
 #include "ebbtide/mem/cuda_shim.hpp"
 #include "ebbtide/mem/cufile_shim.hpp"
+#include "ebbtide/mem/fork_origin.hpp"
 
 namespace mem = ebbtide::mem;
 
 void ebbtide::py::bind_mem(nb::module_& m) {
+  m.def("fork_generation", &mem::fork_generation,
+        "Forks between the first process and this one (Note [Objects across fork]).");
   // First calls load libcuda / libcufile (seconds on some machines): no GIL.
   m.def("cuda_available", [] {
     ebbtide::py::gil_release nogil;

@@ -114,10 +114,10 @@ class _StepHooks:
         self._check_process()
 
     def _check_process(self):
-        if self._pid != os.getpid():
+        if not self._origin.here():
             # Note [Objects across fork] (cpp/include/ebbtide/mem/fork_origin.hpp):
             # the store's threads and the step's state are the parent's.
-            raise RuntimeError(f"ebbtide.TensorCache: this cache was made by process {self._pid}; a forked "
+            raise RuntimeError(f"ebbtide.TensorCache: this cache was made by process {self._origin.pid}; a forked "
                                f"child (process {os.getpid()}) can neither use nor close it (make one there)")
 
     def _remove_tmpdir(self):

@@ -31,7 +31,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.utils.checkpoint
 
-from ebbtide import _core, _settings
+from ebbtide import _core, _fork, _settings
 
 try:  # Note [Two modules] (python/src/glue_api.hpp): the hooks need libtorch
     from ebbtide import _torch
@@ -116,7 +116,7 @@ class TensorCache(_StepHooks):
                  device: Union[None, str, torch.device] = None, adaptive: Optional[bool] = None,
                  host_budget_bytes: Optional[int] = None, max_write_mbps: Optional[float] = None,
                  activation_budget_bytes: Optional[int] = None, _pooled: bool = False):
-        self._pid = os.getpid()  # Note [Objects across fork] (cpp/include/ebbtide/mem/fork_origin.hpp)
+        self._origin = _fork.Origin()  # Note [Objects across fork]
         if _torch is None:
             raise RuntimeError("ebbtide.TensorCache: ebbtide._torch, the cache's saved-tensor hooks, is not "
                                f"available ({_TORCH_MISSING}); it is built against the installed torch: "
@@ -522,7 +522,8 @@ class TensorCache(_StepHooks):
         self.close()
 
     def __del__(self):
-        if getattr(self, "_pid", None) != os.getpid():
+        origin = getattr(self, "_origin", None)
+        if origin is None or not origin.here():
             return  # a forked child's copy: Note [Objects across fork]
         try:
             self.close()

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
 from ebbtide.checkpoint import tree
-from ebbtide import _core
+from ebbtide import _core, _fork
 from ebbtide.checkpoint import native_save as _checkpoint
 from ebbtide.checkpoint.native_save import _stripe_dir_list
 from ebbtide.checkpoint.dcp_format import (COMPRESSED_DESCRIPTOR, DCP_VERSION, LAYOUT, LAYOUT_VERSION,
@@ -159,7 +159,7 @@ class _StagingHandle:
     snapshots that torch.optim steps wait for (Note [Async staging])."""
 
     def __init__(self):
-        self._pid = os.getpid()  # a forked child's optimizer steps do not wait for it (Note [Objects across fork])
+        self._origin = _fork.Origin()  # a forked child's optimizer steps do not wait for it (Note [Objects across fork])
         self._event = threading.Event()
         self.snapshot_wait_seconds = 0.0
 

@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from ebbtide import _core
+from ebbtide import _core, _fork
 from ebbtide.checkpoint import tree
 from ebbtide.checkpoint import validate
 
@@ -55,7 +55,7 @@ class SaveHandle:
     once the tensors' bytes are written, Note [Uncopied async saves])."""
 
     def __init__(self, finish):
-        self._pid = os.getpid()  # Note [Objects across fork]: a forked child never waits for it
+        self._origin = _fork.Origin()  # Note [Objects across fork]: a forked child never waits for it
         self._finish = finish
         self._info = None
         self._error = None
@@ -125,7 +125,7 @@ class SaveHandle:
 # until a thread of this module has checked the counters). Meant for
 # machines whose memory copy is too slow to keep a blocking snapshot under
 # 10% of a save (docs/checkpoints.md, "What an async save blocks on").
-_background = weakref.WeakSet()  # handles whose snapshot (or uncopied writes) is running; each has _pid
+_background = weakref.WeakSet()  # handles whose snapshot (or uncopied writes) is running; each has _origin
 _hook = None
 
 
@@ -155,7 +155,7 @@ def _copy_streams(devices, background):
 
 def _wait_for_snapshots(optimizer, args, kwargs):
     for h in list(_background):
-        if h._pid != os.getpid():
+        if not h._origin.here():
             continue  # the parent's snapshot, in a forked child (Note [Objects across fork])
         if not h.staged():
             t = time.perf_counter()
@@ -177,7 +177,7 @@ def _at_exit():
     # nothing holds the native writer past the module's teardown.
     global _hook, _default_writer
     w = _default_writer
-    if w is not None and w._pid != os.getpid():
+    if w is not None and not w._origin.here():
         w = None  # a forked child's copy of the parent's: Note [Objects across fork]
     if w is not None and w._pending is not None and not w._pending._done:
         try:
@@ -206,7 +206,7 @@ class Writer:
     EBBTIDE_CKPT_* environment variables."""
 
     def __init__(self, *, chunk_bytes=None, queue_depth=None, threads=None, zstd_level=None, direct=None):
-        self._pid = os.getpid()  # Note [Objects across fork] (cpp/include/ebbtide/mem/fork_origin.hpp)
+        self._origin = _fork.Origin()  # Note [Objects across fork]
         self._native = _core.CkptWriter(chunk_bytes=chunk_bytes, queue_depth=queue_depth, threads=threads,
                                         zstd_level=zstd_level, direct=direct)
         self._pending = None
@@ -237,14 +237,14 @@ def _writer():
     global _default_writer
     # A forked child gets its own: the parent's background thread is not there
     # (Note [Objects across fork]).
-    if _default_writer is None or _default_writer._pid != os.getpid():
+    if _default_writer is None or not _default_writer._origin.here():
         _default_writer = Writer()
     return _default_writer
 
 
 def join():
     """Writer.join() for the default writer used by save()."""
-    if _default_writer is not None and _default_writer._pid == os.getpid():
+    if _default_writer is not None and _default_writer._origin.here():
         _default_writer.join()
 
 

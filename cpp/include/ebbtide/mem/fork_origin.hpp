@@ -27,7 +27,8 @@ uint64_t fork_generation();
 // - the store pool does not lend the parent's idle stores in a child, nor
 //   destroy them there (Note [Store pool]);
 // - the Python glue does not close them there (TensorCache.__del__ and
-//   close(), the checkpoint module's exit hook).
+//   close(), the checkpoint module's exit hook), by the same generations
+//   (python/ebbtide/_fork.py).
 // The parent's objects are untouched: the child's copy is memory it never
 // frees; its files close with the child. What the child makes is its own.
 // "Made here" compares fork generations, not process ids: a grandchild may
