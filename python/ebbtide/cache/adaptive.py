@@ -466,7 +466,11 @@ class Adaptive:
             # Note [Copy bound in the plan]: the device waits behind the bound
             # when a plan queues more; the plan counts that wait.
             copy_bound_bytes=cache._core.device_inflight_bytes if cuda else 0,
-            partial_offload=cuda)
+            partial_offload=cuda,
+            # The cache's reload rules (Note [Reload lead] in
+            # cpp/src/plan/step_model.cpp): a window of prefetch_modules
+            # blocks; kept bytes count in the prefetch distance on a GPU.
+            lead_per_module=False, kept_in_distance=cuda, shared_at_last_user=False, priority_loads=False)
         for m, d in zip(self.profile_modules, plan["modules"]):
             d["scope"] = m["scope"]
             d["forward_seconds"] = m["forward_seconds"]

@@ -78,6 +78,11 @@ def register(subparsers):
                         "mix per layer that fits it at the least step time (Note [Budget plan])")
     p.add_argument("--host-budget", metavar="BYTES", default="0",
                    help="with --activation-budget: host memory per GPU the plan may offload to (default 0)")
+    p.add_argument("--replay", metavar="TRACE_OR_BENCH_JSON",
+                   help="replay a recorded GPU run (a step trace, or the JSON of bench/offload_bench.py or "
+                        "bench/budget_bench.py; a folder: every run in it) through the planner's step model: "
+                        "the plan that ran, predicted against measured, and the plan chosen now (docs/model.md, "
+                        "\"Replays\"); exit code 3 when a run is not reproduced within 5%% or a target is missed")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -381,6 +386,10 @@ def _seq(text):
 
 
 def run(args):
+    if args.replay:
+        from ebbtide.harness import replay_report
+
+        return replay_report.run(args)
     if args.list:
         _print_catalogs(sys.stdout)
         return 0
