@@ -3,7 +3,8 @@ are C++ in ebbtide._core; these modules adapt records and HF configs):
 - model.py: activation bytes, FLOPs, bandwidth needed, SSD lifetime and
   cluster throughput (``ebbtide plan``, docs/model.md);
 - planner.py: the offload and budget planner (plan_offload, simulate) that
-  the cache's adaptive placement calls.
+  the cache's adaptive placement calls;
+- megatron.py: Megatron-core's flags for a budget (``ebbtide plan --megatron``).
 Modules here may import ebbtide._core and ebbtide._records only: they work
 without torch.
 """
