@@ -12,8 +12,9 @@ assumptions, pinned to megatron-core 0.16.1):
 - Megatron's fine-grained activation offloading beside the cache: no tensor
   handled by both; its layer-level cpu_offloading refused by name;
 - `ebbtide plan --megatron`: the flags it prints give, measured on CPU, the
-  saved bytes its plan predicts within 2%.
-Added CI time: about 35 s for the launch, on 2 cores.
+  saved bytes its plan predicts within 2%;
+- a small-size run of bench/megatron_offload.py (the GPU stage's benchmark).
+Added CI time: about 35 s for the launch and 15 s for the benchmark, on 2 cores.
 """
 import importlib.metadata
 import importlib.util
@@ -215,6 +216,31 @@ def test_plan_prints_the_flags_beside_its_placement(cli):
     bad = cli("plan", "--megatron", "--model", "llama3-8b", "--seq", "4096", "--activation-budget", "20GiB",
               check=False)
     assert bad.returncode == 2 and "family 'llama'" in bad.stderr
+
+
+@requires_megatron
+def test_benchmark_small_size(tmp_path):
+    """bench/megatron_offload.py on CPU under megatron_cpu's patches: every
+    strategy runs, or (Megatron's offloading, without Transformer Engine)
+    says why not; gradients equal the keep row's."""
+    out = tmp_path / "bench.json"
+    wrapper = ("import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); import megatron_cpu; megatron_cpu.patch(); "
+               "sys.argv[0] = sys.argv[1]; runpy.run_path(sys.argv.pop(1), run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", wrapper, HERE, os.path.join(HERE, "..", "..", "bench", "megatron_offload.py"),
+                        "--device", "cpu", "--dtype", "fp32", "--layers", "4", "--hidden", "64", "--heads", "4",
+                        "--seq", "32", "--batch", "2", "--vocab", "128", "--steps", "1", "--warmup", "2",
+                        "--budget-fraction", "0.7", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "strategy" in p.stdout and "megatron-flags" in p.stdout
+    rows = json.loads(out.read_text())["strategies"]
+    for name in ("keep", "megatron-full", "megatron-flags", "ebbtide-budget", "ebbtide-cpu"):
+        assert rows[name]["step_seconds"] > 0, (name, rows[name])
+    for name in ("megatron-full", "megatron-flags", "ebbtide-budget", "ebbtide-cpu"):
+        assert rows[name]["same_grads"], name
+    assert rows["megatron-flags"]["flags"]
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert "Transformer Engine is not installed" in rows["megatron-offload"]["skipped"]
 
 
 def test_offload_megatron_names_what_it_needs(monkeypatch):
