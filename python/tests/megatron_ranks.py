@@ -141,9 +141,11 @@ def run(layout, out_dir, recompute=None, placements=None, budget=None, offload_m
 
 
 def reset_offloading():
+    """A fresh manager for Megatron's fine-grained offloading (its first iteration is a warm-up again)."""
     from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 
-    fgo.PipelineOffloadManager.reset_instance() if fgo.PipelineOffloadManager.OFFLOAD_MGR else None
+    if fgo.PipelineOffloadManager.OFFLOAD_MGR is not None:
+        fgo.PipelineOffloadManager.reset_instance()
 
 
 class Overlap:

@@ -50,6 +50,7 @@ interleaved schedule need no hints. Four things about Megatron's layers:
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 
 import torch
@@ -59,6 +60,7 @@ from ebbtide.integrations import require
 __all__ = ["offload_megatron", "megatron_chunks", "megatron_offload_modules"]
 
 _WHAT = "ebbtide.integrations.megatron"
+logger = logging.getLogger("ebbtide")
 
 
 def megatron_chunks(model) -> list:
@@ -153,7 +155,11 @@ def offload_megatron(model, target: str = "auto", path=None, *, cache=None, **ca
     # Note [Framework blocks] in ebbtide/cache/hooks.py.
     cache._checkpoint_context_fn = _rng_tracker_context(tracker_module)
     cache._scope_without_grad = True
-    cache._recompute_blocks = not megatron_offload_modules(chunks)
+    megatron_offloads = megatron_offload_modules(chunks)
+    cache._recompute_blocks = not megatron_offloads
+    if megatron_offloads:
+        logger.info("ebbtide: Megatron's fine-grained activation offloading takes what %s save; the cache takes "
+                    "the rest and recomputes no layer (Note [Megatron blocks])", ", ".join(megatron_offloads))
     ref = weakref.ref(cache)
     for per_chunk in blocks:
         for _, layer in per_chunk:
