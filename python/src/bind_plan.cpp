@@ -14,6 +14,7 @@
 
 #include "bind.hpp"
 #include "ebbtide/plan/budget.hpp"
+#include "ebbtide/plan/megatron.hpp"
 #include "ebbtide/plan/model.hpp"
 #include "ebbtide/plan/planner.hpp"
 
@@ -106,6 +107,7 @@ class Record {
 
 bool llama(const ModelConfig& c) { return c.family == Family::kLlama; }
 bool llama_or_t5(const ModelConfig& c) { return c.family == Family::kLlama || c.family == Family::kT5; }
+bool has_dropout(const ModelConfig& c) { return llama_or_t5(c) || c.family == Family::kMegatron; }
 
 void bind_model_config(nb::module_& m) {
   Record<ModelConfig>(m, "ModelConfig", "A transformer stack (ebbtide::plan::ModelConfig); llama-family fields "
@@ -131,7 +133,7 @@ void bind_model_config(nb::module_& m) {
       .rw_named("norm", &ModelConfig::norm, parse_norm, to_string, llama)
       .rw("bias", &ModelConfig::bias, llama)
       .rw("qkv_bias", &ModelConfig::qkv_bias, llama)
-      .rw("dropout", &ModelConfig::dropout, llama_or_t5)
+      .rw("dropout", &ModelConfig::dropout, has_dropout)
       .rw("rotary", &ModelConfig::rotary, llama)
       .rw("tied_embeddings", &ModelConfig::tied_embeddings, llama_or_t5)
       .rw("experts", &ModelConfig::experts, llama)
@@ -370,6 +372,22 @@ void bind_planner(nb::module_& m) {
       .ro("planned_write_bps", &Plan::planned_write_bps)
       .ro("planned_read_bps", &Plan::planned_read_bps)
       .ro("replan_fraction", &Plan::replan_fraction);
+  Record<MegatronLayerSaves>(m, "MegatronLayerSaves",
+                             "Bytes one layer saves inside each of Megatron's offload modules.")
+      .ro("attn_norm", &MegatronLayerSaves::attn_norm)
+      .ro("qkv_linear", &MegatronLayerSaves::qkv_linear)
+      .ro("core_attn", &MegatronLayerSaves::core_attn)
+      .ro("attn_proj", &MegatronLayerSaves::attn_proj)
+      .ro("mlp_norm", &MegatronLayerSaves::mlp_norm)
+      .ro("rest", &MegatronLayerSaves::rest)
+      .prop("total", &MegatronLayerSaves::total);
+  Record<MegatronPlan>(m, "MegatronPlan", "Megatron-core flags for a budget and what they give in the model.")
+      .ro("recompute_num_layers", &MegatronPlan::recompute_num_layers)
+      .ro("offload_modules", &MegatronPlan::offload_modules)
+      .ro("flags", &MegatronPlan::flags)
+      .ro("plan", &MegatronPlan::plan)
+      .ro("resident_bytes", &MegatronPlan::resident_bytes)
+      .ro("offloaded_bytes", &MegatronPlan::offloaded_bytes);
 }
 
 }  // namespace
@@ -430,6 +448,15 @@ void ebbtide::py::bind_plan(nb::module_& m) {
         nb::arg("config"), nb::arg("gpu"), nb::arg("ssd"), nb::arg("ssds"), nb::arg("mfu"),
         nb::arg("activation_budget_bytes"), nb::arg("host_budget_bytes") = 0);
   m.def("plan_budget", &plan_budget, nb::arg("modules"), nb::arg("options"));
+  m.def("plan_megatron_layer_saves", &megatron_layer_saves, nb::arg("config"));
+  m.def("plan_megatron",
+        [](const ModelConfig& config, const std::string& gpu, const std::string& ssd, int64_t ssds, double mfu,
+           uint64_t budget, uint64_t host_budget) {
+          return plan_megatron(make_plan(config, find_gpu(gpu), find_ssd(ssd), PlanOptions{mfu, ssds, 1.0}), budget,
+                               host_budget);
+        },
+        nb::arg("config"), nb::arg("gpu"), nb::arg("ssd"), nb::arg("ssds"), nb::arg("mfu"),
+        nb::arg("activation_budget_bytes"), nb::arg("host_budget_bytes") = 0);
   m.def("plan_simulate",
         [](const std::vector<ModuleProfile>& modules, const PlannerOptions& options,
            const std::vector<std::string>& placements, const std::vector<int64_t>& offload_limits) {

@@ -51,6 +51,7 @@ def _add_kept(d, counts):
 
 
 _STRIDED = torch.strided
+_no_context = torch.utils.checkpoint.noop_context_fn
 _graph_task_id = torch._C._current_graph_task_id
 _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
@@ -465,8 +466,24 @@ class _StepHooks:
     # training the cache held nothing of this block before its forward, so
     # the recomputed attention sees the same keys and values, and
     # checkpoint's shape check fails loudly where it would not.
+    #
+    # Note [Framework blocks]
+    # An integration that knows its framework sets three attributes of the
+    # cache (ebbtide/integrations/megatron.py sets all three):
+    # _checkpoint_context_fn, torch checkpoint's context_fn for the cache's
+    # recompute (a framework's own RNG states, which preserve_rng_state does
+    # not cover, stashed in forward and restored for the recompute);
+    # _scope_without_grad, so a block whose forward runs without grad (inside
+    # a reentrant checkpoint: Megatron's full recompute) still opens its
+    # scope, and what the checkpoint saves as the block returns counts there;
+    # and _recompute_blocks False, so the plan never recomputes a block
+    # (another saved-tensor hook inside the blocks would take the
+    # checkpoint's saves). A block running without grad is never recomputed
+    # by the cache. detach() sets all three back.
     def _may_recompute(self, module) -> bool:
-        if self._stages is not None:
+        if not self._recompute_blocks or not torch.is_grad_enabled():
+            return False  # Note [Framework blocks]
+        if self._stages is not None and any(module is s for s in self._stages):
             return False  # a pipeline stage's forward holds its communication
         if getattr(module, "gradient_checkpointing", False) and module.training:
             return False  # HF GradientCheckpointingLayer
@@ -527,8 +544,11 @@ class _StepHooks:
                 # partitioner recomputes (Note [Hooks under compile]).
                 if c is None or not c._in_step or not torch.is_grad_enabled():
                     return inner(*args, **kwargs)
+                # Dynamo traces the default context_fn only; an integration's
+                # (Note [Framework blocks]) is passed on and refused there.
+                extra = {} if c._checkpoint_context_fn is None else {"context_fn": c._checkpoint_context_fn}
                 return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True,
-                                                         **kwargs)
+                                                         **extra, **kwargs)
             if c is None or not c._in_step or not torch.is_grad_enabled() or _in_backward():
                 return inner(*args, **kwargs)
             first = [True]
@@ -545,7 +565,7 @@ class _StepHooks:
                 return inner(*a, **kw)
 
             return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
-                                                     **kwargs)
+                                                     context_fn=c._checkpoint_context_fn or _no_context, **kwargs)
 
         forward.__wrapped__ = inner
         return forward
@@ -571,7 +591,7 @@ class _StepHooks:
 
     @torch.compiler.disable
     def _on_block_pre(self, module, args):
-        if not self._in_step or _in_backward() or not torch.is_grad_enabled():
+        if not self._in_step or _in_backward() or not (torch.is_grad_enabled() or self._scope_without_grad):
             return
         with self._lock:
             if self._closed:

@@ -232,6 +232,10 @@ class TensorCache(_StepHooks):
         # forward; the blocks whose forward the cache wraps in a checkpoint.
         self._scope_modules: dict = {}
         self._recompute: dict = {}  # id(module) -> (module, had an instance forward, that forward)
+        # Note [Framework blocks]: what an integration tells the block hooks.
+        self._checkpoint_context_fn = None  # torch checkpoint's context_fn for the cache's recompute
+        self._scope_without_grad = False    # blocks run without grad (reentrant checkpoints) open scopes
+        self._recompute_blocks = True       # False: the plan never recomputes a block
 
     # State the hooks read on every save (Note [Hooks in C++]).
     @property
@@ -313,41 +317,53 @@ class TensorCache(_StepHooks):
             self._hooks.append(block.register_forward_pre_hook(self._on_block_pre))
             self._hooks.append(block.register_forward_hook(self._make_block_post(name)))
 
-    def attach_stages(self, modules) -> "TensorCache":
+    def attach_stages(self, modules, blocks=None) -> "TensorCache":
         """Attaches to several modules whose forwards run separately, such as
         the pipeline stages one rank holds (interleaved and zero-bubble
-        schedules): each module is one scoped block, numbered in the order
-        given, and each forward of one starts a micro-batch record of its own.
-        ``keep_last_modules`` counts these modules from the end.
+        schedules): each forward of one starts a micro-batch record of its
+        own. Each module is one scoped block, numbered in the order given, or
+        `blocks` names the blocks inside each: one list of (name, submodule)
+        per module (Megatron's decoder layers), numbered on across the
+        modules. ``keep_last_modules`` counts blocks from the end.
 
         Note [Stages sharing a cache]: the saved-tensor hooks of a step take
         every save, whichever stage makes it, so one cache serves all of a
         rank's stages (two caches in step at once would not share them). The
         cache holds the ModuleList it scopes by; a stage's forward starts at
-        scope (position - 1), so its block is scope `position`.
+        scope (its first block - 1), so its first block is the next scope.
         """
         stages = torch.nn.ModuleList(modules)
-        self._attach(stages, [(str(i), m) for i, m in enumerate(stages)], "attach_stages")
+        if blocks is None:
+            blocks = [[(str(i), m)] for i, m in enumerate(stages)]
+        else:
+            blocks = [list(b) for b in blocks]
+            if len(blocks) != len(stages):
+                raise ValueError(f"ebbtide.TensorCache.attach_stages: {len(blocks)} lists of blocks for "
+                                 f"{len(stages)} modules (one list per module)")
+        self._attach(stages, [b for per_stage in blocks for b in per_stage], "attach_stages")
         self._stages = stages
-        for position, m in enumerate(stages):
+        first = 0
+        for m, per_stage in zip(stages, blocks):
             # First among the module's pre-hooks, so its block hook sees the
             # stage's record.
-            self._hooks.append(m.register_forward_pre_hook(self._stage_forward_pre(position), prepend=True))
+            self._hooks.append(m.register_forward_pre_hook(self._stage_forward_pre(first), prepend=True))
             self._hooks.append(m.register_forward_hook(self._on_root_forward))
+            first += len(per_stage)
         return self
 
-    def _stage_forward_pre(self, position):
+    def _stage_forward_pre(self, first_block):
         @torch.compiler.disable
         def hook(module, args):
             self._on_root_forward_pre(module, args)
             if self._in_step and not _in_backward():
-                self._blocks_in_fwd = position
+                self._blocks_in_fwd = first_block
         return hook
 
     def detach(self) -> None:
         """Removes the module hooks and the cache's recompute wrappers (the cache stays usable)."""
         self._set_recompute(())
         self._scope_modules = {}
+        self._checkpoint_context_fn, self._scope_without_grad, self._recompute_blocks = None, False, True
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -38,7 +38,7 @@ def register(subparsers):
     p.add_argument("--shared-expert-ffn-hidden", type=int, default=None,
                    help="llama/moe: width of a shared expert (Qwen2-MoE)")
     p.add_argument("--norm", default=None, help="llama: rmsnorm | layernorm (default rmsnorm)")
-    p.add_argument("--dropout", action="store_true", help="llama: attention dropout on")
+    p.add_argument("--dropout", action="store_true", help="llama: attention dropout on; --megatron: hidden and attention dropout")
     p.add_argument("--no-flash-attn", action="store_true",
                    help="attention saves the s x s scores (eager / Megatron kernels)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
@@ -83,6 +83,9 @@ def register(subparsers):
                         "bench/budget_bench.py; a folder: every run in it) through the planner's step model: "
                         "the plan that ran, predicted against measured, and the plan chosen now (docs/model.md, "
                         "\"Replays\"); exit code 3 when a run is not reproduced within 5%% or a target is missed")
+    p.add_argument("--megatron", action="store_true",
+                   help="Megatron-core's GPTModel (local layer spec): with --activation-budget, also the Megatron "
+                        "flags (full recompute of the first layers, --offload-modules with --host-budget) that fit it")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -415,6 +418,10 @@ def run(args):
             config[key] = value
     if args.dropout:
         config["dropout"] = True
+    if args.megatron:
+        from ebbtide.plan.megatron import megatron_config
+
+        config.update(megatron_config(config))
     missing = [f"--{n}" for n in ("layers", "hidden", "heads") if config.get(n) is None]
     missing += ["--seq"] if args.seq is None else []
     if missing:
@@ -462,6 +469,11 @@ def run(args):
         report["budget_plan"] = model.budget_plan(config, activation_budget_bytes=budget, gpu=args.gpu,
                                                   ssd=args.ssd, ssds=args.ssds, mfu=args.mfu,
                                                   host_budget_bytes=host)
+        if args.megatron:
+            from ebbtide.plan.megatron import megatron_flags
+
+            report["megatron"] = megatron_flags(config, activation_budget_bytes=budget, gpu=args.gpu, ssd=args.ssd,
+                                                ssds=args.ssds, mfu=args.mfu, host_budget_bytes=host)
     if args.json:
         json.dump(_finite(report), sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
@@ -469,6 +481,8 @@ def run(args):
         _print_report(report, sys.stdout)
         if "budget_plan" in report:
             _print_budget(report["budget_plan"], sys.stdout)
+        if "megatron" in report:
+            _print_megatron(report["megatron"], report["budget_plan"], sys.stdout)
     return 0
 
 
@@ -510,6 +524,16 @@ def _print_budget(p, out):
                            f"(+{100 * (p['predicted_step_seconds'] / base - 1) if base else 0:.1f}%)"),
         ("moved per step", f"{_bytes(p['bytes_ssd'])} to SSD, {_bytes(p['bytes_cpu'])} to host"),
     ]
+    width = max(len(k) for k, _ in rows)
+    out.write("\n")
+    for k, v in rows:
+        out.write(f"{k:<{width}}  {v}\n")
+
+
+def _print_megatron(m, budget_plan, out):
+    from ebbtide.plan.megatron import flag_rows
+
+    rows = flag_rows(m, budget_plan, _bytes, _runs)
     width = max(len(k) for k, _ in rows)
     out.write("\n")
     for k, v in rows:

@@ -14,6 +14,9 @@ says which package (and which ebbtide extra) is missing when it is not there:
   ``torch.distributed.pipelining`` action lists.
 - ``ebbtide.integrations.ray``: a cache per Ray Train worker, in its own
   directory (``worker_cache``, ``ebbtide[ray]``).
+- ``ebbtide.integrations.megatron``: one cache for a rank's Megatron-core
+  model chunks, scoped by their decoder layers (``offload_megatron``,
+  ``ebbtide[megatron]``).
 
 See docs/integrations.md.
 """

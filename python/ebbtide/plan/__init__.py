@@ -4,6 +4,7 @@ are C++ in ebbtide._core; these modules adapt records and HF configs):
   cluster throughput (``ebbtide plan``, docs/model.md);
 - planner.py: the offload and budget planner (plan_offload, simulate) that
   the cache's adaptive placement calls;
+- megatron.py: Megatron-core's flags for a budget (``ebbtide plan --megatron``);
 - replay.py: recorded runs through the step model (the plan that ran,
   predicted against measured; the plan chosen now; issue 40's targets).
 Modules here may import ebbtide._core, ebbtide._records and each other
