@@ -203,8 +203,11 @@ def test_replan_is_quiet_when_the_plan_stays(tmp_path, caplog, monkeypatch):
     # Note [Quiet re-plan]: a measured rate below 70% of the planned one remakes
     # the plan; only a plan that places blocks differently is announced. The
     # store's meters are replaced so the rates are the test's, not the disk's.
-    model = make_model(layers=4, d=1024)
-    x = torch.randn(64, 1024)
+    # Activations well above the gradients (2 x 2048 x 512 floats saved per
+    # block against 512 x 512 weights): offloading lowers the step's peak, so
+    # the plan offloads whatever the link can hide (Note [Offload for the peak]).
+    model = make_model(layers=4, d=512)
+    x = torch.randn(2048, 512)
     with ebbtide.TensorCache(target="ssd", path=str(tmp_path), adaptive=True) as c:
         adapt = c._adapt
 
@@ -218,14 +221,15 @@ def test_replan_is_quiet_when_the_plan_stays(tmp_path, caplog, monkeypatch):
         placements = [m["placement"] for m in s["planner"]["modules"]]
         assert placements.count("offload_ssd") == 3  # all but keep_last_modules=1
         assert s["planner"]["planned_write_bps"] == pytest.approx(10e9)
-        # Half the planned rate still moves the few MB of a step in a fraction of a ms.
+        # Half the planned rate still moves a block's 8 MB in under 2 ms.
         monkeypatch.setattr(adapt, "_tier_rates", rates(5e9))
         with caplog.at_level(logging.DEBUG, logger="ebbtide"):
             want = grads_of(model, x)[0]
             got = grads_of(model, x, c)[0]
         assert all(torch.equal(a, b) for a, b in zip(want, got))
         s = c.stats()
-        assert s["replans"] == 0 and s["planner"]["reason"] == "profile"
+        # The first planned step may time the blocks again (Note [Re-timed profile]).
+        assert s["replans"] == 0 and s["planner"]["reason"] in ("profile", "retime")
         assert [m["placement"] for m in s["planner"]["modules"]] == placements
         assert s["planner"]["planned_write_bps"] == pytest.approx(5e9)
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

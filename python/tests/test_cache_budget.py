@@ -506,6 +506,7 @@ def test_replan_when_the_link_measures_faster(tmp_path, caplog, monkeypatch):
         monkeypatch.setattr(adapt, "_scope_times", lambda: {s: 0.01 for s in real_times()})
         monkeypatch.setattr(adapt, "_block_seconds", lambda scope: 0.01)
         monkeypatch.setattr(adapt, "_measured_backward_factor", lambda fwd, stall: 2.0)
+        monkeypatch.setattr(adapt, "_backward_times", lambda end: {})  # backward = 2 x forward
         speed = [0.5]
 
         def rates(core_stats):
@@ -549,6 +550,7 @@ def test_no_replan_up_at_the_write_cap(tmp_path, monkeypatch):
         monkeypatch.setattr(adapt, "_scope_times", lambda: {s: 0.05 for s in real_times()})
         monkeypatch.setattr(adapt, "_block_seconds", lambda scope: 0.05)
         monkeypatch.setattr(adapt, "_measured_backward_factor", lambda fwd, stall: 2.0)
+        monkeypatch.setattr(adapt, "_backward_times", lambda end: {})  # backward = 2 x forward
         monkeypatch.setattr(adapt, "_tier_rates", lambda core_stats: {
             "ssd": dict(bytes_written=64 << 20, write_bps=10e9, bytes_read=64 << 20, read_bps=10e9)})
         made = []
@@ -557,5 +559,6 @@ def test_no_replan_up_at_the_write_cap(tmp_path, monkeypatch):
         run(model, x, c, steps=4)
         s = c.stats()
     assert s["planner"]["bytes_ssd"] > 0 and s["planner"]["planned_write_bps"] == pytest.approx(100e6)
-    assert made == ["profile"]
+    # The first planned step may re-time the profile (Note [Re-timed profile]); the link never re-plans.
+    assert made[0] == "profile" and set(made) <= {"profile", "retime"}
     assert s["replans"] == 0

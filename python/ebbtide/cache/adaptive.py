@@ -41,6 +41,7 @@ measures does not exceed the budget by the whole keep-all peak.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -49,6 +50,7 @@ from typing import Optional
 import torch
 
 from ebbtide import _core, _settings
+from ebbtide.cache import profile as _profile
 from ebbtide.plan import planner
 
 logger = logging.getLogger("ebbtide")
@@ -138,6 +140,8 @@ class Adaptive:
         self.prefetch_modules = prefetch_modules
         self.replan_fraction = replan_fraction
         self.profiling = True        # this (or the next) step profiles
+        self.retiming = False        # this step times the blocks again (Note [Re-timed profile])
+        self._retime_next = False
         self.last_profiled = False   # the last step begun was a profiling step
         self._profile_next = True
         self.plan: Optional[dict] = None
@@ -160,6 +164,9 @@ class Adaptive:
         self.recompute_scopes: set = set()
         self.infeasible: Optional[str] = None  # the error of a budget no plan meets
         self.max_inflight_bytes = int(cache._max_inflight)  # Note [Budget guard]
+        self._bmarks: list = []      # Note [Backward profile]: (scope, point) as backward reaches blocks
+        self._grads = None           # (before, [per block], after) gradient bytes of the profiling step
+        self._alloc = None           # the profiling step's AllocatorWindow
 
     # ---------------------------------------------------------------- control
     def request_profile(self) -> None:
@@ -170,6 +177,9 @@ class Adaptive:
         # that raised leaves the next one to profile.
         self.profiling = self._profile_next
         self.last_profiled = self.profiling
+        # Note [Re-timed profile]: the first planned step times the blocks again.
+        self.retiming = self._retime_next and not self.profiling and self.plan is not None
+        self._retime_next = False
         self._marks = []
         self._inputs, self._block_open, self._block = {}, {}, {}
         self.infeasible = None
@@ -177,8 +187,16 @@ class Adaptive:
             # The profile measures every block as the model runs it.
             self.cache._set_recompute(())
             self._guard(None)
-        self._step_begin = self._now() if self.profiling else None
+        self._step_begin = self._now() if self.profiling or self.retiming else None
         self._meter0 = {t["tier"]: dict(t) for t in core_stats.get("tiers", [])}
+        # Note [Backward profile]: the backward's marks, the gradients this
+        # step makes (counted before it makes them), the allocator's window.
+        self._bmarks = []
+        if self.profiling:
+            cache = self.cache
+            model = cache._model_ref() if cache._model_ref is not None else None
+            self._grads = _profile.gradient_bytes(cache._blocks, model) if model is not None else None
+            self._alloc = _profile.AllocatorWindow(cache._device)
 
     def _now(self):
         """A point in time: a CUDA event on the compute stream (no sync) or a host clock."""
@@ -191,9 +209,14 @@ class Adaptive:
         return time.perf_counter()
 
     def mark(self, scope: Optional[int]) -> None:
-        """A scope begins (None: the forward ended). Only while profiling."""
-        if self.profiling:
+        """A scope begins (None: the forward ended). Only while profiling or re-timing."""
+        if self.profiling or self.retiming:
             self._marks.append((scope, self._now()))
+
+    def mark_backward(self, scope: int) -> None:
+        """Block `scope`'s backward begins (Note [Backward profile]). Only while profiling or re-timing."""
+        if self.profiling or self.retiming:
+            self._bmarks.append((scope, self._now()))
 
     def block_begins(self, scope: int, module, args) -> None:
         """Block pre-hook while profiling: its inputs (what a recompute saves)
@@ -237,6 +260,9 @@ class Adaptive:
         if self._cuda:
             return sum(a.elapsed_time(b) / 1e3 for a, b in spans)
         return sum(b - a for a, b in spans)
+
+    def _elapsed(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self._cuda else b - a
 
     def _measured_backward_factor(self, forward_seconds: float, stall_seconds: float) -> Optional[float]:
         """(step time - forward - stall) / forward of the profiling step, or None.
@@ -393,10 +419,19 @@ class Adaptive:
             self._profile_next = False
             self.profile_modules = modules
             fwd = sum(m["forward_seconds"] for m in modules)
+            end = self._now()
             factor = self._measured_backward_factor(fwd, core_stats["step"]["stall_seconds"])
             self.backward_factor = factor if factor is not None else self.default_backward_factor
+            self._profile_backward(modules, end)
             self.measured = self._measure_tiers(core_stats)
+            self._calibrate_temporaries(modules)
             self._make_plan(reason="profile")
+            self._retime_next = True
+            return
+        if self.retiming:
+            self.retiming = False
+            self._retime()
+        if self._shape_changed():
             return
         if self.plan is None or not self.plan["bytes_ssd"]:
             return
@@ -433,6 +468,125 @@ class Adaptive:
                 "next step", r["write_bps"] / 1e6, how, old["planned_write_bps"] / 1e6)
             self._log_plan()
 
+    def _backward_times(self, end) -> dict:
+        """Seconds of each module's backward in the step just ended (keys:
+        scopes, "tail" for what follows the last block; Note [Backward
+        profile]); empty when the backward was not marked. A module missing
+        from it is planned with backward_factor x its forward."""
+        forward_end = next((p for scope, p in reversed(self._marks) if scope is None), None)
+        if forward_end is None or not self._bmarks or type(forward_end) is not type(end):
+            return {}
+        tail = any(m.get("tail") for m in (self.profile_modules or []))
+        return _profile.backward_seconds(self._bmarks, forward_end, end, self._elapsed, tail)
+
+    def _profile_backward(self, modules: list, end) -> None:
+        """Each module's backward time and gradient bytes (Note [Backward profile])."""
+        back = self._backward_times(end)
+        if back:
+            for m in modules:
+                key = "tail" if m.get("tail") else m["scope"]
+                if key in back:
+                    m["backward_seconds"] = back[key]
+                elif m["scope"] < 0:
+                    m["backward_seconds"] = 0.0
+        if self._grads is None:
+            return
+        before, per, after = self._grads
+        blocks = [m for m in modules if m["scope"] >= 0 and not m.get("tail")]
+        for m in blocks:
+            m["grad_bytes"] = per[m["scope"]] if m["scope"] < len(per) else 0
+        if not blocks:
+            return
+        last = modules[-1]
+        last["grad_bytes"] = last.get("grad_bytes", 0) + after
+        first = next((m for m in modules if m["scope"] < 0), blocks[0])
+        first["grad_bytes"] = first.get("grad_bytes", 0) + before
+
+    def _retime(self) -> None:
+        """Note [Re-timed profile]
+        The profiling step is a process's first step more often than not:
+        its kernels meet cold caches, autotuning and a growing allocator (on
+        the H200, 1.24 s against 0.11 s later), and on a GPU with a budget it
+        offloads. The first planned step times each module again; a module's
+        time is the smaller of the two (whatever disturbs a step only adds
+        to it), and when that moves the total by more than a tenth the plan
+        is made again (reason "retime")."""
+        times = self._scope_times()
+        if not times:
+            return
+        back = self._backward_times(self._now())
+        before = sum(m["forward_seconds"] + m.get("backward_seconds", 0.0) for m in self.profile_modules)
+        for m in self.profile_modules:
+            if m.get("tail"):
+                continue  # its forward is the block's scope less the block: not timed apart
+            if m["scope"] in times:
+                m["forward_seconds"] = min(m["forward_seconds"], times[m["scope"]])
+            if m["scope"] in back and "backward_seconds" in m:
+                m["backward_seconds"] = min(m["backward_seconds"], back[m["scope"]])
+        after = sum(m["forward_seconds"] + m.get("backward_seconds", 0.0) for m in self.profile_modules)
+        if before > 0 and (before - after) / before > 0.1:
+            old = [m["placement"] for m in self.plan["modules"]] if self.plan is not None else None
+            self._make_plan(reason="retime", log=False)
+            changed = old != [m["placement"] for m in self.plan["modules"]]
+            # As Note [Quiet re-plan]: only a plan that places blocks differently is announced.
+            (logger.info if changed else logger.debug)(
+                "ebbtide: the first planned step timed the blocks %.0f%% faster than the profiling step; "
+                "re-planned%s", 100 * (before - after) / before, "" if changed else " (placements unchanged)")
+            if changed:
+                self.replans += 1
+                self._log_plan()
+
+    def _shape_changed(self) -> bool:
+        """A planned step whose saves differ from the profile's by more than a
+        tenth (another sequence length or batch, a plan kept across calls of
+        offload()): the next step profiles again."""
+        if not self.profile_modules or self.plan is None:
+            return False
+        step = sum(p["bytes"] for p in self.cache._plan.values())
+        planned = sum(d["saved_bytes"] + d["fixed_bytes"] for d in self.plan["modules"])
+        if planned and step and abs(step - planned) > 0.1 * planned:
+            logger.info("ebbtide: this step saved %s where the plan expected %s; profiling the next step again",
+                        _fmt_bytes(step), _fmt_bytes(planned))
+            self.request_profile()
+            return True
+        return False
+
+    # Note [Plans across offload() calls]
+    # ebbtide.offload() makes a cache per step (the README's one-step form),
+    # and a cache's first step profiles: on a GPU that step keeps every
+    # activation resident, so a loop of offload() calls never offloaded. The
+    # profile and measurements are kept per model and settings when such a
+    # cache closes, and the next one for the same model and settings plans
+    # from them at once (its first step re-times the blocks, Note [Re-timed
+    # profile]); a step whose saves no longer match profiles again.
+    def snapshot(self) -> dict:
+        """What a later cache of the same model and settings plans from."""
+        return dict(profile_modules=copy.deepcopy(self.profile_modules), measured=copy.deepcopy(self.measured),
+                    backward_factor=self.backward_factor, recomputable=dict(self.recomputable),
+                    retime=self._retime_next)
+
+    def restore(self, state: dict) -> None:
+        """Plans from a snapshot() instead of profiling the next step."""
+        self.profile_modules = copy.deepcopy(state["profile_modules"])
+        self.measured = copy.deepcopy(state["measured"])
+        self.backward_factor = state["backward_factor"]
+        self.recomputable = dict(state["recomputable"])
+        self._profile_next = self.profiling = False
+        self._make_plan(reason="kept", log=False)
+        self._retime_next = state["retime"]
+
+    def _calibrate_temporaries(self, modules: list) -> None:
+        """On a GPU, when the profiling step kept every save resident: the
+        last module's backward temporaries (Note [Backward profile])."""
+        if not self._cuda or self.activation_budget_bytes:
+            return
+        measured = self._alloc.peak() if self._alloc is not None else None
+        if measured is None:
+            return
+        keep = planner.simulate([{k: v for k, v in m.items() if k not in ("scope", "tail")} for m in modules],
+                                ["keep"] * len(modules), **self._planner_options(0))
+        _profile.last_module_temporaries(modules, measured, keep["peak_allocated_bytes"])
+
     # --------------------------------------------------------------- planning
     def predict(self, activation_budget_bytes: int) -> dict:
         """The plan the last profile gives for another budget (0: none), not applied."""
@@ -440,8 +594,9 @@ class Adaptive:
             raise RuntimeError("ebbtide.TensorCache.predict: no profiling step has run yet")
         return self._planned(int(activation_budget_bytes))
 
-    def _planned(self, budget: int) -> dict:
-        """The planner's answer for the profile and measurements at hand, within `budget`."""
+    def _planner_options(self, budget: int) -> dict:
+        """The planner's settings for this cache: measured rates, its rules
+        (ebbtide.plan.planner.plan_offload's keywords)."""
         ssd = self.measured.get("ssd", {})
         cpu = self.measured.get("cpu", {})
         has_cpu = "cpu" in self.measured
@@ -453,8 +608,7 @@ class Adaptive:
         if cache.target == "cpu":  # host memory is the only tier: bounded by capacity_bytes alone
             host_budget = cache.capacity_bytes or (1 << 50)
         cuda = cache._on_cuda()
-        plan = planner.plan_offload(
-            [{k: v for k, v in m.items() if k not in ("scope", "tail")} for m in self.profile_modules],
+        return dict(
             write_bps=ssd.get("write_bps", 0.0), read_bps=ssd.get("read_bps", 0.0),
             target="auto", max_write_mbps=self.max_write_bps / 1e6 if self.max_write_bps else None,
             host_budget_bytes=host_budget if has_cpu else 0,
@@ -471,6 +625,12 @@ class Adaptive:
             # cpp/src/plan/step_model.cpp): a window of prefetch_modules
             # blocks; kept bytes count in the prefetch distance on a GPU.
             lead_per_module=False, kept_in_distance=cuda, shared_at_last_user=False, priority_loads=False)
+
+    def _planned(self, budget: int) -> dict:
+        """The planner's answer for the profile and measurements at hand, within `budget`."""
+        plan = planner.plan_offload(
+            [{k: v for k, v in m.items() if k not in ("scope", "tail")} for m in self.profile_modules],
+            **self._planner_options(budget))
         for m, d in zip(self.profile_modules, plan["modules"]):
             d["scope"] = m["scope"]
             d["forward_seconds"] = m["forward_seconds"]

@@ -625,6 +625,8 @@ class _StepHooks:
             def on_grad(grad):
                 c = ref()
                 if c is not None and not c._closed:
+                    if c._adapt is not None:
+                        c._adapt.mark_backward(scope)  # Note [Backward profile]
                     c._prefetch_scope(mb, scope)
                 return None
 

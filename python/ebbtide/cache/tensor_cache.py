@@ -567,17 +567,40 @@ def offload(model: Optional[torch.nn.Module] = None, target: str = "auto",
     # cache per step costs its slab file and threads once per process.
     cache = TensorCache(target=target, path=path, _pooled=True, **kwargs)
     ok = False
+    key = None
     try:
         if model is not None:
             cache.attach(model)
+            if cache._adapt is not None:
+                # Note [Plans across offload() calls] (ebbtide/cache/adaptive.py).
+                key = _plan_key(cache, kwargs)
+                state = _PLANS.get(model, {}).get(key)
+                if state is not None:
+                    cache._adapt.restore(state)
         with cache.step():
             yield cache
         ok = True
     finally:
+        if ok and key is not None:
+            kept = _PLANS.setdefault(model, {})
+            if cache._adapt.profile_modules and not cache._adapt._profile_next:
+                kept[key] = cache._adapt.snapshot()
+            else:  # the step's saves no longer match the profile: the next call profiles
+                kept.pop(key, None)
         if ok:
             cache._close_when_released()
         else:
             cache.close()
+
+
+# Per model: settings -> the last profile an offload() cache planned from.
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _plan_key(cache: "TensorCache", kwargs: dict) -> tuple:
+    """The settings a kept profile belongs to: the cache's and the call's."""
+    return (cache.target, tuple(cache.paths), str(cache._device),
+            tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
 
 
 def release_pooled_stores() -> int:
