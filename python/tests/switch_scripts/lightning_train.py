@@ -11,34 +11,15 @@ import pytorch_lightning as pl
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])  # python/tests: integration_models
-from integration_models import tiny_llama, token_rows  # noqa: E402
+from integration_models import lit_llama, token_rows  # noqa: E402
 
 out, by_hand = sys.argv[1], "--by-hand" in sys.argv
-
-
-class LitLlama(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.model = tiny_llama()
-
-    def forward(self, ids):
-        return self.model(input_ids=ids, labels=ids).loss
-
-    def training_step(self, batch, batch_idx):
-        loss = self(batch)
-        self.log("loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-
 callbacks = []
 if by_hand:
     from ebbtide.integrations.lightning import OffloadCallback
 
     callbacks.append(OffloadCallback(target="cpu"))
-lit = LitLlama()
+lit = lit_llama(lr=1e-2)
 logger = pl.loggers.CSVLogger(out + ".d", name="run", version=0)
 trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=2, logger=logger,
                      log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
