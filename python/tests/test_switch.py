@@ -176,10 +176,21 @@ def test_a_bad_value_ends_the_process_in_one_line():
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
+def test_ebbtide_run_runs_the_python_beside_it(tmp_path):
+    # As from a shell that has not activated the environment: `python` is
+    # this environment's, with the switch, not the first one on PATH.
+    env = dict(os.environ, PATH=os.pathsep.join(["/usr/bin", "/bin"]))
+    code = "import sys; print(sys.prefix, 'ebbtide.integrations.switch' in sys.modules)"
+    p = subprocess.run([sys.executable, "-m", "ebbtide", "run", "python", "-c", code], capture_output=True,
+                       text=True, timeout=120, env=env, cwd=tmp_path)
+    assert p.returncode == 0 and p.stdout.split() == [sys.prefix, "True"], (p.stdout, p.stderr)
+
+
 def test_ebbtide_run_checks_its_settings():
     for args, text in ((["--target", "cpu", "--path", "/tmp", "--", "true"], "--target cpu offloads to host memory"),
                        (["--budget", "-5GiB", "--", "true"], "--budget"),
                        (["--", "no-such-command-ebbtide"], "no-such-command-ebbtide: command not found")):
         p = subprocess.run([sys.executable, "-m", "ebbtide", "run", *args], capture_output=True, text=True,
                            timeout=60)
-        assert p.returncode == 2 and text in p.stderr and len(p.stderr.strip().splitlines()) == 1, (args, p.stderr)
+        assert p.returncode == 2 and p.stderr.startswith("ebbtide run: error: ") and text in p.stderr, (args, p.stderr)
+        assert len(p.stderr.strip().splitlines()) == 1, (args, p.stderr)

@@ -21,7 +21,7 @@ def register(subparsers):
     p.add_argument("--budget", metavar="BYTES",
                    help="activation memory a step may hold, e.g. 20GiB: the planner keeps, offloads or recomputes "
                         "each block to fit it (EBBTIDE_ACTIVATION_BUDGET)")
-    p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
+    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND",
                    help="the training command and its arguments (after --)")
     p.set_defaults(func=run)
 
@@ -34,10 +34,17 @@ def switch_installed() -> bool:
 
 def environment(target, path=None, budget=None, base=None) -> dict:
     """The environment COMMAND runs in: `base` (default os.environ) with the
-    switch's variables, each checked as the switch will read it."""
+    switch's variables, each checked as the switch will read it, and this
+    environment's scripts first on PATH, as in an activated virtual
+    environment: `python`, `torchrun`, `accelerate` and `tune` are then the
+    ones beside this ebbtide, whose Python has the switch."""
     from ebbtide import _core
 
     env = dict(os.environ if base is None else base)
+    scripts = os.path.dirname(sys.executable)
+    path_dirs = env.get("PATH", "").split(os.pathsep)
+    if path_dirs[:1] != [scripts]:
+        env["PATH"] = os.pathsep.join([scripts] + [d for d in path_dirs if d])
     env["EBBTIDE_OFFLOAD"] = _core.check_setting("EBBTIDE_OFFLOAD", target, "--target")
     env.pop("EBBTIDE_OFFLOAD_PATH", None)
     if path:
@@ -51,7 +58,7 @@ def environment(target, path=None, budget=None, base=None) -> dict:
 
 
 def run(args):
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not command:
         raise ValueError("no command given: ebbtide run [--target cpu] -- COMMAND [ARG ...]")
     if not switch_installed():
