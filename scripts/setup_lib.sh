@@ -51,7 +51,14 @@ ensure_requirements() {
   local torch_pin args=()
   torch_pin="torch==$("$py" -c 'import torch; print(torch.__version__)')"
   for f in "${files[@]}"; do args+=(-r "$repo/$f"); done
-  "$py" -m pip install -q "${args[@]}" -c <(echo "$torch_pin")
+  # pip's notes on empty local index folders (this machine's pip
+  # configuration) are left out; a failing install still stops the script.
+  local log="$venv/.ebbtide-pip.log"
+  if ! "$py" -m pip install -q "${args[@]}" -c <(echo "$torch_pin") >"$log" 2>&1; then
+    grep -v "^WARNING: Location" "$log" >&2
+    exit 1
+  fi
+  grep -v "^WARNING: Location" "$log" || true
   local pkg
   for pkg in "${extra[@]}"; do "$py" -m pip install -q --no-deps "$pkg"; done
   echo "$want" >"$stamp"
