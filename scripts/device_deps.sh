@@ -31,7 +31,7 @@ for f in "$deps"/debs/*.deb; do
   dpkg -x "$f" "$deps/root"
 done
 # nanobind's wheel holds its CMake package and C++ sources; the pin is the
-# version the development venv has (requirements-dev.txt asks nanobind>=2.0).
+# version the development venv has (requirements-demo.txt pins 3.1.0).
 # torchtune is pure Python. Its package __init__ imports torchao, HF datasets,
 # torchdata and more, none of which OffloadActivations uses: ebbtide.harness.methods loads
 # that class from its own file when the package import fails, so it needs only

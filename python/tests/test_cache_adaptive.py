@@ -247,9 +247,11 @@ def test_replan_is_quiet_when_the_plan_stays(tmp_path, caplog, monkeypatch):
 
 
 def test_auto_without_ssd_degrades_to_host(tmp_path):
-    missing = tmp_path / "does-not-exist"
+    # A folder that cannot be made (a missing one is created, as for target="ssd").
+    (tmp_path / "a-file").write_text("x")
+    unusable = tmp_path / "a-file" / "sub"
     with pytest.warns(RuntimeWarning, match="host memory only"):
-        c = ebbtide.TensorCache(target="auto", path=str(missing), host_budget_bytes=1 << 30)
+        c = ebbtide.TensorCache(target="auto", path=str(unusable), host_budget_bytes=1 << 30)
     with c:
         model = make_model(layers=2)
         x = torch.randn(128, 256)

@@ -5,7 +5,8 @@ cpp/src/cache is the cache itself:
 - hooks.py: what runs inside a step (the pack path, module hooks, release
   points, recompute by the cache); the C++ side is python/src/torch/hooks.cpp;
 - adaptive.py: adaptive placement (the profiling step, plans, re-plans),
-  measuring for the C++ planner (ebbtide.plan.planner).
+  measuring for the C++ planner (ebbtide.plan.planner);
+- summary.py: ``TensorCache.summary()``, its statistics as readable lines.
 Modules here may import ebbtide._core, ebbtide._torch, ebbtide._settings and
 ebbtide.plan; never ebbtide.checkpoint or the harness.
 """

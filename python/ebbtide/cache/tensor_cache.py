@@ -81,6 +81,20 @@ def _find_blocks(model: torch.nn.Module):
     return chosen
 
 
+def _make_folders(paths):
+    """Creates the SSD target's folders that do not exist yet, as a cache
+    folder is expected to be; a file in the way or a folder that cannot be
+    made is an OSError naming it."""
+    for p in paths:
+        if os.path.exists(p) and not os.path.isdir(p):
+            raise NotADirectoryError(f"ebbtide.TensorCache: path {p!r} is a file, not a folder for the cache's files")
+        try:
+            os.makedirs(p, exist_ok=True)
+        except OSError as e:
+            raise OSError(e.errno, f"ebbtide.TensorCache: cannot create the folder {p!r} for the cache's files: "
+                                   f"{e.strerror}") from e
+
+
 class TensorCache(_StepHooks):
     """Offloads the activations autograd saves to SSD files or host memory.
 
@@ -175,6 +189,7 @@ class TensorCache(_StepHooks):
             gpu_settings = dict(device_inflight_bytes=_core.env_setting("EBBTIDE_DEVICE_INFLIGHT"),
                                 staging_bytes=_core.env_setting("EBBTIDE_STAGING_BYTES"))
             try:
+                _make_folders(paths)
                 self._core = _core.CacheCore(target, *args, host_budget_bytes=host_budget,
                                              max_write_bps=max_write_bps, pooled=bool(_pooled), **gpu_settings)
             except OSError as exc:
@@ -480,6 +495,13 @@ class TensorCache(_StepHooks):
                 return dict(self._last_stats)
             self._poll_locked()
             return self._make_stats()
+
+    def summary(self) -> str:
+        """stats() as a few readable lines (print(cache.summary())); stats()
+        keeps the dict for programs."""
+        from ebbtide.cache.summary import format_summary
+
+        return format_summary(self.stats())
 
     def predict(self, activation_budget_bytes: int) -> dict:
         """The plan the last profiling step gives for `activation_budget_bytes`

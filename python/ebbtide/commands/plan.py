@@ -199,7 +199,8 @@ def _print_report(r, out):
         ("SSD write / read", f"{r['ssd_write_gbps']:.1f} / {r['ssd_read_gbps']:.1f} GB/s  "
                              f"(PCIe {r['pcie_gbps']:.0f} GB/s)"),
         ("bandwidth", "sufficient" if r["bandwidth_sufficient"] else
-         f"INSUFFICIENT: step stretches to {r['step_seconds_with_offload'] * 1e3:.1f} ms"),
+         f"INSUFFICIENT to offload all that: the step would stretch to "
+         f"{r['step_seconds_with_offload'] * 1e3:.1f} ms"),
         ("SSD lifetime", f"{r['ssd_lifetime_years']:.2f} years of continuous training "
                          f"(write amplification {r['write_amplification']})"),
         ("max micro-batch", f"{r['max_micro_batch']} offloaded, "
@@ -224,9 +225,10 @@ def _print_report(r, out):
         rows.append(("longest sequence", f"{r['longest_seq']} offloaded, {r['longest_seq_without_offload']} "
                                          "without offloading  (one sample per GPU)"))
     if r["model_state_bytes"] >= r["gpu_memory_bytes"]:
+        # First, before the figures it makes moot (no micro-batch fits).
         hint = "raise --tp" if sh["zero_stage"] == 3 else "shard it: --fsdp or --zero 1|2|3 with --dp"
-        rows.append(("note", f"model state ({_bytes(r['model_state_bytes'])}) exceeds GPU memory "
-                             f"({_bytes(r['gpu_memory_bytes'])}): {hint}"))
+        rows.insert(0, ("DOES NOT FIT", f"model state ({_bytes(r['model_state_bytes'])}) exceeds GPU memory "
+                                        f"({_bytes(r['gpu_memory_bytes'])}): {hint}"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         out.write(f"{k:<{width}}  {v}\n")
@@ -505,16 +507,18 @@ def _runs(names):
 
 def _print_budget(p, out):
     counts = {}
-    for m in p["modules"]:
+    layers = [m for m in p["modules"] if m["name"] != "head"]
+    for m in layers:  # the layers, as "by layer" shows them; the head after
         key = m["placement"] + (f" ({m['tier']})" if m["tier"] and m["placement"] != "offload_" + m["tier"] else "")
         counts[key] = counts.get(key, 0) + 1
-    layers = [m for m in p["modules"] if m["name"] != "head"]
+    head = [m["placement"] for m in p["modules"] if m["name"] == "head"]
     base = p["forward_seconds"] + p["backward_seconds"]
     rows = [
         ("activation budget", f"{_bytes(p['activation_budget_bytes'])} per GPU"
                               + ("" if p["feasible"] else
                                  f"  NOT MET: the smallest the planner reaches is {_bytes(p['min_budget_bytes'])}")),
-        ("mix", ", ".join(f"{k} {v}" for k, v in counts.items())),
+        ("mix", f"{len(layers)} layers: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+                + (f"; head {head[0]}" if head else "")),
         ("by layer", _runs([m["placement"] for m in layers])),
         ("predicted peak", f"{_bytes(p['peak_resident_bytes'])} of {_bytes(p['all_resident_bytes'])} kept-all "
                            f"({100 * p['peak_resident_fraction']:.0f}%)"),

@@ -17,6 +17,8 @@ says which package (and which ebbtide extra) is missing when it is not there:
 - ``ebbtide.integrations.megatron``: one cache for a rank's Megatron-core
   model chunks, scoped by their decoder layers (``offload_megatron``,
   ``ebbtide[megatron]``).
+- ``ebbtide.integrations.switch``: the above without editing the script,
+  when ``EBBTIDE_OFFLOAD`` is set (``ebbtide run``).
 
 See docs/integrations.md.
 """

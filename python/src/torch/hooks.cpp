@@ -657,9 +657,13 @@ NB_MODULE(_torch, m) {
     throw std::runtime_error("ebbtide._torch was built for another ebbtide._core (rebuild both)");
   // Note [Hooks for one torch]: libtorch's C++ API is not stable across
   // releases, so the module refuses to load under a torch other than the one
-  // it was built against, naming both and the rebuild.
+  // it was built against, naming both and the rebuild. Only the public
+  // version counts: the builds of one release for the CPU and for each CUDA
+  // version ("2.13.0+cpu", "2.13.0+cu130") share libtorch's C++ interface,
+  // and the wheel requires torch by that public version (docs/packaging.md).
   const std::string running = nb::cast<std::string>(nb::module_::import_("torch").attr("__version__"));
-  if (running != EBBTIDE_TORCH_VERSION)
+  const auto public_version = [](const std::string& v) { return v.substr(0, v.find('+')); };
+  if (public_version(running) != public_version(EBBTIDE_TORCH_VERSION))
     throw nb::import_error(("ebbtide._torch was built against torch " EBBTIDE_TORCH_VERSION ", but torch " + running +
                             " is installed; rebuild ebbtide for it: pip install --no-build-isolation "
                             "--force-reinstall --no-deps <ebbtide's source directory>")
