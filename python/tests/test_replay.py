@@ -94,3 +94,33 @@ def test_bad_replay_inputs_are_named(tmp_path):
     assert r.returncode == 2 and "x.json: not JSON" in r.stderr
     with pytest.raises(ValueError, match="lacks 'measured'"):
         replay.replay_run(dict(name="r", modules=[], options={}, ran={}))
+
+
+def test_a_cache_writes_its_step_as_a_trace_run(tmp_path):
+    """TensorCache.trace_run: the run a GPU stage writes into its trace. Replayed,
+    the decisions the cache ran with predict what its plan predicted (the plan
+    and the replay are one model), and the planner chooses that plan again."""
+    import torch
+
+    import ebbtide
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU())
+                                  for _ in range(4)])
+    x = torch.randn(1024, 256)
+    with ebbtide.TensorCache("ssd", str(tmp_path), adaptive=True) as cache:
+        cache.attach(model)
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with cache.step():
+                model(x).sum().backward()
+        plan = cache.stats()["planner"]
+        run = cache.trace_run("cpu mlp", dict(step_seconds=1.0, peak_bytes=1 << 20))
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(dict(format=replay.TRACE_FORMAT, version=replay.TRACE_VERSION, runs=[run])))
+    r = replay.replay(gpu_runs.load(str(path))["runs"])["runs"][0]
+    assert [m["placement"] for m in r["ran"]["plan"]] == [m["placement"] for m in plan["modules"]]
+    assert r["ran"]["predicted"]["step_seconds"] == pytest.approx(plan["predicted_step_seconds"], rel=1e-6)
+    assert r["ran"]["predicted"]["peak_bytes"] == plan["peak_allocated_bytes"]
+    assert [m["placement"] for m in r["best"]["plan"]] == [m["placement"] for m in plan["modules"]]
+    assert r["ran"]["measured"] == dict(step_seconds=1.0, peak_bytes=1 << 20)

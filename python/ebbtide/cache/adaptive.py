@@ -594,6 +594,31 @@ class Adaptive:
             raise RuntimeError("ebbtide.TensorCache.predict: no profiling step has run yet")
         return self._planned(int(activation_budget_bytes))
 
+    def trace_run(self, name: str, measured: dict, kind: str = "offload") -> dict:
+        """The last plan as a run of ebbtide.plan.replay's trace format: the
+        profile, the planner settings and the decisions the cache ran with,
+        and `measured` (``step_seconds``, ``peak_bytes``: the allocator's
+        peak above the step's start, and whatever else the caller has)."""
+        if not self.profile_modules or self.plan is None:
+            raise RuntimeError("ebbtide.TensorCache.trace_run: no plan yet (profile a step first)")
+        plan = self.plan
+        index = {m["scope"]: i for i, m in enumerate(self.profile_modules) if not m.get("tail")}
+        release = []
+        for m in self.profile_modules:
+            r = self.release_after.get(m["scope"], -1)
+            release.append(index.get(r, -1))
+        options = self._planner_options(self.activation_budget_bytes)
+        return dict(
+            name=str(name), kind=kind,
+            modules=[{k: v for k, v in m.items() if k not in ("scope", "tail")} for m in self.profile_modules],
+            options=options, now_options=dict(options),
+            ran=dict(placements=[d["placement"] for d in plan["modules"]],
+                     offload_limits=[self.limits.get(m["scope"]) if not m.get("tail") else None
+                                     for m in self.profile_modules],
+                     lead_bytes=[int(d.get("lead_bytes", 0)) for d in plan["modules"]],
+                     release_after=release),
+            measured=dict(measured))
+
     def _planner_options(self, budget: int) -> dict:
         """The planner's settings for this cache: measured rates, its rules
         (ebbtide.plan.planner.plan_offload's keywords)."""

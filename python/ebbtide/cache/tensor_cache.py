@@ -515,6 +515,18 @@ class TensorCache(_StepHooks):
         return self._adapt.predict(_check_int("ebbtide.TensorCache.predict: activation_budget_bytes",
                                               activation_budget_bytes, 0, None))
 
+    def trace_run(self, name: str, measured: dict) -> dict:
+        """This cache's last plan as a replayable run (ebbtide.plan.replay's
+        trace format, what `ebbtide plan --replay` reads inside a file
+        ``{"format": "ebbtide-step-trace", "version": 1, "runs": [...]}``):
+        the profile, the settings and decisions the step ran with, and
+        `measured` (``step_seconds``, ``peak_bytes``: the allocator's peak
+        above the step's start). Needs an adaptive cache with a plan."""
+        self._check_open()
+        if self._adapt is None:
+            raise RuntimeError("ebbtide.TensorCache.trace_run: the cache is not adaptive (adaptive=False)")
+        return self._adapt.trace_run(name, measured)
+
     def plan(self) -> list:
         """Per scoped block of the last step: name, keep/offload, bytes saved."""
         return [dict(v) for _, v in sorted(self._plan.items())]
