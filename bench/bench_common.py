@@ -1,4 +1,4 @@
-"""What the training benchmarks under bench/ share: where a run happened, and its JSON."""
+"""What the training benchmarks under bench/ share: where a run happened, its JSON and its step trace."""
 import datetime
 import json
 import platform
@@ -15,6 +15,21 @@ def write_result(result, path):
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=2, default=str)
+
+
+def write_trace(path, runs, assumptions=(), **about):
+    """Writes a step trace (ebbtide.plan.replay's format, what `ebbtide plan
+    --replay` reads) to path: the runs, the assumptions every run shares,
+    and `about` (bench, device, shape, left_out, ...), stamped as
+    write_result stamps a result."""
+    from ebbtide.plan import replay
+
+    doc = dict(about)
+    write_result(doc, None)
+    doc.update(format=replay.TRACE_FORMAT, version=replay.TRACE_VERSION, runs=list(runs),
+               assumptions=list(assumptions))
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
 
 
 def gpt2_batch(args):

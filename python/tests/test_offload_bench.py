@@ -50,16 +50,63 @@ def bench(monkeypatch):
 
 
 def test_offload_bench_small(tmp_path, run_bench):
+    """The smallest run, with its step trace: one run per ebbtide row whose
+    cache planned (ebbtide-auto; the ssd and cpu targets are not planned on
+    the CPU, and the trace says so) and no offload's on the same profile.
+    Replayed, the planned run predicts what its cache's plan predicted. No
+    timing is asserted."""
     pytest.importorskip("transformers")
+    from ebbtide.harness import gpu_runs
+    from ebbtide.plan import replay
+
+    trace = tmp_path / "trace_offload.json"
     p, r = run_bench("--device", "cpu", "--layers", "2", "--hidden", "64", "--heads", "2",
-                     "--seq", "64", "--batch", "2", "--steps", "1", "--warmup", "0", "--path", str(tmp_path))
-    assert [row["method"] for row in r["rows"]] == ["none", "ebbtide-ssd", "ebbtide-cpu"]
+                     "--seq", "64", "--batch", "2", "--steps", "1", "--warmup", "0", "--path", str(tmp_path),
+                     "--methods", "none,ebbtide-ssd,ebbtide-cpu,ebbtide-auto", "--trace", str(trace))
+    assert [row["method"] for row in r["rows"]] == ["none", "ebbtide-ssd", "ebbtide-cpu", "ebbtide-auto"]
     assert all(row["max_grad_diff"] == 0.0 for row in r["rows"])
     assert r["grad_floor"] == 0.0 and r["grad_floor_runs"] == 3  # the CPU's kernels are deterministic
     assert {t["name"] for t in r["targets"]} == {"step time ebbtide-ssd / none <= 1.05",
                                                 "peak_resident / no-offload activation peak <= 0.5"}
     assert r["date"] and r["torch"] and "gpu" not in r
     assert "targets:" in p.stdout
+    # The deterministic gradient round (Note [Deterministic gradient round]): two steps of each method.
+    rows = {row["method"]: row for row in r["rows"]}
+    assert r["grad_check"] == "deterministic" and rows["none"]["grad_check"]["reference_bitwise"]
+    for m in ("ebbtide-ssd", "ebbtide-cpu", "ebbtide-auto"):
+        g = rows[m]["grad_check"]
+        assert g["max_grad_diff"] == 0.0 and len(g["per_step"]) == 2 and len(g["bytes_offloaded"]) == 2, g
+    assert "deterministic gradient round" in p.stdout
+
+    assert r["trace"] == trace.name
+    with pytest.raises(ValueError, match="its runs are in its step trace 'trace_offload.json'"):
+        gpu_runs.load(str(tmp_path / "offload_bench.json"))
+    doc = json.loads(trace.read_text())
+    assert [x["method"] for x in doc["left_out"]] == ["ebbtide-ssd", "ebbtide-cpu"]
+    loaded = gpu_runs.load(str(trace))
+    runs = {run["name"]: run for run in loaded["runs"]}
+    assert list(runs) == ["gpt2 h=64 none", "gpt2 h=64 ebbtide-auto"]
+    none, auto = runs["gpt2 h=64 none"], runs["gpt2 h=64 ebbtide-auto"]
+    assert none["kind"] == auto["kind"] == "offload" and none["now_options"] is None
+    assert all(x == "keep" for x in none["ran"]["placements"]) and none["modules"] == auto["modules"]
+    m = auto["measured"]
+    assert m["step_seconds"] == rows["ebbtide-auto"]["step_seconds"] and m["peak_bytes"] == rows["ebbtide-auto"][
+        "peak_bytes"]
+    assert m["none_step_seconds"] == rows["none"]["step_seconds"] == none["measured"]["step_seconds"]
+    assert m["none_peak_bytes"] == rows["none"]["peak_bytes"] and "heap" in m["peak_source"]
+    assert m["forward_seconds"] > 0 and m["backward_seconds"] > 0 and "stall_seconds" in m
+    assert [b["name"] for b in m["block_levels"]] == ["transformer.h.0", "transformer.h.1"]
+    assert all(b["forward_end"] is not None and b["backward_start"] is not None for b in m["block_levels"])
+    assert [b["name"] for b in m["blocks_off"]] == ["transformer.h.0", "transformer.h.1"]
+    assert all(b["forward_seconds"] > 0 and b["backward_seconds"] > 0 for b in m["blocks_off"])
+    out = replay.replay(loaded["runs"], str(trace))
+    res = {x["name"]: x for x in out["runs"]}
+    plan = rows["ebbtide-auto"]["stats"]["planner"]
+    got = res["gpt2 h=64 ebbtide-auto"]["ran"]["predicted"]
+    assert got["step_seconds"] == pytest.approx(plan["predicted_step_seconds"], rel=1e-6)
+    assert got["peak_bytes"] == plan["peak_allocated_bytes"]
+    assert "best" in res["gpt2 h=64 ebbtide-auto"] and "best" not in res["gpt2 h=64 none"]
+    assert isinstance(out["targets"], list)
 
 
 def test_offload_bench_mixture_of_experts(tmp_path, run_bench):
@@ -167,3 +214,28 @@ def test_gradient_targets_hold_each_method_to_the_no_offload_floor(bench, floor,
     if floor:
         assert [n for n, _, _ in grad] == ["max|dgrad| ebbtide-cpu <= no-offload floor",
                                            "max|dgrad| save_on_cpu <= no-offload floor x2 (bound)"]
+
+
+def _deterministic_result(bitwise, diffs):
+    rows = [dict(method="none", status="ok", max_grad_diff=0.0, max_grad_diff_exact=True,
+                 grad_check=dict(mode="math", reference_bitwise=bitwise))]
+    for m, d in diffs.items():
+        rows.append(dict(method=m, status="ok", max_grad_diff=1e-4, max_grad_diff_exact=True, step_time_ratio=1.0,
+                         peak_ratio=0.9, stats=dict(bytes_offloaded=1, saved_bytes_total=2),
+                         grad_check=dict(mode="math", max_grad_diff=d, per_step=[d, d], bytes_offloaded=[0, 8],
+                                         reference_bitwise=bitwise)))
+    return dict(rows=rows, grad_floor=1e-4, grad_check="deterministic")
+
+
+def test_deterministic_round_holds_every_method_to_bitwise(bench):
+    """Note [Deterministic gradient round]: where no offload repeated itself
+    bitwise under the math kernel, each method must match it bitwise there
+    (the timed rounds' differences, within a nondeterministic floor, no
+    longer count); where it did not, the floor target stands."""
+    checks, notes = bench.targets(_deterministic_result(True, {"ebbtide-cpu": 0.0, "torchtune": 2e-4}), "c", True)
+    grad = {n: (v, lim) for n, v, lim, op in checks if n.startswith("max|dgrad|")}
+    assert grad == {"max|dgrad| ebbtide-cpu, deterministic round = 0": (0.0, 0.0),
+                    "max|dgrad| torchtune, deterministic round = 0": (2e-4, 0.0)}
+    checks, notes = bench.targets(_deterministic_result(False, {"ebbtide-cpu": 0.0}), "c", True)
+    assert [n for n, *_ in checks if n.startswith("max|dgrad|")] == ["max|dgrad| ebbtide-cpu <= no-offload floor"]
+    assert any("did not repeat itself bitwise" in n for n in notes)

@@ -5,9 +5,12 @@ ebbtide.cache, ebbtide.checkpoint or ebbtide.plan imports it.
 - demo.py: ``ebbtide demo`` (the README's main job) and the runner the
   benchmarks in bench/ share;
 - rok.py, budget_sweep.py: ``ebbtide rok``'s recompute-offload-keep and
-  activation-budget sweeps;
+  activation-budget sweeps; budget_stage.py: bench/budget_bench.py's GPU
+  stage (ebbtide's budgets against the peers, the allocator sweep);
 - memmeter.py: peak memory of a step (CUDA allocator or host heap);
 - gpu_runs.py, gpu_budget_runs.py: recorded GPU runs (step traces, and the
   bench JSON of older runs rebuilt with the assumptions they force) as runs
-  ebbtide.plan.replay replays; replay_report.py: ``ebbtide plan --replay``.
+  ebbtide.plan.replay replays; replay_report.py: ``ebbtide plan --replay``;
+  step_trace.py: the step traces the GPU stages write (runs and what they
+  measured, the bench's per-block probe).
 """

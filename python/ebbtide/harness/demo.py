@@ -108,13 +108,15 @@ class _Runner:
     """One method's activation handling on the shared model; step(i) runs
     training step i (same batch and dropout seed for every method)."""
 
-    def __init__(self, method, model, make_batch, device, batch, workdir, default_variant):
+    def __init__(self, method, model, make_batch, device, batch, workdir, default_variant, probe=None):
         self.method, self.model, self.make_batch = method, model, make_batch
         self.device, self.batch = device, batch
         self.enter, self.cache, self._cleanup = _method_context(method, model, device, workdir,
                                                                 default_variant)
         self.origin = getattr(self.enter, "origin", None)
-        self.times, self.fwd_times, self.peaks = [], [], []
+        self.probe = probe  # a step_trace.BlockProbe on the shared model, or None
+        self.times, self.fwd_times, self.bwd_times, self.peaks = [], [], [], []
+        self.blocks = []  # the probe's record of each timed step
         self.step_stats = []  # the cache's stats() after each timed step
         self.ssd_written = 0  # bytes the last step wrote to SSD files
         self.closed = False
@@ -137,9 +139,12 @@ class _Runner:
         written0 = self._ssd_bytes_written()
         if cuda:
             torch.cuda.synchronize(self.device)
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        probe = self.probe if measured else None
         t0 = time.perf_counter()
         with PeakMeter(self.device, caches=[self.cache] if self.cache is not None else ()) as meter:
+            if probe is not None:
+                probe.begin()
             with self.enter():
                 if cuda:
                     ev[0].record()
@@ -150,15 +155,22 @@ class _Runner:
                     ev[1].record()
                 meter.sample()
                 loss.backward()
+                tb1 = time.perf_counter()
+                if cuda:
+                    ev[2].record()
             if cuda:
                 torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         fwd = ev[0].elapsed_time(ev[1]) / 1e3 if cuda else tf1 - tf0
+        bwd = ev[1].elapsed_time(ev[2]) / 1e3 if cuda else tb1 - tf1
         self.ssd_written = self._ssd_bytes_written() - written0
         if measured:
             self.times.append(dt)
             self.fwd_times.append(fwd)
+            self.bwd_times.append(bwd)
             self.peaks.append(meter.peak_bytes)
+            if probe is not None:
+                self.blocks.append(probe.end())
             if self.cache is not None:
                 self.step_stats.append(self.cache.stats())
 
@@ -173,10 +185,20 @@ class _Runner:
         return dict(method=self.method, status="ok", step_seconds=statistics.median(self.times),
                     step_seconds_per_step=list(self.times),
                     forward_seconds=statistics.median(self.fwd_times), peak_bytes=max(self.peaks),
+                    backward_seconds=statistics.median(self.bwd_times),
                     stats=stats, ssd_bytes_written=self.ssd_written,
                     forward_seconds_per_step=list(self.fwd_times),
                     bytes_offloaded_per_step=[s["bytes_offloaded"] for s in self.step_stats] or None,
-                    **({"origin": self.origin} if self.origin else {}))
+                    **({"origin": self.origin} if self.origin else {}),
+                    **(self._block_columns() if self.blocks else {}))
+
+    def _block_columns(self):
+        """The probe's columns: the last timed step's levels, each block's median times."""
+        from ebbtide.harness.step_trace import block_medians, with_names
+
+        names = self.probe.names
+        return dict(block_levels=with_names(names, self.blocks[-1]["levels"]),
+                    block_seconds=with_names(names, block_medians(self.blocks)))
 
 
 def _error_text(e):
@@ -185,7 +207,8 @@ def _error_text(e):
 
 
 def run_methods(methods, model, make_batch, device, steps, warmup, batch, workdir, log=print,
-                optimizer="adamw", default_variant="eager", progress=None):
+                optimizer="adamw", default_variant="eager", progress=None, probe=None, trace_name=None,
+                grad_check="off"):
     """Runs the methods' steps interleaved on one model (Note [One model for
     every method]): round i runs step i of every method, the order rotating
     each round, so drifting machine load and warm-up costs hit every method
@@ -193,7 +216,13 @@ def run_methods(methods, model, make_batch, device, steps, warmup, batch, workdi
 
     `progress` (an ebbtide._progress.Progress) is advanced once per round and
     names the step and method running; with it, the per-round log lines are
-    left to the bar.
+    left to the bar. `probe` (a step_trace.BlockProbe on `model`) records
+    each timed step's blocks (the rows' block_levels and block_seconds).
+    With `trace_name`, the row of each method whose cache planned its steps
+    carries its step as a trace run (``trace_run``, TensorCache.trace_run,
+    named "<trace_name> <method>"; ``measured`` left for the caller).
+    grad_check "deterministic" adds the gradient round of Note
+    [Deterministic gradient round] after the timed ones (rows' grad_check).
 
     Returns {method: row}; a row has status "ok" and the measurements, or
     "skipped: <reason>" for a method that cannot run here or failed (no
@@ -213,7 +242,7 @@ def run_methods(methods, model, make_batch, device, steps, warmup, batch, workdi
     try:
         for m in methods:
             try:
-                runners[m] = _Runner(m, model, make_batch, device, batch, workdir, default_variant)
+                runners[m] = _Runner(m, model, make_batch, device, batch, workdir, default_variant, probe)
             except RuntimeError as e:
                 if m == "none":
                     raise
@@ -255,12 +284,93 @@ def run_methods(methods, model, make_batch, device, steps, warmup, batch, workdi
                 continue
             r = runners[m]
             rows[m] = r.row()
-            r.close()
             rows[m]["max_grad_diff"], rows[m]["max_grad_diff_exact"] = grads.result(m)
+            if trace_name is not None and r.cache is not None and r.cache.adaptive:
+                rows[m]["trace_run"] = r.cache.trace_run(f"{trace_name} {m}", {})
+        if grad_check == "deterministic":
+            deterministic_round(runners, order, model, device, warmup + steps, grads, rows, log)
+        elif grad_check != "off":
+            raise ValueError(f"grad_check {grad_check!r} is not one of deterministic, off")
         return rows
     finally:
         for r in runners.values():
             r.close()
+
+
+# Note [Deterministic gradient round]
+# On a GPU, SDPA's flash and memory-efficient backward kernels add their
+# partial sums in no fixed order, so the timed rounds' gradients of two runs
+# without offloading differ, and a floor taken from a few such runs is
+# exceeded by chance (2026-11-28, shape a: every method, torchtune included,
+# at 2.4e-4 against a floor of 1.2e-4 from three runs: with R rounds per
+# method and N runs for the floor, the method's largest difference is the
+# largest of all N - 1 + R about R / (N - 1 + R) of the time). So after the
+# timed rounds (their rows, plans and traces taken), one more round runs
+# with SDPA's math kernel and torch.use_deterministic_algorithms(True,
+# warn_only=True): no offload twice (the two must match bitwise, else the
+# round says so and proves nothing), then each method twice, each step's
+# gradients against no offload's. Offloading moves bytes and must give the
+# same bits. Two steps, because the math kernel saves more than the timed
+# steps did: a cache profiles again in the first and offloads by its new plan
+# in the second; the bytes each step offloaded are recorded beside the
+# difference, so a check that moved nothing shows as such. The timed steps
+# keep their own kernels: the round changes no time, peak or plan reported.
+def deterministic_round(runners, order, model, device, index, grads, rows, log=print):
+    """Note [Deterministic gradient round]: sets rows[m]["grad_check"] for
+    each method that ran, and rows["none"]["grad_check"] with whether no
+    offload repeated itself bitwise. `index`: the step index (batch and
+    seed) of the round; `grads`: the run's _GradCompare."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    mode = "math SDPA, torch.use_deterministic_algorithms(True, warn_only=True)"
+    grads.begin_round()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with sdpa_kernel([SDPBackend.MATH]):
+            try:
+                for k in range(2):
+                    runners["none"].step(index, measured=False)
+                    grads.observe("none" if k == 0 else "grad#none#1")
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory with the math kernel: the round is void
+                rows["none"]["grad_check"] = dict(mode=mode, error=_error_text(e), reference_bitwise=False)
+                log(f"[demo] deterministic gradient round: no offload failed: {_error_text(e)}")
+                _recover(model, device)
+                return
+            bitwise = grads.result("grad#none#1")[0] == 0.0
+            rows["none"]["grad_check"] = dict(mode=mode, reference_bitwise=bitwise)
+            log(f"[demo] deterministic gradient round: no offload {'repeats' if bitwise else 'does NOT repeat'} "
+                "itself bitwise")
+            for m in order:
+                if m == "none":
+                    continue
+                r, diffs, moved = runners[m], [], []
+                try:
+                    for k in range(2):
+                        r.step(index, measured=False)
+                        grads.observe(f"grad#{m}#{k}")
+                        diffs.append(grads.result(f"grad#{m}#{k}")[0])
+                        moved.append(r.cache.stats()["bytes_offloaded"] if r.cache is not None else None)
+                    rows[m]["grad_check"] = dict(mode=mode, max_grad_diff=max(diffs), per_step=diffs,
+                                                 bytes_offloaded=moved, reference_bitwise=bitwise)
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory with the math kernel: said in the row
+                    rows[m]["grad_check"] = dict(mode=mode, error=_error_text(e), reference_bitwise=bitwise)
+                    log(f"[demo] {m}: deterministic gradient round failed: {_error_text(e)}")
+                    _recover(model, device)
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+        model.zero_grad(set_to_none=True)
+
+
+def _recover(model, device):
+    """After a step that failed: no gradients held, the device's cache emptied."""
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def max_grad_diff(grads, ref):
@@ -277,7 +387,7 @@ def max_grad_diff(grads, ref):
 def run_demo(model=DEFAULT_MODEL, methods=METHODS, steps=5, warmup=1, seq=None, batch=None,
              layers=None, hidden=None, heads=None, device=None, dtype="fp32", path=None,
              log=print, attn="eager", compile="none", optimizer="adamw", before_methods=None,
-             progress=None):
+             progress=None, probe_blocks=False, trace_name=None, grad_check="off"):
     """Runs every method on one model; returns a dict with the config and one
     row per method (skipped methods have only method and status).
 
@@ -290,6 +400,9 @@ def run_demo(model=DEFAULT_MODEL, methods=METHODS, steps=5, warmup=1, seq=None, 
             merged into the result (bench/offload_bench.py measures there).
         progress: an ebbtide._progress.Progress advanced once per round
             (run_methods).
+        probe_blocks: record each timed step's blocks (step_trace.BlockProbe):
+            the rows' block_levels and block_seconds.
+        trace_name, grad_check: run_methods'.
     """
     import torch
 
@@ -312,9 +425,19 @@ def run_demo(model=DEFAULT_MODEL, methods=METHODS, steps=5, warmup=1, seq=None, 
     methods = ("none",) + tuple(m for m in methods if m != "none")  # the reference comes first
     extra = before_methods(net, make_batch, dev, size) if before_methods else {}
     rows = []
+    probe = None
+    if probe_blocks:
+        from ebbtide.harness.step_trace import BlockProbe
+
+        probe = BlockProbe(net, dev)
     with tempfile.TemporaryDirectory(prefix="ebbtide-demo-", dir=path) as workdir:
-        results = run_methods(methods, net, make_batch, dev, steps, warmup, size["batch"], workdir, log,
-                              optimizer=optimizer, default_variant=variant, progress=progress)
+        try:
+            results = run_methods(methods, net, make_batch, dev, steps, warmup, size["batch"], workdir, log,
+                                  optimizer=optimizer, default_variant=variant, progress=progress, probe=probe,
+                                  trace_name=trace_name, grad_check=grad_check)
+        finally:
+            if probe is not None:
+                probe.close()
         for method in methods:
             row = results[method]
             if row["status"] == "ok":

@@ -84,6 +84,9 @@ def load(path: str) -> dict:
             raise ValueError(f"{path}: trace version {data.get('version')!r}, this ebbtide reads "
                              f"{_replay.TRACE_VERSION}")
         return dict(source=path, format="trace", runs=data["runs"], assumptions=data.get("assumptions", []))
+    if isinstance(data, dict) and "rows" in data and data.get("trace"):
+        # A bench JSON written with --trace: its runs are the trace's, measured, not rebuilt.
+        raise ValueError(f"{path}: its runs are in its step trace {data['trace']!r} (beside it): replay that")
     if isinstance(data, dict) and "rows" in data and "link" in data and "eligible_bytes" in data:
         return dict(source=path, format="offload_bench", runs=convert_offload_bench(data),
                     assumptions=OFFLOAD_ASSUMPTIONS)
