@@ -14,7 +14,6 @@ time; the planner's predicted peak includes them).
 from __future__ import annotations
 
 import contextlib
-import copy
 import statistics
 import tempfile
 import time
@@ -28,7 +27,7 @@ from ebbtide.harness.models import enable_hf_recompute
 # keep / offload / recompute / budget run anywhere; compiler (torch's
 # activation_memory_budget with each block compiled) and torchtune (its
 # OffloadActivations with HF checkpointing) are the GPU stage's peers.
-STRATEGIES = ("keep", "offload", "recompute", "budget", "compiler", "torchtune")
+STRATEGIES = ("keep", "offload", "recompute", "budget", "memory", "compiler", "torchtune")
 
 DEFAULT_MODEL = dict(layers=8, hidden=256, heads=4, kv_heads=2, ffn_hidden=704, vocab=2048, seq=512, batch=4)
 # bench/offload_bench.py's shape (a), Llama 3 8B's layer: the GPU stage.
@@ -122,16 +121,37 @@ class Runner:
     """One strategy's model, inputs and cache, stepped one step at a time so a
     sweep can alternate strategies step by step (drifting machine load then
     hits all alike). `model`: one built already (build_llama's, on the
-    device), else it is built here."""
+    device), else it is built here.
+
+    Strategies: keep, offload (every block, not planned), recompute (HF
+    checkpointing), budget (ebbtide's plan within `budget` bytes of saved
+    activations, activation_budget_bytes), memory (within `memory_budget`
+    bytes of the allocator's peak above the step's start: the cache's
+    memory_budget_bytes, or, in a TensorCache without it, activation_budget_bytes
+    at that bound less keep's other bytes, `memory_fallback`, said in `note`),
+    compiler (torch's activation_memory_budget at `fraction`, each block
+    compiled), torchtune (its OffloadActivations with HF checkpointing).
+    `target`: the cache's for offload, budget and memory. `compile`: every
+    block torch.compile'd apart (harness.methods.compile_blocks, torchtitan
+    style; the compiler strategy's with its budget). `meter`: the step's
+    peak measured on the CPU too (memmeter's heap meter; the allocator's on
+    CUDA always). `probe`: a step_trace.BlockProbe records each timed step's
+    blocks. `name`: the row's strategy name (default: `strategy`)."""
 
     def __init__(self, strategy: str, spec: dict, *, budget: Optional[int] = None,
                  max_write_mbps: Optional[float] = None, path: Optional[str] = None, device: str = "cpu",
-                 dtype=torch.float32, fraction: Optional[float] = None, model: Optional[torch.nn.Module] = None):
+                 dtype=torch.float32, fraction: Optional[float] = None, model: Optional[torch.nn.Module] = None,
+                 target: str = "ssd", memory_budget: Optional[int] = None, memory_fallback: Optional[int] = None,
+                 compile: bool = False, meter: bool = False, probe: bool = False, name: Optional[str] = None):
         import ebbtide
 
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
         self.strategy, self.spec, self.budget, self.fraction = strategy, spec, budget, fraction
+        self.name = name or strategy
+        self.memory_budget = memory_budget
+        self.target = target if strategy in ("offload", "budget", "memory") else None
+        self.note = None
         self.device = torch.device(device)
         self.model = model if model is not None else build_llama(**{k: spec[k] for k in _MODEL_KEYS},
                                                                  device=self.device, dtype=dtype)
@@ -141,6 +161,8 @@ class Runner:
         self.context = None  # saved-tensor hooks of a peer (torchtune) around the forward
         self.config = None    # torch._functorch.config settings of the compiler peer
         self.alloc_peaks = []
+        self.last_alloc_peak = self.last_saved_peak = None  # the last step's, timed or not
+        self._meter = meter or self.device.type == "cuda"
         if strategy in ("recompute", "torchtune"):
             enable_hf_recompute(self.model)
         if strategy == "torchtune":
@@ -154,25 +176,59 @@ class Runner:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self.config = dict(activation_memory_budget=float(fraction))
             backend = _InductorAtBudget(fraction)
-            for layer in self.model.model.layers:
-                layer.compile(backend=backend)
-        elif strategy == "offload":
-            self.cache = ebbtide.TensorCache("ssd", path, adaptive=False, max_write_mbps=max_write_mbps)
+            if compile:
+                from ebbtide.harness.methods import compile_blocks
+
+                compile_blocks(self.model, "block", backend=backend)
+            else:
+                for layer in self.model.model.layers:
+                    layer.compile(backend=backend)
+        if compile and strategy != "compiler":
+            from ebbtide.harness.methods import compile_blocks
+
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            compile_blocks(self.model, "block")
+        if strategy == "offload":
+            self.cache = ebbtide.TensorCache(target, path, adaptive=False, max_write_mbps=max_write_mbps)
         elif strategy == "budget":
-            self.cache = ebbtide.TensorCache("ssd", path, activation_budget_bytes=budget,
+            self.cache = ebbtide.TensorCache(target, path, activation_budget_bytes=budget,
                                              max_write_mbps=max_write_mbps)
+        elif strategy == "memory":
+            self.cache = self._memory_cache(ebbtide.TensorCache, target, path, memory_budget, memory_fallback,
+                                            max_write_mbps)
         if self.cache is not None:
             self.cache.attach(self.model)
+        self.probe = None
+        if probe:
+            from ebbtide.harness.step_trace import BlockProbe
+
+            self.probe = BlockProbe(self.model, self.device)
         self.steps = 0
-        self.times, self.peaks, self.moved = [], [], []
+        self.times, self.fwd_times, self.peaks, self.moved, self.blocks, self.diffs = [], [], [], [], [], []
         self.seconds = 0.0  # every step's, warm-up (and compiles) included
+
+    def _memory_cache(self, cls, target, path, bound, fallback, max_write_mbps):
+        """A cache bounding the allocator's peak: memory_budget_bytes where this
+        TensorCache has it, else activation_budget_bytes=`fallback` (noted)."""
+        import inspect
+
+        if "memory_budget_bytes" in inspect.signature(cls.__init__).parameters:
+            return cls(target, path, memory_budget_bytes=int(bound), max_write_mbps=max_write_mbps)
+        self.budget = int(fallback)
+        self.note = (f"this TensorCache has no memory_budget_bytes: activation_budget_bytes={self.budget} "
+                     "instead (the allocator bound less keep's peak other than saved activations)")
+        return cls(target, path, activation_budget_bytes=self.budget, max_write_mbps=max_write_mbps)
 
     @property
     def label(self) -> str:
-        return self.strategy + (f" {self.fraction:g}" if self.fraction is not None else "")
+        if self.memory_budget is not None:
+            return f"{self.name} {self.memory_budget / 1e9:.3g} GB"
+        return self.name + (f" {self.fraction:g}" if self.fraction is not None else "")
 
     def step(self, timed: bool) -> None:
         """One step (gradients only, seeded by its index so dropout would match)."""
+        from ebbtide.harness.memmeter import PeakMeter
+
         model = self.model
         model.zero_grad(set_to_none=True)
         torch.manual_seed(100 + self.steps)
@@ -185,32 +241,55 @@ class Runner:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            start = torch.cuda.memory_allocated(self.device)
-        t0 = time.perf_counter()
-        if self.cache is not None:
-            with self.cache.step():
-                model(input_ids=self.ids, labels=self.ids).loss.backward()
-        elif self.context is not None:
-            with self.context:
-                loss = model(input_ids=self.ids, labels=self.ids).loss
-            loss.backward()
-        elif self.config is not None:
-            with torch._functorch.config.patch(**self.config):
-                model(input_ids=self.ids, labels=self.ids).loss.backward()
-        else:
-            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-                loss = model(input_ids=self.ids, labels=self.ids).loss
-            loss.backward()
-        if cuda:
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - t0
+        peak = PeakMeter(self.device, caches=[self.cache] if self.cache is not None else ()) if self._meter else None
+        probe = self.probe if timed else None
+        with peak if peak is not None else contextlib.nullcontext():
+            if probe is not None:
+                probe.begin()
+            t0 = time.perf_counter()
+            if cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+            if self.cache is not None:
+                with self.cache.step():
+                    loss = model(input_ids=self.ids, labels=self.ids).loss
+                    t1 = self._mark()
+                    loss.backward()
+            elif self.context is not None:
+                with self.context:
+                    loss = model(input_ids=self.ids, labels=self.ids).loss
+                t1 = self._mark()
+                loss.backward()
+            elif self.config is not None:
+                with torch._functorch.config.patch(**self.config):
+                    loss = model(input_ids=self.ids, labels=self.ids).loss
+                    t1 = self._mark()
+                    loss.backward()
+            else:
+                with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                    loss = model(input_ids=self.ids, labels=self.ids).loss
+                t1 = self._mark()
+                loss.backward()
+            del loss
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            elapsed = time.perf_counter() - t0
         self.seconds += elapsed
+        if peak is not None:
+            self.last_alloc_peak = peak.peak_bytes
+        self.last_saved_peak = (meter.peak if meter is not None else
+                                self.cache.stats()["peak_resident_bytes"] if self.cache is not None else None)
         if not timed:
             return
         self.times.append(elapsed)
         if cuda:
-            self.alloc_peaks.append(torch.cuda.max_memory_allocated(self.device) - start)
+            self.fwd_times.append(start.elapsed_time(t1) / 1e3)
+        else:
+            self.fwd_times.append(t1 - t0)
+        if probe is not None:
+            self.blocks.append(probe.end())
+        if peak is not None:
+            self.alloc_peaks.append(peak.peak_bytes)
         if self.cache is None:
             self.peaks.append(meter.peak if meter is not None else None)  # None: the peers' is not known
             self.moved.append(0)
@@ -219,30 +298,70 @@ class Runner:
             self.peaks.append(st["peak_resident_bytes"])
             self.moved.append(st["bytes_offloaded"])
 
+    def _mark(self):
+        """The forward's end: a CUDA event recorded now, or the host clock."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        return end
+
     def grads(self) -> list:
         return [p.grad for p in self.model.parameters()]
 
-    def result(self, reference: Optional[list] = None) -> dict:
+    def compare(self, reference: "Runner") -> None:
+        """Records this step's largest gradient difference to `reference`'s
+        (the same step index of the same model) and frees the gradients: a
+        stage of many strategies holds one model's gradients beside keep's."""
+        self.diffs.append(max(float((a - b).abs().max()) for a, b in zip(self.grads(), reference.grads())))
+        self.model.zero_grad(set_to_none=True)
+
+    def result(self, reference: Optional["Runner"] = None) -> dict:
         """Median step time, largest peak and bytes offloaded of the timed
-        steps, blocks recomputed, and the largest gradient difference of the
-        last step to `reference`'s."""
+        steps, blocks recomputed, and the largest gradient difference to
+        `reference`'s: over the steps compare() saw, else of the last step."""
         planner = self.cache.stats()["planner"] if self.cache is not None else None
         recomputed = self.spec["layers"] if self.strategy == "recompute" else (
             planner["modules_recomputed"] if planner else 0)
         diff = None
-        if reference is not None:
-            diff = max(float((a - b).abs().max()) for a, b in zip(self.grads(), reference.grads()))
+        if self.diffs:
+            diff = max(self.diffs)
+        elif reference is not None:
+            diff = 0.0 if reference is self else max(float((a - b).abs().max())
+                                                     for a, b in zip(self.grads(), reference.grads()))
         peaks = [p for p in self.peaks if p is not None]
-        return dict(strategy=self.strategy, budget_bytes=self.budget, fraction=self.fraction,
-                    step_seconds=statistics.median(self.times), timed_steps=len(self.times),
-                    peak_bytes=max(peaks) if peaks else None,
-                    allocated_peak_bytes=max(self.alloc_peaks) if self.alloc_peaks else None,
-                    bytes_offloaded=max(self.moved), blocks_recomputed=recomputed,
-                    max_grad_diff=diff,
-                    predicted_peak_bytes=planner["peak_resident_bytes"] if planner else None,
-                    predicted_step_seconds=planner["predicted_step_seconds"] if planner else None)
+        out = dict(strategy=self.name, budget_bytes=self.budget, fraction=self.fraction,
+                   step_seconds=statistics.median(self.times), timed_steps=len(self.times),
+                   peak_bytes=max(peaks) if peaks else None,
+                   allocated_peak_bytes=max(self.alloc_peaks) if self.alloc_peaks else None,
+                   bytes_offloaded=max(self.moved), blocks_recomputed=recomputed,
+                   max_grad_diff=diff,
+                   predicted_peak_bytes=planner["peak_resident_bytes"] if planner else None,
+                   predicted_step_seconds=planner["predicted_step_seconds"] if planner else None)
+        if self.target is not None:
+            out["target"] = self.target
+        if self.memory_budget is not None:
+            out["memory_budget_bytes"] = self.memory_budget
+        if planner and "peak_allocated_bytes" in planner:
+            out["predicted_allocated_peak_bytes"] = planner["peak_allocated_bytes"]
+        if self.note:
+            out["note"] = self.note
+        if self.fwd_times:
+            out["forward_seconds"] = statistics.median(self.fwd_times)
+        return out
+
+    def trace_run(self, name: str, kind: str = "budget"):
+        """The cache's step as a trace run (TensorCache.trace_run; ``measured``
+        left for the caller), or None when no cache planned this strategy."""
+        if self.cache is None or not self.cache.adaptive:
+            return None
+        run = self.cache.trace_run(name, {})
+        run["kind"] = kind
+        return run
 
     def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
         if self.cache is not None:
             self.cache.close()
 
@@ -263,9 +382,13 @@ def _scratch(path: Optional[str]):
 
 
 def _step_in_turn(runners, keep, warmup, steps, log, failed=None, *, each_step=False,
-                  deadline: Optional[float] = None, strategy_limit: Optional[float] = None):
-    """`warmup` + `steps` rounds, each stepping every runner once (keep's first
-    step ran already); `each_step` logs every runner's step and its seconds.
+                  deadline: Optional[float] = None, strategy_limit: Optional[float] = None,
+                  compare: bool = False):
+    """`warmup` + `steps` rounds, each stepping every runner once (a runner
+    that ran steps before, as keep's first, skips as many of the first
+    rounds); `each_step` logs every runner's step and its seconds. `compare`:
+    after each timed step, a runner other than keep records its gradients'
+    difference to keep's of the same round and frees them (Runner.compare).
     With `failed`, a runner that raises leaves the rounds as a row of its
     error instead of failing the sweep, and so does one (not keep) whose
     steps took more than `strategy_limit` seconds in all, compiles included.
@@ -274,7 +397,8 @@ def _step_in_turn(runners, keep, warmup, steps, log, failed=None, *, each_step=F
     it. A runner left without a timed step is then a row saying so; the
     others' medians are of the timed steps they have."""
     def drop(r, error, cut=False):
-        failed.append(dict(strategy=r.strategy, fraction=r.fraction, error=error, cut=cut))
+        failed.append(dict(strategy=r.name, fraction=r.fraction, error=error, cut=cut,
+                           **({"memory_budget_bytes": r.memory_budget} if r.memory_budget is not None else {})))
         runners.remove(r)
         r.close()
 
@@ -289,7 +413,7 @@ def _step_in_turn(runners, keep, warmup, steps, log, failed=None, *, each_step=F
         log(f"[budget] step {i + 1} of {total}" + (" (warm-up)" if i < warmup else ""))
         stopped = False
         for r in list(runners):
-            if r is keep and i == 0:
+            if r.steps > i:
                 continue
             if deadline is not None and time.monotonic() > deadline:
                 log(f"[budget] time limit: stopped in step {i + 1}, before {r.label}")
@@ -304,6 +428,8 @@ def _step_in_turn(runners, keep, warmup, steps, log, failed=None, *, each_step=F
                 log(f"[budget]   {r.label}: {type(exc).__name__}: {exc}")
                 drop(r, f"{type(exc).__name__}: {exc}")
                 continue
+            if compare and r is not keep and i >= warmup and keep in runners:
+                r.compare(keep)
             if each_step:
                 log(f"[budget]   {r.label}: {r.seconds - before:.3f} s")
             if failed is not None and strategy_limit is not None and r is not keep and r.seconds > strategy_limit:
@@ -345,9 +471,8 @@ def run_sweep(spec: Optional[dict] = None, *, points: int = 6, steps: int = 3, w
     with _scratch(path) as (path, runners):
         keep = Runner("keep", spec)
         runners.append(keep)
-        keep.step(timed=True)  # the keep-all peak, before the budgets are chosen
-        high = keep.peaks.pop()
-        keep.times.pop()
+        keep.step(timed=False)  # the keep-all peak, before the budgets are chosen
+        high = keep.last_saved_peak
         low = smallest_budget(spec, max_write_mbps=max_write_mbps, path=path)
         budgets = [int(low + (high - low) * i / (points - 1)) for i in range(points)] if high > low else [low]
         log(f"[budget] keep-all peak {high / 2**20:.1f} MiB, smallest budget {low / 2**20:.1f} MiB; "
@@ -369,102 +494,6 @@ def run_sweep(spec: Optional[dict] = None, *, points: int = 6, steps: int = 3, w
         r["within_budget"] = r["peak_bytes"] <= 1.05 * r["budget_bytes"]
     return dict(model=spec, max_write_mbps=max_write_mbps, steps=steps, warmup=warmup, smallest_budget=low,
                 keep_peak=high, rows=rows, targets=targets(rows))
-
-
-def run_fractions(spec: Optional[dict] = None, *, fractions=(0.5, 0.25), strategies=STRATEGIES, steps: int = 4,
-                  warmup: int = 2, device: str = "cuda", dtype=torch.bfloat16, path: Optional[str] = None,
-                  log: Callable[[str], None] = print, time_limit: Optional[float] = None,
-                  strategy_limit: Optional[float] = None) -> dict:
-    """The GPU stage (issue 29): ebbtide at budgets of `fractions` of the
-    keep-all peak of saved activations, against full recompute, torch's
-    activation_memory_budget at the same fractions with each block compiled,
-    and torchtune's offloading with HF checkpointing, stepped in turn. Peaks
-    are the allocator's (max_memory_allocated over the step, less what was
-    allocated before it) on CUDA. A strategy that cannot run here is a row
-    with its error. The model is built once, on the device, and copied for
-    each strategy. `time_limit` (seconds from the call) and `strategy_limit`
-    (seconds of one strategy's steps): _step_in_turn; what they cut is a
-    failed row marked cut."""
-    deadline = time.monotonic() + time_limit if time_limit is not None else None
-    spec = dict(SHAPE_A, **(spec or {}))
-    failed = []
-    with _scratch(path) as (path, runners):
-        t0 = time.perf_counter()
-        template = build_llama(**{k: spec[k] for k in _MODEL_KEYS}, device=torch.device(device), dtype=dtype)
-        log(f"[budget] model built on {device} in {time.perf_counter() - t0:.1f} s")
-        wanted = []
-        for s in strategies:
-            if s in ("keep", "offload"):
-                continue
-            if s in ("budget", "compiler"):
-                wanted += [(s, f) for f in fractions]
-            else:
-                wanted.append((s, None))
-        # The copies first: the template then has no gradients to copy.
-        t0 = time.perf_counter()
-        copies = [copy.deepcopy(template) for _ in wanted]
-        log(f"[budget] {len(copies)} copies in {time.perf_counter() - t0:.1f} s")
-        keep = Runner("keep", spec, device=device, dtype=dtype, model=template)
-        runners.append(keep)
-        keep.step(timed=True)
-        keep_saved = keep.peaks.pop()
-        keep.times.pop()
-        keep.alloc_peaks[:] = []
-        log(f"[budget] keep-all peak of saved activations {keep_saved / 2**30:.2f} GiB (first step "
-            f"{keep.seconds:.2f} s)")
-        for (s, f), model in zip(wanted, copies):
-            t0 = time.perf_counter()
-            try:
-                runners.append(Runner(s, spec, device=device, dtype=dtype, path=path, fraction=f, model=model,
-                                      budget=int(f * keep_saved) if s == "budget" else None))
-            except Exception as exc:  # a peer missing here is a row, not a failed stage
-                failed.append(dict(strategy=s, fraction=f, error=f"{type(exc).__name__}: {exc}", cut=False))
-                log(f"[budget] {s}" + (f" {f:g}" if f is not None else "") + f" cannot run: {failed[-1]['error']}")
-                continue
-            log(f"[budget] {runners[-1].label} set up in {time.perf_counter() - t0:.1f} s")
-        del copies
-        _step_in_turn(runners, keep, warmup, steps, log, failed, each_step=True, deadline=deadline,
-                      strategy_limit=strategy_limit)
-        rows = [r.result(reference=keep) for r in runners]  # keep's gradients: its last step's, cut or not
-    mine = [r for r in rows if r["strategy"] == "budget"]
-    checks = []
-    for m in mine:
-        for peer in rows:
-            if peer["strategy"] in ("keep", "budget") or peer["allocated_peak_bytes"] is None:
-                continue
-            if peer["allocated_peak_bytes"] >= m["allocated_peak_bytes"]:
-                checks.append(dict(budget_fraction=m["fraction"], peer=peer["strategy"], peer_fraction=peer["fraction"],
-                                   step_ratio=m["step_seconds"] / peer["step_seconds"],
-                                   faster=m["step_seconds"] < peer["step_seconds"]))
-    return dict(model=spec, device=str(device), dtype=str(dtype), fractions=list(fractions),
-                keep_saved_peak=keep_saved, rows=rows, failed=failed, checks=checks,
-                target_met=bool(checks) and all(c["faster"] for c in checks))
-
-
-def format_fractions(result) -> str:
-    from ebbtide import _core
-
-    fmt = lambda n: _core.format_bytes(n) if n is not None else "-"  # noqa: E731
-    m = result["model"]
-    lines = [f"activation budget vs peers on {result['device']}: Llama {m['layers']} layers, h={m['hidden']}, "
-             f"s={m['seq']}, b={m['batch']}, {result['dtype']}; keep-all saved {fmt(result['keep_saved_peak'])}",
-             f"{'strategy':<11}{'fraction':>9}{'step s':>9}{'alloc peak':>12}{'saved peak':>12}{'recomp':>7}"
-             f"{'grad diff':>10}"]
-    for r in result["rows"]:
-        frac = f"{r['fraction']:g}" if r["fraction"] is not None else "-"
-        diff = f"{r['max_grad_diff']:.1g}" if r["max_grad_diff"] is not None else "-"
-        lines.append(f"{r['strategy']:<11}{frac:>9}{r['step_seconds']:>9.3f}{fmt(r['allocated_peak_bytes']):>12}"
-                     f"{fmt(r['peak_bytes']):>12}{r['blocks_recomputed']:>7}{diff:>10}")
-    for f in result["failed"]:
-        frac = f" {f['fraction']:g}" if f["fraction"] is not None else ""
-        lines.append(f"{f['strategy'] + frac:<11} {'cut' if f.get('cut') else 'did not run'}: "
-                     f"{f['error'].removeprefix('cut: ')}")
-    for c in result["checks"]:
-        lines.append(f"budget {c['budget_fraction']:g} vs {c['peer']}"
-                     + (f" {c['peer_fraction']:g}" if c["peer_fraction"] is not None else "")
-                     + f" (peak >= ebbtide's): step {c['step_ratio']:.2f}x {'ok' if c['faster'] else 'NOT FASTER'}")
-    lines.append(f"target (faster than each peer at equal or higher peak): {'met' if result['target_met'] else 'NOT met'}")
-    return "\n".join(lines)
 
 
 def targets(rows) -> dict:

@@ -121,7 +121,7 @@ def _compiler_offload_backend(gm, example_inputs):
         return compile_fx(gm, example_inputs)
 
 
-def compile_blocks(model, compile="block", offload_variant=False):
+def compile_blocks(model, compile="block", offload_variant=False, backend=None):
     """Wraps every repeated block in _BlockVariants and compiles it per block
     (as torchtitan does: a whole-model graph would hand its saved tensors to
     saved-tensor hooks only when the whole forward has ended).
@@ -131,6 +131,8 @@ def compile_blocks(model, compile="block", offload_variant=False):
         compile: "none" (wrappers running the eager blocks) or "block".
         offload_variant: also compile an "offload" variant with torch's
             compiler offloading (compiler_offload_options()).
+        backend: torch.compile's backend for the "compiled" variant (default:
+            inductor's; the budget stage passes one per activation_memory_budget).
 
     Returns:
         The default variant's name: "eager" or "compiled".
@@ -148,7 +150,8 @@ def compile_blocks(model, compile="block", offload_variant=False):
     for blocks in _block_lists(model):
         for i in range(len(blocks)):
             w = _block_variants(blocks[i])
-            w.variants["compiled"] = torch.compile(w.block)
+            w.variants["compiled"] = torch.compile(w.block) if backend is None else torch.compile(w.block,
+                                                                                                 backend=backend)
             if offload_variant:
                 w.variants["offload"] = torch.compile(w.block, backend=_compiler_offload_backend)
             w.active = "compiled"
