@@ -43,13 +43,17 @@ class Net(torch.nn.Module):
         return x.float().pow(2).mean()
 
 
-def run(model, x, ctx=None, between=None):
+def run(model, x, ctx=None, between=None, before=None):
+    """One step under `ctx` (None: plain); `before` runs first inside it,
+    `between` after the forward (e.g. a StreamGate's close and open)."""
     model.zero_grad(set_to_none=True)
     if ctx is None:
         loss = model(x)
         loss.backward()
     else:
         with ctx:
+            if before is not None:
+                before()
             loss = model(x)
             if between is not None:
                 between()
@@ -146,16 +150,21 @@ def test_cuda_checkpoint_round_trip_and_load_in_place(tmp_path):
 
 
 # Note [Release points], Note [Copy bound]: a long-lived cache plans after its
-# profiling step; planned steps give bitwise gradients, release memory in the
-# device's order (copy_waits > 0 once something is offloaded) and never raise
-# the activation peak above no offload.
+# profiling step; planned steps give bitwise gradients and never raise the
+# activation peak above no offload. Release points free memory in the
+# device's order: the compute stream is made to wait for a copy not yet done
+# (copy_waits). Whether a copy is done by then depends on the GPU's speed (on
+# an H200 every copy had finished before its release point, and an
+# assertion on the free-running step failed), so the last step holds the
+# compute stream at a StreamGate through its forward: every copy is then
+# pending at every release point, on any GPU, and each must be waited for.
 @pytest.mark.parametrize("target", ["cpu", "auto"])
 def test_cuda_planned_stream_ordered_steps(target, tmp_path):
     torch.manual_seed(0)
     model = Net(layers=8, d=1024).cuda().to(torch.bfloat16)
     x = torch.randn(4, 2048, 1024, device="cuda", dtype=torch.bfloat16)
 
-    def measured(ctx=None):
+    def measured(ctx=None, gate=None):
         # Each step from the same start: no gradients allocated, nothing of
         # an earlier step held (the results returned are clones of the
         # gradients; counted from before them they would add a model's size).
@@ -163,7 +172,7 @@ def test_cuda_planned_stream_ordered_steps(target, tmp_path):
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        got = run(model, x, ctx)
+        got = run(model, x, ctx, between=gate and gate.open, before=gate and gate.close)
         return got, torch.cuda.max_memory_allocated() - base
 
     ref, peak_ref = measured()
@@ -171,14 +180,23 @@ def test_cuda_planned_stream_ordered_steps(target, tmp_path):
     assert cache.adaptive, "every target is planned on a GPU"
     try:
         for i in range(3):  # profile, then planned steps
-            out = None
             out, peak = measured(cache.step())
             assert torch.equal(out[0], ref[0]) and all(torch.equal(a, b) for a, b in zip(out[1], ref[1]))
-            s = cache.stats()
             assert peak <= peak_ref * 1.02, f"step {i}: peak {peak} above no offload {peak_ref}"
-        assert s["measured_bandwidth"]["cpu"]["source"] == "link"
-        if s["bytes_offloaded"]:
-            assert s["copy_waits"] > 0
+        assert cache.stats()["measured_bandwidth"]["cpu"]["source"] == "link"
+        # The plan's release points during the forward (the trace's decisions;
+        # -1: none after that block). Every kernel the gated step queues ran in
+        # the steps above (loaded: preload()'s reason).
+        releases = [r for r in cache.trace_run("planned", {})["ran"]["release_after"] if r >= 0]
+        gate = StreamGate()
+        out, peak = measured(cache.step(), gate)
+        assert not gate.forced, "the forward waited on the host for the gated device (a host sync in the hooks)"
+        assert torch.equal(out[0], ref[0]) and all(torch.equal(a, b) for a, b in zip(out[1], ref[1]))
+        assert peak <= peak_ref * 1.02, f"gated step: peak {peak} above no offload {peak_ref}"
+        s = cache.stats()
+        if s["bytes_offloaded"] and releases:
+            assert s["copy_waits"] > 0, (f"{len(releases)} release points passed with every copy pending and the "
+                                         f"compute stream never waited: {s}")
     finally:
         cache.close()
 
