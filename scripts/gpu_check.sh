@@ -13,6 +13,8 @@
 #            zstd and nanobind from .deps)
 #   build_py only the Python modules ebbtide._core and ebbtide._torch (what
 #            every stage but `test`'s ctest needs), skipping the C++ tests
+#   issue40  the preset for issue 40's whole check in one device call (see
+#            "The issue40 preset" below)
 #   test     preflight: the CUDA shim is built and, where torch sees a GPU,
 #            ebbtide._core.cuda_driver_available(); ctest (the GPU tests run
 #            now); the CUDA pytest files (test_cache_cuda*.py,
@@ -22,6 +24,9 @@
 #            read), except "needs two GPUs" on a machine with one.
 #            TEST_K (pytest -k) runs only the CUDA tests it selects and
 #            skips the checkpoint ones (a rerun of the tests that failed)
+#   test_cache  the preflight and the tensor cache's CUDA tests
+#            (test_cache_cuda.py, test_cache_cuda_findings.py) alone
+#   ctest    the C++ tests: builds what build_py left out, then ctest
 #   sanitize the CUDA test files under compute-sanitizer, where it is on
 #            PATH or in /usr/local/cuda*/bin (else recorded as not run):
 #            SANITIZE_TOOLS (default "memcheck racecheck") one after the
@@ -38,32 +43,42 @@
 #   shape_b  --shape b (hidden 8192, as many layers as fit: --layers auto)
 #   shape_c  --shape c (4 layers, hidden 4096, eager attention: the issue's
 #            "today's default"), every method
-#            JSON: offload_<stage>.json. OFFLOAD_METHODS=a,b,... narrows the
-#            methods, OFFLOAD_STEPS=N sets the measured steps (default 6, 4
-#            for shape_a_compiled and shape_b). The benchmark's exit code 3 (a target missed) is
+#            JSON: offload_<stage>.json, step trace: trace_<stage>.json
+#            (`ebbtide plan --replay` reads it). OFFLOAD_METHODS=a,b,...
+#            narrows the methods, OFFLOAD_STEPS=N sets the measured steps
+#            (default 6, 4 for shape_a_compiled and shape_b). The gradient
+#            check runs a deterministic round (bench/offload_bench.py
+#            --grad-check). The benchmark's exit code 3 (a target missed) is
 #            recorded as "targets missed", other nonzero codes as errors.
-#   budget   bench/budget_bench.py --shape a --fractions 0.5,0.25 (issue 29):
-#            ebbtide with an activation budget at 0.5 and 0.25 of the keep-all
-#            peak against full recompute (HF checkpointing), torch's
-#            activation_memory_budget at the same fractions with each block
-#            compiled (one compile per fraction), and torchtune's offloading
-#            with HF checkpointing (BUDGET_STRATEGIES narrows them); allocator
-#            peaks; exit code 3 (recorded "targets missed") when ebbtide is not
-#            faster than a peer whose peak is at or above its own. JSON:
-#            budget.json. Progress lines (seconds since the start, each
-#            strategy's set-up and step) go to budget.txt as they happen; the
-#            bench gets --time-limit (the step's limit less 45 s), so the
-#            table comes out with what ran, a strategy left without a timed
-#            step marked cut; BUDGET_STRATEGY_LIMIT=S cuts a strategy whose
-#            steps took more than S s in all. Expected on an H200: 3-5 min,
-#            most of it compiling the blocks twice (cold inductor cache).
-#   budget_a the same, recompute, torchtune and ebbtide only (no compiles):
-#            1-2 min. JSON: budget_a.json
-#   budget_b the same, torch's activation_memory_budget and ebbtide only:
-#            2-4 min (two compiles). JSON: budget_b.json. budget_a and
-#            budget_b give budget's table in two parts, each well inside
-#            one call: `bash scripts/gpu_check.sh build_py budget_a budget_b`
-#            on a fresh machine, or one per call
+#   budget   bench/budget_bench.py --shape a --fractions 0.5,0.25 (issues 29
+#            and 40), ebbtide with target auto (BUDGET_TARGET: the target a
+#            user with host memory picks): keep, full recompute (HF
+#            checkpointing), offload of every block, torchtune's offloading
+#            with HF checkpointing, ebbtide's budget at 0.5 and 0.25 of
+#            keep's saved activations, ebbtide's allocator budgets at 5
+#            points from keep's allocator peak down to full recompute's,
+#            and the same budgets with target ssd (kept apart)
+#            (BUDGET_STRATEGIES narrows them); allocator peaks; exit code 3
+#            (recorded "targets missed") when ebbtide is not faster than a
+#            peer whose peak is at or above its own, or an allocator budget
+#            is not met or is slower than the fastest single strategy that
+#            fits it. JSON: budget.json, trace: trace_budget.json. Progress
+#            lines (seconds since the start, each strategy's set-up and
+#            step) go to budget.txt as they happen; the bench gets
+#            --time-limit (the step's limit less 45 s), so the table comes
+#            out with what ran, a strategy left without a timed step marked
+#            cut; BUDGET_STRATEGY_LIMIT=S cuts a strategy whose steps took
+#            more than S s in all. No compiles: about 1 min on an H200.
+#   budget_compiled  the same with every block compiled (--compile block):
+#            compiled keep, compiled full recompute and torch's
+#            activation_memory_budget at the fractions against ebbtide's
+#            budgets on the compiled blocks (issue 40, item 5). JSON:
+#            budget_compiled.json, trace: trace_budget_compiled.json.
+#            About 1.5 min on an H200, most of it compiling (four graphs)
+#   budget_a the same as budget with recompute, torchtune and ebbtide's
+#            fractions only: 1 min. JSON: budget_a.json
+#   budget_b torch's activation_memory_budget (eager others) and ebbtide's
+#            fractions only: 1 min (two compiles). JSON: budget_b.json
 #   pytest   the whole pytest suite (CPU tests included)
 #   demo     ebbtide demo on CUDA, every method
 #   io       ebbtide bench io (device <-> file)
@@ -80,6 +95,44 @@
 #            Megatron's fine-grained offloading: step time and allocator peak.
 #            About 60 s. n/a (rc 10) without megatron-core (device_deps.sh
 #            carries its wheel) or numpy. JSON: megatron.json
+# The issue40 preset (`bash scripts/gpu_check.sh issue40`, GPU_CHECK_DEADLINE
+# 540 s): issue 40's check in one device call on a fresh H200, the stages in
+# order of value, so that a call the deadline cuts has the most important
+# results packed already. Expected times (expected, unmeasured; from the
+# stage times of 2026-11-28 on an H200, summary-call1/2.txt in
+# bench/gpu-runs/2026-11-28-h200, plus what each stage adds since):
+#   (start)           10 s  (env.txt: nvidia-smi and a torch import, 6 s as the
+#                            import check's; unpacking .deps/wheels)
+#   build_py          55 s  (configure 8 s, build_py 45 s; one import check 6 s)
+#   shape_a           55 s  (none, ebbtide-cpu, ebbtide-auto, torchtune: 47 s, and
+#                            the deterministic gradient round and trace)
+#   budget            60 s  (13 models, no compiles; budget_a's 29 s had 5)
+#   shape_b           80 s  (none, ebbtide-cpu, ebbtide-auto: 90 s less torchtune's
+#                            2.6 s steps, plus the deterministic round)
+#   test_cache        60 s  (the cache's CUDA tests, 82 s in 2026-11-28, less the
+#                            two expandable-segments tests, 32 s: run `test` for them)
+#   budget_compiled   90 s  (four compiles, 15 s each cold on 2026-11-28)
+#   shape_a_compiled  70 s  (none, ebbtide-auto, compiler-offload; two compiles;
+#                            no gradient round: --grad-check off)
+#   ctest             30 s  (the C++ tests build_py left out, then ctest: 6 s)
+#   megatron          60 s
+#   ckpt              what is left (its own stages cut at the deadline)
+# 510 s to the end of ctest: megatron then has 20 s before the deadline's
+# 10 s of grace (it completes only where the stages before ran 40 s faster
+# than expected), ckpt what is left after it. A machine without a GPU runs the benchmark stages on the CPU
+# at a small size (GPU_CHECK_SMALL=1 does so on a GPU too): that checks the
+# stages and their traces, not the GPU; the CUDA stages say n/a or skip.
+# GPU_CHECK_INSTALLED=1 uses the installed ebbtide instead of a build of this
+# tree (checking the script on a machine without a build; python/tests/
+# test_gpu_check_script.py does). Unpack a returned gpu_check.tgz for the
+# replay test with `python scripts/unpack_gpu_check.py gpu_check.tgz`.
+# GPU_CHECK_DRY_RUN=1 runs nothing: each step prints its command and limit
+# (and writes them to its log), the benchmark stages get the GPU's flags, and
+# a clock of the script's own advances by each stage's expected seconds
+# (stage_seconds below; 0 for a stage without one), so the stage list, the
+# preset's settings and the deadline arithmetic (which steps are cut, the
+# limits and --time-limit they get) can be checked in a second on any
+# machine (python/tests/test_gpu_check_script.py does).
 # Logs and JSON go to out/gpu (on the device: a scratch folder packed into
 # $OUT/gpu_check.tgz every GPU_CHECK_PACK_EVERY seconds, default 20, while a
 # step runs, after each step and at the end, so a call cut off at its limit
@@ -98,10 +151,16 @@ pack_every=${GPU_CHECK_PACK_EVERY:-20}
 for v in deadline pack_every; do
   [[ ${!v} =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: GPU_CHECK_${v^^}=${!v} is not a number of seconds" >&2; exit 2; }
 done
+dry=${GPU_CHECK_DRY_RUN:-0}
+[[ $dry =~ ^[01]$ ]] || { echo "gpu_check.sh: GPU_CHECK_DRY_RUN=$dry is not 0 or 1" >&2; exit 2; }
+# A dry run's clock is its own: only the stages' expected seconds advance it
+# (dry_step), so what it cuts does not depend on this machine's speed.
+dry_clock=0
+dry_left=0  # the running stage's expected seconds not yet spent
 # The device tool returns at most 8 files from $OUT: there, logs go to a
 # scratch folder and are packed into $OUT/gpu_check.tgz (written beside and
 # renamed, so a copy taken at any moment is whole).
-if [ -n "${OUT:-}" ]; then out=/tmp/gpu_check_out; else out=$repo/out/gpu; fi
+if [ -n "${OUT:-}" ]; then out=${GPU_CHECK_SCRATCH:-/tmp/gpu_check_out}; else out=$repo/out/gpu; fi
 rm -rf "$out"
 mkdir -p "$out"
 pack() {
@@ -141,12 +200,36 @@ jobs=$(nproc)
 build=$repo/build/gpu
 stages=("$@")
 ((${#stages[@]})) || stages=(build test offload offload2 pytest demo io dist)
-all_stages="build build_py test sanitize offload offload2 shape_a shape_a_compiled shape_b shape_c budget budget_a budget_b pytest demo io ckpt dist megatron"
+all_stages="build build_py test test_cache ctest sanitize offload offload2 shape_a shape_a_compiled shape_b shape_c budget budget_compiled budget_a budget_b pytest demo io ckpt dist megatron issue40"
+# The issue40 preset: its stages, and the settings it gives them (a variable
+# the caller sets wins).
+declare -A preset_methods=() preset_grad=()
+test_deselect=
+expanded=()
+for s in "${stages[@]}"; do
+  if [ "$s" = issue40 ]; then
+    expanded+=(build_py shape_a budget shape_b test_cache budget_compiled shape_a_compiled ctest megatron ckpt)
+    preset_methods=([shape_a]=none,ebbtide-cpu,ebbtide-auto,torchtune [shape_b]=none,ebbtide-cpu,ebbtide-auto
+                    [shape_a_compiled]=none,ebbtide-auto,compiler-offload)
+    preset_grad=([shape_a_compiled]=off)
+    test_deselect="not expandable_segments"
+  else
+    expanded+=("$s")
+  fi
+done
+stages=("${expanded[@]}")
+# Each stage's expected seconds on an H200 (start: before the first stage):
+# the preset's table above (and docs/benchmarks.md's), what
+# GPU_CHECK_DRY_RUN=1 advances its clock by.
+declare -A stage_seconds=([start]=10 [build_py]=55 [shape_a]=55 [budget]=60 [shape_b]=80 [test_cache]=60 [budget_compiled]=90
+                          [shape_a_compiled]=70 [megatron]=60 [ctest]=30)
 summary=()
 deadline_hit=0
 
 say() { printf '\033[1m[gpu_check]\033[0m %s\n' "$*"; }
-left() { echo $((deadline - (SECONDS - t_start))); }
+# now: seconds since the start; left: until the deadline.
+now() { if ((dry)); then echo "$dry_clock"; else echo $((SECONDS - t_start)); fi; }
+left() { echo $((deadline - $(now))); }
 # record NAME RC SECONDS LOG [NOTE]: one summary line.
 record() {
   summary+=("$(printf '%-22s rc=%-4s %4ss  %s' "$1" "$2" "$3" "$4")${5:+  ($5)}")
@@ -156,7 +239,8 @@ record() {
 # exit code. Exit code 10 from a check means "not applicable here" (rc=n/a,
 # the reason its last line); 3 from a benchmark, "targets missed".
 step() {
-  local name=$1 log=$2 limit=$3 t0=$SECONDS rc note="" cut=0 remaining
+  local name=$1 log=$2 limit=$3 t0 rc note="" cut=0 remaining
+  t0=$(now)
   shift 3
   remaining=$(($(left) - 10))  # timeout's grace period (-k 10) included
   if ((remaining < 5)); then
@@ -166,7 +250,11 @@ step() {
   fi
   ((limit > remaining)) && limit=$remaining cut=1
   say "$name -> $log (limit ${limit}s)"
-  timeout -k 10 "$limit" "$@" >"$out/$log" 2>&1
+  if ((dry)); then
+    dry_step "$out/$log" "$limit" "$@"
+  else
+    timeout -k 10 "$limit" "$@" >"$out/$log" 2>&1
+  fi
   rc=$?
   if ((rc == 124 || rc == 137)); then
     if ((cut)); then
@@ -182,12 +270,34 @@ step() {
     note="targets missed"
   fi
   pack
-  record "$name" "$rc" "$((SECONDS - t0))" "$log" "$note"
+  record "$name" "$rc" "$(($(now) - t0))" "$log" "$note"
   [ "$rc" = 0 ] || [ "$rc" = n/a ] || tail -n 25 "$out/$log"
   [ "$rc" = 0 ] || [ "$rc" = n/a ]
 }
 
+# dry_step LOG LIMIT CMD...: a dry run's step: prints CMD (to stdout and LOG)
+# and spends the running stage's expected seconds, at most LIMIT; 124 (as
+# timeout's) when LIMIT ends it first.
+dry_step() {
+  local log=$1 limit=$2 took a line
+  shift 2
+  line="dry run (limit ${limit}s):"
+  for a in "$@"; do
+    if [[ $a =~ ^[A-Za-z0-9_./=:,+@-]*$ ]]; then line+=" $a"; else line+=" ${a@Q}"; fi
+  done
+  echo "$line" | tee "$log"
+  took=$((dry_left < limit ? dry_left : limit))
+  dry_left=$((dry_left - took))
+  dry_clock=$((dry_clock + took))
+  ((dry_left == 0)) || return 124
+}
+
 start_packer
+if ((dry)); then
+  printf '%s\ndry run (GPU_CHECK_DRY_RUN=1): nothing ran\nstages: %s; deadline %ss\n' "$(date -u +%FT%TZ)" \
+    "${stages[*]}" "$deadline" >"$out/env.txt"
+  dry_clock=${stage_seconds[start]}
+else
 {
   date -u +%FT%TZ
   nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current \
@@ -195,8 +305,10 @@ start_packer
   "$py" -c "import sys, torch; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
             'available', torch.cuda.is_available())" 2>&1
   nproc; free -g | head -2; df -hT "$repo" /tmp 2>&1; uname -r
+  echo "commit: $(git -C "$repo" describe --always --dirty 2>/dev/null || echo unknown)"
   echo "stages: ${stages[*]}; deadline ${deadline}s"
 } >"$out/env.txt" 2>&1
+fi
 cat "$out/env.txt"
 pack
 
@@ -229,7 +341,9 @@ unpack_wheels() {
   done
   echo "$sums" >"$wheels/.unpacked"
 }
-if ! compgen -G "$repo/.deps/wheels/*.whl" >/dev/null; then
+if ((dry)); then
+  :
+elif ! compgen -G "$repo/.deps/wheels/*.whl" >/dev/null; then
   say "no .deps/wheels: the build uses the machine's nanobind, and the torchtune row will say it was skipped" \
     "(run scripts/device_deps.sh here)"
 elif unpack_wheels >"$out/wheels.log" 2>&1; then
@@ -238,11 +352,41 @@ else
   say "WARNING: unpacking .deps/wheels failed (see wheels.log); the build uses the machine's nanobind"
 fi
 
-# The module the tests and benchmarks import must be the one just built.
+# The module the tests and benchmarks import must be the one just built:
+# checked once after a build (each check imports torch: 6 s), or, with
+# GPU_CHECK_INSTALLED=1, the installed one.
+fresh=
 module_is_fresh() {
+  [ -n "$fresh" ] && return 0
+  local want="f.startswith('$build/') and t.__file__.startswith('$build/')"
+  [ "${GPU_CHECK_INSTALLED:-0}" = 1 ] && want=True
   step import import.log 60 "$py" -c "import torch, ebbtide._core as c, ebbtide._torch as t, sys; f = c.__file__; print(f, t.__file__)
 print('cuda driver', c.cuda_driver_available(), c.cuda_unavailable_reason())
-sys.exit(0 if f.startswith('$build/') and t.__file__.startswith('$build/') else 'ebbtide._core or ebbtide._torch is not the module built in $build')"
+sys.exit(0 if $want else 'ebbtide._core or ebbtide._torch is not the module built in $build')" && fresh=1
+}
+
+# Where the benchmark stages run: the GPU, or (no GPU, or GPU_CHECK_SMALL=1)
+# at a small size, which checks the stages and their traces, not a GPU.
+bench_dev=
+small=()
+small_methods=
+budget_small=()
+# torch_device: cuda where torch sees a GPU (a dry run stands for a GPU machine), else cpu.
+torch_device() {
+  if ((dry)); then echo cuda; return; fi
+  "$py" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")' 2>/dev/null || echo cpu
+}
+bench_setup() {
+  [ -n "$bench_dev" ] && return
+  bench_dev=$(torch_device)
+  if [ "$bench_dev" = cpu ] || [ "${GPU_CHECK_SMALL:-0}" = 1 ]; then
+    say "benchmark stages at a small size on $bench_dev: they check this script, not a GPU"
+    small=(--layers 2 --hidden 64 --heads 2 --seq 64 --batch 2 --link-bytes 1048576 --steps 1 --warmup 1)
+    # ebbtide-auto: the CPU's one planned method (a run in the trace)
+    small_methods=none,ebbtide-ssd,ebbtide-cpu,ebbtide-auto
+    budget_small=(--layers 2 --hidden 64 --heads 2 --kv-heads 1 --ffn-hidden 128 --vocab 256 --seq 64 --batch 2
+                  --points 3 --steps 1 --warmup 2)
+  fi
 }
 
 configure() {
@@ -342,28 +486,42 @@ for stage in "${stages[@]}"; do
     record "$stage" "-" 0 "-" "stage not run: no freshly built ebbtide._core and ebbtide._torch"
     continue
   fi
+  dry_left=${stage_seconds[$stage]:-0}
   case $stage in
     build)
+      fresh=
       configure && step build build.log 400 cmake --build "$build" -j"$jobs"
       ;;
     build_py)
+      fresh=
       configure && step build_py build_py.log 400 cmake --build "$build" -j"$jobs" --target _core _torch
       ;;
-    test)
-      cuda_preflight
-      if [ -x "$build/cpp/ebbtide_tests" ]; then
+    ctest)
+      { [ -f "$build/build.ninja" ] || configure; } &&
+        step build-tests build-tests.log 300 cmake --build "$build" -j"$jobs" &&
         step ctest ctest.log 300 ctest --test-dir "$build" --no-tests=error --output-on-failure -j8
-        grep -E "tests passed|tests failed|Skipped|Failed|\*\*\*" "$out/ctest.log" | tail -n 20
-      else
-        record ctest "-" 0 "-" "not run: no C++ tests in $build; build_py builds only the modules, build builds them"
+      grep -E "tests passed|tests failed|Skipped|Failed|\*\*\*" "$out/ctest.log" 2>/dev/null | tail -n 20
+      ;;
+    test | test_cache)
+      cuda_preflight
+      files=(python/tests/test_cache_cuda.py python/tests/test_cache_cuda_findings.py)
+      if [ "$stage" = test ]; then
+        files+=(python/tests/test_checkpoint_gpu.py python/tests/test_torchtune_offload_loading.py)
+        if [ -x "$build/cpp/ebbtide_tests" ]; then
+          step ctest ctest.log 300 ctest --test-dir "$build" --no-tests=error --output-on-failure -j8
+          grep -E "tests passed|tests failed|Skipped|Failed|\*\*\*" "$out/ctest.log" | tail -n 20
+        else
+          record ctest "-" 0 "-" "not run: no C++ tests in $build; build_py builds only the modules, build builds them"
+        fi
       fi
-      step pytest-cuda pytest-cuda.log 300 "$py" -m pytest -q -p no:cacheprovider -rs --junitxml="$out/pytest-cuda.xml" \
-        ${TEST_K:+-k "$TEST_K"} \
-        python/tests/test_cache_cuda.py python/tests/test_cache_cuda_findings.py python/tests/test_checkpoint_gpu.py python/tests/test_torchtune_offload_loading.py
-      tail -n 3 "$out/pytest-cuda.log"
-      skip_check pytest-cuda.xml
+      k=${TEST_K:-$test_deselect}
+      if [ "$stage" = test ]; then xml=pytest-cuda.xml; else xml=pytest-cache-cuda.xml; fi
+      step "${xml%.xml}" "${xml%.xml}.log" 300 "$py" -m pytest -q -p no:cacheprovider -rs --junitxml="$out/$xml" \
+        ${k:+-k "$k"} "${files[@]}"
+      tail -n 3 "$out/${xml%.xml}.log"
+      skip_check "$xml"
       # Checkpoints with device tensors: safetensors (device= and into=) and the DCP plugin.
-      [ -n "${TEST_K:-}" ] && continue
+      [ -n "${TEST_K:-}" ] || [ "$stage" = test_cache ] && continue
       step pytest-ckpt-cuda pytest-ckpt-cuda.log 200 "$py" -m pytest -q -p no:cacheprovider -rs -k cuda \
         --junitxml="$out/pytest-ckpt-cuda.xml" python/tests/test_safetensors.py python/tests/test_dcp.py
       tail -n 3 "$out/pytest-ckpt-cuda.log"
@@ -409,28 +567,35 @@ for stage in "${stages[@]}"; do
         shape_b) args=(--shape b) steps=4 limit=480 ;;
         shape_c) args=(--shape c) steps=6 limit=360 ;;
       esac
+      bench_setup
+      methods=${OFFLOAD_METHODS:-${preset_methods[$stage]:-$small_methods}}
+      grad=${preset_grad[$stage]:-}
       mkdir -p /tmp/ebbtide-bench
-      step "offload_$stage" "offload_$stage.txt" "$limit" "$py" bench/offload_bench.py --device cuda "${args[@]}" \
-        --steps "${OFFLOAD_STEPS:-$steps}" --warmup 2 ${OFFLOAD_METHODS:+--methods "$OFFLOAD_METHODS"} \
-        --path /tmp/ebbtide-bench --json "$out/offload_$stage.json"
+      step "offload_$stage" "offload_$stage.txt" "$limit" "$py" bench/offload_bench.py --device "$bench_dev" "${args[@]}" \
+        --steps "${OFFLOAD_STEPS:-$steps}" --warmup 2 "${small[@]}" ${methods:+--methods "$methods"} \
+        ${grad:+--grad-check "$grad"} --path /tmp/ebbtide-bench --json "$out/offload_$stage.json" \
+        --trace "$out/trace_$stage.json"
       tail -n 30 "$out/offload_$stage.txt"
       ;;
-    budget | budget_a | budget_b)
+    budget | budget_compiled | budget_a | budget_b)
       case $stage in
-        budget) strategies=${BUDGET_STRATEGIES:-keep,recompute,compiler,torchtune,budget} limit=480 ;;
+        budget) strategies=${BUDGET_STRATEGIES:-keep,recompute,offload,torchtune,budget,memory,ssd} limit=480 ;;
+        budget_compiled) strategies=${BUDGET_STRATEGIES:-keep,recompute,compiler,budget,memory} limit=480 ;;
         budget_a) strategies=keep,recompute,torchtune,budget limit=240 ;;
         budget_b) strategies=keep,compiler,budget limit=360 ;;
       esac
+      bench_setup
       # The bench stops its rounds 45 s before the step is killed (the
-      # table, the JSON and tearing down seven models on the GPU need less).
+      # table, the JSON and tearing down a dozen models on the GPU need less).
       room=$(($(left) - 10))
       ((limit > room)) && limit=$room
       mkdir -p /tmp/ebbtide-bench
-      step "$stage" "$stage.txt" "$limit" "$py" -u bench/budget_bench.py --device cuda --shape a --fractions 0.5,0.25 \
-        --steps "${BUDGET_STEPS:-4}" --warmup 2 --path /tmp/ebbtide-bench --strategies "$strategies" \
+      step "$stage" "$stage.txt" "$limit" "$py" -u bench/budget_bench.py --device "$bench_dev" --shape a --fractions 0.5,0.25 \
+        --steps "${BUDGET_STEPS:-4}" --warmup 2 "${budget_small[@]}" --path /tmp/ebbtide-bench --strategies "$strategies" \
+        --target "${BUDGET_TARGET:-auto}" $([ "$stage" = budget_compiled ] && echo --compile block) \
         --time-limit $((limit > 90 ? limit - 45 : limit / 2)) ${BUDGET_STRATEGY_LIMIT:+--strategy-limit "$BUDGET_STRATEGY_LIMIT"} \
-        --json "$out/$stage.json"
-      tail -n 20 "$out/$stage.txt"
+        --json "$out/$stage.json" --trace "$out/trace_$stage.json"
+      tail -n 30 "$out/$stage.txt"
       ;;
     demo)
       step demo demo.json 300 "$py" -m ebbtide demo --device cuda \
@@ -443,7 +608,7 @@ for stage in "${stages[@]}"; do
       ;;
     ckpt)
       mkdir -p /tmp/ebbtide-ckpt
-      dev=$("$py" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
+      dev=$(torch_device)
       step ckpt_safetensors ckpt_safetensors.txt 240 "$py" bench/ckpt_bench.py --safetensors --size "${CKPT_SIZE:-2.0}" --repeat 3 \
         --fresh-rounds 2 --fresh-pause 1 --device "$dev" --dir /tmp/ebbtide-ckpt --json "$out/ckpt_safetensors.json"
       tail -n 20 "$out/ckpt_safetensors.txt"
@@ -465,7 +630,7 @@ for stage in "${stages[@]}"; do
 done
 
 ((deadline_hit)) && say "GPU_CHECK_DEADLINE=${deadline}s reached: what was cut is marked in the summary"
-say "summary (logs in $out; $((SECONDS - t_start)) s)"
+say "summary (logs in $out; $(now) s)"
 printf '  %s\n' "${summary[@]}" | tee "$out/summary.txt"
 stop_packer
 pack
