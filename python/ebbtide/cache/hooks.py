@@ -377,13 +377,16 @@ class _StepHooks:
         out["plan"] = self.plan()
         out["tiers"] = s["tiers"]
         out["adaptive"] = self._adapt is not None
-        out["activation_budget_bytes"] = self._adapt.activation_budget_bytes if self._adapt is not None else 0
+        budgets = self._adapt.budgets if self._adapt is not None else None
+        out["activation_budget_bytes"] = budgets.activation if budgets is not None else 0
+        out["memory_budget_bytes"] = budgets.memory if budgets is not None else 0
         out["recomputed_blocks"] = sorted(self._scope_name(s) for s in self._adapt.recompute_scopes) \
             if self._adapt is not None else []
         if self._adapt is not None:
             out.update(self._adapt.stats())
         else:
             out.update(planner=None, predicted_stall_seconds=None, predicted_peak_bytes=None,
+                       peak_allocated_bytes=None, predicted_peak_allocated_bytes=None,
                        max_inflight_bytes=self._max_inflight)
         return out
 
