@@ -24,7 +24,7 @@
 namespace ebbtide::py {
 
 struct GlueApi {
-  static constexpr uint32_t kVersion = 2;
+  static constexpr uint32_t kVersion = 3;  // 3: SaveRequest::lead_bytes
   uint32_t version = kVersion;
   uint32_t size = sizeof(GlueApi);
   // The core of a CacheCore object; nullptr and TypeError otherwise.
