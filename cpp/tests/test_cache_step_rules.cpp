@@ -374,6 +374,60 @@ TEST(CacheStepRules, LoadsMadeOnDemandRunOnThePriorityStream) {
   }
 }
 
+// Note [Priority loads]: a walk's candidates of the scope whose backward
+// runs are needed now and load on the priority stream; the earlier scopes'
+// prefetches queue on the load stream, at the walk from a scope's start as
+// at the walk from an entry (prefetch_before).
+TEST(CacheStepRules, TheRunningScopesPrefetchesTakeThePriorityStream) {
+  Step st;
+  std::vector<EntryId> ids;
+  for (int scope = 0; scope < 3; ++scope) {
+    for (int i = 0; i < 2; ++i) ids.push_back(st.save().id);
+    st.cache->scope_end(0, scope);
+  }
+  st.release(INT64_MAX);
+  const size_t before = st.drv.copies().size();
+  auto loads_since = [&](size_t from) {
+    const auto copies = st.drv.copies();
+    std::vector<SimDriver::Copy> loads;
+    for (size_t i = from; i < copies.size(); ++i)
+      if (!copies[i].d2h) loads.push_back(copies[i]);
+    return loads;
+  };
+  // Backward reaches scope 2: its entries and, within the window, scope 1's.
+  auto cands = st.cache->prefetch_scope(0, 2);
+  ASSERT_EQ(Step::ids(cands), (std::vector<EntryId>{ids[5], ids[4], ids[3], ids[2], ids[1], ids[0]}));
+  cands.resize(4);  // as if the window ended there
+  st.prefetch(cands);
+  auto loads = loads_since(before);
+  ASSERT_EQ(loads.size(), 4u);
+  EXPECT_EQ(st.drv.priority_of(loads[0].stream), SimDriver::kGreatestPriority);
+  EXPECT_EQ(st.drv.priority_of(loads[1].stream), SimDriver::kGreatestPriority);
+  EXPECT_EQ(st.drv.priority_of(loads[2].stream), SimDriver::kLeastPriority);
+  EXPECT_EQ(st.drv.priority_of(loads[3].stream), SimDriver::kLeastPriority);
+  // From an entry of scope 1 (its unpack's walk): scope 0's are earlier, not urgent;
+  // a walk from scope 0's last entry finds its own scope's first one urgent.
+  const size_t mid = st.drv.copies().size();
+  auto from_b = st.cache->prefetch_before(ids[2]);
+  ASSERT_EQ(Step::ids(from_b), (std::vector<EntryId>{ids[1], ids[0]}));
+  from_b.resize(1);
+  st.prefetch(from_b);
+  auto from_a = st.cache->prefetch_before(ids[1]);
+  ASSERT_EQ(Step::ids(from_a), (std::vector<EntryId>{ids[0]}));
+  st.prefetch(from_a);
+  loads = loads_since(mid);
+  ASSERT_EQ(loads.size(), 2u);
+  EXPECT_EQ(st.drv.priority_of(loads[0].stream), SimDriver::kLeastPriority);
+  EXPECT_EQ(st.drv.priority_of(loads[1].stream), SimDriver::kGreatestPriority);
+  for (EntryId id : ids) {
+    auto ok = st.unpack(id);
+    st.drv.synchronize_all();
+    EXPECT_TRUE(*ok) << "entry " << id;
+  }
+  st.expect_clean();
+  for (EntryId id : ids) st.cache->release(id);
+}
+
 // Note [Device waits]: a reload that ends 10 ms after the compute stream
 // reaches its unpack, and a release point 5 ms before the copy it waits for
 // ends, are counted as the device time the stream stood, on the simulator's

@@ -118,6 +118,10 @@ ebbtide::py::GlueApi make_glue_api() {
     return c;
   };
   a.glue_obj = [](PyObject* obj) noexcept { return glue_obj(nb::handle(obj)); };
+  a.kept_resident = [](TensorCache* c, uint64_t bytes) noexcept {
+    nb::gil_scoped_release unlocked;  // a rise takes the core's lock
+    c->set_kept_resident(bytes);
+  };
   a.save = [](TensorCache* c, SaveRequest& r, SaveResult* out) noexcept {
     bool ok = guarded([&] {
       nb::gil_scoped_release unlocked;

@@ -132,7 +132,7 @@ void TensorCache::mutate(Entry& e, EntryState s, bool acked) {
   if (!r0 && r1) resident_ += e.nbytes;
   if (w0 && !w1) window_ -= e.nbytes;
   if (!w0 && w1) window_ += e.nbytes;
-  step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_);
+  note_peak_locked();
 }
 
 // Note [Caller's context]
@@ -275,7 +275,7 @@ void TensorCache::begin_step() {
   step_folded_ = false;
   step_c_ = Counters{};
   std::erase_if(microbatches_, [](const auto& kv) { return kv.second.live == 0; });
-  step_c_.peak_resident_bytes = resident_;
+  step_c_.peak_resident_bytes = resident_ + kept_resident_.load();
   stop_offload_ = false;
   // No sweep of fenced frees here: a step may begin inside a graph capture,
   // where the query is illegal (Note [Graph capture]); saves sweep them.

@@ -75,8 +75,10 @@ namespace ebbtide::cache {
 // Note [Priority loads]
 // Each device has two load streams. Prefetches (start_loads) run in the
 // order they were issued on the load stream; a load made on demand (an
-// unpack whose entry no prefetch reached: start_load) runs on a second
-// stream created with the device's highest priority. Behind the prefetch
+// unpack whose entry no prefetch reached: start_load), and a prefetch of
+// the module whose backward runs (a walk's candidate at or past the start
+// of the scope backward has reached: needed now, Entry::urgent), run on a
+// second stream created with the device's highest priority. Behind the prefetch
 // queue an on-demand load waited for every load queued before it (on the
 // H200, 12 ms for a 1 MiB table behind a block's reloads). Both streams
 // follow the same order: the copy waits for the buffer's allocation and for

@@ -69,6 +69,7 @@ struct TensorCache::Entry {
   uint64_t offloaded_through = 0;      // its micro-batch's offloaded bytes through it (Note [Release by bytes])
   uint64_t lead = 0;                   // SaveRequest::lead_bytes
   bool load_on_demand = false;         // its worker load goes to the priority stream (Note [Priority loads])
+  bool urgent = false;                 // a walk offered it for the running module: start_loads uses the priority stream
 };
 
 // Declared after a call's Lock: swaps the graveyard out while the lock is

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <utility>
 
 #include "ebbtide/mem/buffer_pool.hpp"
 #include "ebbtide/util/error.hpp"
@@ -97,14 +98,16 @@ void TensorCache::start_loads(const std::vector<EntryId>& ids,
     if (it == entries_.end()) continue;
     Entry& e = *it->second;
     if (e.state != EntryState::kStored || !e.acked || e.live || (!e.has_loc && e.blob == nullptr)) continue;
+    // The running module's loads go to the priority stream (Note [Priority loads]).
+    const bool urgent = std::exchange(e.urgent, false);
     if (e.device < 0) {
       host_buffer_locked(e);
-      start_load_locked(e, e.dst, 0, false);
+      start_load_locked(e, e.dst, 0, urgent);
     } else {
       EBB_CHECK(i < buffers.size() && buffers[i].first != 0, "tensor cache: no buffer for device entry ", e.id);
       if (capturing_locked(e.device, stream)) return;  // Note [Graph capture]: no prefetch inside one
       adopt_buffer_locked(e, buffers[i].second, stream);
-      start_load_locked(e, reinterpret_cast<void*>(buffers[i].first), stream, false);
+      start_load_locked(e, reinterpret_cast<void*>(buffers[i].first), stream, urgent);
     }
   }
 }
@@ -366,7 +369,7 @@ Unpacked TensorCache::unpack(EntryId id, mem::cuda::Stream stream, int64_t task,
   out.buffer_stream = e->buf_stream;
   consume_locked(*e, task);
   if (auto m = microbatches_.find(e->microbatch); m != microbatches_.end() && e->order_pos != SIZE_MAX) {
-    out.prefetch = prefetch_locked(m->second, e->order_pos, task);
+    out.prefetch = prefetch_locked(m->second, e->order_pos, task, scope_start(m->second, e->order_pos, false));
   }
   return out;
 }
@@ -440,6 +443,22 @@ void TensorCache::cancel_late_stores_locked(MicroBatch& mb) {
   }
 }
 
+// Note [Joint resident peak]
+// The glue keeps small and planned-resident saves in handles of its own, no
+// entry in the core (Note [Kept tensors] in python/src/torch/hooks.cpp), and
+// tells the core how many bytes those hold whenever that changes. The step's
+// peak of resident saved bytes is the peak of the sum: summing the two
+// peaks (the kept ones at the forward's end, the reloads' late in
+// backward) reported a CPU step's 36 MiB as 54 MiB. A rise takes the lock
+// to compare with the entries' bytes of that moment; a fall cannot raise the
+// peak and only stores the value.
+void TensorCache::set_kept_resident(uint64_t bytes) {
+  const uint64_t before = kept_resident_.exchange(bytes);
+  if (bytes <= before) return;
+  Lock lock(mu_);
+  note_peak_locked();
+}
+
 void TensorCache::note_kept(int microbatch, uint64_t nbytes) {
   Lock lock(mu_);
   push_order_locked(microbatches_[microbatch], nullptr, nbytes, false);  // a place in the order, no entry
@@ -461,7 +480,14 @@ void TensorCache::take_lead_locked(MicroBatch& mb, Entry& e, uint64_t lead) {
   else mb.max_lead = std::max(mb.max_lead, lead);
 }
 
-std::vector<Candidate> TensorCache::prefetch_locked(MicroBatch& mb, size_t end, int64_t task) {
+size_t TensorCache::scope_start(const MicroBatch& mb, size_t pos, bool strict) {
+  size_t start = 0;
+  for (const auto& [scope, end] : mb.scope_end)
+    if (strict ? end < pos : end <= pos) start = std::max(start, end);
+  return start;
+}
+
+std::vector<Candidate> TensorCache::prefetch_locked(MicroBatch& mb, size_t end, int64_t task, size_t urgent_from) {
   // Note [Prefetch distance]: two bounds. The window bounds the bytes loading
   // or loaded ahead of use (window_). Each entry's lead (SaveRequest::
   // lead_bytes, the window when 0) bounds how far ahead of the point backward
@@ -491,7 +517,7 @@ std::vector<Candidate> TensorCache::prefetch_locked(MicroBatch& mb, size_t end, 
     if (distance > reach && !adjacent) break;
     auto eit = entries_.find(mb.order[i]);
     if (eit == entries_.end()) continue;
-    const Entry& e = *eit->second;
+    Entry& e = *eit->second;
     if (e.order_pos != i) continue;  // the place it had before a later saver moved it (Note [Shared entries])
     if (distance > lead_of_locked(e) && !adjacent) continue;
     if (task != -1 && e.consumed_task == task) continue;
@@ -500,6 +526,7 @@ std::vector<Candidate> TensorCache::prefetch_locked(MicroBatch& mb, size_t end, 
       continue;  // reloaded at unpack (Note [Host copies on the caller])
     if (window + e.nbytes > limit) break;
     window += e.nbytes;
+    e.urgent = i >= urgent_from;
     out.push_back(Candidate{e.id, e.nbytes, e.orig});
   }
   return out;
@@ -512,7 +539,7 @@ std::vector<Candidate> TensorCache::prefetch_scope(int microbatch, int64_t scope
   cancel_late_stores_locked(m->second);
   auto s = m->second.scope_end.find(scope);
   size_t end = s == m->second.scope_end.end() ? m->second.order.size() : s->second;
-  return prefetch_locked(m->second, end, task);
+  return prefetch_locked(m->second, end, task, scope_start(m->second, end, true));
 }
 
 std::vector<Candidate> TensorCache::prefetch_before(EntryId id, int64_t task) {
@@ -522,7 +549,8 @@ std::vector<Candidate> TensorCache::prefetch_before(EntryId id, int64_t task) {
   auto m = microbatches_.find(it->second->microbatch);
   if (m == microbatches_.end()) return {};
   if (it->second->order_pos == SIZE_MAX) return {};
-  return prefetch_locked(m->second, it->second->order_pos, task);
+  const size_t pos = it->second->order_pos;
+  return prefetch_locked(m->second, pos, task, scope_start(m->second, pos, false));
 }
 
 }  // namespace ebbtide::cache

@@ -154,7 +154,7 @@ SaveResult TensorCache::save(const SaveRequest& r) {
   // holds the tensor until then.
   if (!on_caller) {
     resident_ += e->nbytes;
-    step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_);
+    note_peak_locked();
     e->live = r.live;
   }
   step_c_.saved_bytes_total += r.src.nbytes;

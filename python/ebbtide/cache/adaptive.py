@@ -91,7 +91,8 @@ class Adaptive:
         self.measured: dict = {}     # tier name -> {"write_bps", "read_bps", "source"}
         self.replans = 0
         self.plans = 0
-        self.release_after: dict = {}  # scope -> last scope released after its forward
+        self.release_bytes: dict = {}  # scope -> offloaded bytes released after its forward
+        self.leads: dict = {}          # scope -> reload lead in bytes (0: the window)
         self._marks: list = []       # (scope or None, float seconds | torch.cuda.Event)
         self._meter0: dict = {}
         self._cuda = False
@@ -251,12 +252,29 @@ class Adaptive:
             return -1
         return self.limits.get(scope, -1)
 
-    def release_through(self, scope: int) -> int:
-        """After block `scope`'s forward: the last scope whose copies the plan
-        has done by then (-1: none; Note [Release points])."""
+    def release_point(self, scope: int) -> tuple:
+        """After block `scope`'s forward: (the last scope whose copies may be
+        released, the micro-batch's offloaded bytes through which they are;
+        -1: no bound). The plan's release points by bytes (Note [Release by
+        bytes] in cpp/src/cache/tensor_cache_device.cpp): the copies the step
+        model has done by the block's end, in copy order; the profiling step
+        releases every block before this one."""
         if self.plan is None or self.profiling:
-            return scope - 1
-        return self.release_after.get(scope, -1)
+            return scope - 1, -1
+        return scope, self.release_bytes.get(scope, 0)
+
+    def lead(self, scope: int) -> int:
+        """The reload lead in bytes of `scope`'s offloaded saves (Note
+        [Reload lead] in cpp/src/plan/step_model.cpp); 0: the window."""
+        if self.cache._model_ref is None or self.plan is None or self.profiling:
+            return 0
+        return self.leads.get(scope, 0)
+
+    def window_bytes(self) -> Optional[int]:
+        """The prefetch window the plan assumes (None: the cache's own rule)."""
+        if self.plan is None or self.profiling:
+            return None
+        return int(self.plan["window_bytes"])
 
     # ------------------------------------------------------------ measurement
     def _scope_times(self) -> dict:
@@ -555,11 +573,6 @@ class Adaptive:
         if not self.profile_modules or self.plan is None:
             raise RuntimeError("ebbtide.TensorCache.trace_run: no plan yet (profile a step first)")
         plan = self.plan
-        index = {m["scope"]: i for i, m in enumerate(self.profile_modules) if not m.get("tail")}
-        release = []
-        for m in self.profile_modules:
-            r = self.release_after.get(m["scope"], -1)
-            release.append(index.get(r, -1))
         options = self._planner_options(self.budgets)
         return dict(
             name=str(name), kind=kind,
@@ -568,8 +581,8 @@ class Adaptive:
             ran=dict(placements=[d["placement"] for d in plan["modules"]],
                      offload_limits=[self.limits.get(m["scope"]) if not m.get("tail") else None
                                      for m in self.profile_modules],
-                     lead_bytes=[int(d.get("lead_bytes", 0)) for d in plan["modules"]],
-                     release_after=release),
+                     # Released by bytes at the plan's points: the model's own rule (no release_after).
+                     lead_bytes=[int(d.get("lead_bytes", 0)) for d in plan["modules"]]),
             measured=dict(measured))
 
     def _planner_options(self, budgets: Budgets) -> dict:
@@ -601,9 +614,12 @@ class Adaptive:
             copy_bound_bytes=cache._core.device_inflight_bytes if cuda else 0,
             partial_offload=cuda,
             # The cache's reload rules (Note [Reload lead] in
-            # cpp/src/plan/step_model.cpp): a window of prefetch_modules
-            # blocks; kept bytes count in the prefetch distance on a GPU.
-            lead_per_module=False, kept_in_distance=cuda, shared_at_last_user=False, priority_loads=False)
+            # cpp/src/plan/step_model.cpp): a lead per module, the window
+            # unbounded unless the user sized it, kept bytes in the prefetch
+            # distance, a shared storage at its last saver's place, loads on
+            # demand on the priority stream.
+            window_bytes=0 if cache._auto_window else cache._window_bytes,
+            lead_per_module=True, kept_in_distance=True, shared_at_last_user=True, priority_loads=True)
 
     def _planned(self, budgets: Budgets) -> dict:
         """The planner's answer for the profile and measurements at hand, within `budgets`."""
@@ -634,17 +650,18 @@ class Adaptive:
         cache._set_recompute(recompute)
         self._guard(plan)
         self.infeasible = infeasible_message(self.budgets, plan, cache._on_cuda())
-        # Note [Release points]: after block b, the blocks whose copies end by
-        # b's forward end.
-        release_after = {}
-        mods = plan["modules"]
-        for b, mb in enumerate(mods):
-            if self.profile_modules[b].get("tail"):
-                continue  # the last block's release point is the block's, not the head's
-            done = [s for s, ms in enumerate(mods[:b + 1])
-                    if ms["tier"] is not None and ms["write_done_seconds"] <= mb["forward_end_seconds"]]
-            release_after[mb["scope"]] = mods[max(done)]["scope"] if done else -1
-        self.release_after = release_after
+        # Note [Release points]: after block b, the offloaded bytes the step
+        # model's copies have done by b's forward end (release_bytes, in copy
+        # order); a scope's reload lead is its module's (the tail's scope is the
+        # last block's: the block's module decides).
+        self.release_bytes = {}
+        self.leads = {}
+        for m, d in zip(self.profile_modules, plan["modules"]):
+            if m.get("tail"):
+                continue
+            self.release_bytes[m["scope"]] = int(d["release_bytes"])
+            if d["tier"] is not None:
+                self.leads[m["scope"]] = int(d["lead_bytes"])
         plan["reason"] = reason
         plan["backward_factor"] = self.backward_factor
         plan["measured"] = {k: dict(v) for k, v in self.measured.items()}

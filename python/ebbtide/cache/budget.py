@@ -112,24 +112,23 @@ def infeasible_message(budgets: Budgets, plan: dict, cuda: bool) -> Optional[str
     shape = (f"{plan['modules_recomputed']} of {len(plan['modules'])} blocks recomputed, the rest offloaded "
              "where the links allow")
     missed = []
-    if cuda and budgets.memory and plan["min_peak_budget_bytes"]:
-        low = plan["min_peak_budget_bytes"]
-        missed.append(f"memory budget {fmt_bytes(budgets.memory)} ({budgets.memory} bytes): the smallest allocator "
-                      f"peak above the step's start the planner reaches for this model and batch is "
-                      f"{fmt_bytes(low)} ({low} bytes); raise memory_budget_bytes (EBBTIDE_MEMORY_BUDGET) to at "
-                      "least that")
     if plan["min_budget_bytes"]:
         given = plan["activation_budget_bytes"]
-        low = plan["min_budget_bytes"]
-        which = ("activation budget" if budgets.activation == given or cuda else "memory budget")
-        knob = ("activation_budget_bytes (EBBTIDE_ACTIVATION_BUDGET)" if which == "activation budget"
-                else "memory_budget_bytes (EBBTIDE_MEMORY_BUDGET)")
-        missed.append(f"{which} {fmt_bytes(given)} ({given} bytes): the smallest peak of saved activations the "
-                      f"planner reaches for this model and batch is {fmt_bytes(low)} ({low} bytes); raise "
-                      f"{knob} to at least that")
+        # On CPU the memory budget bounds the saved bytes too (Note [Two budgets]).
+        memory = not cuda and budgets.memory == given and budgets.activation != given
+        what, knob = (("memory budget", "memory_budget_bytes (EBBTIDE_MEMORY_BUDGET)") if memory else
+                      ("activation budget", "activation_budget_bytes (EBBTIDE_ACTIVATION_BUDGET)"))
+        missed.append((what, given, "peak of saved activations", plan["min_budget_bytes"], knob))
+    if plan["min_peak_budget_bytes"]:
+        missed.append(("memory budget", plan["peak_budget_bytes"], "allocator peak above the step's start",
+                       plan["min_peak_budget_bytes"], "memory_budget_bytes (EBBTIDE_MEMORY_BUDGET)"))
     if not missed:
-        missed.append("the budget cannot be met")
-    return ("ebbtide: " + "; ".join(missed) + f" ({shape}), or lower the micro-batch or sequence length")
+        return f"ebbtide: the budget cannot be met ({shape})"
+    return "; ".join(
+        f"ebbtide: {what} {fmt_bytes(given)} ({given} bytes) cannot be met: the smallest {peak} the planner "
+        f"reaches for this model and batch is {fmt_bytes(low)} ({low} bytes; {shape}); raise {knob} to at "
+        "least that, or lower the micro-batch or sequence length"
+        for what, given, peak, low, knob in missed)
 
 
 def inflight_bound(plan: Optional[dict], user_bound: int, cuda: bool) -> int:

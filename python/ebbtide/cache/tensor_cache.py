@@ -184,6 +184,7 @@ class TensorCache(_StepHooks):
         # one block).
         self._auto_window = prefetch_window_bytes is None
         window = _DEFAULT_WINDOW if prefetch_window_bytes is None else int(prefetch_window_bytes)
+        self._window_bytes = int(window)
         cuda = torch.cuda.is_available() and (self._device is None or self._device.type == "cuda")
         budget = resolve_budgets(activation_budget_bytes, memory_budget_bytes, adaptive)
         max_write_bps, host_budget, adaptive = resolve_settings(target, cuda, adaptive, host_budget_bytes,

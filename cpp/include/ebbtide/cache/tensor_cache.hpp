@@ -16,6 +16,7 @@
 // the caller. States: Note [Entry states] in the .cpp.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -279,6 +280,9 @@ class TensorCache : public mem::ForkOrigin {
   // of the micro-batch's forward order: the prefetch distance counts them
   // (Note [Prefetch distance]).
   void note_kept(int microbatch, uint64_t nbytes);
+  // The bytes the glue keeps resident without entries, now (Note [Joint
+  // resident peak]): peak_resident_bytes counts them with the entries'.
+  void set_kept_resident(uint64_t bytes);
   // Stored entries to load next, in reverse forward order from the end of
   // `scope` (or from just before entry `id`), within the prefetch window.
   // prefetch_scope also marks the start of the micro-batch's backward: its
@@ -419,7 +423,12 @@ class TensorCache : public mem::ForkOrigin {
   void run_device_load(Lock& lock, Entry& e);
   void ref_event_locked(mem::cuda::Event ev);
   void wait_idle_locked(Lock& lock, Entry& e);
-  std::vector<Candidate> prefetch_locked(MicroBatch& mb, size_t end, int64_t task);
+  // `urgent_from`: candidates at or past this place in the order are the
+  // running module's, loaded on the priority stream (Note [Priority loads]).
+  std::vector<Candidate> prefetch_locked(MicroBatch& mb, size_t end, int64_t task, size_t urgent_from);
+  // The first place in the order of the scope holding place `pos` (its
+  // predecessor's end; `strict`: a scope ending at `pos` is that predecessor).
+  static size_t scope_start(const MicroBatch& mb, size_t pos, bool strict);
   std::vector<Completion> take_completions_locked();
   void push_order_locked(MicroBatch& mb, Entry* e, uint64_t nbytes, bool loadable);
   void take_lead_locked(MicroBatch& mb, Entry& e, uint64_t lead);
@@ -491,6 +500,10 @@ class TensorCache : public mem::ForkOrigin {
   bool stop_offload_ = false;  // a store failed in this step
   bool closed_ = false;
   uint64_t resident_ = 0;
+  std::atomic<uint64_t> kept_resident_{0};  // set_kept_resident (Note [Joint resident peak])
+  void note_peak_locked() {
+    step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_ + kept_resident_.load());
+  }
   uint64_t window_ = 0;
   uint64_t inflight_ = 0;  // bytes in kQueued + kStoring
   Counters step_c_;
