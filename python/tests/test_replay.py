@@ -37,15 +37,17 @@ def test_the_shared_tables_wait_of_2026_11_28_is_reproduced():
     """Shape a's ebbtide rows lost ~14 ms: 2 ms of forward behind the copies and ~12 ms of
     device-side wait, HF Llama's rotary tables reloaded on demand behind block 0's reloads
     (Note [Shared storages]). The replay finds that wait in the backward; today's rules
-    (the tables at their last saver's place, a priority stream for loads on demand) remove it."""
+    (the tables at their last saver's place, a reload lead per block, a priority stream for
+    loads on demand) remove it, for the plan that ran as for the plan chosen now."""
     loaded = gpu_runs.load(os.path.join(RUNS, "2026-11-28-h200", "offload_shape_a.json"))
     run = next(r for r in loaded["runs"] if r["name"].endswith("ebbtide-cpu"))
     out = replay.replay_run(run)
     wait = out["ran"]["predicted"]["backward_wait_seconds"]
     assert 0.009 <= wait <= 0.015, wait
     assert out["best"]["predicted"]["backward_wait_seconds"] == pytest.approx(0, abs=1e-6)
-    now = dict(run["options"], shared_at_last_user=True, priority_loads=True)
-    fixed = replay.replay_run(dict(run, options=now))
+    now = dict(run["options"], shared_at_last_user=True, priority_loads=True, lead_per_module=True,
+               kept_in_distance=True)
+    fixed = replay.replay_run(dict(run, options=now, ran=dict(run["ran"], lead_bytes=None)))
     assert fixed["ran"]["predicted"]["backward_wait_seconds"] < 0.002
 
 

@@ -38,7 +38,7 @@ namespace ebbtide::plan::detail {
 //   cancelled: the saves stay resident (Note [Late stores]).
 // - Reloads follow the cache's prefetch (Note [Prefetch distance] in
 //   tensor_cache_load.cpp, Note [Reload lead]): at each module's backward
-//   start and after each reload is consumed, the forward order is walked
+//   start and at each unpack of an entry (before its use frees the buffer), the forward order is walked
 //   back from the point backward has reached; an entry may start loading
 //   when the bytes saved between (kept saves included) are within its lead,
 //   and while the bytes loading or loaded stay within the window. Loads run
@@ -46,7 +46,9 @@ namespace ebbtide::plan::detail {
 //   when its load is issued and freed once backward has used it. With
 //   priority_loads a load for the module whose backward runs, and one an
 //   unpack makes on demand, take the priority stream (sharing the link: the
-//   queued loads are delayed by its time); else they queue behind the others.
+//   queued loads are delayed by its time), as the cache's do (Note
+//   [Priority loads] in tensor_cache_device.cpp); else they queue behind
+//   the others.
 // - Backward of module i allocates its gradients (grad_bytes, held to the
 //   step's end) and re-makes its activations first when it is recomputed;
 //   its saves are used in reverse save order, through its backward time, and

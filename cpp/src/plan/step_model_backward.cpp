@@ -76,7 +76,8 @@ void StepSim::walk(size_t end, double now, size_t module) {
     if (dist > lead_of(x) && !adjacent) continue;
     if (window_used_ + static_cast<double>(x.bytes) > window_) break;
     // A load for the module whose backward runs is needed now: it takes
-    // the priority stream rather than queue behind the others.
+    // the priority stream rather than queue behind the others (the cache's
+    // Entry::urgent, Note [Priority loads]).
     issue_load(positions_[p].storage, now, o_.priority_loads && p >= module_begin_[module]);
     it = pending_.erase(it);
   }
@@ -154,15 +155,17 @@ void StepSim::backward() {
         }
       }
       x.core_left -= 1;
+      const double now = use + std::max(0.0, x.load_end - use);
+      // The unpack's walk (the cache's prefetch from the entry: Note
+      // [Prefetch distance]) runs before the use, while its buffer is held.
+      if (x.order_pos != kNone) walk(x.order_pos, now, i);
       if (x.core_left == 0) {
         x.consumed = true;
-        const double now = use + std::max(0.0, x.load_end - use);
         if (x.loading) {
           window_used_ -= static_cast<double>(x.bytes);
           release_memory(x.bytes);  // the reload buffer, once used
         }
         if (x.cancelled) free_original(it->storage);
-        if (x.order_pos != kNone) walk(x.order_pos, now, i);
       }
     }
     d.wait_seconds = waited;

@@ -65,6 +65,12 @@ std::vector<Setting> make_table() {
        "bound on the step's peak of saved-activation bytes held in the training device's memory (bytes, e.g. "
        "`20GiB`); the planner keeps, offloads or recomputes each block to fit it at the least step time "
        "(Note [Budget plan]). Turns the cache adaptive."),
+      make("EBBTIDE_MEMORY_BUDGET", K::kBytes, cache, "`0` (none)",
+       "bound on the step's peak of the training device's allocator above the step's start (what "
+       "`torch.cuda.max_memory_allocated()` shows: saved activations, gradients, temporaries; bytes, e.g. "
+       "`60GiB`); the planner keeps, offloads or recomputes each block to fit it at the least step time "
+       "(Note [Budget plan]). On a CPU device it bounds the resident saved bytes, as "
+       "`EBBTIDE_ACTIVATION_BUDGET` does. Turns the cache adaptive."),
       make("EBBTIDE_MAX_WRITE_MBPS", K::kFloat, cache, "`0` (no cap)",
        "cap on SSD writes in MB/s (10^6 bytes/s); the planner plans with min(measured, cap).", 0, kNoMax),
 

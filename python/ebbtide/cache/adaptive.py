@@ -43,14 +43,14 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import time
 from typing import Optional
 
 import torch
 
-from ebbtide import _core, _settings
+from ebbtide import _core
 from ebbtide.cache import profile as _profile
+from ebbtide.cache.budget import Budgets, fmt_bytes as _fmt_bytes, infeasible_message, inflight_bound
 from ebbtide.plan import planner
 
 logger = logging.getLogger("ebbtide")
@@ -63,75 +63,15 @@ _MIN_MEASURED_BYTES = 1 << 20
 # (prefetch_modules, the window of Note [Prefetch window] in tensor_cache.py).
 _CUDA_PREFETCH_MODULES = 4
 _PROBE_BYTES = 8 << 20
-_DEFAULT_HOST_FRACTION = 0.25  # of MemAvailable: auto's host tier when training on CUDA
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 0
-
-
-def resolve_budget(activation_budget_bytes, adaptive) -> int:
-    """The activation budget in bytes (0: none) from the argument, then
-    EBBTIDE_ACTIVATION_BUDGET; a budget needs the planner (adaptive)."""
-    explicit = activation_budget_bytes is not None
-    budget = _settings.resolve("EBBTIDE_ACTIVATION_BUDGET", activation_budget_bytes,
-                               "ebbtide.TensorCache: activation_budget_bytes")
-    budget = int(budget or 0)
-    if budget and adaptive is False:
-        where = "activation_budget_bytes" if explicit else "EBBTIDE_ACTIVATION_BUDGET"
-        raise ValueError(f"ebbtide.TensorCache: {where}={budget} needs the planner, but adaptive=False "
-                         "(leave adaptive unset or True)")
-    return budget
-
-
-def resolve_settings(target, cuda, adaptive, host_budget_bytes, max_write_mbps):
-    """(max_write_bps, host_budget_bytes, adaptive) from arguments, then EBBTIDE_* variables."""
-    explicit_cap = max_write_mbps is not None
-    max_write_mbps = _settings.resolve("EBBTIDE_MAX_WRITE_MBPS", max_write_mbps,
-                                       "ebbtide.TensorCache: max_write_mbps")
-    if target == "cpu" and explicit_cap and max_write_mbps:
-        raise ValueError("ebbtide.TensorCache: max_write_mbps caps SSD writes; target 'cpu' writes none "
-                         "(use target 'auto' or 'ssd')")
-    max_write_bps = float(max_write_mbps or 0) * 1e6 if target != "cpu" else 0.0
-    host_budget_bytes = _settings.resolve("EBBTIDE_HOST_BUDGET", host_budget_bytes,
-                                          "ebbtide.TensorCache: host_budget_bytes")
-    if host_budget_bytes is None:
-        # On CPU the activations already live in host memory: a host tier saves nothing.
-        host_budget_bytes = int(_available_memory() * _DEFAULT_HOST_FRACTION) if cuda else 0
-    host_budget = int(host_budget_bytes) if target == "auto" else 0
-    adaptive = _settings.resolve("EBBTIDE_ADAPTIVE", adaptive, "ebbtide.TensorCache: adaptive")
-    if adaptive is None:
-        # On a GPU every target is planned (Note [Release points]): what
-        # the link cannot copy during the forward stays resident.
-        adaptive = target == "auto" or bool(cuda)
-    return max_write_bps, host_budget, bool(adaptive)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n} B"
 
 
 class Adaptive:
     """Profile -> plan -> apply -> watch, for one TensorCache."""
 
     def __init__(self, cache, *, max_write_bps: float, host_budget_bytes: int, backward_factor: float = 2.0,
-                 prefetch_modules: int = 1, replan_fraction: float = 0.7, activation_budget_bytes: int = 0):
+                 prefetch_modules: int = 1, replan_fraction: float = 0.7, budgets: Budgets = Budgets()):
         self.cache = cache
-        self.activation_budget_bytes = int(activation_budget_bytes)
+        self.budgets = budgets
         self.max_write_bps = float(max_write_bps)
         self.host_budget_bytes = int(host_budget_bytes)
         self.backward_factor = backward_factor
@@ -151,7 +91,8 @@ class Adaptive:
         self.measured: dict = {}     # tier name -> {"write_bps", "read_bps", "source"}
         self.replans = 0
         self.plans = 0
-        self.release_after: dict = {}  # scope -> last scope released after its forward
+        self.release_bytes: dict = {}  # scope -> offloaded bytes released after its forward
+        self.leads: dict = {}          # scope -> reload lead in bytes (0: the window)
         self._marks: list = []       # (scope or None, float seconds | torch.cuda.Event)
         self._meter0: dict = {}
         self._cuda = False
@@ -166,7 +107,10 @@ class Adaptive:
         self.max_inflight_bytes = int(cache._max_inflight)  # Note [Budget guard]
         self._bmarks: list = []      # Note [Backward profile]: (scope, point) as backward reaches blocks
         self._grads = None           # (before, [per block], after) gradient bytes of the profiling step
-        self._alloc = None           # the profiling step's AllocatorWindow
+        self._alloc = None           # the step's AllocatorWindow
+        # The step's allocator peak above its start (CUDA, when the step raised
+        # max_memory_allocated; None else): what memory_budget_bytes bounds.
+        self.peak_allocated_bytes: Optional[int] = None
 
     # ---------------------------------------------------------------- control
     def request_profile(self) -> None:
@@ -196,7 +140,7 @@ class Adaptive:
             cache = self.cache
             model = cache._model_ref() if cache._model_ref is not None else None
             self._grads = _profile.gradient_bytes(cache._blocks, model) if model is not None else None
-            self._alloc = _profile.AllocatorWindow(cache._device)
+        self._alloc = _profile.AllocatorWindow(self.cache._device)
 
     def _now(self):
         """A point in time: a CUDA event on the compute stream (no sync) or a host clock."""
@@ -295,7 +239,7 @@ class Adaptive:
             # forward times the plan is made from.
             # With a budget the profile offloads on a GPU too: keeping every
             # block resident for it would exceed the budget (Note [Budget profile]).
-            return not self.cache._on_cuda() or bool(self.activation_budget_bytes), -1
+            return not self.cache._on_cuda() or bool(self.budgets), -1
         if self.plan is None:
             return True, -1
         return self.decisions.get(scope, (False, -1))
@@ -308,12 +252,29 @@ class Adaptive:
             return -1
         return self.limits.get(scope, -1)
 
-    def release_through(self, scope: int) -> int:
-        """After block `scope`'s forward: the last scope whose copies the plan
-        has done by then (-1: none; Note [Release points])."""
+    def release_point(self, scope: int) -> tuple:
+        """After block `scope`'s forward: (the last scope whose copies may be
+        released, the micro-batch's offloaded bytes through which they are;
+        -1: no bound). The plan's release points by bytes (Note [Release by
+        bytes] in cpp/src/cache/tensor_cache_device.cpp): the copies the step
+        model has done by the block's end, in copy order; the profiling step
+        releases every block before this one."""
         if self.plan is None or self.profiling:
-            return scope - 1
-        return self.release_after.get(scope, -1)
+            return scope - 1, -1
+        return scope, self.release_bytes.get(scope, 0)
+
+    def lead(self, scope: int) -> int:
+        """The reload lead in bytes of `scope`'s offloaded saves (Note
+        [Reload lead] in cpp/src/plan/step_model.cpp); 0: the window."""
+        if self.cache._model_ref is None or self.plan is None or self.profiling:
+            return 0
+        return self.leads.get(scope, 0)
+
+    def window_bytes(self) -> Optional[int]:
+        """The prefetch window the plan assumes (None: the cache's own rule)."""
+        if self.plan is None or self.profiling:
+            return None
+        return int(self.plan["window_bytes"])
 
     # ------------------------------------------------------------ measurement
     def _scope_times(self) -> dict:
@@ -379,6 +340,7 @@ class Adaptive:
         return measured
 
     def end_step(self, core_stats: dict) -> None:
+        self.peak_allocated_bytes = self._alloc.peak() if self._alloc is not None else None
         if self.profiling:
             times = self._scope_times()
             step_plan = self.cache._plan
@@ -402,7 +364,7 @@ class Adaptive:
                     seconds = self._block_seconds(scope)
                     m.update(recomputable=True, recompute_bytes=self._inputs.get(scope, 0) + total - inside,
                              recompute_seconds=seconds)
-                    if self.activation_budget_bytes and self._keeps_tail(scope) and total > inside:
+                    if self.budgets and self._keeps_tail(scope) and total > inside:
                         # The head and the loss follow the last block in its
                         # scope, kept: a module of their own, so the block's
                         # recompute is judged on the block alone.
@@ -430,19 +392,12 @@ class Adaptive:
             return
         if self.retiming:
             self.retiming = False
-            self._retime()
+            self._retime(core_stats)
         if self._shape_changed():
             return
-        if self.plan is None or not self.plan["bytes_ssd"]:
-            return
-        r = self._tier_rates(core_stats).get("ssd")
-        if r is None or r["bytes_written"] < _MIN_MEASURED_BYTES or r["write_bps"] <= 0:
-            return
-        slower = planner.needs_replan(self.plan, r["write_bps"])
-        # A plan at the cap gains nothing from a faster link (the cap lets
-        # bursts through, so a step may measure above it).
-        at_cap = self.max_write_bps and self.plan["planned_write_bps"] >= self.max_write_bps * (1 - 1e-9)
-        if slower or (not at_cap and planner.link_faster(self.plan, r["write_bps"])):
+        change = self._ssd_rate_change(core_stats)
+        if change is not None:
+            r, slower = change
             # Note [Quiet re-plan]: the plan is remade with the measured rate; only
             # a plan that places blocks differently is a re-plan users hear of
             # (`replans`, the INFO line; a WARNING when the SSD got slower). Small
@@ -467,6 +422,23 @@ class Adaptive:
                 "ebbtide: SSD writes ran at %.1f MB/s, %s the %.1f MB/s the plan assumed; re-planned for the "
                 "next step", r["write_bps"] / 1e6, how, old["planned_write_bps"] / 1e6)
             self._log_plan()
+
+    def _ssd_rate_change(self, core_stats: dict):
+        """(the step's SSD rates, slower) when the measured write rate is far
+        enough from the plan's to make it again (Note [Quiet re-plan]); None
+        otherwise."""
+        if self.plan is None or not self.plan["bytes_ssd"]:
+            return None
+        r = self._tier_rates(core_stats).get("ssd")
+        if r is None or r["bytes_written"] < _MIN_MEASURED_BYTES or r["write_bps"] <= 0:
+            return None
+        slower = planner.needs_replan(self.plan, r["write_bps"])
+        # A plan at the cap gains nothing from a faster link (the cap lets
+        # bursts through, so a step may measure above it).
+        at_cap = self.max_write_bps and self.plan["planned_write_bps"] >= self.max_write_bps * (1 - 1e-9)
+        if slower or (not at_cap and planner.link_faster(self.plan, r["write_bps"])):
+            return r, slower
+        return None
 
     def _backward_times(self, end) -> dict:
         """Seconds of each module's backward in the step just ended (keys:
@@ -502,7 +474,7 @@ class Adaptive:
         first = next((m for m in modules if m["scope"] < 0), blocks[0])
         first["grad_bytes"] = first.get("grad_bytes", 0) + before
 
-    def _retime(self) -> None:
+    def _retime(self, core_stats: dict) -> None:
         """Note [Re-timed profile]
         The profiling step is a process's first step more often than not:
         its kernels meet cold caches, autotuning and a growing allocator (on
@@ -510,7 +482,8 @@ class Adaptive:
         offloads. The first planned step times each module again; a module's
         time is the smaller of the two (whatever disturbs a step only adds
         to it), and when that moves the total by more than a tenth the plan
-        is made again (reason "retime")."""
+        is made again (reason "retime"), with the step's SSD write rate when
+        that too is far from the plan's: one plan, not two in a row."""
         times = self._scope_times()
         if not times:
             return
@@ -526,6 +499,10 @@ class Adaptive:
         after = sum(m["forward_seconds"] + m.get("backward_seconds", 0.0) for m in self.profile_modules)
         if before > 0 and (before - after) / before > 0.1:
             old = [m["placement"] for m in self.plan["modules"]] if self.plan is not None else None
+            change = self._ssd_rate_change(core_stats)
+            if change is not None:
+                self.measured.setdefault("ssd", {})["write_bps"] = change[0]["write_bps"]
+                self.measured["ssd"]["source"] = "step"
             self._make_plan(reason="retime", log=False)
             changed = old != [m["placement"] for m in self.plan["modules"]]
             # As Note [Quiet re-plan]: only a plan that places blocks differently is announced.
@@ -576,23 +553,32 @@ class Adaptive:
         self._retime_next = state["retime"]
 
     def _calibrate_temporaries(self, modules: list) -> None:
-        """On a GPU, when the profiling step kept every save resident: the
-        last module's backward temporaries (Note [Backward profile])."""
-        if not self._cuda or self.activation_budget_bytes:
+        """On a GPU: the last module's backward temporaries, what the
+        profiling step's allocator peak held above the model's prediction of
+        that step (Note [Backward profile]). The step kept every save
+        resident, or with a budget offloaded every block but the kept last
+        ones (Note [Budget profile]); the prediction places them so."""
+        if not self._cuda:
             return
-        measured = self._alloc.peak() if self._alloc is not None else None
+        measured = self.peak_allocated_bytes
         if measured is None:
             return
-        keep = planner.simulate([{k: v for k, v in m.items() if k not in ("scope", "tail")} for m in modules],
-                                ["keep"] * len(modules), **self._planner_options(0))
-        _profile.last_module_temporaries(modules, measured, keep["peak_allocated_bytes"])
+        options = self._planner_options(Budgets())
+        placements = ["keep"] * len(modules)
+        if self.budgets:
+            tier = "offload_cpu" if options["host_budget_bytes"] else "offload_ssd"
+            kept = options["keep_last_modules"]
+            placements = [tier if i < len(modules) - kept else "keep" for i in range(len(modules))]
+        ran = planner.simulate([{k: v for k, v in m.items() if k not in ("scope", "tail")} for m in modules],
+                               placements, **options)
+        _profile.last_module_temporaries(modules, measured, ran["peak_allocated_bytes"])
 
     # --------------------------------------------------------------- planning
-    def predict(self, activation_budget_bytes: int) -> dict:
-        """The plan the last profile gives for another budget (0: none), not applied."""
+    def predict(self, budgets: Budgets) -> dict:
+        """The plan the last profile gives for other budgets, not applied."""
         if not self.profile_modules:
             raise RuntimeError("ebbtide.TensorCache.predict: no profiling step has run yet")
-        return self._planned(int(activation_budget_bytes))
+        return self._planned(budgets)
 
     def trace_run(self, name: str, measured: dict, kind: str = "offload") -> dict:
         """The last plan as a run of ebbtide.plan.replay's trace format: the
@@ -602,12 +588,7 @@ class Adaptive:
         if not self.profile_modules or self.plan is None:
             raise RuntimeError("ebbtide.TensorCache.trace_run: no plan yet (profile a step first)")
         plan = self.plan
-        index = {m["scope"]: i for i, m in enumerate(self.profile_modules) if not m.get("tail")}
-        release = []
-        for m in self.profile_modules:
-            r = self.release_after.get(m["scope"], -1)
-            release.append(index.get(r, -1))
-        options = self._planner_options(self.activation_budget_bytes)
+        options = self._planner_options(self.budgets)
         return dict(
             name=str(name), kind=kind,
             modules=[{k: v for k, v in m.items() if k not in ("scope", "tail")} for m in self.profile_modules],
@@ -615,11 +596,11 @@ class Adaptive:
             ran=dict(placements=[d["placement"] for d in plan["modules"]],
                      offload_limits=[self.limits.get(m["scope"]) if not m.get("tail") else None
                                      for m in self.profile_modules],
-                     lead_bytes=[int(d.get("lead_bytes", 0)) for d in plan["modules"]],
-                     release_after=release),
+                     # Released by bytes at the plan's points: the model's own rule (no release_after).
+                     lead_bytes=[int(d.get("lead_bytes", 0)) for d in plan["modules"]]),
             measured=dict(measured))
 
-    def _planner_options(self, budget: int) -> dict:
+    def _planner_options(self, budgets: Budgets) -> dict:
         """The planner's settings for this cache: measured rates, its rules
         (ebbtide.plan.planner.plan_offload's keywords)."""
         ssd = self.measured.get("ssd", {})
@@ -633,6 +614,7 @@ class Adaptive:
         if cache.target == "cpu":  # host memory is the only tier: bounded by capacity_bytes alone
             host_budget = cache.capacity_bytes or (1 << 50)
         cuda = cache._on_cuda()
+        activation, peak = budgets.for_planner(cuda)  # Note [Two budgets]
         return dict(
             write_bps=ssd.get("write_bps", 0.0), read_bps=ssd.get("read_bps", 0.0),
             target="auto", max_write_mbps=self.max_write_bps / 1e6 if self.max_write_bps else None,
@@ -641,21 +623,24 @@ class Adaptive:
             keep_last_modules=keep_last, backward_factor=self.backward_factor,
             prefetch_modules=max(self.prefetch_modules, _CUDA_PREFETCH_MODULES) if cuda else self.prefetch_modules,
             replan_fraction=self.replan_fraction, writes_within_forward=cuda,
-            guarded_writes=not cuda, activation_budget_bytes=budget,
+            guarded_writes=not cuda, activation_budget_bytes=activation, peak_budget_bytes=peak,
             # Note [Copy bound in the plan]: the device waits behind the bound
             # when a plan queues more; the plan counts that wait.
             copy_bound_bytes=cache._core.device_inflight_bytes if cuda else 0,
             partial_offload=cuda,
             # The cache's reload rules (Note [Reload lead] in
-            # cpp/src/plan/step_model.cpp): a window of prefetch_modules
-            # blocks; kept bytes count in the prefetch distance on a GPU.
-            lead_per_module=False, kept_in_distance=cuda, shared_at_last_user=False, priority_loads=False)
+            # cpp/src/plan/step_model.cpp): a lead per module, the window
+            # unbounded unless the user sized it, kept bytes in the prefetch
+            # distance, a shared storage at its last saver's place, loads on
+            # demand on the priority stream.
+            window_bytes=0 if cache._auto_window else cache._window_bytes,
+            lead_per_module=True, kept_in_distance=True, shared_at_last_user=True, priority_loads=True)
 
-    def _planned(self, budget: int) -> dict:
-        """The planner's answer for the profile and measurements at hand, within `budget`."""
+    def _planned(self, budgets: Budgets) -> dict:
+        """The planner's answer for the profile and measurements at hand, within `budgets`."""
         plan = planner.plan_offload(
             [{k: v for k, v in m.items() if k not in ("scope", "tail")} for m in self.profile_modules],
-            **self._planner_options(budget))
+            **self._planner_options(budgets))
         for m, d in zip(self.profile_modules, plan["modules"]):
             d["scope"] = m["scope"]
             d["forward_seconds"] = m["forward_seconds"]
@@ -663,7 +648,7 @@ class Adaptive:
 
     def _make_plan(self, reason: str, log: bool = True) -> None:
         cache = self.cache
-        plan = self._planned(self.activation_budget_bytes)
+        plan = self._planned(self.budgets)
         decisions = {}
         limits = {}
         recompute = set()
@@ -679,25 +664,19 @@ class Adaptive:
         self.recompute_scopes = recompute
         cache._set_recompute(recompute)
         self._guard(plan)
-        if not plan["feasible"]:
-            self.infeasible = (
-                f"ebbtide: activation budget {_fmt_bytes(self.activation_budget_bytes)} "
-                f"({self.activation_budget_bytes} bytes) cannot be met: the smallest peak of saved activations "
-                f"the planner reaches for this model and batch is {_fmt_bytes(plan['min_budget_bytes'])} "
-                f"({plan['min_budget_bytes']} bytes; {plan['modules_recomputed']} of {len(plan['modules'])} blocks "
-                "recomputed, the rest offloaded where the links allow); raise activation_budget_bytes "
-                "(EBBTIDE_ACTIVATION_BUDGET) to at least that, or lower the micro-batch or sequence length")
-        # Note [Release points]: after block b, the blocks whose copies end by
-        # b's forward end.
-        release_after = {}
-        mods = plan["modules"]
-        for b, mb in enumerate(mods):
-            if self.profile_modules[b].get("tail"):
-                continue  # the last block's release point is the block's, not the head's
-            done = [s for s, ms in enumerate(mods[:b + 1])
-                    if ms["tier"] is not None and ms["write_done_seconds"] <= mb["forward_end_seconds"]]
-            release_after[mb["scope"]] = mods[max(done)]["scope"] if done else -1
-        self.release_after = release_after
+        self.infeasible = infeasible_message(self.budgets, plan, cache._on_cuda())
+        # Note [Release points]: after block b, the offloaded bytes the step
+        # model's copies have done by b's forward end (release_bytes, in copy
+        # order); a scope's reload lead is its module's (the tail's scope is the
+        # last block's: the block's module decides).
+        self.release_bytes = {}
+        self.leads = {}
+        for m, d in zip(self.profile_modules, plan["modules"]):
+            if m.get("tail"):
+                continue
+            self.release_bytes[m["scope"]] = int(d["release_bytes"])
+            if d["tier"] is not None:
+                self.leads[m["scope"]] = int(d["lead_bytes"])
         plan["reason"] = reason
         plan["backward_factor"] = self.backward_factor
         plan["measured"] = {k: dict(v) for k, v in self.measured.items()}
@@ -709,28 +688,10 @@ class Adaptive:
             self._log_plan()
 
     def _guard(self, plan: Optional[dict]) -> None:
-        """Note [Budget guard]
-        A budget plan's peak is predicted at the measured link rates (Note
-        [Budget plan]). Its forward holds at most the bytes it keeps (kept and
-        recomputed modules' saved bytes, and the fixed ones: K) plus the
-        offloaded bytes whose writes have not ended. If writes run slower
-        than measured, the latter grow; so on the worker path (host tensors)
-        the core's save waits while more than budget - K bytes are waiting to
-        be stored (Note [Store backpressure]): the forward never holds more
-        than the budget, and a slow link costs stall instead of memory (the
-        next step's measured rate then re-plans). A user's max_inflight_bytes
-        still applies when smaller; without a budget plan it applies alone.
-        On a GPU the release points order the frees after the copies
-        (Note [Release points]) and the host never waits."""
-        cache = self.cache
-        bound = cache._max_inflight
-        if plan is not None and plan["activation_budget_bytes"] and plan["feasible"] and not cache._on_cuda():
-            kept = sum(m["fixed_bytes"] + (m["saved_bytes"] if m["tier"] is None else 0) for m in plan["modules"])
-            slack = plan["activation_budget_bytes"] - kept
-            if slack > 0:
-                bound = min(bound, slack) if bound else slack
-        cache._core.set_max_inflight(int(bound))
-        self.max_inflight_bytes = int(bound)
+        """The store's in-flight bound for `plan` (Note [Budget guard] in ebbtide/cache/budget.py)."""
+        bound = inflight_bound(plan, self.cache._max_inflight, self.cache._on_cuda())
+        self.cache._core.set_max_inflight(bound)
+        self.max_inflight_bytes = bound
 
     def _log_plan(self) -> None:
         p = self.plan
@@ -738,8 +699,10 @@ class Adaptive:
         for d in p["modules"]:
             counts[d["placement"]] += 1
         budget = ""
-        if p["activation_budget_bytes"]:
-            budget = (f"; budget {_fmt_bytes(p['activation_budget_bytes'])}: recompute {counts['recompute']}, "
+        if p["activation_budget_bytes"] or p["peak_budget_bytes"]:
+            given = ", ".join(f"{what} {_fmt_bytes(p[key])}" for what, key in (
+                ("saved", "activation_budget_bytes"), ("allocator", "peak_budget_bytes")) if p[key])
+            budget = (f"; budget {given}: recompute {counts['recompute']}, "
                       f"recompute+offload {counts['recompute_offload']} (+{p['recompute_seconds']:.3f} s)"
                       + ("" if p["feasible"] else " NOT MET"))
         rates = ", ".join(f"{k} write {v['write_bps'] / 1e6:.0f} MB/s read {v['read_bps'] / 1e6:.0f} MB/s "
@@ -761,6 +724,8 @@ class Adaptive:
             predicted_stall_seconds=None if p is None else p["predicted_stall_seconds"],
             predicted_peak_bytes=None if p is None else p["peak_resident_bytes"],
             replans=self.replans,
+            peak_allocated_bytes=self.peak_allocated_bytes,
+            predicted_peak_allocated_bytes=None if p is None else p["peak_allocated_bytes"],
             max_inflight_bytes=self.max_inflight_bytes,
             measured_bandwidth={k: dict(v) for k, v in self.measured.items()},
         )

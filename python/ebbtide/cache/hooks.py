@@ -47,7 +47,9 @@ def _add_kept(d, counts):
     d["tensors_kept"] += kept
     d["tensors_deduped"] += deduped
     d["saved_bytes_total"] += nbytes
-    d["peak_resident_bytes"] += peak
+    # The core's peak counts the kept bytes with its entries' (Note [Joint
+    # resident peak] in cpp/src/cache/tensor_cache_load.cpp).
+    d["peak_resident_bytes"] = max(d["peak_resident_bytes"], peak)
 
 
 _STRIDED = torch.strided
@@ -218,7 +220,7 @@ class _StepHooks:
         # this path takes no planned GPU step (the first tensor of a cache
         # whose device is unknown comes in its profiling step; CUDA tensors
         # without the driver shim stay resident).
-        decision, tier, _limit = self._scope_placement()
+        decision, tier, _limit, lead = self._scope_placement()
         native = self._native
         if nbytes < self.min_bytes or decision != "offload":
             # Note [Kept tensors]: a save that stays resident needs no core
@@ -242,7 +244,8 @@ class _StepHooks:
         # the released tensors go before the next allocation).
         try:
             eid, is_new, off, hid, done = self._core.save(key, version, st.data_ptr(), nbytes, dev, stream,
-                                                          self._fwd_mb, True, tier, t, native.storage_ref(t))
+                                                          self._fwd_mb, True, tier, t, native.storage_ref(t),
+                                                          lead_bytes=lead)
         except _StateError:
             if self._closed:
                 return t  # closed meanwhile: autograd keeps it
@@ -262,15 +265,18 @@ class _StepHooks:
             self._core.note_kept(self._fwd_mb, n)
 
     def _scope_placement(self):
-        """("keep" | "offload", store tier hint, byte limit or -1) for the
-        current scope: keep_last_modules, then the plan (Note [Scope byte
-        limits] in python/src/torch/hooks.cpp)."""
+        """("keep" | "offload", store tier hint, byte limit or -1, reload lead
+        in bytes or 0) for the current scope: keep_last_modules, then the
+        plan (Note [Scope byte limits] in python/src/torch/hooks.cpp, Note
+        [Reload lead] in cpp/src/plan/step_model.cpp)."""
         if self._keeping_scope():
-            return "keep", -1, -1
+            return "keep", -1, -1, 0
         if self._adapt is not None:
-            offload, tier = self._adapt.placement(self._scope)
-            return ("offload" if offload else "keep"), tier, self._adapt.offload_limit(self._scope)
-        return "offload", -1, -1
+            scope = self._scope
+            offload, tier = self._adapt.placement(scope)
+            return (("offload" if offload else "keep"), tier, self._adapt.offload_limit(scope),
+                    self._adapt.lead(scope))
+        return "offload", -1, -1, 0
 
     def _scope_name(self, s):
         return self._blocks[s][0] if 0 <= s < len(self._blocks) else ("<before blocks>" if s < 0 else
@@ -377,13 +383,16 @@ class _StepHooks:
         out["plan"] = self.plan()
         out["tiers"] = s["tiers"]
         out["adaptive"] = self._adapt is not None
-        out["activation_budget_bytes"] = self._adapt.activation_budget_bytes if self._adapt is not None else 0
+        budgets = self._adapt.budgets if self._adapt is not None else None
+        out["activation_budget_bytes"] = budgets.activation if budgets is not None else 0
+        out["memory_budget_bytes"] = budgets.memory if budgets is not None else 0
         out["recomputed_blocks"] = sorted(self._scope_name(s) for s in self._adapt.recompute_scopes) \
             if self._adapt is not None else []
         if self._adapt is not None:
             out.update(self._adapt.stats())
         else:
             out.update(planner=None, predicted_stall_seconds=None, predicted_peak_bytes=None,
+                       peak_allocated_bytes=None, predicted_peak_allocated_bytes=None,
                        max_inflight_bytes=self._max_inflight)
         return out
 
@@ -424,8 +433,13 @@ class _StepHooks:
                 self._expected_blocks = self._blocks_in_fwd
                 self._native.invalidate_placement()
             if self._auto_window:
+                # A plan's leads bound the loads, its window the bytes ahead
+                # (Note [Reload lead]); else a window of blocks (Note [Prefetch window]).
+                planned = self._adapt.window_bytes() if self._adapt is not None else None
                 biggest = max((p["bytes_offloaded"] for p in self._plan.values()), default=0)
-                if biggest:
+                if planned:
+                    self._core.set_prefetch_window(max(planned, biggest, 64 << 10))
+                elif biggest:
                     blocks = _CUDA_PREFETCH_MODULES if self._on_cuda() else 1
                     self._core.set_prefetch_window(max(biggest * blocks, 64 << 10))
             self._poll_locked()
@@ -439,9 +453,9 @@ class _StepHooks:
                 return
             scope = self._scope
             self._core.scope_end(self._fwd_mb, scope)
-            through = self._adapt.release_through(scope) if self._adapt is not None else scope - 1
-            if through >= 0:
-                self._core.release_copies(self._fwd_mb, through, self._stream())
+            through, max_bytes = self._adapt.release_point(scope) if self._adapt is not None else (scope - 1, -1)
+            if through >= 0 and max_bytes != 0:
+                self._core.release_copies(self._fwd_mb, through, self._stream(), max_bytes)
                 self._poll_locked()
 
     # ------------------------------------------------------------- recompute

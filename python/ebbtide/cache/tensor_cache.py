@@ -38,7 +38,8 @@ try:  # Note [Two modules] (python/src/glue_api.hpp): the hooks need libtorch
 except ImportError as _exc:  # built without torch's headers, or for another torch
     _torch = None
     _TORCH_MISSING = str(_exc)
-from ebbtide.cache.adaptive import Adaptive, resolve_budget, resolve_settings, tier_name
+from ebbtide.cache.adaptive import Adaptive, tier_name
+from ebbtide.cache.budget import Budgets, resolve_budgets, resolve_settings
 from ebbtide.cache.hooks import _StepHooks, _in_backward
 
 __all__ = ["TensorCache", "offload", "release_pooled_stores"]
@@ -117,6 +118,12 @@ class TensorCache(_StepHooks):
     block (non-reentrant activation checkpointing applied by the cache) to fit
     it at the least step time; a budget nothing fits raises at the first step,
     naming the smallest that does. Implies adaptive.
+    memory_budget_bytes: bound on the step's peak of the training device's
+    allocator above the step's start (EBBTIDE_MEMORY_BUDGET; what
+    torch.cuda.max_memory_allocated() shows: saved activations, gradients,
+    temporaries), met the same way (Note [Two budgets] in
+    ebbtide/cache/budget.py). On a CPU device it bounds the resident saved
+    bytes, as activation_budget_bytes does. Implies adaptive.
     capacity_bytes: bound on offloaded bytes (per directory for ssd); beyond
     it, activations stay resident. max_inflight_bytes: a pack waits while more
     bytes than this are queued for storing (0: never waits). device: the training device (default: that
@@ -129,7 +136,8 @@ class TensorCache(_StepHooks):
                  workers: Optional[int] = None, max_inflight_bytes: Optional[int] = None,
                  device: Union[None, str, torch.device] = None, adaptive: Optional[bool] = None,
                  host_budget_bytes: Optional[int] = None, max_write_mbps: Optional[float] = None,
-                 activation_budget_bytes: Optional[int] = None, _pooled: bool = False):
+                 activation_budget_bytes: Optional[int] = None, memory_budget_bytes: Optional[int] = None,
+                 _pooled: bool = False):
         self._origin = _fork.Origin()  # Note [Objects across fork]
         if _torch is None:
             raise RuntimeError("ebbtide.TensorCache: ebbtide._torch, the cache's saved-tensor hooks, is not "
@@ -176,8 +184,9 @@ class TensorCache(_StepHooks):
         # one block).
         self._auto_window = prefetch_window_bytes is None
         window = _DEFAULT_WINDOW if prefetch_window_bytes is None else int(prefetch_window_bytes)
+        self._window_bytes = int(window)
         cuda = torch.cuda.is_available() and (self._device is None or self._device.type == "cuda")
-        budget = resolve_budget(activation_budget_bytes, adaptive)
+        budget = resolve_budgets(activation_budget_bytes, memory_budget_bytes, adaptive)
         max_write_bps, host_budget, adaptive = resolve_settings(target, cuda, adaptive, host_budget_bytes,
                                                                max_write_mbps)
         adaptive = adaptive or bool(budget)
@@ -242,7 +251,7 @@ class TensorCache(_StepHooks):
         self._blocks_in_fwd = 0
         self._phase = "forward"
         self._adapt = Adaptive(self, max_write_bps=max_write_bps, host_budget_bytes=host_budget,
-                               activation_budget_bytes=budget) if adaptive else None
+                               budgets=budget) if adaptive else None
         # Note [Recompute by the cache]: scope -> block module, seen in
         # forward; the blocks whose forward the cache wraps in a checkpoint.
         self._scope_modules: dict = {}
@@ -503,17 +512,18 @@ class TensorCache(_StepHooks):
 
         return format_summary(self.stats())
 
-    def predict(self, activation_budget_bytes: int) -> dict:
-        """The plan the last profiling step gives for `activation_budget_bytes`
-        (0: no budget), without applying it: the planner's dict (placements,
-        predicted peak and step time; ``feasible`` and ``min_budget_bytes`` say
-        whether it fits and the smallest budget that does). Needs an adaptive
-        cache that has profiled a step."""
+    def predict(self, activation_budget_bytes: int = 0, memory_budget_bytes: int = 0) -> dict:
+        """The plan the last profiling step gives for these budgets (0: none),
+        without applying it: the planner's dict (placements, predicted peaks
+        and step time; ``feasible``, ``min_budget_bytes`` and
+        ``min_peak_budget_bytes`` say whether it fits and the smallest
+        budgets that do). Needs an adaptive cache that has profiled a step."""
         self._check_open()
         if self._adapt is None:
             raise RuntimeError("ebbtide.TensorCache.predict: the cache is not adaptive (adaptive=False)")
-        return self._adapt.predict(_check_int("ebbtide.TensorCache.predict: activation_budget_bytes",
-                                              activation_budget_bytes, 0, None))
+        return self._adapt.predict(Budgets(
+            _check_int("ebbtide.TensorCache.predict: activation_budget_bytes", activation_budget_bytes, 0, None),
+            _check_int("ebbtide.TensorCache.predict: memory_budget_bytes", memory_budget_bytes, 0, None)))
 
     def trace_run(self, name: str, measured: dict) -> dict:
         """This cache's last plan as a replayable run (ebbtide.plan.replay's
