@@ -22,8 +22,7 @@ block compiled, and ebbtide with --target (default auto: host memory first,
 what a user with 125 GiB of host memory picks) at budgets of those fractions
 of keep's saved activations (budget) and at --points allocator budgets from
 keep's allocator peak down to full recompute's (memory: the cache's
-memory_budget_bytes, or activation_budget_bytes where it has none, said in
-the row); ssd, the same budgets with target ssd, is kept apart (rows and
+memory_budget_bytes); ssd, the same budgets with target ssd, is kept apart (rows and
 trace say so). --compile block compiles every strategy's blocks
 (torchtitan style): compiled keep, compiled full recompute and ebbtide on
 the compiled blocks against activation_memory_budget. --strategies narrows

@@ -313,7 +313,13 @@ cat "$out/env.txt"
 pack
 
 export EBBTIDE_LIBURING_ROOT=$repo/.deps/root
-export PYTHONPATH=$repo/python:$build/python${PYTHONPATH:+:$PYTHONPATH}
+# With GPU_CHECK_INSTALLED=1 the build folder stays off the path: a stale
+# build's modules there would shadow the installed ones.
+if [ "${GPU_CHECK_INSTALLED:-0}" = 1 ]; then
+  export PYTHONPATH=$repo/python${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$repo/python:$build/python${PYTHONPATH:+:$PYTHONPATH}
+fi
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$repo/.deps/root/usr/lib/x86_64-linux-gnu
 export PYTHONUNBUFFERED=1
 # Wheels from scripts/device_deps.sh (nanobind, torchtune, megatron-core; the

@@ -152,7 +152,7 @@ def test_gpu_stage_sweeps_the_allocator_and_writes_a_trace(tmp_path, stores_befo
     assert len(ran_memory) + len(refused) == 3 and all(f.get("refused") for f in refused), r["failed"]
     for x in ran_memory:
         assert x["target"] == "auto" and x["memory_budget_bytes"] in r["memory_budgets"]
-        assert "memory_budget_bytes" in x.get("note", "memory_budget_bytes") and x["allocated_peak_bytes"] > 0
+        assert x["budget_bytes"] is None and x["allocated_peak_bytes"] > 0
     for f in (0.9, 0.5):
         assert rows[("budget", f, None)]["target"] == "auto" and not rows[("budget", f, None)].get("apart")
         assert rows[("ssd", f, None)]["target"] == "ssd" and rows[("ssd", f, None)]["apart"]
@@ -180,8 +180,12 @@ def test_gpu_stage_sweeps_the_allocator_and_writes_a_trace(tmp_path, stores_befo
         assert [b["name"] for b in m["block_levels"]] == ["model.layers.0", "model.layers.1"]
         assert len(m["blocks_off"]) == 2 and all(b["forward_seconds"] > 0 for b in m["blocks_off"])
         assert "stall_seconds" in m and "heap" in m["peak_source"]
-        # The replay plays the decisions the cache ran with: its plan's own prediction.
-        assert res["ran"]["predicted"]["step_seconds"] == pytest.approx(x["predicted_step_seconds"], rel=1e-6)
-        assert res["ran"]["predicted"]["peak_saved_bytes"] == x["predicted_peak_bytes"]
+        # The replay plays the decisions the cache ran with. Its prediction is
+        # not compared with the cache's: the first planned step re-times the
+        # profile in place and keeps the plan (and the plan's prediction) when
+        # the times moved by a tenth or less (Note [Re-timed profile]), while
+        # the trace carries the re-timed profile.
+        assert [m["placement"] for m in res["ran"]["plan"]] == run["ran"]["placements"]
+        assert res["ran"]["predicted"]["step_seconds"] > 0 and res["ran"]["predicted"]["peak_bytes"] > 0
         assert "best" in res
     assert by["llama h=64 recompute"]["apart"] and not by["llama h=64 keep"]["apart"]

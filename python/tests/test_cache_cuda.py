@@ -184,10 +184,11 @@ def test_cuda_planned_stream_ordered_steps(target, tmp_path):
             assert torch.equal(out[0], ref[0]) and all(torch.equal(a, b) for a, b in zip(out[1], ref[1]))
             assert peak <= peak_ref * 1.02, f"step {i}: peak {peak} above no offload {peak_ref}"
         assert cache.stats()["measured_bandwidth"]["cpu"]["source"] == "link"
-        # The plan's release points during the forward (the trace's decisions;
-        # -1: none after that block). Every kernel the gated step queues ran in
-        # the steps above (loaded: preload()'s reason).
-        releases = [r for r in cache.trace_run("planned", {})["ran"]["release_after"] if r >= 0]
+        # The plan's release points during the forward (Note [Release points]:
+        # after a block, the offloaded bytes its copies have done by then; 0:
+        # none there). Every kernel the gated step queues ran in the steps
+        # above (loaded: preload()'s reason).
+        releases = [s for s, b in cache._adapt.release_bytes.items() if b != 0]
         gate = StreamGate()
         out, peak = measured(cache.step(), gate)
         assert not gate.forced, "the forward waited on the host for the gated device (a host sync in the hooks)"

@@ -14,8 +14,7 @@ model built on the device, stepped in turn:
   user with 125 GiB of host memory would pick): budget, a budget of saved
   activations at each fraction of keep's; memory, an allocator budget at
   `points` bounds from keep's allocator peak down to full recompute's
-  (issue 40's sweep; memory_budget_bytes, or activation_budget_bytes where
-  the cache lacks it, said in the row);
+  (issue 40's sweep; the cache's memory_budget_bytes);
 - ssd: budget at each fraction with target "ssd" (the 2026-11-28 rows), kept
   apart: a VM's disk is no user's choice, and the rows say so.
 `compile`: every strategy's blocks compiled (torchtitan style), so that
@@ -143,9 +142,8 @@ def run_fractions(spec: Optional[dict] = None, *, fractions=(0.5, 0.25), strateg
             log(f"[budget] allocator budgets from keep's {keep_alloc / 2**30:.2f} GiB to full recompute's "
                 f"{rec_alloc / 2**30:.2f} GiB: " + ", ".join(f"{b / 2**30:.2f}" for b in bounds))
             for bound, (_, model) in zip(bounds, memory):
-                # Without memory_budget_bytes: the bound less what keep's peak holds beside saved activations.
                 r = Runner("memory", spec, model=model, memory_budget=bound, target=target, compile=compile,
-                           memory_fallback=max(1, bound - (keep_alloc - keep_saved)), **common)
+                           **common)
                 runners.append(r)
         del copies, memory
         _step_in_turn(runners, keep, warmup, steps, log, failed, each_step=True, deadline=deadline,
@@ -240,7 +238,7 @@ def _trace_runs(runners, rows, label, device) -> list:
         if rec is not None:
             out.update(recompute_step_seconds=by[id(rec)]["step_seconds"],
                        recompute_peak_bytes=by[id(rec)]["allocated_peak_bytes"])
-        for k in ("budget_bytes", "memory_budget_bytes", "target", "note"):
+        for k in ("budget_bytes", "memory_budget_bytes", "target"):
             if row.get(k) is not None:
                 out[k] = row[k]
         if r.cache is not None:
@@ -291,8 +289,6 @@ def format_fractions(result) -> str:
         lines.append(f"{r['strategy']:<16}{budget:>11}{r['step_seconds']:>9.3f}{fmt(r['allocated_peak_bytes']):>12}"
                      f"{fmt(r['peak_bytes']):>12}{r['blocks_recomputed']:>7}{diff:>10}"
                      + ("  (apart)" if r.get("apart") else ""))
-        if r.get("note"):
-            lines.append(f"  {_label(r)}: {r['note']}")
     for f in result["failed"]:
         what = "cut" if f.get("cut") else "refused" if f.get("refused") else "did not run"
         lines.append(f"{_label(f):<11} {what}: {f['error'].removeprefix('cut: ')}")

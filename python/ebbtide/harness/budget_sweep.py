@@ -127,8 +127,7 @@ class Runner:
     checkpointing), budget (ebbtide's plan within `budget` bytes of saved
     activations, activation_budget_bytes), memory (within `memory_budget`
     bytes of the allocator's peak above the step's start: the cache's
-    memory_budget_bytes, or, in a TensorCache without it, activation_budget_bytes
-    at that bound less keep's other bytes, `memory_fallback`, said in `note`),
+    memory_budget_bytes, Note [Two budgets] in ebbtide/cache/budget.py),
     compiler (torch's activation_memory_budget at `fraction`, each block
     compiled), torchtune (its OffloadActivations with HF checkpointing).
     `target`: the cache's for offload, budget and memory. `compile`: every
@@ -141,7 +140,7 @@ class Runner:
     def __init__(self, strategy: str, spec: dict, *, budget: Optional[int] = None,
                  max_write_mbps: Optional[float] = None, path: Optional[str] = None, device: str = "cpu",
                  dtype=torch.float32, fraction: Optional[float] = None, model: Optional[torch.nn.Module] = None,
-                 target: str = "ssd", memory_budget: Optional[int] = None, memory_fallback: Optional[int] = None,
+                 target: str = "ssd", memory_budget: Optional[int] = None,
                  compile: bool = False, meter: bool = False, probe: bool = False, name: Optional[str] = None):
         import ebbtide
 
@@ -151,7 +150,6 @@ class Runner:
         self.name = name or strategy
         self.memory_budget = memory_budget
         self.target = target if strategy in ("offload", "budget", "memory") else None
-        self.note = None
         self.device = torch.device(device)
         self.model = model if model is not None else build_llama(**{k: spec[k] for k in _MODEL_KEYS},
                                                                  device=self.device, dtype=dtype)
@@ -194,8 +192,8 @@ class Runner:
             self.cache = ebbtide.TensorCache(target, path, activation_budget_bytes=budget,
                                              max_write_mbps=max_write_mbps)
         elif strategy == "memory":
-            self.cache = self._memory_cache(ebbtide.TensorCache, target, path, memory_budget, memory_fallback,
-                                            max_write_mbps)
+            self.cache = ebbtide.TensorCache(target, path, memory_budget_bytes=int(memory_budget),
+                                             max_write_mbps=max_write_mbps)
         if self.cache is not None:
             self.cache.attach(self.model)
         self.probe = None
@@ -206,18 +204,6 @@ class Runner:
         self.steps = 0
         self.times, self.fwd_times, self.peaks, self.moved, self.blocks, self.diffs = [], [], [], [], [], []
         self.seconds = 0.0  # every step's, warm-up (and compiles) included
-
-    def _memory_cache(self, cls, target, path, bound, fallback, max_write_mbps):
-        """A cache bounding the allocator's peak: memory_budget_bytes where this
-        TensorCache has it, else activation_budget_bytes=`fallback` (noted)."""
-        import inspect
-
-        if "memory_budget_bytes" in inspect.signature(cls.__init__).parameters:
-            return cls(target, path, memory_budget_bytes=int(bound), max_write_mbps=max_write_mbps)
-        self.budget = int(fallback)
-        self.note = (f"this TensorCache has no memory_budget_bytes: activation_budget_bytes={self.budget} "
-                     "instead (the allocator bound less keep's peak other than saved activations)")
-        return cls(target, path, activation_budget_bytes=self.budget, max_write_mbps=max_write_mbps)
 
     @property
     def label(self) -> str:
@@ -344,8 +330,6 @@ class Runner:
             out["memory_budget_bytes"] = self.memory_budget
         if planner and "peak_allocated_bytes" in planner:
             out["predicted_allocated_peak_bytes"] = planner["peak_allocated_bytes"]
-        if self.note:
-            out["note"] = self.note
         if self.fwd_times:
             out["forward_seconds"] = statistics.median(self.fwd_times)
         return out

@@ -189,8 +189,7 @@ def strategy_run(template, name, placements, measured, kind="offload", apart=Non
     bar, if it does."""
     n = len(template["modules"])
     run = dict(name=name, kind=kind, modules=template["modules"], options=dict(template["options"]),
-               ran=dict(placements=list(placements), offload_limits=[None] * n, lead_bytes=[0] * n,
-                        release_after=[-1] * n),
+               ran=dict(placements=list(placements), offload_limits=[None] * n, lead_bytes=[0] * n),
                measured=dict(measured), now_options=None,
                assumptions=[f"no cache ran: the profile and settings of run {template['name']!r}, the placements "
                             "of the strategy (Note [Runs without a cache] in ebbtide/harness/step_trace.py)"])
