@@ -42,6 +42,7 @@ constexpr double kCopy = static_cast<double>(kMiB) / kLink;
 struct Step {
   SimDriver drv{SimDriver::Options{1, kLink, kLink}};
   test::Gate ssd_gate;  // open: the SSD's puts never wait
+  test::Gate get_gate;  // open: nor its reads
   std::unique_ptr<TensorCache> cache;
   struct Saved {
     std::vector<unsigned char> data;
@@ -60,7 +61,7 @@ struct Step {
     co.device_inflight_bytes = 0;
     co.prefetch_window_bytes = window;
     if (ssd) {
-      cache = std::make_unique<TensorCache>(std::make_unique<test::GatedSsd>(ssd_gate), co);
+      cache = std::make_unique<TensorCache>(std::make_unique<test::GatedSsd>(ssd_gate, &get_gate), co);
     } else {
       HostStoreOptions ho;
       ho.driver = &drv;
@@ -420,6 +421,65 @@ TEST(CacheStepRules, TheRunningScopesPrefetchesTakeThePriorityStream) {
   EXPECT_EQ(st.drv.priority_of(loads[0].stream), SimDriver::kLeastPriority);
   EXPECT_EQ(st.drv.priority_of(loads[1].stream), SimDriver::kGreatestPriority);
   for (EntryId id : ids) {
+    auto ok = st.unpack(id);
+    st.drv.synchronize_all();
+    EXPECT_TRUE(*ok) << "entry " << id;
+  }
+  st.expect_clean();
+  for (EntryId id : ids) st.cache->release(id);
+}
+
+// Note [Priority loads]: SSD entries of the running module go through the
+// worker queue ahead of the other prefetches, in the order backward needs
+// them: a walk's nearest candidate first, and a later walk's behind those an
+// earlier walk queued. Scope 1 holds entries 2..5, scope 0 entries 0 and 1;
+// the glue loads a prefix of each walk (as after an allocation failure), the
+// worker parked in its first read: walk 1 loads 5; walk 2 (from 5) loads 4;
+// walk 3 (from 4) loads 3, 2 (the running module's) and 1. Each pushed to
+// the queue's front, 2 ran before 3 and both before 4: the unpack of 4, the
+// next one backward makes, waited for the two loads behind it.
+TEST(CacheStepRules, TheRunningModulesSsdLoadsQueueInBackwardsOrder) {
+  Step st(64 * kMiB, /*ssd=*/true);
+  std::vector<EntryId> ids;
+  for (int scope = 0; scope < 2; ++scope) {
+    for (int i = 0; i < (scope == 0 ? 2 : 4); ++i) ids.push_back(st.save().id);
+    st.cache->scope_end(0, scope);
+  }
+  st.release(INT64_MAX);
+  st.cache->drain();  // every spill written, the bounce blobs freed: loads read the SSD
+  const size_t before = st.drv.copies().size();
+  st.get_gate.set_open(false);
+  auto take = [](std::vector<Candidate> cands, size_t n) {
+    cands.resize(std::min(n, cands.size()));
+    return cands;
+  };
+  auto walk1 = st.cache->prefetch_scope(0, 1);
+  ASSERT_EQ(Step::ids(walk1), (std::vector<EntryId>{ids[5], ids[4], ids[3], ids[2], ids[1], ids[0]}));
+  st.prefetch(take(walk1, 1));
+  st.get_gate.wait_started(1);  // the worker reads entry 5's bytes
+  auto walk2 = st.cache->prefetch_before(ids[5]);
+  ASSERT_EQ(Step::ids(walk2), (std::vector<EntryId>{ids[4], ids[3], ids[2], ids[1], ids[0]}));
+  st.prefetch(take(walk2, 1));
+  auto walk3 = st.cache->prefetch_before(ids[4]);
+  ASSERT_EQ(Step::ids(walk3), (std::vector<EntryId>{ids[3], ids[2], ids[1], ids[0]}));
+  st.prefetch(take(walk3, 3));
+  st.get_gate.set_open(true);
+  // The loop ends on the outcome; its bound is a deadlock watchdog.
+  const std::vector<EntryId> loading{ids[5], ids[4], ids[3], ids[2], ids[1]};
+  for (int i = 0; i < 600000; ++i) {
+    if (std::all_of(loading.begin(), loading.end(),
+                    [&](EntryId id) { return st.cache->state(id) == EntryState::kLoaded; }))
+      break;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  std::vector<EntryId> order;  // entries in the order their copies were enqueued
+  const auto copies = st.drv.copies();
+  for (size_t i = before; i < copies.size(); ++i) {
+    for (EntryId id : loading)
+      if (!copies[i].d2h && copies[i].dev == st.saved.at(id).buf) order.push_back(id);
+  }
+  EXPECT_EQ(order, loading) << "the worker's loads ran out of backward's order";
+  for (EntryId id : {ids[5], ids[4], ids[3], ids[2]}) {
     auto ok = st.unpack(id);
     st.drv.synchronize_all();
     EXPECT_TRUE(*ok) << "entry " << id;

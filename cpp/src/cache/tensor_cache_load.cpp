@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <iterator>
 #include <utility>
 
 #include "ebbtide/mem/buffer_pool.hpp"
@@ -60,7 +61,7 @@ Reload TensorCache::request(EntryId id) {
 void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream) {
   Lock lock(mu_);
   EBB_CHECK_STATE(!closed_, "tensor cache: load on a closed cache");
-  start_load_locked(find(id, "start_load"), dst, stream, true);
+  start_load_locked(find(id, "start_load"), dst, stream, LoadNeed::kNow);
 }
 
 void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream, GlueObj owner) {
@@ -72,7 +73,7 @@ void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream, Gl
   EBB_CHECK_STATE(e.state == EntryState::kStored, "tensor cache: start_load of entry ", id, " in state ",
                   to_string(e.state), " (expected stored)");
   adopt_buffer_locked(e, std::move(owner), stream);
-  start_load_locked(e, dst, stream, true);
+  start_load_locked(e, dst, stream, LoadNeed::kNow);
 }
 
 // The glue's buffer `owner` (allocated on `stream`) holds the entry's reload.
@@ -99,15 +100,15 @@ void TensorCache::start_loads(const std::vector<EntryId>& ids,
     Entry& e = *it->second;
     if (e.state != EntryState::kStored || !e.acked || e.live || (!e.has_loc && e.blob == nullptr)) continue;
     // The running module's loads go to the priority stream (Note [Priority loads]).
-    const bool urgent = std::exchange(e.urgent, false);
+    const LoadNeed need = std::exchange(e.urgent, false) ? LoadNeed::kNext : LoadNeed::kPrefetch;
     if (e.device < 0) {
       host_buffer_locked(e);
-      start_load_locked(e, e.dst, 0, urgent);
+      start_load_locked(e, e.dst, 0, need);
     } else {
       EBB_CHECK(i < buffers.size() && buffers[i].first != 0, "tensor cache: no buffer for device entry ", e.id);
       if (capturing_locked(e.device, stream)) return;  // Note [Graph capture]: no prefetch inside one
       adopt_buffer_locked(e, buffers[i].second, stream);
-      start_load_locked(e, reinterpret_cast<void*>(buffers[i].first), stream, urgent);
+      start_load_locked(e, reinterpret_cast<void*>(buffers[i].first), stream, need);
     }
   }
 }
@@ -133,10 +134,11 @@ void TensorCache::host_buffer_locked(Entry& e) {
   e.dst = static_cast<char*>(p) + phase;
 }
 
-// `on_demand`: an unpack's load, on the priority stream and ahead of the
-// workers' queue (Note [Priority loads]); else a prefetch.
-void TensorCache::start_load_locked(Entry& e, void* dst, mem::cuda::Stream stream, bool on_demand) {
+// `need`: what the load is for; all but a prefetch run on the priority
+// stream and ahead of the prefetches in the workers' queue (Note [Priority loads]).
+void TensorCache::start_load_locked(Entry& e, void* dst, mem::cuda::Stream stream, LoadNeed need) {
   const EntryId id = e.id;
+  const bool on_demand = need != LoadNeed::kPrefetch;
   EBB_CHECK_STATE(e.state == EntryState::kStored && (e.has_loc || e.blob != nullptr),
                   "tensor cache: start_load of entry ", id, " in state ", to_string(e.state), " (expected stored)");
   EBB_CHECK(dst != nullptr, "tensor cache: start_load of entry ", id, " into a null buffer");
@@ -185,9 +187,30 @@ void TensorCache::start_load_locked(Entry& e, void* dst, mem::cuda::Stream strea
   mutate(e, EntryState::kLoading, true);
   e.unpacks_left = e.handles;
   e.load_on_demand = on_demand;
-  if (on_demand) load_q_.push_front(id);  // the unpack waits for it now
-  else load_q_.push_back(id);
+  queue_load_locked(id, need);
   work_cv_.notify_one();
+}
+
+// Note [Priority loads]: the workers' queue. An unpack's load goes first (it
+// waits for it now); a prefetch of the running module behind the priority
+// loads queued before it, which an earlier walk, or this one at a nearer
+// place, issued for what backward needs sooner; both ahead of the other
+// prefetches, which run in the order they were issued.
+void TensorCache::queue_load_locked(EntryId id, LoadNeed need) {
+  if (need == LoadNeed::kNow) {
+    load_q_.push_front(id);
+    return;
+  }
+  auto pos = load_q_.end();
+  if (need == LoadNeed::kNext) {
+    pos = load_q_.begin();
+    for (auto it = load_q_.begin(); it != load_q_.end(); ++it) {
+      auto q = entries_.find(*it);
+      if (q != entries_.end() && q->second->state == EntryState::kLoading && q->second->load_on_demand)
+        pos = std::next(it);
+    }
+  }
+  load_q_.insert(pos, id);
 }
 
 void TensorCache::wait(EntryId id, mem::cuda::Stream stream) {

@@ -441,7 +441,11 @@ class TensorCache : public mem::ForkOrigin {
   void consume_locked(Entry& e, int64_t task);
   bool count_reuse_locked(Entry& e);  // Note [Originals still alive]: once per entry and step
   void count_reload_locked(Entry& e);
-  void start_load_locked(Entry& e, void* dst, mem::cuda::Stream stream, bool on_demand);
+  // What a load is for (Note [Priority loads]): a prefetch, a prefetch of the
+  // module whose backward runs (needed next), or an unpack's own (needed now).
+  enum class LoadNeed { kPrefetch, kNext, kNow };
+  void start_load_locked(Entry& e, void* dst, mem::cuda::Stream stream, LoadNeed need);
+  void queue_load_locked(EntryId id, LoadNeed need);
   void adopt_buffer_locked(Entry& e, GlueObj owner, mem::cuda::Stream stream);
   void worker_main(unsigned index);
   void run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Stream>& side);
