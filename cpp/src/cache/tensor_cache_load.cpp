@@ -18,7 +18,8 @@ namespace ebbtide::cache {
 // live tensor; a device entry the same, or, when no load was started, a
 // request for a buffer (allocated by the glue through torch's allocator,
 // then start_load(), then unpack() again). It also returns the prefetch
-// candidates behind the entry and the completions since the last call.
+// candidates behind the entry and the completions since the last call; a
+// call that throws leaves those for the next one.
 
 Reload TensorCache::request(EntryId id) {
   std::vector<GlueObj> dead;
@@ -318,12 +319,34 @@ void TensorCache::load_host_locked(Lock& lock, Entry& e, void* into, bool count)
 
 Unpacked TensorCache::unpack(EntryId id, mem::cuda::Stream stream, int64_t task, bool have_original,
                               void* into) {
+  Unpacked out;  // Note [Glue objects]: declared before the lock, destroyed after it
   std::vector<GlueObj> dead;
   Lock lock(mu_);
   Reaper reaper{graveyard_, dead};
   EBB_CHECK_STATE(!closed_, "tensor cache: unpack from a closed cache (entry ", id, ")");
-  Unpacked out;
   out.done = take_completions_locked();
+  try {
+    unpack_locked(lock, id, stream, task, have_original, into, out);
+  } catch (...) {
+    // The completions taken go back, ahead of any that came while the lock
+    // was released, to the next call, whose caller acks them (Note [Torn
+    // snapshots]: dropped with this call, a torn copy would go unnoticed and
+    // the tensors they alone hold would die in it). A close meanwhile
+    // dropped the others: these go the same way (Note [Close releases]).
+    if (closed_) {
+      for (auto& c : out.done) bury_locked(c.live);
+    } else {
+      completions_.insert(completions_.begin(), std::make_move_iterator(out.done.begin()),
+                          std::make_move_iterator(out.done.end()));
+    }
+    out.done.clear();
+    throw;
+  }
+  return out;
+}
+
+void TensorCache::unpack_locked(Lock& lock, EntryId id, mem::cuda::Stream stream, int64_t task, bool have_original,
+                                void* into, Unpacked& out) {
   Entry* e = &find(id, "unpack");
   out.nbytes = e->nbytes;
   if (e->live) {
@@ -338,7 +361,7 @@ Unpacked TensorCache::unpack(EntryId id, mem::cuda::Stream stream, int64_t task,
     }
     out.kind = Unpacked::Kind::kLive;
     out.obj = e->live;
-    return out;
+    return;
   }
   if (have_original && (e->state == EntryState::kStored || e->state == EntryState::kLoaded)) {
     // A loaded entry's bytes were counted as reloaded: this handle only
@@ -346,13 +369,13 @@ Unpacked TensorCache::unpack(EntryId id, mem::cuda::Stream stream, int64_t task,
     if (e->state == EntryState::kLoaded) consume_locked(*e, task);
     else count_reuse_locked(*e);
     out.kind = Unpacked::Kind::kLive;
-    return out;
+    return;
   }
   if (e->state == EntryState::kStored) {
     EBB_CHECK_STATE(e->has_loc || e->blob != nullptr, "tensor cache: entry ", id, " has neither bytes nor tensor");
     if (e->device >= 0) {
       out.kind = Unpacked::Kind::kNeedBuffer;
-      return out;
+      return;
     }
     if (into != nullptr && e->has_loc && store_->tier_of(e->loc) == kTierCpu) {
       // The handles of one storage are copied one by one: one reload per
@@ -361,7 +384,7 @@ Unpacked TensorCache::unpack(EntryId id, mem::cuda::Stream stream, int64_t task,
       load_host_locked(lock, *e, into, !again);
       e->consumed_task = task;
       out.kind = Unpacked::Kind::kBuffer;
-      return out;  // no prefetch: host-tier entries are loaded at unpack
+      return;  // no prefetch: host-tier entries are loaded at unpack
     }
     load_host_locked(lock, *e, nullptr, true);
   } else if (e->state == EntryState::kLoading) {
@@ -394,7 +417,6 @@ Unpacked TensorCache::unpack(EntryId id, mem::cuda::Stream stream, int64_t task,
   if (auto m = microbatches_.find(e->microbatch); m != microbatches_.end() && e->order_pos != SIZE_MAX) {
     out.prefetch = prefetch_locked(m->second, e->order_pos, task, scope_start(m->second, e->order_pos, false));
   }
-  return out;
 }
 
 // Note [Originals still alive]
