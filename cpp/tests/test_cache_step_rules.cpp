@@ -14,6 +14,7 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
+#include <future>
 #include <map>
 #include <memory>
 #include <string>
@@ -486,6 +487,70 @@ TEST(CacheStepRules, TheRunningModulesSsdLoadsQueueInBackwardsOrder) {
   }
   st.expect_clean();
   for (EntryId id : ids) st.cache->release(id);
+}
+
+// Note [Priority loads]: an unpack of an entry whose worker load still
+// waits in the queue, behind loads backward needs later (the glue's walk
+// loaded ahead of where backward went: a scope skipped, an unpack the
+// walks' order did not foresee), moves that load to the queue's front and
+// onto the priority stream. The worker is parked in the read of entry 5;
+// 4..1 and 0 queue behind it; the unpack of 0 runs next, not last.
+TEST(CacheStepRules, AnUnpackPromotesItsQueuedLoad) {
+  Step st(64 * kMiB, /*ssd=*/true);
+  std::vector<EntryId> ids;
+  for (int scope = 0; scope < 2; ++scope) {
+    for (int i = 0; i < (scope == 0 ? 2 : 4); ++i) ids.push_back(st.save().id);
+    st.cache->scope_end(0, scope);
+  }
+  st.release(INT64_MAX);
+  st.cache->drain();  // every spill written, the bounce blobs freed: loads read the SSD
+  // One more save whose completion waits for a call: the unpack takes it
+  // under the lock it queues with, so once the cache holds its tensor no
+  // more, the unpack has queued (a signal, not a timing).
+  const EntryId marker = st.save().id;
+  st.cache->release_copies(0, INT64_MAX, kCompute);
+  ASSERT_EQ(st.cache->held_lives(0).size(), 1u);
+  const size_t before = st.drv.copies().size();
+  st.get_gate.set_open(false);
+  auto walk = st.cache->prefetch_scope(0, 1);
+  ASSERT_EQ(Step::ids(walk), (std::vector<EntryId>{ids[5], ids[4], ids[3], ids[2], ids[1], ids[0]}));
+  st.prefetch({walk[0]});
+  st.get_gate.wait_started(1);  // the worker reads entry 5's bytes
+  st.prefetch(std::vector<Candidate>(walk.begin() + 1, walk.end()));
+  auto unpacked = std::async(std::launch::async, [&] { return st.cache->unpack(ids[0], kCompute); });
+  // The loop ends on the outcome; its bound is a deadlock watchdog.
+  for (int i = 0; i < 600000 && !st.cache->held_lives(0).empty(); ++i)
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  EXPECT_TRUE(st.cache->held_lives(0).empty()) << "the unpack never took the completions";
+  st.get_gate.set_open(true);
+  Unpacked u = unpacked.get();
+  EXPECT_EQ(u.kind, Unpacked::Kind::kBuffer);
+  st.ack(u.done);
+  st.cache->drain();
+  std::vector<EntryId> order;  // entries in the order their copies were enqueued
+  mem::cuda::Stream stream_of_0 = 0;
+  const auto copies = st.drv.copies();
+  for (size_t i = before; i < copies.size(); ++i) {
+    for (EntryId id : ids) {
+      if (copies[i].d2h || copies[i].dev != st.saved.at(id).buf) continue;
+      order.push_back(id);
+      if (id == ids[0]) stream_of_0 = copies[i].stream;
+    }
+  }
+  EXPECT_EQ(order, (std::vector<EntryId>{ids[5], ids[0], ids[4], ids[3], ids[2], ids[1]}))
+      << "the unpack's load waited behind the queued prefetches";
+  EXPECT_EQ(st.drv.priority_of(stream_of_0), SimDriver::kGreatestPriority);
+  bool ok = false;
+  const DevicePtr p = st.saved.at(ids[0]).buf;
+  const auto* want = &st.saved.at(ids[0]).data;
+  st.drv.launch(kCompute, 1e-5, [&ok, p, want] {
+    ok = std::memcmp(reinterpret_cast<const void*>(p), want->data(), want->size()) == 0;
+  });
+  st.drv.synchronize_all();
+  EXPECT_TRUE(ok) << "the unpacked bytes";
+  st.expect_clean();
+  for (EntryId id : ids) st.cache->release(id);
+  st.cache->release(marker);
 }
 
 // Note [Device waits]: a reload that ends 10 ms after the compute stream

@@ -86,7 +86,9 @@ namespace ebbtide::cache {
 // the order its walks issued them, which is the order backward needs them
 // (each walk starts where backward is and goes down the order), then the
 // other prefetches (queue_load_locked: each pushed to the queue's front, a
-// walk's would run farthest first). Both streams
+// walk's would run farthest first); an unpack that finds its entry's load
+// still queued moves it to the front and onto the priority stream
+// (promote_load_locked). Both streams
 // follow the same order: the copy waits for the buffer's allocation and for
 // the entry's store copy, and the compute stream waits for its done event.
 // One more: a load of an entry waits for the entry's previous load. Its done

@@ -214,10 +214,24 @@ void TensorCache::queue_load_locked(EntryId id, LoadNeed need) {
   load_q_.insert(pos, id);
 }
 
+// Note [Priority loads]: an unpack (or wait) reached an entry whose load
+// still waits in the workers' queue, behind loads backward needs later: it is
+// needed now, so it moves to the front and takes the priority stream (the
+// worker picks the stream when it starts the load).
+void TensorCache::promote_load_locked(Entry& e) {
+  if (e.state != EntryState::kLoading || e.load_started) return;
+  auto it = std::find(load_q_.begin(), load_q_.end(), e.id);
+  if (it == load_q_.end()) return;
+  load_q_.erase(it);
+  e.load_on_demand = true;
+  queue_load_locked(e.id, LoadNeed::kNow);
+}
+
 void TensorCache::wait(EntryId id, mem::cuda::Stream stream) {
   Lock lock(mu_);
   Entry& e = find(id, "wait");
   if (e.state == EntryState::kLoading) {
+    promote_load_locked(e);
     auto t0 = std::chrono::steady_clock::now();
     done_cv_.wait(lock, [&] {
       auto it = entries_.find(id);
@@ -388,6 +402,7 @@ void TensorCache::unpack_locked(Lock& lock, EntryId id, mem::cuda::Stream stream
     }
     load_host_locked(lock, *e, nullptr, true);
   } else if (e->state == EntryState::kLoading) {
+    promote_load_locked(*e);
     const auto t0 = std::chrono::steady_clock::now();
     done_cv_.wait(lock, [&] {
       auto it = entries_.find(id);

@@ -449,6 +449,7 @@ class TensorCache : public mem::ForkOrigin {
   enum class LoadNeed { kPrefetch, kNext, kNow };
   void start_load_locked(Entry& e, void* dst, mem::cuda::Stream stream, LoadNeed need);
   void queue_load_locked(EntryId id, LoadNeed need);
+  void promote_load_locked(Entry& e);  // a queued load is needed now
   void adopt_buffer_locked(Entry& e, GlueObj owner, mem::cuda::Stream stream);
   void worker_main(unsigned index);
   void run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Stream>& side);
