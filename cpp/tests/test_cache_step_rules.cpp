@@ -166,6 +166,34 @@ struct Step {
     });
     return ok;
   }
+  // Two scopes on the SSD: scope 0 saves 2 entries, scope 1 saves 4, all
+  // released and written, their bounce blobs freed (loads read the SSD).
+  std::vector<EntryId> spilled_scopes() {
+    std::vector<EntryId> ids;
+    for (int scope = 0; scope < 2; ++scope) {
+      for (int i = 0; i < (scope == 0 ? 2 : 4); ++i) ids.push_back(save().id);
+      cache->scope_end(0, scope);
+    }
+    release(INT64_MAX);
+    cache->drain();
+    return ids;
+  }
+  // The reloads into the glue's buffers since copy `from`, in the order they
+  // were enqueued: (entry, stream).
+  std::vector<std::pair<EntryId, mem::cuda::Stream>> reloads_since(size_t from) {
+    std::vector<std::pair<EntryId, mem::cuda::Stream>> out;
+    const auto copies = drv.copies();
+    for (size_t i = from; i < copies.size(); ++i) {
+      for (const auto& [id, s] : saved)
+        if (!copies[i].d2h && s.buf != 0 && copies[i].dev == s.buf) out.emplace_back(id, copies[i].stream);
+    }
+    return out;
+  }
+  static std::vector<EntryId> entries_of(const std::vector<std::pair<EntryId, mem::cuda::Stream>>& loads) {
+    std::vector<EntryId> out;
+    for (const auto& l : loads) out.push_back(l.first);
+    return out;
+  }
   // No race, no driver error.
   void expect_clean() {
     drv.synchronize_all();
@@ -441,13 +469,7 @@ TEST(CacheStepRules, TheRunningScopesPrefetchesTakeThePriorityStream) {
 // next one backward makes, waited for the two loads behind it.
 TEST(CacheStepRules, TheRunningModulesSsdLoadsQueueInBackwardsOrder) {
   Step st(64 * kMiB, /*ssd=*/true);
-  std::vector<EntryId> ids;
-  for (int scope = 0; scope < 2; ++scope) {
-    for (int i = 0; i < (scope == 0 ? 2 : 4); ++i) ids.push_back(st.save().id);
-    st.cache->scope_end(0, scope);
-  }
-  st.release(INT64_MAX);
-  st.cache->drain();  // every spill written, the bounce blobs freed: loads read the SSD
+  const std::vector<EntryId> ids = st.spilled_scopes();
   const size_t before = st.drv.copies().size();
   st.get_gate.set_open(false);
   auto take = [](std::vector<Candidate> cands, size_t n) {
@@ -473,13 +495,7 @@ TEST(CacheStepRules, TheRunningModulesSsdLoadsQueueInBackwardsOrder) {
       break;
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
-  std::vector<EntryId> order;  // entries in the order their copies were enqueued
-  const auto copies = st.drv.copies();
-  for (size_t i = before; i < copies.size(); ++i) {
-    for (EntryId id : loading)
-      if (!copies[i].d2h && copies[i].dev == st.saved.at(id).buf) order.push_back(id);
-  }
-  EXPECT_EQ(order, loading) << "the worker's loads ran out of backward's order";
+  EXPECT_EQ(Step::entries_of(st.reloads_since(before)), loading) << "the worker's loads ran out of backward's order";
   for (EntryId id : {ids[5], ids[4], ids[3], ids[2]}) {
     auto ok = st.unpack(id);
     st.drv.synchronize_all();
@@ -497,13 +513,7 @@ TEST(CacheStepRules, TheRunningModulesSsdLoadsQueueInBackwardsOrder) {
 // 4..1 and 0 queue behind it; the unpack of 0 runs next, not last.
 TEST(CacheStepRules, AnUnpackPromotesItsQueuedLoad) {
   Step st(64 * kMiB, /*ssd=*/true);
-  std::vector<EntryId> ids;
-  for (int scope = 0; scope < 2; ++scope) {
-    for (int i = 0; i < (scope == 0 ? 2 : 4); ++i) ids.push_back(st.save().id);
-    st.cache->scope_end(0, scope);
-  }
-  st.release(INT64_MAX);
-  st.cache->drain();  // every spill written, the bounce blobs freed: loads read the SSD
+  const std::vector<EntryId> ids = st.spilled_scopes();
   // One more save whose completion waits for a call: the unpack takes it
   // under the lock it queues with, so once the cache holds its tensor no
   // more, the unpack has queued (a signal, not a timing).
@@ -527,19 +537,11 @@ TEST(CacheStepRules, AnUnpackPromotesItsQueuedLoad) {
   EXPECT_EQ(u.kind, Unpacked::Kind::kBuffer);
   st.ack(u.done);
   st.cache->drain();
-  std::vector<EntryId> order;  // entries in the order their copies were enqueued
-  mem::cuda::Stream stream_of_0 = 0;
-  const auto copies = st.drv.copies();
-  for (size_t i = before; i < copies.size(); ++i) {
-    for (EntryId id : ids) {
-      if (copies[i].d2h || copies[i].dev != st.saved.at(id).buf) continue;
-      order.push_back(id);
-      if (id == ids[0]) stream_of_0 = copies[i].stream;
-    }
-  }
-  EXPECT_EQ(order, (std::vector<EntryId>{ids[5], ids[0], ids[4], ids[3], ids[2], ids[1]}))
+  const auto loads = st.reloads_since(before);
+  EXPECT_EQ(Step::entries_of(loads), (std::vector<EntryId>{ids[5], ids[0], ids[4], ids[3], ids[2], ids[1]}))
       << "the unpack's load waited behind the queued prefetches";
-  EXPECT_EQ(st.drv.priority_of(stream_of_0), SimDriver::kGreatestPriority);
+  ASSERT_EQ(loads.size(), 6u);
+  EXPECT_EQ(st.drv.priority_of(loads[1].second), SimDriver::kGreatestPriority);
   bool ok = false;
   const DevicePtr p = st.saved.at(ids[0]).buf;
   const auto* want = &st.saved.at(ids[0]).data;
