@@ -204,7 +204,7 @@ def test_budget_settings(tmp_path, monkeypatch):
     monkeypatch.setenv("EBBTIDE_ACTIVATION_BUDGET", "64MiB")
     with ebbtide.TensorCache("ssd", str(tmp_path)) as cache:
         assert cache.adaptive
-        assert cache._adapt.activation_budget_bytes == 64 * MiB
+        assert cache._adapt.budgets.activation == 64 * MiB
     with pytest.raises(ValueError, match="EBBTIDE_ACTIVATION_BUDGET=67108864 needs the planner, but adaptive=False"):
         ebbtide.TensorCache("ssd", str(tmp_path), adaptive=False)
     monkeypatch.setenv("EBBTIDE_ACTIVATION_BUDGET", "lots")
@@ -410,9 +410,17 @@ def test_last_block_release_point_is_the_blocks(tmp_path):
         mods = adapt.plan["modules"]
         assert mods[-1]["name"] == "<after blocks>"
         last = mods[-2]
-        done = [m["scope"] for m in mods[:-1]
-                if m["tier"] is not None and m["write_done_seconds"] <= last["forward_end_seconds"]]
-        assert adapt.release_after[last["scope"]] == (max(done) if done else -1)
+        # Note [Release points]: the offloaded bytes whose copies are done by
+        # the block's forward end, in copy order: the block's row, not the tail's.
+        done = 0
+        for m in mods[:-1]:
+            if m["tier"] is None or m["offload_bytes"] == 0:
+                continue
+            if m["write_done_seconds"] > last["forward_end_seconds"]:
+                break
+            done += m["offload_bytes"]
+        assert last["release_bytes"] == done
+        assert adapt.release_point(last["scope"]) == (last["scope"], done)
 
 
 def test_budget_guard_bounds_the_writes_waiting(tmp_path):

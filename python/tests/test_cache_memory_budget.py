@@ -110,3 +110,27 @@ def test_each_device_gives_the_planner_its_bound():
                           "(73400320 bytes; 3 of 8 blocks recomputed"), msg
     assert "memory_budget_bytes (EBBTIDE_MEMORY_BUDGET)" in msg
     assert infeasible_message(Budgets(memory=1), dict(plan, feasible=True), cuda=True) is None
+
+
+def test_the_mlp_budget_bench_runs_at_a_small_size(tmp_path):
+    """bench/mlp_budget.py (the table of docs/benchmarks.md) at 3 blocks."""
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "mlp_budget.py")
+    spec = importlib.util.spec_from_file_location("mlp_budget_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "mlp.json"
+    rc = bench.main(["--blocks", "3", "--batch", "64", "--budgets", "3,0.01", "--steps", "1",
+                     "--path", str(tmp_path), "--json", str(out)])
+    assert rc in (0, 3)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["knob"], r["budget_bytes"]) for r in rows] == [
+        (k, b) for k in ("activation_budget_bytes", "memory_budget_bytes") for b in (3 * MiB, int(0.01 * MiB))]
+    for r in rows:
+        if r["budget_bytes"] < MiB:
+            assert "smallest" in r["refused"]
+        else:
+            assert r["peak_bytes"] > 0 and r["predicted_peak_bytes"] > 0

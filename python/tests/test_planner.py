@@ -96,7 +96,9 @@ def test_guarded_writes_wait_instead_of_exceeding():
     g = planner.simulate(mods, pl, 50, 1e12, guarded_writes=True, **kw)
     assert g["forward_wait_seconds"] == pytest.approx(1.13)
     assert [m["forward_end_seconds"] for m in g["modules"]] == pytest.approx([1, 2.13, 4.13, 5.13])
-    assert g["peak_resident_bytes"] == 200
+    # The forward holds the budget; backward's peak adds the first save of
+    # module 1 that the last unpack of module 2 prefetches: 200 + 13.
+    assert g["peak_resident_bytes"] == 213
 
 
 def test_bad_input_names_the_problem():

@@ -392,19 +392,12 @@ class Adaptive:
             return
         if self.retiming:
             self.retiming = False
-            self._retime()
+            self._retime(core_stats)
         if self._shape_changed():
             return
-        if self.plan is None or not self.plan["bytes_ssd"]:
-            return
-        r = self._tier_rates(core_stats).get("ssd")
-        if r is None or r["bytes_written"] < _MIN_MEASURED_BYTES or r["write_bps"] <= 0:
-            return
-        slower = planner.needs_replan(self.plan, r["write_bps"])
-        # A plan at the cap gains nothing from a faster link (the cap lets
-        # bursts through, so a step may measure above it).
-        at_cap = self.max_write_bps and self.plan["planned_write_bps"] >= self.max_write_bps * (1 - 1e-9)
-        if slower or (not at_cap and planner.link_faster(self.plan, r["write_bps"])):
+        change = self._ssd_rate_change(core_stats)
+        if change is not None:
+            r, slower = change
             # Note [Quiet re-plan]: the plan is remade with the measured rate; only
             # a plan that places blocks differently is a re-plan users hear of
             # (`replans`, the INFO line; a WARNING when the SSD got slower). Small
@@ -429,6 +422,23 @@ class Adaptive:
                 "ebbtide: SSD writes ran at %.1f MB/s, %s the %.1f MB/s the plan assumed; re-planned for the "
                 "next step", r["write_bps"] / 1e6, how, old["planned_write_bps"] / 1e6)
             self._log_plan()
+
+    def _ssd_rate_change(self, core_stats: dict):
+        """(the step's SSD rates, slower) when the measured write rate is far
+        enough from the plan's to make it again (Note [Quiet re-plan]); None
+        otherwise."""
+        if self.plan is None or not self.plan["bytes_ssd"]:
+            return None
+        r = self._tier_rates(core_stats).get("ssd")
+        if r is None or r["bytes_written"] < _MIN_MEASURED_BYTES or r["write_bps"] <= 0:
+            return None
+        slower = planner.needs_replan(self.plan, r["write_bps"])
+        # A plan at the cap gains nothing from a faster link (the cap lets
+        # bursts through, so a step may measure above it).
+        at_cap = self.max_write_bps and self.plan["planned_write_bps"] >= self.max_write_bps * (1 - 1e-9)
+        if slower or (not at_cap and planner.link_faster(self.plan, r["write_bps"])):
+            return r, slower
+        return None
 
     def _backward_times(self, end) -> dict:
         """Seconds of each module's backward in the step just ended (keys:
@@ -464,7 +474,7 @@ class Adaptive:
         first = next((m for m in modules if m["scope"] < 0), blocks[0])
         first["grad_bytes"] = first.get("grad_bytes", 0) + before
 
-    def _retime(self) -> None:
+    def _retime(self, core_stats: dict) -> None:
         """Note [Re-timed profile]
         The profiling step is a process's first step more often than not:
         its kernels meet cold caches, autotuning and a growing allocator (on
@@ -472,7 +482,8 @@ class Adaptive:
         offloads. The first planned step times each module again; a module's
         time is the smaller of the two (whatever disturbs a step only adds
         to it), and when that moves the total by more than a tenth the plan
-        is made again (reason "retime")."""
+        is made again (reason "retime"), with the step's SSD write rate when
+        that too is far from the plan's: one plan, not two in a row."""
         times = self._scope_times()
         if not times:
             return
@@ -488,6 +499,10 @@ class Adaptive:
         after = sum(m["forward_seconds"] + m.get("backward_seconds", 0.0) for m in self.profile_modules)
         if before > 0 and (before - after) / before > 0.1:
             old = [m["placement"] for m in self.plan["modules"]] if self.plan is not None else None
+            change = self._ssd_rate_change(core_stats)
+            if change is not None:
+                self.measured.setdefault("ssd", {})["write_bps"] = change[0]["write_bps"]
+                self.measured["ssd"]["source"] = "step"
             self._make_plan(reason="retime", log=False)
             changed = old != [m["placement"] for m in self.plan["modules"]]
             # As Note [Quiet re-plan]: only a plan that places blocks differently is announced.
