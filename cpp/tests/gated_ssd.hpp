@@ -1,5 +1,6 @@
 // A store standing in for the SSD tier in the device tests: blobs in
-// memory, each put held at a test::Gate (open by default) to stage races.
+// memory, each put held at a test::Gate (open by default) to stage races,
+// and each get at a second one when given (a worker parked in a read).
 #pragma once
 
 #include <cstring>
@@ -16,7 +17,7 @@ namespace ebbtide::test {
 
 class GatedSsd final : public cache::Store {
  public:
-  explicit GatedSsd(test::Gate& gate) : gate_(gate) {}
+  explicit GatedSsd(test::Gate& gate, test::Gate* get_gate = nullptr) : gate_(gate), get_gate_(get_gate) {}
   cache::Location put(const mem::Buffer& src, int) override {
     EBB_CHECK(!src.on_device(), "gated ssd: device put");
     gate_.pass();
@@ -25,6 +26,7 @@ class GatedSsd final : public cache::Store {
     return next_++;
   }
   void get(cache::Location loc, const mem::Buffer& dst) override {
+    if (get_gate_ != nullptr) get_gate_->pass();
     std::lock_guard<std::mutex> lock(mu_);
     const auto& b = blobs_.at(loc);
     EBB_CHECK(!dst.on_device() && dst.nbytes == b.size(), "gated ssd: bad get");
@@ -47,6 +49,7 @@ class GatedSsd final : public cache::Store {
 
  private:
   test::Gate& gate_;
+  test::Gate* get_gate_ = nullptr;
   mutable std::mutex mu_;
   std::map<cache::Location, std::vector<unsigned char>> blobs_;
   cache::Location next_ = 1;

@@ -677,5 +677,50 @@ TEST(CacheRaces, StatsDuringACaptureElsewhereMakeNoIllegalCall) {
   c->close();
 }
 
+// Note [One call per unpack]: an unpack that fails (its entry went with an
+// aborted step) after taking the completions since the last call hands them
+// back to the next call; it never drops their tensors itself. Dropped, the
+// glue never compares their versions (Note [Torn snapshots]); dropped under
+// the core's lock, the glue's deleter takes the interpreter's lock there
+// (against a thread that holds it and waits for the core's, Note [Glue
+// objects]), and a dying tensor may free its graph, whose handles release
+// their entries (Handle::~Handle: the core's lock again, on this thread).
+TEST(CacheRaces, AFailedUnpackHandsBackTheCompletionsItTook) {
+  SimDriver drv(slow_link());
+  Glue g{drv};
+  auto c = host_cache(drv);
+  c->begin_step();
+  const EntryId other = save_one(g, *c, test::random_bytes(kBytes, 70), kCompute, 70).id;
+  DevicePtr act = 0;
+  GlueObj block = g.block(act, kBytes, kCompute, "activation 71");
+  g.write(kCompute, act, test::random_bytes(kBytes, 71));
+  bool in_call = false, dropped_in_call = false, released_other = false;
+  GlueObj live(new int(0), [&, block](void* q) mutable {
+    delete static_cast<int*>(q);
+    if (in_call) {
+      dropped_in_call = true;  // a release here would take the lock the call holds
+    } else {
+      released_other = c->release(other);  // its graph's handles go with it
+    }
+    block.reset();
+  });
+  block.reset();  // the tensor's object holds the block now
+  const EntryId id = c->save(device_request(act, 71, kCompute, std::move(live))).id;
+  c->release_copies(0, INT64_MAX, kCompute);  // both copies released: two completions wait for a call
+  in_call = true;
+  EXPECT_THROW(c->unpack(id + 100, kCompute), StateError);
+  in_call = false;
+  EXPECT_FALSE(dropped_in_call) << "a tensor the failed call took was destroyed inside it";
+  std::vector<Completion> done = c->poll();
+  ASSERT_EQ(done.size(), 2u) << "the completions the failed call took were lost";
+  for (const auto& d : done) EXPECT_TRUE(d.ok && d.live) << "entry " << d.id;
+  done.clear();  // the glue drops the tensors, outside any call
+  EXPECT_TRUE(released_other);
+  EXPECT_EQ(g.freed, 2);
+  c->release(id);
+  expect_clean(drv);
+  c->close();
+}
+
 }  // namespace
 }  // namespace ebbtide::cache

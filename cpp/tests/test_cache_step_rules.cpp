@@ -14,6 +14,7 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
+#include <future>
 #include <map>
 #include <memory>
 #include <string>
@@ -42,6 +43,7 @@ constexpr double kCopy = static_cast<double>(kMiB) / kLink;
 struct Step {
   SimDriver drv{SimDriver::Options{1, kLink, kLink}};
   test::Gate ssd_gate;  // open: the SSD's puts never wait
+  test::Gate get_gate;  // open: nor its reads
   std::unique_ptr<TensorCache> cache;
   struct Saved {
     std::vector<unsigned char> data;
@@ -60,7 +62,7 @@ struct Step {
     co.device_inflight_bytes = 0;
     co.prefetch_window_bytes = window;
     if (ssd) {
-      cache = std::make_unique<TensorCache>(std::make_unique<test::GatedSsd>(ssd_gate), co);
+      cache = std::make_unique<TensorCache>(std::make_unique<test::GatedSsd>(ssd_gate, &get_gate), co);
     } else {
       HostStoreOptions ho;
       ho.driver = &drv;
@@ -163,6 +165,34 @@ struct Step {
       *ok = std::memcmp(reinterpret_cast<const void*>(p), want->data(), want->size()) == 0;
     });
     return ok;
+  }
+  // Two scopes on the SSD: scope 0 saves 2 entries, scope 1 saves 4, all
+  // released and written, their bounce blobs freed (loads read the SSD).
+  std::vector<EntryId> spilled_scopes() {
+    std::vector<EntryId> ids;
+    for (int scope = 0; scope < 2; ++scope) {
+      for (int i = 0; i < (scope == 0 ? 2 : 4); ++i) ids.push_back(save().id);
+      cache->scope_end(0, scope);
+    }
+    release(INT64_MAX);
+    cache->drain();
+    return ids;
+  }
+  // The reloads into the glue's buffers since copy `from`, in the order they
+  // were enqueued: (entry, stream).
+  std::vector<std::pair<EntryId, mem::cuda::Stream>> reloads_since(size_t from) {
+    std::vector<std::pair<EntryId, mem::cuda::Stream>> out;
+    const auto copies = drv.copies();
+    for (size_t i = from; i < copies.size(); ++i) {
+      for (const auto& [id, s] : saved)
+        if (!copies[i].d2h && s.buf != 0 && copies[i].dev == s.buf) out.emplace_back(id, copies[i].stream);
+    }
+    return out;
+  }
+  static std::vector<EntryId> entries_of(const std::vector<std::pair<EntryId, mem::cuda::Stream>>& loads) {
+    std::vector<EntryId> out;
+    for (const auto& l : loads) out.push_back(l.first);
+    return out;
   }
   // No race, no driver error.
   void expect_clean() {
@@ -426,6 +456,103 @@ TEST(CacheStepRules, TheRunningScopesPrefetchesTakeThePriorityStream) {
   }
   st.expect_clean();
   for (EntryId id : ids) st.cache->release(id);
+}
+
+// Note [Priority loads]: SSD entries of the running module go through the
+// worker queue ahead of the other prefetches, in the order backward needs
+// them: a walk's nearest candidate first, and a later walk's behind those an
+// earlier walk queued. Scope 1 holds entries 2..5, scope 0 entries 0 and 1;
+// the glue loads a prefix of each walk (as after an allocation failure), the
+// worker parked in its first read: walk 1 loads 5; walk 2 (from 5) loads 4;
+// walk 3 (from 4) loads 3, 2 (the running module's) and 1. Each pushed to
+// the queue's front, 2 ran before 3 and both before 4: the unpack of 4, the
+// next one backward makes, waited for the two loads behind it.
+TEST(CacheStepRules, TheRunningModulesSsdLoadsQueueInBackwardsOrder) {
+  Step st(64 * kMiB, /*ssd=*/true);
+  const std::vector<EntryId> ids = st.spilled_scopes();
+  const size_t before = st.drv.copies().size();
+  st.get_gate.set_open(false);
+  auto take = [](std::vector<Candidate> cands, size_t n) {
+    cands.resize(std::min(n, cands.size()));
+    return cands;
+  };
+  auto walk1 = st.cache->prefetch_scope(0, 1);
+  ASSERT_EQ(Step::ids(walk1), (std::vector<EntryId>{ids[5], ids[4], ids[3], ids[2], ids[1], ids[0]}));
+  st.prefetch(take(walk1, 1));
+  st.get_gate.wait_started(1);  // the worker reads entry 5's bytes
+  auto walk2 = st.cache->prefetch_before(ids[5]);
+  ASSERT_EQ(Step::ids(walk2), (std::vector<EntryId>{ids[4], ids[3], ids[2], ids[1], ids[0]}));
+  st.prefetch(take(walk2, 1));
+  auto walk3 = st.cache->prefetch_before(ids[4]);
+  ASSERT_EQ(Step::ids(walk3), (std::vector<EntryId>{ids[3], ids[2], ids[1], ids[0]}));
+  st.prefetch(take(walk3, 3));
+  st.get_gate.set_open(true);
+  // The loop ends on the outcome; its bound is a deadlock watchdog.
+  const std::vector<EntryId> loading{ids[5], ids[4], ids[3], ids[2], ids[1]};
+  for (int i = 0; i < 600000; ++i) {
+    if (std::all_of(loading.begin(), loading.end(),
+                    [&](EntryId id) { return st.cache->state(id) == EntryState::kLoaded; }))
+      break;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  EXPECT_EQ(Step::entries_of(st.reloads_since(before)), loading) << "the worker's loads ran out of backward's order";
+  for (EntryId id : {ids[5], ids[4], ids[3], ids[2]}) {
+    auto ok = st.unpack(id);
+    st.drv.synchronize_all();
+    EXPECT_TRUE(*ok) << "entry " << id;
+  }
+  st.expect_clean();
+  for (EntryId id : ids) st.cache->release(id);
+}
+
+// Note [Priority loads]: an unpack of an entry whose worker load still
+// waits in the queue, behind loads backward needs later (the glue's walk
+// loaded ahead of where backward went: a scope skipped, an unpack the
+// walks' order did not foresee), moves that load to the queue's front and
+// onto the priority stream. The worker is parked in the read of entry 5;
+// 4..1 and 0 queue behind it; the unpack of 0 runs next, not last.
+TEST(CacheStepRules, AnUnpackPromotesItsQueuedLoad) {
+  Step st(64 * kMiB, /*ssd=*/true);
+  const std::vector<EntryId> ids = st.spilled_scopes();
+  // One more save whose completion waits for a call: the unpack takes it
+  // under the lock it queues with, so once the cache holds its tensor no
+  // more, the unpack has queued (a signal, not a timing).
+  const EntryId marker = st.save().id;
+  st.cache->release_copies(0, INT64_MAX, kCompute);
+  ASSERT_EQ(st.cache->held_lives(0).size(), 1u);
+  const size_t before = st.drv.copies().size();
+  st.get_gate.set_open(false);
+  auto walk = st.cache->prefetch_scope(0, 1);
+  ASSERT_EQ(Step::ids(walk), (std::vector<EntryId>{ids[5], ids[4], ids[3], ids[2], ids[1], ids[0]}));
+  st.prefetch({walk[0]});
+  st.get_gate.wait_started(1);  // the worker reads entry 5's bytes
+  st.prefetch(std::vector<Candidate>(walk.begin() + 1, walk.end()));
+  auto unpacked = std::async(std::launch::async, [&] { return st.cache->unpack(ids[0], kCompute); });
+  // The loop ends on the outcome; its bound is a deadlock watchdog.
+  for (int i = 0; i < 600000 && !st.cache->held_lives(0).empty(); ++i)
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  EXPECT_TRUE(st.cache->held_lives(0).empty()) << "the unpack never took the completions";
+  st.get_gate.set_open(true);
+  Unpacked u = unpacked.get();
+  EXPECT_EQ(u.kind, Unpacked::Kind::kBuffer);
+  st.ack(u.done);
+  st.cache->drain();
+  const auto loads = st.reloads_since(before);
+  EXPECT_EQ(Step::entries_of(loads), (std::vector<EntryId>{ids[5], ids[0], ids[4], ids[3], ids[2], ids[1]}))
+      << "the unpack's load waited behind the queued prefetches";
+  ASSERT_EQ(loads.size(), 6u);
+  EXPECT_EQ(st.drv.priority_of(loads[1].second), SimDriver::kGreatestPriority);
+  bool ok = false;
+  const DevicePtr p = st.saved.at(ids[0]).buf;
+  const auto* want = &st.saved.at(ids[0]).data;
+  st.drv.launch(kCompute, 1e-5, [&ok, p, want] {
+    ok = std::memcmp(reinterpret_cast<const void*>(p), want->data(), want->size()) == 0;
+  });
+  st.drv.synchronize_all();
+  EXPECT_TRUE(ok) << "the unpacked bytes";
+  st.expect_clean();
+  for (EntryId id : ids) st.cache->release(id);
+  st.cache->release(marker);
 }
 
 // Note [Device waits]: a reload that ends 10 ms after the compute stream

@@ -80,7 +80,15 @@ namespace ebbtide::cache {
 // of the scope backward has reached: needed now, Entry::urgent), run on a
 // second stream created with the device's highest priority. Behind the prefetch
 // queue an on-demand load waited for every load queued before it (on the
-// H200, 12 ms for a 1 MiB table behind a block's reloads). Both streams
+// H200, 12 ms for a 1 MiB table behind a block's reloads). Loads that go
+// through a worker (SSD entries, host entries) keep the same precedence in
+// the workers' queue: an unpack's own first, then the running module's in
+// the order its walks issued them, which is the order backward needs them
+// (each walk starts where backward is and goes down the order), then the
+// other prefetches (queue_load_locked: each pushed to the queue's front, a
+// walk's would run farthest first); an unpack that finds its entry's load
+// still queued moves it to the front and onto the priority stream
+// (promote_load_locked). Both streams
 // follow the same order: the copy waits for the buffer's allocation and for
 // the entry's store copy, and the compute stream waits for its done event.
 // One more: a load of an entry waits for the entry's previous load. Its done

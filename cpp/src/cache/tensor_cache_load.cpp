@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <iterator>
 #include <utility>
 
 #include "ebbtide/mem/buffer_pool.hpp"
@@ -17,7 +18,8 @@ namespace ebbtide::cache {
 // live tensor; a device entry the same, or, when no load was started, a
 // request for a buffer (allocated by the glue through torch's allocator,
 // then start_load(), then unpack() again). It also returns the prefetch
-// candidates behind the entry and the completions since the last call.
+// candidates behind the entry and the completions since the last call; a
+// call that throws leaves those for the next one.
 
 Reload TensorCache::request(EntryId id) {
   std::vector<GlueObj> dead;
@@ -60,7 +62,7 @@ Reload TensorCache::request(EntryId id) {
 void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream) {
   Lock lock(mu_);
   EBB_CHECK_STATE(!closed_, "tensor cache: load on a closed cache");
-  start_load_locked(find(id, "start_load"), dst, stream, true);
+  start_load_locked(find(id, "start_load"), dst, stream, LoadNeed::kNow);
 }
 
 void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream, GlueObj owner) {
@@ -72,7 +74,7 @@ void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream, Gl
   EBB_CHECK_STATE(e.state == EntryState::kStored, "tensor cache: start_load of entry ", id, " in state ",
                   to_string(e.state), " (expected stored)");
   adopt_buffer_locked(e, std::move(owner), stream);
-  start_load_locked(e, dst, stream, true);
+  start_load_locked(e, dst, stream, LoadNeed::kNow);
 }
 
 // The glue's buffer `owner` (allocated on `stream`) holds the entry's reload.
@@ -99,15 +101,15 @@ void TensorCache::start_loads(const std::vector<EntryId>& ids,
     Entry& e = *it->second;
     if (e.state != EntryState::kStored || !e.acked || e.live || (!e.has_loc && e.blob == nullptr)) continue;
     // The running module's loads go to the priority stream (Note [Priority loads]).
-    const bool urgent = std::exchange(e.urgent, false);
+    const LoadNeed need = std::exchange(e.urgent, false) ? LoadNeed::kNext : LoadNeed::kPrefetch;
     if (e.device < 0) {
       host_buffer_locked(e);
-      start_load_locked(e, e.dst, 0, urgent);
+      start_load_locked(e, e.dst, 0, need);
     } else {
       EBB_CHECK(i < buffers.size() && buffers[i].first != 0, "tensor cache: no buffer for device entry ", e.id);
       if (capturing_locked(e.device, stream)) return;  // Note [Graph capture]: no prefetch inside one
       adopt_buffer_locked(e, buffers[i].second, stream);
-      start_load_locked(e, reinterpret_cast<void*>(buffers[i].first), stream, urgent);
+      start_load_locked(e, reinterpret_cast<void*>(buffers[i].first), stream, need);
     }
   }
 }
@@ -133,10 +135,11 @@ void TensorCache::host_buffer_locked(Entry& e) {
   e.dst = static_cast<char*>(p) + phase;
 }
 
-// `on_demand`: an unpack's load, on the priority stream and ahead of the
-// workers' queue (Note [Priority loads]); else a prefetch.
-void TensorCache::start_load_locked(Entry& e, void* dst, mem::cuda::Stream stream, bool on_demand) {
+// `need`: what the load is for; all but a prefetch run on the priority
+// stream and ahead of the prefetches in the workers' queue (Note [Priority loads]).
+void TensorCache::start_load_locked(Entry& e, void* dst, mem::cuda::Stream stream, LoadNeed need) {
   const EntryId id = e.id;
+  const bool on_demand = need != LoadNeed::kPrefetch;
   EBB_CHECK_STATE(e.state == EntryState::kStored && (e.has_loc || e.blob != nullptr),
                   "tensor cache: start_load of entry ", id, " in state ", to_string(e.state), " (expected stored)");
   EBB_CHECK(dst != nullptr, "tensor cache: start_load of entry ", id, " into a null buffer");
@@ -185,15 +188,50 @@ void TensorCache::start_load_locked(Entry& e, void* dst, mem::cuda::Stream strea
   mutate(e, EntryState::kLoading, true);
   e.unpacks_left = e.handles;
   e.load_on_demand = on_demand;
-  if (on_demand) load_q_.push_front(id);  // the unpack waits for it now
-  else load_q_.push_back(id);
+  queue_load_locked(id, need);
   work_cv_.notify_one();
+}
+
+// Note [Priority loads]: the workers' queue. An unpack's load goes first (it
+// waits for it now); a prefetch of the running module behind the priority
+// loads queued before it, which an earlier walk, or this one at a nearer
+// place, issued for what backward needs sooner; both ahead of the other
+// prefetches, which run in the order they were issued.
+void TensorCache::queue_load_locked(EntryId id, LoadNeed need) {
+  if (need == LoadNeed::kNow) {
+    load_q_.push_front(id);
+    return;
+  }
+  auto pos = load_q_.end();
+  if (need == LoadNeed::kNext) {
+    pos = load_q_.begin();
+    for (auto it = load_q_.begin(); it != load_q_.end(); ++it) {
+      auto q = entries_.find(*it);
+      if (q != entries_.end() && q->second->state == EntryState::kLoading && q->second->load_on_demand)
+        pos = std::next(it);
+    }
+  }
+  load_q_.insert(pos, id);
+}
+
+// Note [Priority loads]: an unpack (or wait) reached an entry whose load
+// still waits in the workers' queue, behind loads backward needs later: it is
+// needed now, so it moves to the front and takes the priority stream (the
+// worker picks the stream when it starts the load).
+void TensorCache::promote_load_locked(Entry& e) {
+  if (e.state != EntryState::kLoading || e.load_started) return;
+  auto it = std::find(load_q_.begin(), load_q_.end(), e.id);
+  if (it == load_q_.end()) return;
+  load_q_.erase(it);
+  e.load_on_demand = true;
+  queue_load_locked(e.id, LoadNeed::kNow);
 }
 
 void TensorCache::wait(EntryId id, mem::cuda::Stream stream) {
   Lock lock(mu_);
   Entry& e = find(id, "wait");
   if (e.state == EntryState::kLoading) {
+    promote_load_locked(e);
     auto t0 = std::chrono::steady_clock::now();
     done_cv_.wait(lock, [&] {
       auto it = entries_.find(id);
@@ -295,12 +333,34 @@ void TensorCache::load_host_locked(Lock& lock, Entry& e, void* into, bool count)
 
 Unpacked TensorCache::unpack(EntryId id, mem::cuda::Stream stream, int64_t task, bool have_original,
                               void* into) {
+  Unpacked out;  // Note [Glue objects]: declared before the lock, destroyed after it
   std::vector<GlueObj> dead;
   Lock lock(mu_);
   Reaper reaper{graveyard_, dead};
   EBB_CHECK_STATE(!closed_, "tensor cache: unpack from a closed cache (entry ", id, ")");
-  Unpacked out;
   out.done = take_completions_locked();
+  try {
+    unpack_locked(lock, id, stream, task, have_original, into, out);
+  } catch (...) {
+    // The completions taken go back, ahead of any that came while the lock
+    // was released, to the next call, whose caller acks them (Note [Torn
+    // snapshots]: dropped with this call, a torn copy would go unnoticed and
+    // the tensors they alone hold would die in it). A close meanwhile
+    // dropped the others: these go the same way (Note [Close releases]).
+    if (closed_) {
+      for (auto& c : out.done) bury_locked(c.live);
+    } else {
+      completions_.insert(completions_.begin(), std::make_move_iterator(out.done.begin()),
+                          std::make_move_iterator(out.done.end()));
+    }
+    out.done.clear();
+    throw;
+  }
+  return out;
+}
+
+void TensorCache::unpack_locked(Lock& lock, EntryId id, mem::cuda::Stream stream, int64_t task, bool have_original,
+                                void* into, Unpacked& out) {
   Entry* e = &find(id, "unpack");
   out.nbytes = e->nbytes;
   if (e->live) {
@@ -315,7 +375,7 @@ Unpacked TensorCache::unpack(EntryId id, mem::cuda::Stream stream, int64_t task,
     }
     out.kind = Unpacked::Kind::kLive;
     out.obj = e->live;
-    return out;
+    return;
   }
   if (have_original && (e->state == EntryState::kStored || e->state == EntryState::kLoaded)) {
     // A loaded entry's bytes were counted as reloaded: this handle only
@@ -323,13 +383,13 @@ Unpacked TensorCache::unpack(EntryId id, mem::cuda::Stream stream, int64_t task,
     if (e->state == EntryState::kLoaded) consume_locked(*e, task);
     else count_reuse_locked(*e);
     out.kind = Unpacked::Kind::kLive;
-    return out;
+    return;
   }
   if (e->state == EntryState::kStored) {
     EBB_CHECK_STATE(e->has_loc || e->blob != nullptr, "tensor cache: entry ", id, " has neither bytes nor tensor");
     if (e->device >= 0) {
       out.kind = Unpacked::Kind::kNeedBuffer;
-      return out;
+      return;
     }
     if (into != nullptr && e->has_loc && store_->tier_of(e->loc) == kTierCpu) {
       // The handles of one storage are copied one by one: one reload per
@@ -338,10 +398,11 @@ Unpacked TensorCache::unpack(EntryId id, mem::cuda::Stream stream, int64_t task,
       load_host_locked(lock, *e, into, !again);
       e->consumed_task = task;
       out.kind = Unpacked::Kind::kBuffer;
-      return out;  // no prefetch: host-tier entries are loaded at unpack
+      return;  // no prefetch: host-tier entries are loaded at unpack
     }
     load_host_locked(lock, *e, nullptr, true);
   } else if (e->state == EntryState::kLoading) {
+    promote_load_locked(*e);
     const auto t0 = std::chrono::steady_clock::now();
     done_cv_.wait(lock, [&] {
       auto it = entries_.find(id);
@@ -371,7 +432,6 @@ Unpacked TensorCache::unpack(EntryId id, mem::cuda::Stream stream, int64_t task,
   if (auto m = microbatches_.find(e->microbatch); m != microbatches_.end() && e->order_pos != SIZE_MAX) {
     out.prefetch = prefetch_locked(m->second, e->order_pos, task, scope_start(m->second, e->order_pos, false));
   }
-  return out;
 }
 
 // Note [Originals still alive]

@@ -237,7 +237,7 @@ class TensorCache : public mem::ForkOrigin {
   // `stream` (Note [One call per unpack]). Host entries are answered whole:
   // from the live tensor, or reloaded into a pool buffer (on this thread when
   // no load runs). StateError when closed or the entry is gone; rethrows a
-  // failed load.
+  // failed load. A call that throws returns no completions: the next call does.
   // `have_original`: the glue holds the saved tensor itself, still alive
   // outside autograd (Note [Originals still alive]): no reload; counted as
   // reused, and kLive comes back without `obj` unless the cache holds one.
@@ -423,6 +423,9 @@ class TensorCache : public mem::ForkOrigin {
   void run_device_load(Lock& lock, Entry& e);
   void ref_event_locked(mem::cuda::Event ev);
   void wait_idle_locked(Lock& lock, Entry& e);
+  // unpack() past its completions; fills `out` (Note [One call per unpack]).
+  void unpack_locked(Lock& lock, EntryId id, mem::cuda::Stream stream, int64_t task, bool have_original, void* into,
+                     Unpacked& out);
   // `urgent_from`: candidates at or past this place in the order are the
   // running module's, loaded on the priority stream (Note [Priority loads]).
   std::vector<Candidate> prefetch_locked(MicroBatch& mb, size_t end, int64_t task, size_t urgent_from);
@@ -441,7 +444,12 @@ class TensorCache : public mem::ForkOrigin {
   void consume_locked(Entry& e, int64_t task);
   bool count_reuse_locked(Entry& e);  // Note [Originals still alive]: once per entry and step
   void count_reload_locked(Entry& e);
-  void start_load_locked(Entry& e, void* dst, mem::cuda::Stream stream, bool on_demand);
+  // What a load is for (Note [Priority loads]): a prefetch, a prefetch of the
+  // module whose backward runs (needed next), or an unpack's own (needed now).
+  enum class LoadNeed { kPrefetch, kNext, kNow };
+  void start_load_locked(Entry& e, void* dst, mem::cuda::Stream stream, LoadNeed need);
+  void queue_load_locked(EntryId id, LoadNeed need);
+  void promote_load_locked(Entry& e);  // a queued load is needed now
   void adopt_buffer_locked(Entry& e, GlueObj owner, mem::cuda::Stream stream);
   void worker_main(unsigned index);
   void run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Stream>& side);
