@@ -144,10 +144,15 @@ def test_torchtune_recipe_under_the_switch_equals_the_recipe_without_offloading(
     assert "ebbtide/" not in plain_log
 
 
+# Each worker writes its line to a file of its own: two workers' prints on
+# one pipe interleaved ("SWITCHSWITCH 1 True True\n 0 True True").
 PROBE = textwrap.dedent("""
     import os, sys
-    print("SWITCH", os.environ.get("RANK", "-"), "ebbtide.integrations.switch" in sys.modules,
-          any(type(f).__name__ == "_PostImportFinder" for f in sys.meta_path))
+    rank = os.environ.get("RANK", "-")
+    line = " ".join(map(str, ("SWITCH", rank, "ebbtide.integrations.switch" in sys.modules,
+                              any(type(f).__name__ == "_PostImportFinder" for f in sys.meta_path))))
+    with open(f"switch_{rank}.txt", "w") as f:
+        f.write(line)
 """)
 
 
@@ -162,7 +167,7 @@ def test_the_switch_reaches_the_launchers_workers(tmp_path, launcher):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", script]
     out = run(cmd, switch="run", cwd=tmp_path).stdout
-    lines = sorted(line for line in out.splitlines() if line.startswith("SWITCH"))
+    lines = sorted(p.read_text() for p in tmp_path.glob("switch_*.txt"))
     assert lines and all(line.endswith("True True") for line in lines), out
     if launcher == "torchrun":
         assert [line.split()[1] for line in lines] == ["0", "1"], out

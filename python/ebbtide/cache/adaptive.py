@@ -481,9 +481,12 @@ class Adaptive:
         the H200, 1.24 s against 0.11 s later), and on a GPU with a budget it
         offloads. The first planned step times each module again; a module's
         time is the smaller of the two (whatever disturbs a step only adds
-        to it), and when that moves the total by more than a tenth the plan
-        is made again (reason "retime"), with the step's SSD write rate when
-        that too is far from the plan's: one plan, not two in a row."""
+        to it). When that lowers any time the plan is made again (reason
+        "retime"), so that its prediction (stats(), the trace) is of the
+        times it keeps, with the step's SSD write rate when that too is far
+        from the plan's: one plan, not two in a row. As Note [Quiet re-plan],
+        it is announced (and counted in `replans`) when it places blocks
+        differently."""
         times = self._scope_times()
         if not times:
             return
@@ -497,7 +500,7 @@ class Adaptive:
             if m["scope"] in back and "backward_seconds" in m:
                 m["backward_seconds"] = min(m["backward_seconds"], back[m["scope"]])
         after = sum(m["forward_seconds"] + m.get("backward_seconds", 0.0) for m in self.profile_modules)
-        if before > 0 and (before - after) / before > 0.1:
+        if 0 < after < before:
             old = [m["placement"] for m in self.plan["modules"]] if self.plan is not None else None
             change = self._ssd_rate_change(core_stats)
             if change is not None:
