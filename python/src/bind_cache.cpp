@@ -118,9 +118,9 @@ ebbtide::py::GlueApi make_glue_api() {
     return c;
   };
   a.glue_obj = [](PyObject* obj) noexcept { return glue_obj(nb::handle(obj)); };
-  a.kept_resident = [](TensorCache* c, uint64_t bytes) noexcept {
+  a.kept_resident = [](TensorCache* c, int64_t delta) noexcept {
     nb::gil_scoped_release unlocked;  // a rise takes the core's lock
-    c->set_kept_resident(bytes);
+    c->add_kept_resident(delta);
   };
   a.save = [](TensorCache* c, SaveRequest& r, SaveResult* out) noexcept {
     bool ok = guarded([&] {
