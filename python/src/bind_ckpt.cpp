@@ -1,5 +1,6 @@
 // Checkpoint writer/reader bindings: the Python glue (ebbtide/checkpoint/native_save.py)
 // flattens state dicts into blobs (pointer, size) and JSON metadata.
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -33,6 +34,14 @@ nb::dict result_dict(const SaveResult& r) {
   d["total_seconds"] = r.total_seconds;
   d["backend"] = r.backend;
   return d;
+}
+
+// Bytes [offset, offset + nbytes) of a staging buffer as a uint8 tensor that keeps the buffer alive.
+nb::object staging_tensor(StagingBuffer&& buf, uint64_t offset, uint64_t nbytes) {
+  auto* keep = new StagingBuffer(std::move(buf));
+  nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<StagingBuffer*>(p); });
+  return nb::cast(nb::ndarray<nb::pytorch, uint8_t, nb::ndim<1>>(static_cast<char*>((*keep)->data()) + offset,
+                                                                  {static_cast<size_t>(nbytes)}, owner));
 }
 
 }  // namespace
@@ -119,16 +128,46 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
         ebbtide::py::gil_release g;
         w.join();
       })
-      .def("copy",
-           [](CheckpointWriter& w, const std::vector<std::tuple<uintptr_t, uintptr_t, uint64_t>>& copies) {
-             std::vector<HostCopy> c;
+      .def("stage",
+           [](CheckpointWriter& w, const std::vector<std::tuple<uintptr_t, uintptr_t, uint64_t, bool, uintptr_t>>& copies) {
+             std::vector<StageCopy> c;
              c.reserve(copies.size());
-             for (const auto& [dst, src, n] : copies)
-               c.push_back({reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n});
+             for (const auto& [dst, src, n, device, stream] : copies)
+               c.push_back({reinterpret_cast<void*>(dst), ebbtide::py::pointer_buffer(src, n, device, stream)});
              ebbtide::py::gil_release g;
-             w.copy(c);
+             w.stage(c);
            },
-           nb::arg("copies"), "Copies host (dst, src, nbytes) ranges on the writer's threads (staging).")
+           nb::arg("copies"),
+           "Copies (dst, src, nbytes, device, stream) ranges as a snapshot does: device sources on their stream "
+           "into the staging buffer, host ones on the writer's threads (Note [Staging buffer]).")
+      .def("reserve_staging",
+           [](CheckpointWriter& w, uint64_t nbytes, int device) {
+             ebbtide::py::gil_release g;
+             (void)w.reserve_staging(nbytes, device);
+           },
+           nb::arg("nbytes"), nb::arg("device") = -1,
+           "Maps and faults in a staging buffer of nbytes on this thread (page-locked in CUDA device `device`'s "
+           "context when >= 0) and makes it the writer's (Note [Staging buffer]).")
+      .def_prop_ro("staging_buffer",
+                   [](const CheckpointWriter& w) -> nb::object {
+                     StagingBuffer buf = w.staging_buffer();
+                     if (!buf) return nb::none();
+                     const size_t size = buf->size();
+                     return staging_tensor(std::move(buf), 0, size);
+                   },
+                   "The writer's staging buffer as a uint8 tensor that keeps it alive, or None.")
+      .def("staging_view",
+           [](const CheckpointWriter& w, uint64_t offset, uint64_t nbytes) {
+             StagingBuffer buf = w.staging_buffer();
+             if (!buf || offset > buf->size() || nbytes > buf->size() - offset)
+               throw ebbtide::InvalidArgument(ebbtide::detail::concat(
+                   "staging_view: bytes [", offset, ", ", offset + nbytes, ") lie outside the staging buffer of ",
+                   buf ? buf->size() : 0, " bytes"));
+             return staging_tensor(std::move(buf), offset, nbytes);
+           },
+           nb::arg("offset"), nb::arg("nbytes"),
+           "Bytes [offset, offset + nbytes) of the staging buffer as a uint8 tensor with a storage of its own "
+           "that keeps the buffer alive (a staged tensor's storage, Note [Staging buffer]).")
       .def("commit",
            [](CheckpointWriter& w, SaveTransaction& t, const std::vector<std::pair<std::string, nb::bytes>>& files) {
              std::vector<NamedContent> f;

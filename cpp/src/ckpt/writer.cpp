@@ -110,7 +110,12 @@ void CheckpointWriter::commit(SaveTransaction& txn, const std::vector<std::pair<
   txn.committed();
 }
 
-void CheckpointWriter::copy(const std::vector<HostCopy>& copies) { impl_->copy_host(copies); }
+void CheckpointWriter::stage(const std::vector<StageCopy>& copies) { impl_->stage(copies); }
+
+StagingBuffer CheckpointWriter::staging_buffer() const {
+  std::lock_guard lock(impl_->staging_mu);
+  return impl_->staging_buf;
+}
 
 void CheckpointWriter::join() {
   std::lock_guard lock(impl_->mu);

@@ -15,8 +15,9 @@ writer and reader, ebbtide._core.CkptWriter / CkptReader):
 - checks.py, validate.py: every check a hostile checkpoint meets, one table
   for ``load`` and ``ebbtide ckpt inspect`` (Note [One validator]);
 - safetensors.py: safetensors files and sharded HF checkpoints;
-- dcp_format.py, dcp_writer.py, dcp_reader.py: the torch.distributed.checkpoint
-  storage plugin, public as ``ebbtide.dcp``.
+- dcp_format.py, dcp_writer.py, dcp_staging.py, dcp_reader.py: the
+  torch.distributed.checkpoint storage plugin, public as ``ebbtide.dcp``;
+- staging.py: copies of a state into the writer's staging buffer.
 Modules here may import ebbtide._core, ebbtide._settings and each other; never
 the activation cache (ebbtide.cache), the planner or the harness.
 """
