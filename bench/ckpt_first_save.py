@@ -77,7 +77,7 @@ def copy_reference(state, device):
     that snapshots): host state by a checkpoint writer's stage() into memory
     faulted in beforehand (its threads, streaming stores: what a snapshot
     does), CUDA state by torch's copy into page-locked host tensors (a D2H
-    copy); seconds."""
+    copy); (seconds, CPU seconds of the process)."""
     import torch
 
     from ebbtide import _core
@@ -89,19 +89,19 @@ def copy_reference(state, device):
         copies = [(dst[k].data_ptr(), v.data_ptr(), v.nbytes, False, 0) for k, v in state.items()]
 
         def run(keep=dst):  # the destination lives as long as the function
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             w.stage(copies)
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, time.process_time() - c0
     else:
         dst = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in state.items()}
 
         def run():
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for k, v in state.items():
                 dst[k].copy_(v, non_blocking=True)
             torch.cuda.synchronize()
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, time.process_time() - c0
     run()
     return run
 
@@ -149,14 +149,17 @@ def async_run(path, copy, size, directory, saves, device="cpu"):
 
         def ssave():
             dcp.save(state, storage_writer=w)
-    blocked, total, joined, copies = [], [], [], []
+    blocked, cpu, total, joined, copies, copies_cpu = [], [], [], [], [], []
     ref = copy_reference(state, device) if copy is not None else None
     for i in range(saves if copy is not None else 0):
         if i:
-            copies.append(ref())
-        t0 = time.perf_counter()
+            c = ref()
+            copies.append(c[0])
+            copies_cpu.append(c[1])
+        t0, c0 = time.perf_counter(), time.process_time()
         h = asave()
         blocked.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         finish(h)
         total.append(time.perf_counter() - t0)
         t1 = time.perf_counter()
@@ -172,7 +175,9 @@ def async_run(path, copy, size, directory, saves, device="cpu"):
         return {"path": path, "sync_s": sync, "loadavg": os.getloadavg()}
     return {"path": path, "copy": copy, "device": device, "state_bytes": sum(t.nbytes for t in state.values()),
             "first_blocked_s": blocked[0], "later_blocked_s": blocked[1:], "copy_s": copies,
-            "later_vs_copy": [b / c for b, c in zip(blocked[1:], copies)], "async_total_s": total,
+            "later_vs_copy": [b / c for b, c in zip(blocked[1:], copies)], "later_cpu_s": cpu[1:],
+            "copy_cpu_s": copies_cpu, "later_cpu_vs_copy": [b / max(c, 1e-9) for b, c in zip(cpu[1:], copies_cpu)],
+            "async_total_s": total,
             "join_s": joined, "sync_s": sync, "loadavg": os.getloadavg()}
 
 
@@ -208,9 +213,10 @@ def async_bench(args):
                  later_vs_copy_max=max(r["later_vs_copy"]) if later else float("nan"))
         runs.append(r)
     print(f"{'async save':<46} {'sync s':>6} {'1st sync':>8} {'first blocked (/sync, /1st sync)':>33}  "
-          "later calls blocked: s (/ one copy of the state timed before it)")
+          "later calls blocked: s (/ one copy of the state timed before it; CPU s / the copy's CPU s)")
     for r in runs:
-        later = "  ".join(f"{b:.3f} ({q:.2f}x)" for b, q in zip(r["later_blocked_s"], r["later_vs_copy"]))
+        later = "  ".join(f"{b:.3f} ({q:.2f}x; {c:.2f}x)" for b, q, c in zip(r["later_blocked_s"], r["later_vs_copy"],
+                                                                             r["later_cpu_vs_copy"]))
         print(f"{r['name']:<46} {r['sync_median_s']:6.3f} {r['first_sync_s']:8.3f} {r['first_blocked_s']:9.3f} s "
               f"{r['first_ratio']:7.1%} {r['first_vs_first_sync']:7.1%}  {later}")
     pairs = {(r["path"], r["copy"]): r for r in runs}
@@ -221,7 +227,8 @@ def async_bench(args):
         print(f"later DCP calls / later native calls (each over its copy): worst DCP {d['later_vs_copy_max']:.2f}x "
               f"vs native median {statistics.median(n['later_vs_copy']):.2f}x -> "
               f"{d['later_vs_copy_max'] / statistics.median(n['later_vs_copy']):.2f}; worst native "
-              f"{n['later_vs_copy_max']:.2f}x")
+              f"{n['later_vs_copy_max']:.2f}x; in CPU seconds: worst DCP {max(d['later_cpu_vs_copy']):.2f}x, "
+              f"native median {statistics.median(n['later_cpu_vs_copy']):.2f}x")
     gb = runs[0]["state_bytes"] / 1e9 if runs else 0
     print(f"state {gb:.3f} GB on {args.device}, {args.saves} async and {args.saves} sync saves per fresh process "
           "('sync s': their median; '1st sync': the first sync save in a fresh process of its own; each async "
