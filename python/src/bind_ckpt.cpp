@@ -36,12 +36,30 @@ nb::dict result_dict(const SaveResult& r) {
   return d;
 }
 
+// A vector as a 1-D torch tensor that owns it.
+template <class T>
+nb::object owned_tensor(std::vector<T>&& v) {
+  auto [cap, keep] = ebbtide::py::owning_capsule(std::move(v));
+  return ebbtide::py::tensor_1d(keep->data(), keep->size(), cap);
+}
+
 // Bytes [offset, offset + nbytes) of a staging buffer as a uint8 tensor that keeps the buffer alive.
 nb::object staging_tensor(StagingBuffer&& buf, uint64_t offset, uint64_t nbytes) {
-  auto* keep = new StagingBuffer(std::move(buf));
-  nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<StagingBuffer*>(p); });
-  return nb::cast(nb::ndarray<nb::pytorch, uint8_t, nb::ndim<1>>(static_cast<char*>((*keep)->data()) + offset,
-                                                                  {static_cast<size_t>(nbytes)}, owner));
+  auto [cap, keep] = ebbtide::py::owning_capsule(std::move(buf));
+  return ebbtide::py::tensor_1d(static_cast<uint8_t*>((*keep)->data()) + offset, nbytes, cap);
+}
+
+nb::dict coded_dict(excp::Coded&& c) {
+  nb::dict d;
+  d["mask"] = owned_tensor(std::move(c.mask));
+  d["codes"] = owned_tensor(std::move(c.codes));
+  d["codebook"] = owned_tensor(std::move(c.codebook));
+  d["count"] = c.count;
+  d["kept"] = c.kept;
+  d["max_abs"] = c.max_abs;
+  d["sq_err"] = c.sq_err;
+  d["sq_ref"] = c.sq_ref;
+  return d;
 }
 
 }  // namespace
@@ -177,6 +195,47 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
            },
            nb::arg("transaction"), nb::arg("files") = std::vector<std::pair<std::string, nb::bytes>>{},
            "Commits a save that `transaction` reserved (Note [Deferred removal]).")
+      .def("excp_encode",
+           [](CheckpointWriter& w, uintptr_t weight, uintptr_t base, uint64_t n, uintptr_t m, uintptr_t v,
+              uintptr_t base_v, double density, double tolerance, double alpha, double beta, int bits,
+              int bits_moments, bool carry_v, int kmeans_iters) {
+             excp::Weight in;
+             in.w = reinterpret_cast<const float*>(weight);
+             in.base = reinterpret_cast<const float*>(base);
+             in.n = n;
+             in.m = reinterpret_cast<const float*>(m);
+             in.v = reinterpret_cast<const float*>(v);
+             in.base_v = reinterpret_cast<const float*>(base_v);
+             excp::Options o;
+             o.density = density;
+             o.tolerance = tolerance;
+             o.alpha = alpha;
+             o.beta = beta;
+             o.bits = bits;
+             o.bits_moments = bits_moments;
+             o.carry_v = carry_v;
+             o.kmeans_iters = kmeans_iters;
+             excp::Encoded e;
+             {
+               ebbtide::py::gil_release g;
+               e = w.encode_delta(in, o);
+             }
+             nb::dict d;
+             d["w"] = coded_dict(std::move(e.w));
+             if (in.m != nullptr) {
+               d["m"] = coded_dict(std::move(e.m));
+               d["v"] = coded_dict(std::move(e.v));
+             }
+             d["carried"] = e.carried;
+             return d;
+           },
+           nb::arg("weight"), nb::arg("base"), nb::arg("n"), nb::arg("m") = 0, nb::arg("v") = 0,
+           nb::arg("base_v") = 0, nb::arg("density") = 0.1, nb::arg("tolerance") = 0.0, nb::arg("alpha") = -1.0,
+           nb::arg("beta") = 0.0, nb::arg("bits") = 4, nb::arg("bits_moments") = 4, nb::arg("carry_v") = true,
+           nb::arg("kmeans_iters") = 8,
+           "ExCP-encodes one fp32 weight (pointers to n floats; m, v, base_v 0 when absent) on the writer's "
+           "threads (Note [ExCP encoding]): {'w', 'm', 'v': {mask, codes, codebook, count, kept, max_abs, "
+           "sq_err, sq_ref}, 'carried'}.")
       .def_prop_ro("snapshot_capacity", &CheckpointWriter::snapshot_capacity)
       .def_prop_ro("chunk_bytes", [](const CheckpointWriter& w) { return w.options().chunk_bytes; });
 

@@ -2,7 +2,8 @@
 writer keeps (Note [Staging buffer] in cpp/src/ckpt/writer_arena.cpp): the
 layout of the staged tensors in the buffer, the thread that fills a buffer
 off the caller's path, and the copy itself. Used by DCP's async_save
-(dcp_staging.py)."""
+(dcp_staging.py) and by async delta saves (Note [Async delta saves] in
+native_save.py)."""
 import logging
 import threading
 
@@ -60,6 +61,59 @@ class BufferViews:
         if not in_buffer(t):
             return torch.zeros_like(t, device="cpu")
         return self.region(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+
+
+def _stageable(t):
+    """A host tensor staged storage-whole (others are cloned by torch)."""
+    return (t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized and not t.is_conj()
+            and not t.is_neg() and t.untyped_storage().nbytes() > 0)
+
+
+def state_bytes(tensors):
+    """Bytes of staging buffer a staged_state() of these tensors takes: their storages, once each."""
+    seen, total = set(), 0
+    for t in tensors:
+        if _stageable(t) and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total = -(-total // ALIGN) * ALIGN + t.untyped_storage().nbytes()
+    return total
+
+
+def staged_state(native, state, map_tree):
+    """A copy of `state` (host tensors only) in the writer's staging buffer
+    that shares what it shares: one staged storage per storage, copied whole
+    on the writer's threads, each tensor a view of its own at the same
+    offset and strides (parameters stay parameters; sparse, conjugate and
+    quantized tensors are cloned). None, with nothing copied, when the
+    buffer is missing or too small. `map_tree(obj, path, leaf)` rebuilds the
+    containers (lossy._map_tree)."""
+    from ebbtide.checkpoint.lossy import _DESCEND
+    tensors = [t for _, t in tree.walk_tensors(state)]
+    if any(t.device.type != "cpu" for t in tensors):
+        return None
+    views = BufferViews(native)
+    storages, copies = {}, []
+    try:
+        for t in tensors:
+            st = t.untyped_storage()
+            if _stageable(t) and st.data_ptr() not in storages:
+                region = views.region(st.nbytes())
+                storages[st.data_ptr()] = region
+                copies.append((region.data_ptr(), st.data_ptr(), st.nbytes(), False, 0))
+    except NoRoom:
+        return None
+    native.stage(copies)
+
+    def leaf(obj, path):
+        if not isinstance(obj, torch.Tensor):
+            return _DESCEND
+        if not _stageable(obj):
+            return obj.clone()
+        x = torch.empty(0, dtype=obj.dtype)
+        x.set_(storages[obj.untyped_storage().data_ptr()].untyped_storage(), obj.storage_offset(), obj.shape,
+               obj.stride())
+        return torch.nn.Parameter(x, requires_grad=obj.requires_grad) if isinstance(obj, torch.nn.Parameter) else x
+    return map_tree(state, "state", leaf)
 
 
 def native_copy(src, dst, in_staging):

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ebbtide/mem/fork_origin.hpp"
+#include "ebbtide/ckpt/excp.hpp"
 #include "ebbtide/ckpt/format.hpp"
 #include "ebbtide/io/engine.hpp"
 #include "ebbtide/mem/buffer.hpp"
@@ -188,6 +189,10 @@ class CheckpointWriter : public mem::ForkOrigin {
   // not overlap and must stay valid until it returns; safe beside a save in
   // flight. InvalidArgument for a device copy outside the staging buffer.
   void stage(const std::vector<StageCopy>& copies);
+  // ExCP delta encoding of one weight (excp::encode) on this writer's
+  // threads: a delta save's encoding runs where its copies and
+  // compression do. Safe beside a save in flight.
+  excp::Encoded encode_delta(const excp::Weight& in, const excp::Options& o);
   const WriterOptions& options() const { return options_; }
   uint64_t snapshot_capacity() const;  // bytes of reusable snapshot (or save ring) buffers held
 
