@@ -245,15 +245,15 @@ def test_dcp_bad_staging(tmp_path, kwargs, match):
 def test_async_bench_runs(tmp_path):
     out = tmp_path / "r.json"
     p = subprocess.run([sys.executable, BENCH, "--mode", "async", "--dir", str(tmp_path / "b"), "--size", "0.01",
-                        "--saves", "3", "--json", str(out)], check=True, capture_output=True, text=True, timeout=600)
+                        "--saves", "2", "--json", str(out)], check=True, capture_output=True, text=True, timeout=600)
     r = json.loads(out.read_text())
     assert [(x["path"], x["copy"]) for x in r["runs"]] == [("native", True), ("native", False), ("dcp", True),
                                                             ("dcp", False)]
     for x in r["runs"]:  # every call is reported, each later one against a copy of the state timed before it
-        assert x["first_blocked_s"] > 0 and len(x["later_blocked_s"]) == 2 and len(x["sync_s"]) == 3
-        assert len(x["copy_s"]) == 2 and all(c > 0 for c in x["copy_s"]) and len(x["later_vs_copy"]) == 2
-        assert len(x["later_cpu_vs_copy"]) == 2
-        assert x["first_ratio"] > 0 and len(x["later_ratio"]) == 2 and x["later_vs_copy_max"] > 0
+        assert x["first_blocked_s"] > 0 and len(x["later_blocked_s"]) == 1 and len(x["sync_s"]) == 2
+        assert len(x["copy_s"]) == 1 and x["copy_s"][0] > 0 and len(x["later_vs_copy"]) == 1
+        assert len(x["later_cpu_vs_copy"]) == 1
+        assert x["first_ratio"] > 0 and len(x["later_ratio"]) == 1 and x["later_vs_copy_max"] > 0
         assert x["first_sync_s"] > 0 and x["first_vs_first_sync"] > 0 and x["device"] == "cpu"
     assert "later DCP calls / later native calls" in p.stdout
 
