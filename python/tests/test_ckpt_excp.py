@@ -155,6 +155,20 @@ def test_options_are_checked():
             _lossy._opts(bad)
 
 
+def test_bf16_weights_report_the_error_of_what_decodes(tmp_path):
+    """The core measures errors in float32; a bf16 weight decodes rounded to
+    bf16, and its recorded error is that of what loads."""
+    g = torch.Generator().manual_seed(2)
+    base = {"w": torch.randn(128, 64, generator=g).bfloat16()}
+    st = {"w": (base["w"].float() + 0.01 * torch.randn(128, 64, generator=g)).bfloat16()}
+    ckpt.save(base, tmp_path / "b")
+    info = ckpt.save(st, tmp_path / "d", compress="delta", base=tmp_path / "b")
+    got = ckpt.load(tmp_path / "d")["w"]
+    assert got.dtype == torch.bfloat16
+    recorded = info["error"]["tensors"]["state.w"]["max_abs"]
+    assert 0 < float((got.float() - st["w"].float()).abs().max()) <= recorded * (1 + 1e-6)
+
+
 def test_async_delta_saves_encode_a_staged_copy_after_returning(tmp_path):
     """Note [Async delta saves]: an async delta save that finds the writer's
     staging buffer ready copies the state into it, returns, and encodes on

@@ -111,17 +111,20 @@ struct Buckets {
     for (unsigned s = k / 2; s >= 1; s /= 2) lo += bound[lo + s - 1] < v ? s : 0;
     return lo;
   }
-  // of() for values[0, len), len <= kChunk: up to 16 centres by counting the
-  // boundaries below each value (a loop the compiler vectorises), more by search.
-  void of(const float* values, uint64_t len, uint8_t* out) const {
+  // of() of values[0, len) (each first raised to `floor`), len <= kChunk: up
+  // to 16 centres by counting the boundaries below each value (a loop the
+  // compiler vectorises), more by search.
+  void of(const float* values, uint64_t len, float floor, uint8_t* out) const {
     if (k > 16) {
-      for (uint64_t j = 0; j < len; ++j) out[j] = static_cast<uint8_t>(of(values[j]));
+      for (uint64_t j = 0; j < len; ++j) out[j] = static_cast<uint8_t>(of(std::max(values[j], floor)));
       return;
     }
+    float x[kChunk];
     uint32_t c[kChunk] = {};
+    for (uint64_t j = 0; j < len; ++j) x[j] = std::max(values[j], floor);
     for (unsigned q = 0; q + 1 < k; ++q) {
       const float bq = bound[q];
-      for (uint64_t j = 0; j < len; ++j) c[j] += bq < values[j];
+      for (uint64_t j = 0; j < len; ++j) c[j] += bq < x[j];
     }
     for (uint64_t j = 0; j < len; ++j) out[j] = static_cast<uint8_t>(c[j]);
   }
@@ -161,17 +164,18 @@ float quantile(const std::vector<float>& sorted, float q) {
   return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1 - w);
 }
 
-// The codebook of `values` (count of them): the quantiles of an evenly
-// spaced sample of at most kSample values as the start, then Lloyd steps on
-// that sample. The sample is sorted, so a step finds each centre's values
-// as a range between two boundaries and sums them by prefix sums.
-std::vector<float> codebook(const float* values, uint64_t count, int bits, int iters) {
+// The codebook of `values` (count of them; with `log`, of log(max(v,
+// kTiny))): the quantiles of an evenly spaced sample of at most kSample
+// values as the start, then Lloyd steps on that sample. The sample is
+// sorted, so a step finds each centre's values as a range between two
+// boundaries and sums them by prefix sums.
+std::vector<float> codebook(const float* values, uint64_t count, int bits, int iters, bool log) {
   const unsigned k = 1u << bits;
   if (count == 0) return std::vector<float>(k, 0.0f);
   std::vector<float> x;
   const uint64_t step = (count + kSample - 1) / kSample;
   x.reserve(count / step + 1);
-  for (uint64_t i = 0; i < count; i += step) x.push_back(values[i]);
+  for (uint64_t i = 0; i < count; i += step) x.push_back(log ? std::log(std::max(values[i], kTiny)) : values[i]);
   sort_floats(x);
   std::vector<float> centres(k);
   for (unsigned j = 0; j < k; ++j) centres[j] = quantile(x, (0.5f + static_cast<float>(j)) / static_cast<float>(k));
@@ -194,18 +198,22 @@ std::vector<float> codebook(const float* values, uint64_t count, int bits, int i
   return centres;
 }
 
-// Quantises `values` to c.codebook (fitted here), codes into c.codes, and
-// adds the error of the decoded values (codebook values, exp'd with `log`)
-// against `exact` to c's sums.
-void quantise(const float* values, const float* exact, uint64_t count, int bits, int iters, bool log, Coded& c,
-              const ParallelFor& par) {
-  c.codebook = codebook(values, count, bits, iters);
+// Quantises `values` to c.codebook (fitted here; with `log` in the log
+// domain of max(v, kTiny)), codes into c.codes, and adds the error of the
+// decoded values (codebook values, exp'd with `log`) against them to c's
+// sums. log() is monotonic, so the log domain's boundaries, exp'd, bucket
+// the values themselves: only the fitting sample takes logarithms.
+void quantise(const float* values, uint64_t count, int bits, int iters, bool log, Coded& c, const ParallelFor& par) {
+  c.codebook = codebook(values, count, bits, iters, log);
   c.codes.assign(count, 0);
   if (count == 0) return;
-  const Buckets b(c.codebook);
+  Buckets b(c.codebook);
   std::vector<float> decoded(c.codebook);
-  if (log)
+  if (log) {
     for (float& d : decoded) d = std::exp(d);
+    for (float& x : b.bound) x = std::exp(x);  // +inf stays +inf
+  }
+  const float floor = log ? kTiny : -std::numeric_limits<float>::infinity();
   const Parts parts(count);
   struct Err {
     double sq = 0, max = 0;
@@ -218,9 +226,9 @@ void quantise(const float* values, const float* exact, uint64_t count, int bits,
       const uint64_t len = std::min(kChunk, last - i);
       float sq = 0;
       int32_t mx = 0;  // the largest |error|'s bit pattern (as in encode's pass 3)
-      b.of(values + i, len, c.codes.data() + i);
+      b.of(values + i, len, floor, c.codes.data() + i);
       for (uint64_t j = 0; j < len; ++j) {
-        const float d = std::fabs(exact[i + j] - decoded[c.codes[i + j]]);
+        const float d = std::fabs(values[i + j] - decoded[c.codes[i + j]]);
         sq += d * d;
         mx = std::max(mx, std::bit_cast<int32_t>(d));
       }
@@ -524,7 +532,7 @@ Encoded encode(const Weight& in, const Options& o, const ParallelFor& par, Scrat
   w.sq_err = drop.w_sq;
   w.max_abs = drop.w_max;
   w.sq_ref = w2;
-  quantise(kr.data(), kr.data(), count_w, o.bits, o.kmeans_iters, false, w, par);
+  quantise(kr.data(), count_w, o.bits, o.kmeans_iters, false, w, par);
   if (!moments) return out;
   // The moments are kept where their weight is (and |m| passed beta): the
   // kept weights' values, less those beta dropped.
@@ -537,8 +545,6 @@ Encoded encode(const Weight& in, const Options& o, const ParallelFor& par, Scrat
       kv[count_m++] = kv[j];
     }
   }
-  std::vector<float> vlog(count_m);
-  for (uint64_t j = 0; j < count_m; ++j) vlog[j] = std::log(std::max(kv[j], kTiny));
   Coded& m = out.m;
   m.mask.assign((count_w + 7) / 8, 0);
   for (uint64_t j = 0; j + 8 <= count_w; j += 8) m.mask[j / 8] = pack8(kflag.data() + j);
@@ -548,7 +554,7 @@ Encoded encode(const Weight& in, const Options& o, const ParallelFor& par, Scrat
   m.sq_err = drop.m_sq;
   m.max_abs = drop.m_max;
   m.sq_ref = drop.m_ref;
-  quantise(km.data(), km.data(), count_m, o.bits_moments, o.kmeans_iters, false, m, par);
+  quantise(km.data(), count_m, o.bits_moments, o.kmeans_iters, false, m, par);
   Coded& v = out.v;
   v.mask = m.mask;
   v.count = count_m;
@@ -556,7 +562,7 @@ Encoded encode(const Weight& in, const Options& o, const ParallelFor& par, Scrat
   v.sq_err = drop.v_sq;
   v.max_abs = drop.v_max;
   v.sq_ref = drop.v_ref;
-  quantise(vlog.data(), kv.data(), count_m, o.bits_moments, o.kmeans_iters, true, v, par);
+  quantise(kv.data(), count_m, o.bits_moments, o.kmeans_iters, true, v, par);
   return out;
 }
 
