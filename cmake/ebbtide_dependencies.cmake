@@ -43,9 +43,26 @@ else()
   message(STATUS "ebbtide: liburing disabled (EBBTIDE_WITH_LIBURING=OFF); only the POSIX backend will be built")
 endif()
 
-# zstd: checkpoint compression (compress="lossless" and "delta").
+# zstd: checkpoint compression (compress="lossless" and "delta"), from the
+# system, or built from upstream's lib/ sources in EBBTIDE_ZSTD_SOURCE into a
+# static, position-independent library whose symbols stay inside the module
+# (the manylinux wheel: scripts/manylinux_sysroot.sh).
 set(EBBTIDE_HAVE_ZSTD OFF)
-if(EBBTIDE_WITH_ZSTD)
+if(EBBTIDE_WITH_ZSTD AND EBBTIDE_ZSTD_SOURCE)
+  if(NOT EXISTS "${EBBTIDE_ZSTD_SOURCE}/zstd.h")
+    message(FATAL_ERROR "ebbtide: EBBTIDE_ZSTD_SOURCE=${EBBTIDE_ZSTD_SOURCE} holds no zstd.h (it names zstd's lib/ folder)")
+  endif()
+  enable_language(ASM)
+  file(GLOB _zstd_sources ${EBBTIDE_ZSTD_SOURCE}/common/*.c ${EBBTIDE_ZSTD_SOURCE}/compress/*.c
+       ${EBBTIDE_ZSTD_SOURCE}/decompress/*.c ${EBBTIDE_ZSTD_SOURCE}/decompress/*.S)
+  add_library(ebbtide_zstd STATIC ${_zstd_sources})
+  set_target_properties(ebbtide_zstd PROPERTIES C_VISIBILITY_PRESET hidden POSITION_INDEPENDENT_CODE ON)
+  target_compile_definitions(ebbtide_zstd PRIVATE ZSTDLIB_VISIBLE= ZSTDERRORLIB_VISIBLE= ZDICTLIB_VISIBLE=)
+  set(ZSTD_LIBRARY ebbtide_zstd)
+  set(ZSTD_INCLUDE_DIR ${EBBTIDE_ZSTD_SOURCE})
+  set(EBBTIDE_HAVE_ZSTD ON)
+  message(STATUS "ebbtide: zstd built from ${EBBTIDE_ZSTD_SOURCE}")
+elseif(EBBTIDE_WITH_ZSTD)
   find_library(ZSTD_LIBRARY NAMES zstd)
   find_path(ZSTD_INCLUDE_DIR zstd.h)
   if(NOT (ZSTD_LIBRARY AND ZSTD_INCLUDE_DIR))

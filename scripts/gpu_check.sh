@@ -78,6 +78,14 @@
 #            dcp.async_save, against a D2H copy of the state; JSON
 #            ckpt_async.json). Without a GPU both run on CPU tensors
 #   dist     bench/dist_offload.py under torchrun (nccl)
+#   megatron bench/megatron_offload.py --device cuda (issue 43): a Megatron-core
+#            GPTModel (local spec, 8 layers, hidden 2048, seq 2048, bf16) with
+#            ebbtide's budget at half its saved bytes, against Megatron's full
+#            recompute, the flags `ebbtide plan --megatron` prints and (where
+#            Transformer Engine is installed; its row says n/a otherwise)
+#            Megatron's fine-grained offloading: step time and allocator peak.
+#            About 60 s. n/a (rc 10) without megatron-core (device_deps.sh
+#            carries its wheel) or numpy. JSON: megatron.json
 # Logs and JSON go to out/gpu (on the device: a scratch folder packed into
 # $OUT/gpu_check.tgz every GPU_CHECK_PACK_EVERY seconds, default 20, while a
 # step runs, after each step and at the end, so a call cut off at its limit
@@ -139,7 +147,7 @@ jobs=$(nproc)
 build=$repo/build/gpu
 stages=("$@")
 ((${#stages[@]})) || stages=(build test offload offload2 pytest demo io dist)
-all_stages="build build_py test sanitize offload offload2 shape_a shape_a_compiled shape_b shape_c budget budget_a budget_b pytest demo io ckpt dist"
+all_stages="build build_py test sanitize offload offload2 shape_a shape_a_compiled shape_b shape_c budget budget_a budget_b pytest demo io ckpt dist megatron"
 summary=()
 deadline_hit=0
 
@@ -202,7 +210,8 @@ export EBBTIDE_LIBURING_ROOT=$repo/.deps/root
 export PYTHONPATH=$repo/python:$build/python${PYTHONPATH:+:$PYTHONPATH}
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$repo/.deps/root/usr/lib/x86_64-linux-gnu
 export PYTHONUNBUFFERED=1
-# Wheels from scripts/device_deps.sh (nanobind, torchtune), pure Python: each
+# Wheels from scripts/device_deps.sh (nanobind, torchtune, megatron-core; the
+# last has one extension module, for the machine's Python 3.12): each
 # is unpacked (the zipfile module; the machine's Python may lack pip), without
 # its dependencies, into a scratch folder on PYTHONPATH. That puts it ahead of
 # site-packages, so the build's `python -m nanobind` finds the carried nanobind,
@@ -453,6 +462,10 @@ for stage in "${stages[@]}"; do
         bench/dist_offload.py --device cuda --dtype bf16 --hidden 2048 --heads 16 --seq 1024 --batch 4 \
         --json "$out/dist_offload.json"
       tail -n 20 "$out/dist_offload.txt"
+      ;;
+    megatron)
+      step megatron megatron.txt 150 "$py" bench/megatron_offload.py --device cuda --json "$out/megatron.json"
+      tail -n 12 "$out/megatron.txt"
       ;;
   esac
 done

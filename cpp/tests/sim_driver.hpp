@@ -11,7 +11,14 @@
 // test's effect at their end; device-to-host and host-to-device copies each
 // have one copy engine per device of a given bandwidth and move their bytes
 // at their end (a copy reads its source then: writes made after it was
-// enqueued but before it ran are what it copies). The host's clock stays
+// enqueued but before it ran are what it copies); copies on a stream created
+// with a priority above the least have an engine per direction of their own,
+// so they never queue behind the default priority's (the link's bandwidth is
+// not shared between the two: optimistic, as the planner's model of a
+// priority stream is). Timed events (event_create_timed) report the device
+// clock: the time their stream reached them; reading one not yet reached on
+// the host's clock, untimed or never recorded fails as the driver's
+// cuEventElapsedTime does. The host's clock stays
 // where the test leaves it (a training loop's CPU runs ahead of the GPU) and
 // advances only through synchronize calls, a query that finds an event
 // reached, or the test; effects run as the host's clock passes their end.
@@ -25,7 +32,10 @@
 // fills freed blocks with a poison byte on their stream at the free. Handing
 // out (or unmapping) a block while a copy that touched it is not ordered
 // before that point is a race: it is recorded with the block's label and the
-// copy (races()), whatever the timeline says. Several devices each have a
+// copy (races()), whatever the timeline says. So is a copy that touches host
+// memory another copy touched, one of them writing it, when that copy is not
+// ordered before it (a page-locked blob freed while a reload still reads it,
+// then written by the next offload's copy). Several devices each have a
 // primary context; a thread has none current until it binds one; streams and
 // events belong to the context current at their creation, and calls that
 // need a context throw without one (contexts() lists the devices whose
@@ -55,6 +65,7 @@
 
 #include "ebbtide/mem/cuda_shim.hpp"
 #include "ebbtide/util/error.hpp"
+#include "sim_order.hpp"
 
 namespace ebbtide::test {
 
@@ -187,15 +198,15 @@ class SimDriver final : public mem::cuda::Driver {
     const SKey k = test_key(s, device);
     StreamState& st = streams_[k];
     VC point = st.vc;
-    join(point, host_vc_);
+    sim::join(point, host_vc_);
     // Most recently freed first: reuse as early as the model allows.
     for (auto it = free_.rbegin(); it != free_.rend(); ++it) {
       Block& b = *blocks_.at(*it);
       if (b.device != k.first || b.size < n || !b.mapped) continue;
       const bool same = b.stream == k;
-      if (!same && !covers(host_vc_, b.free_point)) continue;  // the host never saw s reach the free
-      if (!covers(host_vc_, b.use_points)) continue;            // record_stream: events not seen complete
-      check_accessors_locked(b, point, detail::concat("reused by an allocation (", label, ") on ", name(k)));
+      if (!same && !sim::covers(host_vc_, b.free_point)) continue;  // the host never saw s reach the free
+      if (!sim::covers(host_vc_, b.use_points)) continue;            // record_stream: events not seen complete
+      check_accessors_locked(b, point, detail::concat("reused by an allocation (", label, ") on ", sim::name(k)));
       b.accessors.clear();
       b.in_use = true;
       b.stream = k;
@@ -226,11 +237,11 @@ class SimDriver final : public mem::cuda::Driver {
     EBB_CHECK(it != blocks_.end() && it->second->in_use, "sim free: 0x", std::hex, p, " is not an allocated block");
     Block& b = *it->second;
     StreamState& st = streams_[b.stream];
-    join(st.vc, host_vc_);
+    sim::join(st.vc, host_vc_);
     b.use_points.clear();
     for (const SKey& u : b.uses) {
       if (u == b.stream) continue;
-      join(streams_[u].vc, host_vc_);
+      sim::join(streams_[u].vc, host_vc_);
       b.use_points[u] = streams_[u].vc[u];
     }
     b.in_use = false;
@@ -277,7 +288,7 @@ class SimDriver final : public mem::cuda::Driver {
   void begin_capture(Stream s, int device = 0) {
     Lock lock(mu_);
     const SKey k = test_key(s, device);
-    EBB_CHECK(!capturing_.count(k), "sim: ", name(k), " is already capturing");
+    EBB_CHECK(!capturing_.count(k), "sim: ", sim::name(k), " is already capturing");
     auto cap = std::make_shared<Capture>();
     cap->origin = k;
     cap->thread = std::this_thread::get_id();
@@ -288,7 +299,7 @@ class SimDriver final : public mem::cuda::Driver {
     Lock lock(mu_);
     const SKey k = test_key(s, device);
     auto it = capturing_.find(k);
-    EBB_CHECK(it != capturing_.end() && it->second->origin == k, "sim: ", name(k), " is not capturing");
+    EBB_CHECK(it != capturing_.end() && it->second->origin == k, "sim: ", sim::name(k), " is not capturing");
     auto cap = it->second;
     std::string unjoined;
     for (auto jt = capturing_.begin(); jt != capturing_.end();) {
@@ -296,7 +307,7 @@ class SimDriver final : public mem::cuda::Driver {
         ++jt;
         continue;
       }
-      if (jt->first != k && cap->rejoined[jt->first] != cap->ops[jt->first]) unjoined += " " + name(jt->first);
+      if (jt->first != k && cap->rejoined[jt->first] != cap->ops[jt->first]) unjoined += " " + sim::name(jt->first);
       jt = capturing_.erase(jt);
     }
     if (!unjoined.empty()) fail_locked("cuStreamEndCapture", "CUDA_ERROR_STREAM_CAPTURE_UNJOINED (streams" + unjoined + " joined the capture and never rejoined)");
@@ -352,12 +363,14 @@ class SimDriver final : public mem::cuda::Driver {
   }
   Event event_create() override {
     Lock lock(mu_);
-    const int dev = need_context_locked("cuEventCreate");
-    Event e = ++next_event_;
-    events_[e].device = dev;
+    return event_create_locked();
+  }
+  Event event_create_timed() override {
+    Lock lock(mu_);
+    const Event e = event_create_locked();
+    events_[e].timed = true;
     return e;
   }
-  Event event_create_timed() override { return event_create(); }
   void event_destroy(Event e) override {
     Lock lock(mu_);
     events_.erase(e);
@@ -369,10 +382,10 @@ class SimDriver final : public mem::cuda::Driver {
     EventState& ev = event_locked(e, "cuEventRecord");
     const SKey k = key_locked(s, "cuEventRecord");
     if (ev.device != dev || k.first != dev)
-      fail_locked("cuEventRecord", detail::concat("CUDA_ERROR_INVALID_HANDLE (event of device ", ev.device, ", ", name(k),
+      fail_locked("cuEventRecord", detail::concat("CUDA_ERROR_INVALID_HANDLE (event of device ", ev.device, ", ", sim::name(k),
                                                  ", device ", dev, " current)"));
     StreamState& st = streams_[k];
-    join(st.vc, host_vc_);
+    sim::join(st.vc, host_vc_);
     ev.vc = st.vc;
     ev.time = std::max(st.tail, host_);
     ev.recorded = true;
@@ -389,7 +402,7 @@ class SimDriver final : public mem::cuda::Driver {
     unsafe_in_capture_locked("cuEventSynchronize");
     EventState& ev = event_locked(e, "cuEventSynchronize");
     if (ev.time > host_) parks_.push_back({std::this_thread::get_id(), "cuEventSynchronize"});
-    join(host_vc_, ev.vc);
+    sim::join(host_vc_, ev.vc);
     advance_locked(std::max(host_, ev.time));
   }
   bool event_query(Event e) override {
@@ -398,12 +411,23 @@ class SimDriver final : public mem::cuda::Driver {
     unsafe_in_capture_locked("cuEventQuery");
     EventState& ev = event_locked(e, "cuEventQuery");
     if (ev.time > host_) return false;
-    join(host_vc_, ev.vc);
+    sim::join(host_vc_, ev.vc);
     return true;
   }
   float event_elapsed_ms(Event a, Event b) override {
     Lock lock(mu_);
-    return static_cast<float>((event_locked(b, "cuEventElapsedTime").time - event_locked(a, "cuEventElapsedTime").time) * 1e3);
+    const char* call = "cuEventElapsedTime";
+    double t[2] = {0, 0};
+    int i = 0;
+    for (Event e : {a, b}) {
+      EventState& ev = event_locked(e, call);
+      if (!ev.timed) fail_locked(call, detail::concat("CUDA_ERROR_INVALID_HANDLE (event ", e, " was created without timing)"));
+      if (!ev.recorded || ev.capture)
+        fail_locked(call, detail::concat("CUDA_ERROR_INVALID_HANDLE (event ", e, " was not recorded outside a capture)"));
+      if (ev.time > host_) fail_locked(call, detail::concat("CUDA_ERROR_NOT_READY (event ", e, " not reached yet)"));
+      t[i++] = ev.time;
+    }
+    return static_cast<float>((t[1] - t[0]) * 1e3);
   }
   void stream_wait_event(Stream s, Event e) override {
     Lock lock(mu_);
@@ -421,21 +445,38 @@ class SimDriver final : public mem::cuda::Driver {
       cap->second->rejoined[ev.capture_stream] = ev.capture_ops;
     StreamState& st = streams_[k];
     if (capturing_.count(k)) return;
-    join(st.vc, ev.vc);
+    sim::join(st.vc, ev.vc);
     st.tail = std::max(st.tail, ev.time);
     st.waits += 1;
   }
-  Stream stream_create() override {
+  Stream stream_create() override { return stream_create_with_priority(kLeastPriority); }
+  // As a GPU of compute capability 9: priorities 0 (least) to -5.
+  static constexpr int kLeastPriority = 0;
+  static constexpr int kGreatestPriority = -5;
+  std::pair<int, int> stream_priority_range() override {
+    Lock lock(mu_);
+    need_context_locked("cuCtxGetStreamPriorityRange");
+    return {kLeastPriority, kGreatestPriority};
+  }
+  Stream stream_create_with_priority(int priority) override {
     Lock lock(mu_);
     unsafe_in_capture_locked("cuStreamCreate");
     const int dev = need_context_locked("cuStreamCreate");
     const Stream s = 100 + ++next_stream_;
     created_[s] = dev;
+    priority_[s] = std::clamp(priority, kGreatestPriority, kLeastPriority);
     return s;
+  }
+  // The priority `s` was created with (least for streams the sim did not create).
+  int priority_of(Stream s) {
+    Lock lock(mu_);
+    auto it = priority_.find(s);
+    return it == priority_.end() ? kLeastPriority : it->second;
   }
   void stream_destroy(Stream s) override {
     Lock lock(mu_);
     created_.erase(s);
+    priority_.erase(s);
   }
   void stream_synchronize(Stream s) override {
     Lock lock(mu_);
@@ -453,6 +494,16 @@ class SimDriver final : public mem::cuda::Driver {
   void relax_capture_mode() override {
     Lock lock(mu_);
     relaxed_.insert(thread_token());
+  }
+  // Relaxed or not is what the model knows of a thread's mode: global and
+  // thread-local both forbid the unsafe calls (a capture on another thread
+  // in thread-local mode is not modelled).
+  int exchange_capture_mode(int mode) override {
+    Lock lock(mu_);
+    const bool was = relaxed_.count(thread_token()) != 0;
+    if (mode == mem::cuda::kCaptureModeRelaxed) relaxed_.insert(thread_token());
+    else relaxed_.erase(thread_token());
+    return was ? mem::cuda::kCaptureModeRelaxed : mem::cuda::kCaptureModeGlobal;
   }
   // Page-locking needs a current context; it succeeds unless a test refuses
   // it (as a container with a small RLIMIT_MEMLOCK would). Both calls are counted.
@@ -487,8 +538,9 @@ class SimDriver final : public mem::cuda::Driver {
 
  private:
   using Lock = std::unique_lock<std::recursive_mutex>;
-  using SKey = std::pair<int, Stream>;  // (device, handle)
-  using VC = std::map<SKey, uint64_t>;
+  using SKey = sim::SKey;
+  using VC = sim::VC;
+  using Access = sim::Access;
 
   struct Capture {
     SKey origin;
@@ -504,17 +556,13 @@ class SimDriver final : public mem::cuda::Driver {
   };
   struct EventState {
     int device = 0;
+    bool timed = false;  // event_create_timed
     VC vc;
     double time = 0;
     bool recorded = false;
     std::shared_ptr<Capture> capture;  // recorded inside this capture
     SKey capture_stream{};
     uint64_t capture_ops = 0;
-  };
-  struct Access {
-    SKey stream;
-    uint64_t seq = 0;
-    std::string what;
   };
   struct Block {
     std::unique_ptr<unsigned char[]> mem;
@@ -531,23 +579,6 @@ class SimDriver final : public mem::cuda::Driver {
     std::vector<Access> accessors;
   };
 
-  static void join(VC& into, const VC& from) {
-    for (const auto& [k, v] : from) {
-      uint64_t& x = into[k];
-      x = std::max(x, v);
-    }
-  }
-  static bool covers(const VC& have, const VC& need) {
-    for (const auto& [k, v] : need) {
-      auto it = have.find(k);
-      if (it == have.end() || it->second < v) return false;
-    }
-    return true;
-  }
-  static std::string name(const SKey& k) {
-    return k.second == 0 ? detail::concat("the default stream of device ", k.first)
-                         : detail::concat("stream ", k.second, " of device ", k.first);
-  }
 
   // A thread's identity for its context and capture mode: unlike
   // std::thread::id, never reused by a later thread, which starts with no
@@ -603,7 +634,7 @@ class SimDriver final : public mem::cuda::Driver {
     if (auto it = created_.find(s); it != created_.end()) dev = it->second;
     else if (auto jt = declared_.find(s); jt != declared_.end()) dev = jt->second;
     if (cur >= 0 && cur != dev)
-      fail_locked(call, detail::concat("CUDA_ERROR_INVALID_HANDLE (", name({dev, s}), " used while device ", cur,
+      fail_locked(call, detail::concat("CUDA_ERROR_INVALID_HANDLE (", sim::name({dev, s}), " used while device ", cur,
                                        "'s context is current)"));
     return {dev, s};
   }
@@ -612,6 +643,12 @@ class SimDriver final : public mem::cuda::Driver {
     if (auto it = created_.find(s); it != created_.end()) return {it->second, s};
     if (auto jt = declared_.find(s); jt != declared_.end()) return {jt->second, s};
     return {device, s};
+  }
+  Event event_create_locked() {
+    const int dev = need_context_locked("cuEventCreate");
+    Event e = ++next_event_;
+    events_[e].device = dev;
+    return e;
   }
   EventState& event_locked(Event e, const char* call) {
     auto it = events_.find(e);
@@ -643,7 +680,7 @@ class SimDriver final : public mem::cuda::Driver {
   std::pair<double, double> enqueue_locked(const SKey& k, double seconds, std::function<void()> effect, const char* what,
                                            double* engine = nullptr) {
     StreamState& st = streams_[k];
-    join(st.vc, host_vc_);
+    sim::join(st.vc, host_vc_);
     auto cap = capturing_.find(k);
     if (cap != capturing_.end()) {  // captured: recorded into the graph, nothing runs
       cap->second->ops[k] += 1;
@@ -674,12 +711,15 @@ class SimDriver final : public mem::cuda::Driver {
     if (b != nullptr && (!b->mapped || dev + n > b->ptr + b->size))
       fail_locked(call, detail::concat("CUDA_ERROR_ILLEGAL_ADDRESS (block '", b->label, "' unmapped or overrun)"));
     if (b != nullptr && !b->in_use)
-      races_.push_back(detail::concat("a ", d2h ? "device-to-host" : "host-to-device", " copy on ", name(k),
+      races_.push_back(detail::concat("a ", d2h ? "device-to-host" : "host-to-device", " copy on ", sim::name(k),
                                       " touches block '", b->label, "' after it was freed"));
     double seconds = static_cast<double>(n) / (d2h ? opts_.d2h_bps : opts_.h2d_bps);
     if (opts_.seed != 0) seconds *= 1.0 + 2.0 * std::uniform_real_distribution<double>(0, 1)(rng_);
     seconds += opts_.copy_latency;
-    double& engine = d2h ? engines_[k.first].first : engines_[k.first].second;
+    auto pr = priority_.find(k.second);
+    const bool high = pr != priority_.end() && pr->second < kLeastPriority;
+    auto& engines = engines_[{k.first, high}];
+    double& engine = d2h ? engines.first : engines.second;
     auto* dst = d2h ? static_cast<unsigned char*>(host) : reinterpret_cast<unsigned char*>(dev);
     const auto* src = d2h ? reinterpret_cast<const unsigned char*>(dev) : static_cast<const unsigned char*>(host);
     const bool captured = capturing_.count(k) != 0;
@@ -687,14 +727,17 @@ class SimDriver final : public mem::cuda::Driver {
     if (captured) return;
     const uint64_t seq = last_seq_;
     const std::string what = detail::concat(d2h ? "device-to-host" : "host-to-device", " copy #", copies_.size() + 1,
-                                            " of ", n, " bytes on ", name(k));
+                                            " of ", n, " bytes on ", sim::name(k));
     if (b != nullptr) b->accessors.push_back(Access{k, seq, what});
+    host_accesses_.check(static_cast<const unsigned char*>(host), n, d2h, Access{k, seq, what}, streams_[k].vc, host_vc_,
+                         races_);
     copies_.push_back(Copy{d2h, host, dev, n, s, start, end, k.first, seq});
   }
 
+
   // The host has waited for everything enqueued on a stream so far.
   void host_waits_for_locked(const StreamState& st) {
-    join(host_vc_, st.vc);
+    sim::join(host_vc_, st.vc);
     advance_locked(std::max(host_, st.tail));
   }
 
@@ -716,7 +759,9 @@ class SimDriver final : public mem::cuda::Driver {
   std::map<Stream, int> declared_;
   std::map<uint64_t, int> current_;  // by thread_token()
   std::set<uint64_t> relaxed_;
-  std::map<int, std::pair<double, double>> engines_;  // per device: d2h, h2d engines free at
+  // Per device and priority class (above the least or not): d2h, h2d engines free at.
+  std::map<std::pair<int, bool>, std::pair<double, double>> engines_;
+  std::map<Stream, int> priority_;  // created streams' priorities
   std::multimap<std::pair<double, uint64_t>, std::function<void()>> pending_;
   uint64_t order_ = 0;
   uint64_t last_seq_ = 0;
@@ -734,6 +779,7 @@ class SimDriver final : public mem::cuda::Driver {
   std::set<int> contexts_;
   std::vector<Park> parks_;
   std::vector<std::string> races_;
+  sim::HostAccesses host_accesses_;
   std::vector<std::string> errors_;
   Injection inject_;
   Event next_event_ = 0;

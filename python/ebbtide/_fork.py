@@ -14,6 +14,8 @@ class Origin:
         self.pid = os.getpid()
         self.generation = _core.fork_generation()
 
-    def here(self) -> bool:
-        """Made by this process (not a forked child's copy of the parent's)."""
-        return self.generation == _core.fork_generation()
+    def here(self, _generation=_core.fork_generation) -> bool:
+        """Made by this process (not a forked child's copy of the parent's).
+        The function is bound at definition: a __del__ at interpreter exit
+        may run after the module's globals are cleared."""
+        return self.generation == _generation()

@@ -117,6 +117,10 @@ ebbtide::py::GlueApi make_glue_api() {
     return c;
   };
   a.glue_obj = [](PyObject* obj) noexcept { return glue_obj(nb::handle(obj)); };
+  a.kept_resident = [](TensorCache* c, uint64_t bytes) noexcept {
+    nb::gil_scoped_release unlocked;  // a rise takes the core's lock
+    c->set_kept_resident(bytes);
+  };
   a.save = [](TensorCache* c, SaveRequest& r, SaveResult* out) noexcept {
     bool ok = guarded([&] {
       nb::gil_scoped_release unlocked;
@@ -215,8 +219,10 @@ void ebbtide::py::bind_cache(nb::module_& m) {
            nb::arg("staging_bytes") = nb::none())
       .def("save",
            [](TensorCache& c, uint64_t key, uint64_t version, uintptr_t ptr, uint64_t nbytes, int device,
-              uintptr_t stream, int microbatch, bool offload, int tier, nb::handle live, nb::handle orig) {
+              uintptr_t stream, int microbatch, bool offload, int tier, nb::handle live, nb::handle orig,
+              uint64_t lead_bytes) {
              SaveRequest r;
+             r.lead_bytes = lead_bytes;
              r.live = glue_obj(live);
              r.orig = glue_obj(orig);
              r.key = key;
@@ -235,9 +241,10 @@ void ebbtide::py::bind_cache(nb::module_& m) {
            },
            nb::arg("key"), nb::arg("version"), nb::arg("ptr"), nb::arg("nbytes"), nb::arg("device"),
            nb::arg("stream"), nb::arg("microbatch"), nb::arg("offload"), nb::arg("tier") = -1,
-           nb::arg("live").none() = nb::none(), nb::arg("orig").none() = nb::none(),
+           nb::arg("live").none() = nb::none(), nb::arg("orig").none() = nb::none(), nb::arg("lead_bytes") = 0,
            "Saves a storage (Note [Glue objects]: `live` is the tensor, held while the entry needs it; "
-           "`orig` comes back with prefetch candidates). Returns (id, is_new, offloaded, handle, completions).")
+           "`orig` comes back with prefetch candidates; `lead_bytes`: how close backward must come before "
+           "its reload may start, 0 the prefetch window). Returns (id, is_new, offloaded, handle, completions).")
       .def("unpack",
            [](TensorCache& c, EntryId id, uintptr_t stream, int64_t task, bool have_original, uintptr_t into) {
              Unpacked u;
@@ -310,8 +317,14 @@ void ebbtide::py::bind_cache(nb::module_& m) {
       .def("prefetch_before",
            [](TensorCache& c, EntryId id, int64_t task) { return candidates_py(c.prefetch_before(id, task)); },
            nb::arg("id"), nb::arg("task") = -1)
-      .def("release_copies", &TensorCache::release_copies, nb::arg("microbatch"), nb::arg("scope"),
-           nb::arg("stream"))
+      .def("release_copies",
+           [](TensorCache& c, int mb, int64_t scope, uintptr_t stream, int64_t max_bytes) {
+             EBB_CHECK(max_bytes >= -1, "release_copies: max_bytes ", max_bytes, " (-1: no limit, else >= 0)");
+             c.release_copies(mb, scope, stream, max_bytes < 0 ? UINT64_MAX : static_cast<uint64_t>(max_bytes));
+           },
+           nb::arg("microbatch"), nb::arg("scope"), nb::arg("stream"), nb::arg("max_bytes") = -1,
+           "Note [Release by bytes]: the copies of the micro-batch's entries up to the end of `scope` whose "
+           "offloaded bytes, counted in forward order, end within `max_bytes` (-1: no limit).")
       .def("measure_link",
            [](TensorCache& c, int device, uintptr_t dev_ptr, uint64_t nbytes, int repeats) {
              return c.measure_link(device, reinterpret_cast<void*>(dev_ptr), nbytes, repeats);

@@ -3,6 +3,7 @@
 // fields, the results with read-only ones. ebbtide/_records.py fills inputs
 // from settings and turns results into the dicts ebbtide/plan/model.py and
 // ebbtide/plan/planner.py return.
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
@@ -13,6 +14,7 @@
 
 #include "bind.hpp"
 #include "ebbtide/plan/budget.hpp"
+#include "ebbtide/plan/megatron.hpp"
 #include "ebbtide/plan/model.hpp"
 #include "ebbtide/plan/planner.hpp"
 
@@ -60,6 +62,13 @@ class Record {
     settings_.push_back(name);
     return field(name, shown);
   }
+  // A field converted on the way in and out (`get(t)`, `set(t, value)`).
+  template <class Get, class Set>
+  Record& rw_prop(const char* name, Get get, Set set) {
+    cls_.def_prop_rw(name, std::move(get), std::move(set));
+    settings_.push_back(name);
+    return field(name, nullptr);
+  }
   // An enum field, read and written by name (`parse` throws InvalidArgument).
   template <class E>
   Record& rw_named(const char* name, E T::*member, E (*parse)(std::string_view), std::string (*str)(E),
@@ -98,6 +107,7 @@ class Record {
 
 bool llama(const ModelConfig& c) { return c.family == Family::kLlama; }
 bool llama_or_t5(const ModelConfig& c) { return c.family == Family::kLlama || c.family == Family::kT5; }
+bool has_dropout(const ModelConfig& c) { return llama_or_t5(c) || c.family == Family::kMegatron; }
 
 void bind_model_config(nb::module_& m) {
   Record<ModelConfig>(m, "ModelConfig", "A transformer stack (ebbtide::plan::ModelConfig); llama-family fields "
@@ -123,7 +133,7 @@ void bind_model_config(nb::module_& m) {
       .rw_named("norm", &ModelConfig::norm, parse_norm, to_string, llama)
       .rw("bias", &ModelConfig::bias, llama)
       .rw("qkv_bias", &ModelConfig::qkv_bias, llama)
-      .rw("dropout", &ModelConfig::dropout, llama_or_t5)
+      .rw("dropout", &ModelConfig::dropout, has_dropout)
       .rw("rotary", &ModelConfig::rotary, llama)
       .rw("tied_embeddings", &ModelConfig::tied_embeddings, llama_or_t5)
       .rw("experts", &ModelConfig::experts, llama)
@@ -272,7 +282,23 @@ void bind_planner(nb::module_& m) {
       .rw("fixed_bytes", &ModuleProfile::fixed_bytes)
       .rw("recomputable", &ModuleProfile::recomputable)
       .rw("recompute_bytes", &ModuleProfile::recompute_bytes)
-      .rw("recompute_seconds", &ModuleProfile::recompute_seconds);
+      .rw("recompute_seconds", &ModuleProfile::recompute_seconds)
+      .rw("backward_seconds", &ModuleProfile::backward_seconds)
+      .rw("grad_bytes", &ModuleProfile::grad_bytes)
+      .rw("forward_temp_bytes", &ModuleProfile::forward_temp_bytes)
+      .rw("backward_temp_bytes", &ModuleProfile::backward_temp_bytes)
+      // Its saves as a list of (bytes, shared id or -1) pairs.
+      .rw_prop(
+          "saves",
+          [](const ModuleProfile& p) {
+            std::vector<std::pair<uint64_t, int64_t>> out;
+            for (const auto& s : p.saves) out.emplace_back(s.bytes, s.shared);
+            return out;
+          },
+          [](ModuleProfile& p, const std::vector<std::pair<uint64_t, int64_t>>& v) {
+            p.saves.clear();
+            for (const auto& [bytes, shared] : v) p.saves.push_back(Save{bytes, shared});
+          });
   Record<PlannerOptions>(m, "PlannerOptions", "Measured bandwidths (bytes/s) and planner settings.")
       .init()
       .rw("write_bps", &PlannerOptions::write_bps)
@@ -289,8 +315,15 @@ void bind_planner(nb::module_& m) {
       .rw("writes_within_forward", &PlannerOptions::writes_within_forward)
       .rw("guarded_writes", &PlannerOptions::guarded_writes)
       .rw("copy_bound_bytes", &PlannerOptions::copy_bound_bytes)
+      .rw("staging_bytes", &PlannerOptions::staging_bytes)
       .rw("partial_offload", &PlannerOptions::partial_offload)
-      .rw("activation_budget_bytes", &PlannerOptions::activation_budget_bytes);
+      .rw("activation_budget_bytes", &PlannerOptions::activation_budget_bytes)
+      .rw("peak_budget_bytes", &PlannerOptions::peak_budget_bytes)
+      .rw("window_bytes", &PlannerOptions::window_bytes)
+      .rw("lead_per_module", &PlannerOptions::lead_per_module)
+      .rw("kept_in_distance", &PlannerOptions::kept_in_distance)
+      .rw("shared_at_last_user", &PlannerOptions::shared_at_last_user)
+      .rw("priority_loads", &PlannerOptions::priority_loads);
   Record<ModuleDecision>(m, "ModuleDecision", "Where one module's activations go, and when.")
       .ro("name", &ModuleDecision::name)
       .prop("placement", [](const ModuleDecision& d) { return to_string(d.placement); })
@@ -306,7 +339,11 @@ void bind_planner(nb::module_& m) {
       .ro("write_done_seconds", &ModuleDecision::write_done_seconds)
       .ro("read_start_seconds", &ModuleDecision::read_start_seconds)
       .ro("backward_start_seconds", &ModuleDecision::backward_start_seconds)
-      .ro("offload_bytes", &ModuleDecision::offload_bytes);
+      .ro("offload_bytes", &ModuleDecision::offload_bytes)
+      .ro("lead_bytes", &ModuleDecision::lead_bytes)
+      .ro("wait_seconds", &ModuleDecision::wait_seconds)
+      .ro("forwarded_bytes", &ModuleDecision::forwarded_bytes)
+      .ro("release_bytes", &ModuleDecision::release_bytes);
   Record<Plan>(m, "Plan", "The planner's decisions and the step it predicts.")
       .ro("modules", &Plan::modules)
       .ro("forward_seconds", &Plan::forward_seconds)
@@ -315,6 +352,10 @@ void bind_planner(nb::module_& m) {
       .ro("forward_wait_seconds", &Plan::forward_wait_seconds)
       .ro("all_resident_bytes", &Plan::all_resident_bytes)
       .ro("peak_resident_bytes", &Plan::peak_resident_bytes)
+      .ro("peak_allocated_bytes", &Plan::peak_allocated_bytes)
+      .ro("peak_seconds", &Plan::peak_seconds)
+      .ro("backward_wait_seconds", &Plan::backward_wait_seconds)
+      .ro("window_bytes", &Plan::window_bytes)
       .prop("peak_resident_fraction", &Plan::peak_resident_fraction)
       .ro("bytes_keep", &Plan::bytes_keep)
       .ro("bytes_cpu", &Plan::bytes_cpu)
@@ -326,9 +367,27 @@ void bind_planner(nb::module_& m) {
       .ro("activation_budget_bytes", &Plan::activation_budget_bytes)
       .ro("feasible", &Plan::feasible)
       .ro("min_budget_bytes", &Plan::min_budget_bytes)
+      .ro("peak_budget_bytes", &Plan::peak_budget_bytes)
+      .ro("min_peak_budget_bytes", &Plan::min_peak_budget_bytes)
       .ro("planned_write_bps", &Plan::planned_write_bps)
       .ro("planned_read_bps", &Plan::planned_read_bps)
       .ro("replan_fraction", &Plan::replan_fraction);
+  Record<MegatronLayerSaves>(m, "MegatronLayerSaves",
+                             "Bytes one layer saves inside each of Megatron's offload modules.")
+      .ro("attn_norm", &MegatronLayerSaves::attn_norm)
+      .ro("qkv_linear", &MegatronLayerSaves::qkv_linear)
+      .ro("core_attn", &MegatronLayerSaves::core_attn)
+      .ro("attn_proj", &MegatronLayerSaves::attn_proj)
+      .ro("mlp_norm", &MegatronLayerSaves::mlp_norm)
+      .ro("rest", &MegatronLayerSaves::rest)
+      .prop("total", &MegatronLayerSaves::total);
+  Record<MegatronPlan>(m, "MegatronPlan", "Megatron-core flags for a budget and what they give in the model.")
+      .ro("recompute_num_layers", &MegatronPlan::recompute_num_layers)
+      .ro("offload_modules", &MegatronPlan::offload_modules)
+      .ro("flags", &MegatronPlan::flags)
+      .ro("plan", &MegatronPlan::plan)
+      .ro("resident_bytes", &MegatronPlan::resident_bytes)
+      .ro("offloaded_bytes", &MegatronPlan::offloaded_bytes);
 }
 
 }  // namespace
@@ -389,6 +448,15 @@ void ebbtide::py::bind_plan(nb::module_& m) {
         nb::arg("config"), nb::arg("gpu"), nb::arg("ssd"), nb::arg("ssds"), nb::arg("mfu"),
         nb::arg("activation_budget_bytes"), nb::arg("host_budget_bytes") = 0);
   m.def("plan_budget", &plan_budget, nb::arg("modules"), nb::arg("options"));
+  m.def("plan_megatron_layer_saves", &megatron_layer_saves, nb::arg("config"));
+  m.def("plan_megatron",
+        [](const ModelConfig& config, const std::string& gpu, const std::string& ssd, int64_t ssds, double mfu,
+           uint64_t budget, uint64_t host_budget) {
+          return plan_megatron(make_plan(config, find_gpu(gpu), find_ssd(ssd), PlanOptions{mfu, ssds, 1.0}), budget,
+                               host_budget);
+        },
+        nb::arg("config"), nb::arg("gpu"), nb::arg("ssd"), nb::arg("ssds"), nb::arg("mfu"),
+        nb::arg("activation_budget_bytes"), nb::arg("host_budget_bytes") = 0);
   m.def("plan_simulate",
         [](const std::vector<ModuleProfile>& modules, const PlannerOptions& options,
            const std::vector<std::string>& placements, const std::vector<int64_t>& offload_limits) {
@@ -402,6 +470,19 @@ void ebbtide::py::bind_plan(nb::module_& m) {
         },
         nb::arg("modules"), nb::arg("options"), nb::arg("placements"),
         nb::arg("offload_limits") = std::vector<int64_t>{});
+  m.def("plan_simulate_ran",
+        [](const std::vector<ModuleProfile>& modules, const PlannerOptions& options,
+           const std::vector<std::string>& placements, const std::vector<int64_t>& offload_limits,
+           const std::vector<uint64_t>& lead_bytes, const std::vector<int64_t>& release_after) {
+          RanPlan ran;
+          for (const auto& name : placements) ran.placements.push_back(parse_placement(name));
+          for (int64_t v : offload_limits) ran.offload_limits.push_back(v < 0 ? kWholeModule : static_cast<uint64_t>(v));
+          ran.lead_bytes = lead_bytes;
+          ran.release_after = release_after;
+          return simulate_ran(modules, options, ran);
+        },
+        nb::arg("modules"), nb::arg("options"), nb::arg("placements"), nb::arg("offload_limits"),
+        nb::arg("lead_bytes"), nb::arg("release_after"));
   // The re-plan triggers of a plan the glue holds as a dict.
   const auto replan_plan = [](uint64_t bytes_ssd, double planned_write_bps, double replan_fraction) {
     Plan p;

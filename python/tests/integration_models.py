@@ -19,6 +19,27 @@ def tiny_llama(seed=0):
     return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager")
 
 
+def lit_llama(lr=1e-3):
+    """A LightningModule that trains tiny_llama() on batches of token ids (next-token loss)."""
+    import pytorch_lightning as pl
+
+    class LitLlama(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny_llama()
+
+        def forward(self, ids):
+            return self.model(input_ids=ids, labels=ids).loss
+
+        def training_step(self, batch, batch_idx):
+            return self(batch)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=lr)
+
+    return LitLlama()
+
+
 def token_rows(n, seed=0):
     """n rows of SEQ random token ids (no padding)."""
     g = torch.Generator().manual_seed(seed)

@@ -443,6 +443,63 @@ def test_original_still_alive_is_neither_prefetched_nor_reloaded(make_cache, win
     assert s["bytes_reloaded"] + s["bytes_reused"] == s["bytes_offloaded"]
 
 
+def test_kept_blocks_count_in_the_prefetch_distance_on_cpu(make_cache):
+    # Note [Prefetch distance] (tensor_cache_load.cpp): the bytes of the kept
+    # tail count on the worker path too, so the last offloaded block (2) is
+    # not reloaded while kept blocks 3..5 are still resident: not when the
+    # backward of 5, 4 or 3 begins (the window is one block's bytes). Without
+    # them in the distance block 2 was loading from the backward's start.
+    torch.manual_seed(0)
+    model = Net(layers=6, d=128)  # 32 KiB tensors, three offloaded per block
+    x = torch.randn(64, 128, requires_grad=True)
+    ref = step(model, x)
+    cache = make_cache(keep_last_modules=3, min_bytes=1024)
+    cache.attach(model)
+    cache._core.set_inline_copy_bytes(0)  # every store and load through the workers
+    step(model, x, cache.step(), drain=cache)  # learns the blocks: the next step keeps the last three
+    window_at = {}
+    prefetch = cache._prefetch_scope
+
+    def recorded(mb, scope):
+        prefetch(mb, scope)
+        window_at.setdefault(scope, cache._core.stats()["window_bytes"])  # loading or loaded now
+
+    cache._prefetch_scope = recorded
+    got = step(model, x, cache.step(), drain=cache)
+    assert same(ref[1], got[1])
+    assert sorted(window_at) == list(range(6))
+    assert [window_at[s] for s in (5, 4, 3)] == [0, 0, 0], window_at
+    s = cache.stats()
+    assert s["tensors_reloaded"] > 0 and s["tensors_forwarded"] == 0
+
+
+def test_core_takes_a_lead_per_save_and_release_points_by_bytes():
+    # The arguments the glue passes for a plan: a save's reload lead (Note
+    # [Prefetch distance] in tensor_cache_load.cpp: 0 is the window) and a
+    # release point's offloaded bytes (Note [Release by bytes]; -1: no limit).
+    core = _core.CacheCore("cpu", [], 0, 1 << 20, 1, False, 0)
+    try:
+        core.set_inline_copy_bytes(0)  # through the workers: prefetched, not copied at unpack
+        ts = [torch.full((4096,), i, dtype=torch.uint8) for i in range(3)]
+        ids = []
+        for i, t in enumerate(ts):
+            st = t.untyped_storage()
+            ids.append(core.save(st._cdata, 0, st.data_ptr(), st.nbytes(), -1, 0, 0, True,
+                                 lead_bytes=4096 if i == 0 else 0)[0])
+            core.scope_end(0, i)
+        core.drain()
+        core.poll()
+        core.release_copies(0, 2, 0, max_bytes=8192)  # host entries: nothing held, nothing to release
+        with pytest.raises(ValueError, match="max_bytes"):
+            core.release_copies(0, 2, 0, max_bytes=-2)
+        # From the end: the first entry is 12 KiB away, beyond its 4 KiB lead.
+        assert [c[0] for c in core.prefetch_scope(0, 2)] == [ids[2], ids[1]]
+        s = core.stats()["step"]
+        assert s["device_wait_seconds"] == s["copy_wait_seconds"] == s["load_wait_seconds"] == 0
+    finally:
+        core.close()
+
+
 def ssd_bytes_written(stats):
     return sum(t["bytes_written"] for t in stats["tiers"] if t["tier"] == "ssd")
 

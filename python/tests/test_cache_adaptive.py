@@ -203,8 +203,14 @@ def test_replan_is_quiet_when_the_plan_stays(tmp_path, caplog, monkeypatch):
     # Note [Quiet re-plan]: a measured rate below 70% of the planned one remakes
     # the plan; only a plan that places blocks differently is announced. The
     # store's meters are replaced so the rates are the test's, not the disk's.
-    model = make_model(layers=4, d=1024)
-    x = torch.randn(64, 1024)
+    # Activations well above the gradients (2 x 2048 x 512 floats saved per
+    # block against 512 x 512 weights): offloading lowers the step's peak, so
+    # the plan offloads the blocks whose offload lowers it (Note [Offload for
+    # the peak]): blocks 0 and 1. Block 3 is kept (keep_last_modules=1), and
+    # block 2 is resident at backward's start either way: its reload begins
+    # with block 3's backward (Note [Reload lead]), so offloading it cuts nothing.
+    model = make_model(layers=4, d=512)
+    x = torch.randn(2048, 512)
     with ebbtide.TensorCache(target="ssd", path=str(tmp_path), adaptive=True) as c:
         adapt = c._adapt
 
@@ -216,16 +222,17 @@ def test_replan_is_quiet_when_the_plan_stays(tmp_path, caplog, monkeypatch):
         grads_of(model, x, c, steps=2)
         s = c.stats()
         placements = [m["placement"] for m in s["planner"]["modules"]]
-        assert placements.count("offload_ssd") == 3  # all but keep_last_modules=1
+        assert placements == ["offload_ssd", "offload_ssd", "keep", "keep"]
         assert s["planner"]["planned_write_bps"] == pytest.approx(10e9)
-        # Half the planned rate still moves the few MB of a step in a fraction of a ms.
+        # Half the planned rate still moves a block's 8 MB in under 2 ms.
         monkeypatch.setattr(adapt, "_tier_rates", rates(5e9))
         with caplog.at_level(logging.DEBUG, logger="ebbtide"):
             want = grads_of(model, x)[0]
             got = grads_of(model, x, c)[0]
         assert all(torch.equal(a, b) for a, b in zip(want, got))
         s = c.stats()
-        assert s["replans"] == 0 and s["planner"]["reason"] == "profile"
+        # The first planned step may time the blocks again (Note [Re-timed profile]).
+        assert s["replans"] == 0 and s["planner"]["reason"] in ("profile", "retime")
         assert [m["placement"] for m in s["planner"]["modules"]] == placements
         assert s["planner"]["planned_write_bps"] == pytest.approx(5e9)
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -243,9 +250,11 @@ def test_replan_is_quiet_when_the_plan_stays(tmp_path, caplog, monkeypatch):
 
 
 def test_auto_without_ssd_degrades_to_host(tmp_path):
-    missing = tmp_path / "does-not-exist"
+    # A folder that cannot be made (a missing one is created, as for target="ssd").
+    (tmp_path / "a-file").write_text("x")
+    unusable = tmp_path / "a-file" / "sub"
     with pytest.warns(RuntimeWarning, match="host memory only"):
-        c = ebbtide.TensorCache(target="auto", path=str(missing), host_budget_bytes=1 << 30)
+        c = ebbtide.TensorCache(target="auto", path=str(unusable), host_budget_bytes=1 << 30)
     with c:
         model = make_model(layers=2)
         x = torch.randn(128, 256)

@@ -204,7 +204,7 @@ def test_budget_settings(tmp_path, monkeypatch):
     monkeypatch.setenv("EBBTIDE_ACTIVATION_BUDGET", "64MiB")
     with ebbtide.TensorCache("ssd", str(tmp_path)) as cache:
         assert cache.adaptive
-        assert cache._adapt.activation_budget_bytes == 64 * MiB
+        assert cache._adapt.budgets.activation == 64 * MiB
     with pytest.raises(ValueError, match="EBBTIDE_ACTIVATION_BUDGET=67108864 needs the planner, but adaptive=False"):
         ebbtide.TensorCache("ssd", str(tmp_path), adaptive=False)
     monkeypatch.setenv("EBBTIDE_ACTIVATION_BUDGET", "lots")
@@ -410,9 +410,17 @@ def test_last_block_release_point_is_the_blocks(tmp_path):
         mods = adapt.plan["modules"]
         assert mods[-1]["name"] == "<after blocks>"
         last = mods[-2]
-        done = [m["scope"] for m in mods[:-1]
-                if m["tier"] is not None and m["write_done_seconds"] <= last["forward_end_seconds"]]
-        assert adapt.release_after[last["scope"]] == (max(done) if done else -1)
+        # Note [Release points]: the offloaded bytes whose copies are done by
+        # the block's forward end, in copy order: the block's row, not the tail's.
+        done = 0
+        for m in mods[:-1]:
+            if m["tier"] is None or m["offload_bytes"] == 0:
+                continue
+            if m["write_done_seconds"] > last["forward_end_seconds"]:
+                break
+            done += m["offload_bytes"]
+        assert last["release_bytes"] == done
+        assert adapt.release_point(last["scope"]) == (last["scope"], done)
 
 
 def test_budget_guard_bounds_the_writes_waiting(tmp_path):
@@ -506,6 +514,7 @@ def test_replan_when_the_link_measures_faster(tmp_path, caplog, monkeypatch):
         monkeypatch.setattr(adapt, "_scope_times", lambda: {s: 0.01 for s in real_times()})
         monkeypatch.setattr(adapt, "_block_seconds", lambda scope: 0.01)
         monkeypatch.setattr(adapt, "_measured_backward_factor", lambda fwd, stall: 2.0)
+        monkeypatch.setattr(adapt, "_backward_times", lambda end: {})  # backward = 2 x forward
         speed = [0.5]
 
         def rates(core_stats):
@@ -549,6 +558,7 @@ def test_no_replan_up_at_the_write_cap(tmp_path, monkeypatch):
         monkeypatch.setattr(adapt, "_scope_times", lambda: {s: 0.05 for s in real_times()})
         monkeypatch.setattr(adapt, "_block_seconds", lambda scope: 0.05)
         monkeypatch.setattr(adapt, "_measured_backward_factor", lambda fwd, stall: 2.0)
+        monkeypatch.setattr(adapt, "_backward_times", lambda end: {})  # backward = 2 x forward
         monkeypatch.setattr(adapt, "_tier_rates", lambda core_stats: {
             "ssd": dict(bytes_written=64 << 20, write_bps=10e9, bytes_read=64 << 20, read_bps=10e9)})
         made = []
@@ -557,5 +567,6 @@ def test_no_replan_up_at_the_write_cap(tmp_path, monkeypatch):
         run(model, x, c, steps=4)
         s = c.stats()
     assert s["planner"]["bytes_ssd"] > 0 and s["planner"]["planned_write_bps"] == pytest.approx(100e6)
-    assert made == ["profile"]
+    # The first planned step may re-time the profile (Note [Re-timed profile]); the link never re-plans.
+    assert made[0] == "profile" and set(made) <= {"profile", "retime"}
     assert s["replans"] == 0

@@ -26,9 +26,12 @@ needs_ssd = pytest.mark.skipif(not ssd_available(), reason="storage engine not i
 def test_unwritable_path_fails_at_construction(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")
-    for bad in [tmp_path / "missing", afile, "/proc/self"]:  # /proc refuses files even for root
+    for bad in [afile, "/proc/self"]:  # /proc refuses files even for root
         with pytest.raises(OSError):
             ebbtide.TensorCache(target="ssd", path=str(bad))
+    # A missing folder is made, as `mkdir -p` would (issue 41's first minute).
+    with ebbtide.TensorCache(target="ssd", path=str(tmp_path / "missing" / "deeper")):
+        assert (tmp_path / "missing" / "deeper").is_dir()
     ro = tmp_path / "ro"
     ro.mkdir()
     os.chmod(ro, 0o500)

@@ -9,7 +9,8 @@ import warnings
 import pytest
 import torch
 
-from integration_models import VOCAB, deepspeed_pipeline_engine, local_ray, one_rank_deepspeed, tiny_llama, token_rows
+from integration_models import (VOCAB, deepspeed_pipeline_engine, lit_llama, local_ray, one_rank_deepspeed, tiny_llama,
+                                token_rows)
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 _SNIPPET = re.compile(r"<!-- snippet: (\S+) -->\n```python\n(.*?)```", re.S)
@@ -57,23 +58,8 @@ def _accelerate_ns(tmp_path):
 
 
 def _lightning_ns(tmp_path):
-    pl = pytest.importorskip("pytorch_lightning")
-
-    class Lit(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = tiny_llama()
-
-        def forward(self, ids):
-            return self.model(input_ids=ids, labels=ids).loss
-
-        def training_step(self, batch, batch_idx):
-            return self(batch)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    return dict(lit_module=Lit(), loader=torch.utils.data.DataLoader(token_rows(12), batch_size=2))
+    pytest.importorskip("pytorch_lightning")
+    return dict(lit_module=lit_llama(), loader=torch.utils.data.DataLoader(token_rows(12), batch_size=2))
 
 
 def _torchtune_ns(tmp_path):

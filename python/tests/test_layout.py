@@ -28,7 +28,7 @@ def test_public_imports_stay_as_documented():
     assert ebbtide.model.__name__ == "ebbtide.plan.model"
     # The integrations import their framework only when used: each module is
     # there, and `require` names what to install.
-    for name in ("hf", "lightning", "torchtune", "pipeline", "ray"):
+    for name in ("hf", "lightning", "torchtune", "pipeline", "ray", "megatron"):
         assert importlib.util.find_spec(f"ebbtide.integrations.{name}") is not None, name
 
 

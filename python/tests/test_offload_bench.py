@@ -87,8 +87,13 @@ def _check_run(r, ran, skipped):
         assert row["step_seconds"] > 0 and row["forward_seconds"] > 0
     for m in skipped:
         assert rows[m]["status"].startswith("skipped: "), rows[m]
-    for m in ran & {"ebbtide-cpu", "ebbtide-ssd", "ebbtide-auto"}:
+    for m in ran & {"ebbtide-cpu", "ebbtide-ssd"}:
         assert 0 < rows[m]["offloaded_fraction"] <= 1 and rows[m]["offloaded_bytes_per_forward_second"] > 0
+    for m in ran & {"ebbtide-auto"}:
+        # Planned: what lowers no peak stays (Note [Offload for the peak]); on a
+        # two-block model that may be everything.
+        assert 0 <= (rows[m]["offloaded_fraction"] or 0) <= 1
+        assert rows[m]["stats"]["planner"]["peak_resident_bytes"] <= rows[m]["stats"]["planner"]["all_resident_bytes"]
     assert r["eligible_bytes"] > 0 and r["eligible_tensors"] > 0
     assert r["link"]["d2h_gbps"] > 0 and r["link"]["h2d_gbps"] > 0 and r["link"]["bytes"] > 0
     assert 0 < r["link_limit"] <= 1

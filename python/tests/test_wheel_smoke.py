@@ -2,6 +2,7 @@
 against the developer build, and in test_wheel.py against the repaired wheel
 in a fresh virtual environment (docs/packaging.md)."""
 import json
+import os
 import subprocess
 import sys
 
@@ -63,3 +64,15 @@ def test_bench_io_runs_on_io_uring(tmp_path):
     r = json.loads(proc.stdout)
     assert r["backend"] == "uring" and r["verified"] is True, r
     assert r["write_gbps"] > 0 and r["read_gbps"] > 0
+
+
+def test_the_command_and_the_switch_are_installed():
+    out = subprocess.run([sys.executable, "-m", "ebbtide", "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"ebbtide {ebbtide.__version__}", out
+    # ebbtide-switch.pth in site-packages: EBBTIDE_OFFLOAD hooks every Python of the environment at start.
+    code = "import sys; print('ebbtide.integrations.switch' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EBBTIDE_OFFLOAD")}
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                        env=dict(env, EBBTIDE_OFFLOAD="cpu"))
+    assert (off.stdout.strip(), on.stdout.strip()) == ("False", "True"), (off, on)

@@ -24,6 +24,9 @@ StatRecord counters_record(const Counters& c) {
       {"saved_bytes_total", c.saved_bytes_total},
       {"peak_resident_bytes", c.peak_resident_bytes},
       {"stall_seconds", c.stall_seconds},
+      {"device_wait_seconds", c.device_wait_seconds},
+      {"copy_wait_seconds", c.copy_wait_seconds},
+      {"load_wait_seconds", c.load_wait_seconds},
   };
 }
 

@@ -66,6 +66,9 @@ void fold(Counters& total, const Counters& step) {
   total.saved_bytes_total += step.saved_bytes_total;
   total.peak_resident_bytes = std::max(total.peak_resident_bytes, step.peak_resident_bytes);
   total.stall_seconds += step.stall_seconds;
+  total.device_wait_seconds += step.device_wait_seconds;
+  total.copy_wait_seconds += step.copy_wait_seconds;
+  total.load_wait_seconds += step.load_wait_seconds;
 }
 
 }  // namespace
@@ -129,7 +132,7 @@ void TensorCache::mutate(Entry& e, EntryState s, bool acked) {
   if (!r0 && r1) resident_ += e.nbytes;
   if (w0 && !w1) window_ -= e.nbytes;
   if (!w0 && w1) window_ += e.nbytes;
-  step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_);
+  note_peak_locked();
 }
 
 // Note [Caller's context]
@@ -267,10 +270,12 @@ void TensorCache::finish_abandoned_locked(Entry& e) {
 void TensorCache::begin_step() {
   Lock lock(mu_);
   EBB_CHECK_STATE(!closed_, "tensor cache: step on a closed cache");
+  harvest_waits_locked();  // Note [Device waits]: the last step's, before its counters go
   step_ += 1;
+  step_folded_ = false;
   step_c_ = Counters{};
   std::erase_if(microbatches_, [](const auto& kv) { return kv.second.live == 0; });
-  step_c_.peak_resident_bytes = resident_;
+  step_c_.peak_resident_bytes = resident_ + kept_resident_.load();
   stop_offload_ = false;
   // No sweep of fenced frees here: a step may begin inside a graph capture,
   // where the query is illegal (Note [Graph capture]); saves sweep them.
@@ -291,7 +296,9 @@ void TensorCache::end_step() {
   const auto t0 = std::chrono::steady_clock::now();
   wait_abandoned_locked(lock, [&](const Entry& e) { return e.step == step_ && !(e.device >= 0 && !e.stream_ordered); });
   add_stall(seconds_since(t0));
+  harvest_waits_locked();  // Note [Device waits]: those done by now; later ones go to the totals
   fold(total_c_, step_c_);
+  step_folded_ = true;
   steps_ += 1;
 }
 
@@ -335,6 +342,7 @@ void TensorCache::drain() {
       mem::cuda::DeviceScope scope(opts_.driver, device);
       opts_.driver->stream_synchronize(lane.copy);
       opts_.driver->stream_synchronize(lane.load);
+      opts_.driver->stream_synchronize(lane.load_hi);
       // Every copy is done: release them all, no wait is enqueued.
       if (!lane.pending.empty()) release_through_locked(lane, lane.pending.back().through, nullptr);
     }
@@ -426,6 +434,7 @@ void TensorCache::close() {
         mem::cuda::DeviceScope scope(opts_.driver, device);
         opts_.driver->stream_synchronize(lane.copy);
         opts_.driver->stream_synchronize(lane.load);
+        opts_.driver->stream_synchronize(lane.load_hi);
       } catch (const std::exception& ex) {
         idle = false;
         log::error("tensor cache: synchronizing the copy streams of device ", device, ": ", ex.what());
@@ -449,6 +458,8 @@ void TensorCache::close() {
     fenced_.clear();
     lanes_.clear();
     free_events_.clear();
+    drop_timings_locked();
+    free_timed_.clear();  // their events are leaked with the rest
     closed_store_stats_ = store_ ? store_->stats() : StoreStats{};
     closed_describe_ = store_ ? store_->describe() : std::string();
     if (store_) leaked->push_back(std::move(store_));
@@ -464,20 +475,25 @@ void TensorCache::close() {
         mem::cuda::DeviceScope scope(opts_.driver, device);
         opts_.driver->stream_destroy(lane.copy);
         opts_.driver->stream_destroy(lane.load);
+        opts_.driver->stream_destroy(lane.load_hi);
       } catch (const std::exception&) {
       }
     }
     lanes_.clear();
     staging_.reset();
-    for (auto& [device, pool] : free_events_) {
-      try {
-        mem::cuda::DeviceScope scope(opts_.driver, device);
-        for (auto ev : pool) opts_.driver->event_destroy(ev);
-      } catch (const std::exception&) {
+    drop_timings_locked();  // the device is idle: every timing completed, none is read any more
+    for (auto* pools : {&free_events_, &free_timed_}) {
+      for (auto& [device, pool] : *pools) {
+        try {
+          mem::cuda::DeviceScope scope(opts_.driver, device);
+          for (auto ev : pool) opts_.driver->event_destroy(ev);
+        } catch (const std::exception&) {
+        }
       }
     }
   }
   free_events_.clear();
+  free_timed_.clear();
   // Note [Close releases]
   // The store's files, disk space and threads go now, not when the last
   // reference to the cache does (a Python handle kept by a traceback, a
@@ -518,6 +534,8 @@ bool TensorCache::contains(EntryId id) const {
 
 CacheStats TensorCache::stats() const {
   Lock lock(mu_);
+  // Logically const: it adds the device waits measured since (Note [Device waits]).
+  if (!closed_) const_cast<TensorCache*>(this)->harvest_waits_locked();
   CacheStats s;
   s.step = step_c_;
   s.total = total_c_;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 
 #include "ebbtide/util/error.hpp"
 #include "ebbtide/util/log.hpp"
@@ -58,16 +59,68 @@ namespace ebbtide::cache {
 // by construction: the activations kept plus device_inflight_bytes. The
 // planner chooses what to offload so that this wait rarely happens.
 
+// Note [Release by bytes]
+// A release point names a scope, and, from a plan, the offloaded bytes whose
+// copies the planner predicts done by then: the micro-batch's offloaded
+// entries are counted in forward order from its first (released ones
+// included, so a count is a fixed position in the copy order whatever was
+// released before), and a point releases those saved up to the end of its
+// scope whose count, their own bytes included, is within its bytes. Released
+// by whole scopes, a block whose copies are half done at the point held all
+// of them until the next one; by bytes, the glue releases the same prefix of
+// the copy order the planner timed. An entry moved by a later saver (Note
+// [Shared entries]) keeps the count of its first place, where its copy was
+// enqueued.
+
+// Note [Priority loads]
+// Each device has two load streams. Prefetches (start_loads) run in the
+// order they were issued on the load stream; a load made on demand (an
+// unpack whose entry no prefetch reached: start_load), and a prefetch of
+// the module whose backward runs (a walk's candidate at or past the start
+// of the scope backward has reached: needed now, Entry::urgent), run on a
+// second stream created with the device's highest priority. Behind the prefetch
+// queue an on-demand load waited for every load queued before it (on the
+// H200, 12 ms for a 1 MiB table behind a block's reloads). Both streams
+// follow the same order: the copy waits for the buffer's allocation and for
+// the entry's store copy, and the compute stream waits for its done event.
+// One more: a load of an entry waits for the entry's previous load. Its done
+// event is recorded again for each load, and a fence may still hold it for
+// the previous one: a deferred drop of that load's buffer (Note
+// [Stream-ordered drops]), the fenced free of the blob both read. On one
+// stream the new recording implied the old; across the two it does so only
+// through this wait (without it, a buffer dropped after a capture went back
+// to its stream while the first load, still queued on the load stream,
+// wrote it).
+
+// Note [Device waits]
+// stall_seconds counts the host's waits; on a GPU the cache's cost is the
+// compute stream's: a wait for a reload not yet done, or for a copy at a
+// release point or the copy bound. Where the cache makes a compute stream
+// wait for an event a host query has not seen complete, it records a pair of
+// timed events on that stream around the wait; once both completed (queried
+// at begin_step, end_step and stats(), never waited for) the time between
+// is the device time the stream stood: device_wait_seconds, split into
+// copy_wait_seconds and load_wait_seconds, counted in the step that made the
+// wait (in the totals only once that step has ended). Nothing is timed or
+// queried on a stream being captured (Note [Graph capture]).
+
 TensorCache::Lane& TensorCache::lane_locked(int device) {
   auto it = lanes_.find(device);
   if (it != lanes_.end()) return it->second;
   Lane lane;  // streams of the current context: the caller bound `device`
   lane.device = device;
-  lane.copy = opts_.driver->stream_create();
+  auto* drv = opts_.driver;
+  lane.copy = drv->stream_create();
   try {
-    lane.load = opts_.driver->stream_create();
+    lane.load = drv->stream_create();
+    try {
+      lane.load_hi = drv->stream_create_with_priority(drv->stream_priority_range().second);
+    } catch (...) {
+      drv->stream_destroy(lane.load);
+      throw;
+    }
   } catch (...) {
-    opts_.driver->stream_destroy(lane.copy);
+    drv->stream_destroy(lane.copy);
     throw;
   }
   return lanes_.emplace(device, lane).first->second;
@@ -193,7 +246,11 @@ void TensorCache::release_through_locked(Lane& lane, uint64_t through, const mem
   for (mem::cuda::Stream s : streams)
     if (drv->stream_is_capturing(s)) return;  // Note [Graph capture]
   if (!drv->event_query(last)) {
-    for (mem::cuda::Stream s : streams) drv->stream_wait_event(s, last);
+    // The compute stream's wait is timed (Note [Device waits]).
+    for (size_t i = 0; i < streams.size(); ++i) {
+      if (i == 0 && compute != nullptr) timed_wait_locked(lane.device, streams[i], last, false);
+      else drv->stream_wait_event(streams[i], last);
+    }
     step_c_.copy_waits += 1;
   }
   while (!lane.pending.empty() && lane.pending.front().through <= through) {
@@ -228,7 +285,7 @@ void TensorCache::bound_copies_locked(Lane& lane, mem::cuda::Stream compute) {
   }
 }
 
-void TensorCache::release_copies(int microbatch, int64_t scope, mem::cuda::Stream compute) {
+void TensorCache::release_copies(int microbatch, int64_t scope, mem::cuda::Stream compute, uint64_t max_bytes) {
   std::vector<GlueObj> dead;
   Lock lock(mu_);
   Reaper reaper{graveyard_, dead};
@@ -251,6 +308,7 @@ void TensorCache::release_copies(int microbatch, int64_t scope, mem::cuda::Strea
     if (it == entries_.end()) continue;
     const Entry& e = *it->second;
     if (!e.stream_ordered || e.acked || e.copy_through == 0) continue;
+    if (e.offloaded_through > max_bytes) continue;  // Note [Release by bytes]
     through[e.device] = std::max(through[e.device], e.copy_through);
   }
   for (auto [device, t] : through) {
@@ -408,6 +466,98 @@ void TensorCache::flush_deferred_locked(bool all) {
     give_event_locked(it->device, it->fence);
     it = deferred_.erase(it);
   }
+}
+
+// Note [Device waits]: `stream` waits for `ev`, which a host query did not
+// find complete, between two timed events. Without timed events (a driver
+// that lacks them) the wait is untimed.
+void TensorCache::timed_wait_locked(int device, mem::cuda::Stream stream, mem::cuda::Event ev, bool load) {
+  auto* drv = opts_.driver;
+  WaitTiming t{device, stream, 0, 0, step_, load};
+  auto& pool = free_timed_[device];
+  try {
+    for (mem::cuda::Event* x : {&t.begin, &t.end}) {
+      if (!pool.empty()) {
+        *x = pool.back();
+        pool.pop_back();
+      } else {
+        *x = drv->event_create_timed();
+      }
+    }
+    drv->event_record(t.begin, stream);
+  } catch (const std::exception& ex) {
+    for (mem::cuda::Event x : {t.begin, t.end})
+      if (x != 0) pool.push_back(x);
+    log::warn_once("cache.timed_wait", detail::concat("tensor cache: device waits are not timed (", ex.what(),
+                                                      "); device_wait_seconds stays 0"));
+    drv->stream_wait_event(stream, ev);
+    return;
+  }
+  try {
+    drv->stream_wait_event(stream, ev);
+    drv->event_record(t.end, stream);
+  } catch (...) {
+    pool.push_back(t.begin);
+    pool.push_back(t.end);
+    throw;
+  }
+  wait_timings_.push_back(t);
+}
+
+// Note [Device waits]: adds the timings whose events completed; the rest wait
+// for a later call. Never blocks. The events were recorded outside any
+// capture, so the queries are legal in the relaxed capture mode, whatever
+// this thread or another captures now (stats() may run on a monitoring
+// thread while the training thread captures); none is made on a stream
+// being captured.
+void TensorCache::harvest_waits_locked() {
+  // A forked child's copy never reads them: the events are the parent's
+  // (Note [Objects across fork]).
+  if (wait_timings_.empty() || !made_in_this_process()) return;
+  auto* drv = opts_.driver;
+  std::optional<mem::cuda::RelaxedCaptureScope> relaxed;
+  try {
+    relaxed.emplace(drv);
+  } catch (const std::exception& ex) {
+    log::warn_once("cache.timed_wait_mode", detail::concat("tensor cache: device waits are not read (", ex.what(), ")"));
+    return;
+  }
+  std::vector<WaitTiming> left;
+  for (WaitTiming& t : wait_timings_) {
+    double seconds = -1;
+    try {
+      mem::cuda::DeviceScope scope(drv, t.device);  // Note [Caller's context]
+      if (drv->stream_is_capturing(t.stream) || !drv->event_query(t.end)) {
+        left.push_back(t);
+        continue;
+      }
+      seconds = std::max(0.0, static_cast<double>(drv->event_elapsed_ms(t.begin, t.end)) / 1e3);
+    } catch (const std::exception& ex) {
+      log::warn_once("cache.timed_wait_read", detail::concat("tensor cache: reading a device wait's time failed (",
+                                                             ex.what(), "); that wait is not counted"));
+    }
+    if (seconds >= 0) {
+      auto add = [&](Counters& c) {
+        c.device_wait_seconds += seconds;
+        (t.load ? c.load_wait_seconds : c.copy_wait_seconds) += seconds;
+      };
+      if (t.step == step_) add(step_c_);
+      if (t.step != step_ || step_folded_) add(total_c_);
+    }
+    auto& pool = free_timed_[t.device];
+    pool.push_back(t.begin);
+    pool.push_back(t.end);
+  }
+  wait_timings_.swap(left);
+}
+
+// Timings not yet read go (close): their events back to the pools.
+void TensorCache::drop_timings_locked() {
+  for (const WaitTiming& t : wait_timings_) {
+    free_timed_[t.device].push_back(t.begin);
+    free_timed_[t.device].push_back(t.end);
+  }
+  wait_timings_.clear();
 }
 
 std::pair<double, double> TensorCache::measure_link(int device, void* dev_ptr, uint64_t nbytes, int repeats) {

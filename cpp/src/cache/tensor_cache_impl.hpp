@@ -65,6 +65,11 @@ struct TensorCache::Entry {
   bool load_enqueued = false;          // a host-to-device copy into `buf` was enqueued (load_done_ev)
   bool load_waited = false;            // ... and a stream of the glue was made to wait for it
   size_t order_pos = SIZE_MAX;         // its place in its micro-batch's order, if it has one
+  bool offloaded_order = false;        // that place is an offloaded entry's (not a kept one's)
+  uint64_t offloaded_through = 0;      // its micro-batch's offloaded bytes through it (Note [Release by bytes])
+  uint64_t lead = 0;                   // SaveRequest::lead_bytes
+  bool load_on_demand = false;         // its worker load goes to the priority stream (Note [Priority loads])
+  bool urgent = false;                 // a walk offered it for the running module: start_loads uses the priority stream
 };
 
 // Declared after a call's Lock: swaps the graveyard out while the lock is

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <utility>
 
 #include "ebbtide/mem/buffer_pool.hpp"
 #include "ebbtide/util/error.hpp"
@@ -59,7 +60,7 @@ Reload TensorCache::request(EntryId id) {
 void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream) {
   Lock lock(mu_);
   EBB_CHECK_STATE(!closed_, "tensor cache: load on a closed cache");
-  start_load_locked(find(id, "start_load"), dst, stream);
+  start_load_locked(find(id, "start_load"), dst, stream, true);
 }
 
 void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream, GlueObj owner) {
@@ -71,7 +72,7 @@ void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream, Gl
   EBB_CHECK_STATE(e.state == EntryState::kStored, "tensor cache: start_load of entry ", id, " in state ",
                   to_string(e.state), " (expected stored)");
   adopt_buffer_locked(e, std::move(owner), stream);
-  start_load_locked(e, dst, stream);
+  start_load_locked(e, dst, stream, true);
 }
 
 // The glue's buffer `owner` (allocated on `stream`) holds the entry's reload.
@@ -97,14 +98,16 @@ void TensorCache::start_loads(const std::vector<EntryId>& ids,
     if (it == entries_.end()) continue;
     Entry& e = *it->second;
     if (e.state != EntryState::kStored || !e.acked || e.live || (!e.has_loc && e.blob == nullptr)) continue;
+    // The running module's loads go to the priority stream (Note [Priority loads]).
+    const bool urgent = std::exchange(e.urgent, false);
     if (e.device < 0) {
       host_buffer_locked(e);
-      start_load_locked(e, e.dst, 0);
+      start_load_locked(e, e.dst, 0, urgent);
     } else {
       EBB_CHECK(i < buffers.size() && buffers[i].first != 0, "tensor cache: no buffer for device entry ", e.id);
       if (capturing_locked(e.device, stream)) return;  // Note [Graph capture]: no prefetch inside one
       adopt_buffer_locked(e, buffers[i].second, stream);
-      start_load_locked(e, reinterpret_cast<void*>(buffers[i].first), stream);
+      start_load_locked(e, reinterpret_cast<void*>(buffers[i].first), stream, urgent);
     }
   }
 }
@@ -130,7 +133,9 @@ void TensorCache::host_buffer_locked(Entry& e) {
   e.dst = static_cast<char*>(p) + phase;
 }
 
-void TensorCache::start_load_locked(Entry& e, void* dst, mem::cuda::Stream stream) {
+// `on_demand`: an unpack's load, on the priority stream and ahead of the
+// workers' queue (Note [Priority loads]); else a prefetch.
+void TensorCache::start_load_locked(Entry& e, void* dst, mem::cuda::Stream stream, bool on_demand) {
   const EntryId id = e.id;
   EBB_CHECK_STATE(e.state == EntryState::kStored && (e.has_loc || e.blob != nullptr),
                   "tensor cache: start_load of entry ", id, " in state ", to_string(e.state), " (expected stored)");
@@ -145,16 +150,20 @@ void TensorCache::start_load_locked(Entry& e, void* dst, mem::cuda::Stream strea
     auto* drv = opts_.driver;
     mem::cuda::DeviceScope scope(drv, e.device);  // Note [Caller's context]
     Lane& lane = lane_locked(e.device);
+    const mem::cuda::Stream load = on_demand ? lane.load_hi : lane.load;
     if (e.dst_ready_ev == 0) e.dst_ready_ev = take_event_locked(e.device);
+    // After the entry's previous load too (Note [Priority loads]).
+    const bool after_previous = e.loaded_once && e.load_done_ev != 0;
     if (e.load_done_ev == 0) e.load_done_ev = take_event_locked(e.device);
     drv->event_record(e.dst_ready_ev, stream);
-    drv->stream_wait_event(lane.load, e.dst_ready_ev);
-    drv->stream_wait_event(lane.load, e.copy_ev);
-    drv->memcpy_htod_async(reinterpret_cast<mem::cuda::DevicePtr>(dst), e.blob, e.nbytes, lane.load);
+    drv->stream_wait_event(load, e.dst_ready_ev);
+    drv->stream_wait_event(load, e.copy_ev);
+    if (after_previous) drv->stream_wait_event(load, e.load_done_ev);
+    drv->memcpy_htod_async(reinterpret_cast<mem::cuda::DevicePtr>(dst), e.blob, e.nbytes, load);
     try {
-      drv->event_record(e.load_done_ev, lane.load);
+      drv->event_record(e.load_done_ev, load);
     } catch (...) {
-      drv->stream_synchronize(lane.load);  // the buffer may be dropped once the copy ran
+      drv->stream_synchronize(load);  // the buffer may be dropped once the copy ran
       throw;
     }
     e.load_enqueued = true;
@@ -175,7 +184,9 @@ void TensorCache::start_load_locked(Entry& e, void* dst, mem::cuda::Stream strea
   }
   mutate(e, EntryState::kLoading, true);
   e.unpacks_left = e.handles;
-  load_q_.push_back(id);
+  e.load_on_demand = on_demand;
+  if (on_demand) load_q_.push_front(id);  // the unpack waits for it now
+  else load_q_.push_back(id);
   work_cv_.notify_one();
 }
 
@@ -200,10 +211,15 @@ void TensorCache::wait(EntryId id, mem::cuda::Stream stream) {
                   to_string(f.state), " (no load started)");
   if (f.device >= 0 && f.load_done_ev != 0) {
     refuse_in_capture_locked(f, stream);
-    mem::cuda::DeviceScope scope(opts_.driver, f.device);  // Note [Caller's context]
-    opts_.driver->stream_wait_event(stream, f.load_done_ev);
-    f.load_waited = true;  // on `stream`; the glue records it on the buffer when it is another
+    wait_for_load_locked(f, stream);
   }
+}
+
+void TensorCache::wait_for_load_locked(Entry& e, mem::cuda::Stream stream) {
+  mem::cuda::DeviceScope scope(opts_.driver, e.device);  // Note [Caller's context]
+  if (opts_.driver->event_query(e.load_done_ev)) opts_.driver->stream_wait_event(stream, e.load_done_ev);
+  else timed_wait_locked(e.device, stream, e.load_done_ev, true);  // Note [Device waits]
+  e.load_waited = true;  // on `stream`; the glue records it on the buffer when it is another
 }
 
 // Note [Consumed entries]
@@ -344,9 +360,7 @@ Unpacked TensorCache::unpack(EntryId id, mem::cuda::Stream stream, int64_t task,
                   to_string(e->state), " without its tensor");
   if (e->device >= 0 && e->load_done_ev != 0) {
     refuse_in_capture_locked(*e, stream);
-    mem::cuda::DeviceScope scope(opts_.driver, e->device);  // Note [Caller's context]
-    opts_.driver->stream_wait_event(stream, e->load_done_ev);
-    e->load_waited = true;  // on `stream`; the glue records it on the buffer when it is another
+    wait_for_load_locked(*e, stream);
   }
   out.kind = Unpacked::Kind::kBuffer;
   out.obj = e->buf;
@@ -355,16 +369,21 @@ Unpacked TensorCache::unpack(EntryId id, mem::cuda::Stream stream, int64_t task,
   out.buffer_stream = e->buf_stream;
   consume_locked(*e, task);
   if (auto m = microbatches_.find(e->microbatch); m != microbatches_.end() && e->order_pos != SIZE_MAX) {
-    out.prefetch = prefetch_locked(m->second, e->order_pos, task);
+    out.prefetch = prefetch_locked(m->second, e->order_pos, task, scope_start(m->second, e->order_pos, false));
   }
   return out;
 }
 
 // Note [Originals still alive]
 // A saved tensor may outlive forward outside autograd: the model's input, a
-// tensor the user keeps. Its storage then never left memory, so the glue
-// answers its unpack from it and does not prefetch it; the counters record it
-// so that bytes_reloaded + bytes_reused accounts for every offloaded byte.
+// tensor the user keeps, a storage a later block saves and keeps (a kept
+// handle holds it). Its storage then never left memory, so the glue answers
+// its unpack from it and does not load it; the counters record it once per
+// entry and step, so that bytes_reloaded + bytes_reused accounts for every
+// offloaded byte. Prefetch walks still offer it: the original may die later
+// in the backward (the kept holder's backward ended), and the glue, which
+// looks at the original each time, then loads it ahead of its unpack instead
+// of that unpack loading it on demand.
 bool TensorCache::reuse(EntryId id) {
   std::vector<GlueObj> dead;
   Lock lock(mu_);
@@ -424,6 +443,22 @@ void TensorCache::cancel_late_stores_locked(MicroBatch& mb) {
   }
 }
 
+// Note [Joint resident peak]
+// The glue keeps small and planned-resident saves in handles of its own, no
+// entry in the core (Note [Kept tensors] in python/src/torch/hooks.cpp), and
+// tells the core how many bytes those hold whenever that changes. The step's
+// peak of resident saved bytes is the peak of the sum: summing the two
+// peaks (the kept ones at the forward's end, the reloads' late in
+// backward) reported a CPU step's 36 MiB as 54 MiB. A rise takes the lock
+// to compare with the entries' bytes of that moment; a fall cannot raise the
+// peak and only stores the value.
+void TensorCache::set_kept_resident(uint64_t bytes) {
+  const uint64_t before = kept_resident_.exchange(bytes);
+  if (bytes <= before) return;
+  Lock lock(mu_);
+  note_peak_locked();
+}
+
 void TensorCache::note_kept(int microbatch, uint64_t nbytes) {
   Lock lock(mu_);
   push_order_locked(microbatches_[microbatch], nullptr, nbytes, false);  // a place in the order, no entry
@@ -435,35 +470,63 @@ void TensorCache::scope_end(int microbatch, int64_t scope) {
   mb.scope_end[scope] = mb.order.size();
 }
 
-std::vector<Candidate> TensorCache::prefetch_locked(MicroBatch& mb, size_t end, int64_t task) {
-  // Note [Prefetch distance]: the window bounds two things. The bytes loading
-  // or loaded ahead of use (window_), and how far ahead of the point backward
-  // has reached a load may start: the bytes of every entry in between count,
-  // resident ones (kept, forwarded) included. Without the second bound, when stores lag
-  // compute (a fast GPU: most entries forwarded) the walk skipped the resident
-  // entries and reloaded the few stored early blocks at the start of backward,
-  // on top of everything still resident: a peak above no offload.
+uint64_t TensorCache::lead_of_locked(const Entry& e) const {
+  return e.lead != 0 ? e.lead : opts_.prefetch_window_bytes;
+}
+
+void TensorCache::take_lead_locked(MicroBatch& mb, Entry& e, uint64_t lead) {
+  e.lead = lead;
+  if (lead == 0) mb.window_lead = true;
+  else mb.max_lead = std::max(mb.max_lead, lead);
+}
+
+size_t TensorCache::scope_start(const MicroBatch& mb, size_t pos, bool strict) {
+  size_t start = 0;
+  for (const auto& [scope, end] : mb.scope_end)
+    if (strict ? end < pos : end <= pos) start = std::max(start, end);
+  return start;
+}
+
+std::vector<Candidate> TensorCache::prefetch_locked(MicroBatch& mb, size_t end, int64_t task, size_t urgent_from) {
+  // Note [Prefetch distance]: two bounds. The window bounds the bytes loading
+  // or loaded ahead of use (window_). Each entry's lead (SaveRequest::
+  // lead_bytes, the window when 0) bounds how far ahead of the point backward
+  // has reached its load may start: the bytes of every entry in between
+  // count, its own and resident ones (kept, forwarded) included; an entry
+  // with nothing between always may. Without the second bound, when stores
+  // lag compute (a fast GPU: most entries forwarded) the walk skipped the
+  // resident entries and reloaded the few stored early blocks at the start
+  // of backward, on top of everything still resident: a peak above no
+  // offload. A plan gives each block the shortest lead that hides its reload
+  // (Note [Reload lead] in plan/step_model.cpp), so an entry beyond its own
+  // lead is skipped while one further on, with a longer lead, may still
+  // qualify: the walk ends once the distance passes the micro-batch's
+  // longest lead, or at the first entry the window has no room for.
   // Only loadable positions are visited; the bytes between come from the
   // running sums (Note [Host copies on the caller]: the small host entries
   // count towards the distance but are loaded at unpack).
   std::vector<Candidate> out;
   uint64_t window = window_;
   const uint64_t limit = opts_.prefetch_window_bytes;
+  const uint64_t reach = std::max(mb.max_lead, mb.window_lead ? limit : 0);
   end = std::min(end, mb.order.size());
   for (auto it = std::lower_bound(mb.loadable.begin(), mb.loadable.end(), end); it != mb.loadable.begin();) {
     const size_t i = *--it;
     const uint64_t distance = mb.cum[end] - mb.cum[i];  // order[i, end)
-    if (distance > limit && mb.cum[end] - mb.cum[i + 1] > 0) break;
+    const bool adjacent = mb.cum[end] - mb.cum[i + 1] == 0;
+    if (distance > reach && !adjacent) break;
     auto eit = entries_.find(mb.order[i]);
     if (eit == entries_.end()) continue;
-    const Entry& e = *eit->second;
+    Entry& e = *eit->second;
+    if (e.order_pos != i) continue;  // the place it had before a later saver moved it (Note [Shared entries])
+    if (distance > lead_of_locked(e) && !adjacent) continue;
     if (task != -1 && e.consumed_task == task) continue;
     if (e.state != EntryState::kStored || !e.acked || e.live || (!e.has_loc && e.blob == nullptr)) continue;
-    if (e.reused_step == step_) continue;  // answered from its original (Note [Originals still alive])
     if (e.device < 0 && e.has_loc && e.nbytes <= opts_.inline_copy_bytes && store_->tier_of(e.loc) == kTierCpu)
       continue;  // reloaded at unpack (Note [Host copies on the caller])
     if (window + e.nbytes > limit) break;
     window += e.nbytes;
+    e.urgent = i >= urgent_from;
     out.push_back(Candidate{e.id, e.nbytes, e.orig});
   }
   return out;
@@ -476,7 +539,7 @@ std::vector<Candidate> TensorCache::prefetch_scope(int microbatch, int64_t scope
   cancel_late_stores_locked(m->second);
   auto s = m->second.scope_end.find(scope);
   size_t end = s == m->second.scope_end.end() ? m->second.order.size() : s->second;
-  return prefetch_locked(m->second, end, task);
+  return prefetch_locked(m->second, end, task, scope_start(m->second, end, true));
 }
 
 std::vector<Candidate> TensorCache::prefetch_before(EntryId id, int64_t task) {
@@ -486,7 +549,8 @@ std::vector<Candidate> TensorCache::prefetch_before(EntryId id, int64_t task) {
   auto m = microbatches_.find(it->second->microbatch);
   if (m == microbatches_.end()) return {};
   if (it->second->order_pos == SIZE_MAX) return {};
-  return prefetch_locked(m->second, it->second->order_pos, task);
+  const size_t pos = it->second->order_pos;
+  return prefetch_locked(m->second, pos, task, scope_start(m->second, pos, false));
 }
 
 }  // namespace ebbtide::cache

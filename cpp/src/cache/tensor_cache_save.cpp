@@ -46,6 +46,23 @@ namespace ebbtide::cache {
 // overlap compute, and every SSD write; prefetch skips the small host-tier
 // entries, whose reloads cost less than a hand-off.
 
+// Note [Shared entries]
+// A storage several blocks save (HF Llama's rotary cos/sin tables, made once
+// per forward and passed to every block) is one entry: the first saver's
+// save creates it, the others' join it (dedup). In the forward order it sat
+// at its first saver's place, so backward reached it last and the prefetch,
+// walking from the last block down, queued its reload behind every block's
+// in between; the blocks that use it first in backward (the last savers)
+// then loaded it on demand behind those reloads. So a dedup hit by an
+// offloading save of the same micro-batch, in the same step and before its
+// backward began, moves the entry to the current end of the order (no
+// bytes added to the running sums: they were counted where it was saved;
+// its old place stays as bytes between others and the walk skips it), and
+// it takes that save's lead: it is reloaded when backward reaches its last
+// saver. Its count for release points stays its first place's (Note
+// [Release by bytes]). A later saver that keeps it holds the tensor itself
+// (the glue's kept handle: Note [Originals still alive]).
+
 namespace {
 
 // In MicroBatch::order: bytes the glue kept without an entry (note_kept).
@@ -70,6 +87,12 @@ SaveResult TensorCache::save(const SaveRequest& r) {
       e.handles += 1;
       if (e.state == EntryState::kLoaded) e.unpacks_left += 1;
       step_c_.tensors_deduped += 1;
+      if (r.offload && e.offloaded_order && e.microbatch == r.microbatch && e.step == step_ &&
+          (in_flight(e.state) || e.state == EntryState::kStored)) {
+        // Note [Shared entries].
+        auto m = microbatches_.find(e.microbatch);
+        if (m != microbatches_.end() && !m->second.backward_began) move_order_locked(m->second, e, r.lead_bytes);
+      }
       bool off = e.state != EntryState::kKept && e.state != EntryState::kFailed;
       return SaveResult{e.id, new_handle_locked(e.id), false, off, take_completions_locked()};
     }
@@ -131,7 +154,7 @@ SaveResult TensorCache::save(const SaveRequest& r) {
   // holds the tensor until then.
   if (!on_caller) {
     resident_ += e->nbytes;
-    step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_);
+    note_peak_locked();
     e->live = r.live;
   }
   step_c_.saved_bytes_total += r.src.nbytes;
@@ -146,6 +169,10 @@ SaveResult TensorCache::save(const SaveRequest& r) {
     auto& mb = microbatches_[r.microbatch];
     push_order_locked(mb, e.get(), r.src.nbytes, !on_caller);  // Note [Host copies on the caller]
     mb.backward_began = false;  // a new forward of this micro-batch
+    mb.offloaded += r.src.nbytes;
+    e->offloaded_through = mb.offloaded;  // Note [Release by bytes]
+    e->offloaded_order = true;
+    take_lead_locked(mb, *e, r.lead_bytes);
   } else {
     step_c_.tensors_kept += 1;
     if (r.src.on_device()) {
@@ -203,6 +230,17 @@ void TensorCache::push_order_locked(MicroBatch& mb, Entry* e, uint64_t nbytes, b
   }
   mb.order.push_back(e != nullptr ? e->id : kKeptBytes);
   mb.cum.push_back(mb.cum.back() + nbytes);
+}
+
+// Note [Shared entries]: `e` (offloaded, with a place) takes a new place at
+// the order's end, adding no bytes, and the lead `lead`.
+void TensorCache::move_order_locked(MicroBatch& mb, Entry& e, uint64_t lead) {
+  const bool loadable = std::binary_search(mb.loadable.begin(), mb.loadable.end(), e.order_pos);
+  if (loadable) mb.loadable.push_back(mb.order.size());
+  e.order_pos = mb.order.size();
+  mb.order.push_back(e.id);
+  mb.cum.push_back(mb.cum.back());
+  take_lead_locked(mb, e, lead);
 }
 
 void TensorCache::bury_locked(GlueObj& obj) {

@@ -310,7 +310,8 @@ void TensorCache::run_device_load(Lock& lock, Entry& e) {
   void* dst = e.dst;
   const mem::cuda::Event ready = e.dst_ready_ev;
   const mem::cuda::Event done = e.load_done_ev;
-  const mem::cuda::Stream load = lanes_.at(dev).load;
+  const bool after_previous = e.loaded_once;  // Note [Priority loads]
+  const mem::cuda::Stream load = e.load_on_demand ? lanes_.at(dev).load_hi : lanes_.at(dev).load;  // Note [Priority loads]
   Store& st = staging_locked();
   lock.unlock();
   HostSpace space;
@@ -323,6 +324,7 @@ void TensorCache::run_device_load(Lock& lock, Entry& e) {
     have = true;
     store_->get(loc, mem::Buffer{space.ptr, n});
     opts_.driver->stream_wait_event(load, ready);
+    if (after_previous) opts_.driver->stream_wait_event(load, done);
     opts_.driver->memcpy_htod_async(reinterpret_cast<mem::cuda::DevicePtr>(dst), space.ptr, n, load);
     enqueued = true;
     opts_.driver->event_record(done, load);

@@ -34,7 +34,10 @@ void Driver::mem_free(DevicePtr) { throw Unsupported("cuda::Driver: mem_free not
 Event Driver::event_create_timed() { throw Unsupported("cuda::Driver: timed events not implemented"); }
 float Driver::event_elapsed_ms(Event, Event) { throw Unsupported("cuda::Driver: timed events not implemented"); }
 bool Driver::stream_is_capturing(Stream) { return false; }
+std::pair<int, int> Driver::stream_priority_range() { return {0, 0}; }
+Stream Driver::stream_create_with_priority(int) { return stream_create(); }
 void Driver::relax_capture_mode() {}
+int Driver::exchange_capture_mode(int mode) { return mode; }
 
 namespace {
 
@@ -77,6 +80,8 @@ struct Api {
   decltype(&cuEventElapsedTime) event_elapsed_time{};
   decltype(&cuStreamIsCapturing) stream_is_capturing{};
   decltype(&cuThreadExchangeStreamCaptureMode) exchange_capture_mode{};
+  decltype(&cuStreamCreateWithPriority) stream_create_with_priority{};
+  decltype(&cuCtxGetStreamPriorityRange) ctx_get_stream_priority_range{};
 };
 
 // Fills `api` from `lib`; returns the first missing symbol, or "" when all are there.
@@ -116,6 +121,8 @@ std::string load_api(void* lib, Api& api) {
   get(api.mem_free, "cuMemFree_v2");
   get(api.stream_is_capturing, "cuStreamIsCapturing");
   get(api.exchange_capture_mode, "cuThreadExchangeStreamCaptureMode");
+  get(api.stream_create_with_priority, "cuStreamCreateWithPriority");
+  get(api.ctx_get_stream_priority_range, "cuCtxGetStreamPriorityRange");
   // Optional (timed events only): _v2 in CUDA 12.8+ headers, the same signature before.
   for (const char* name : {"cuEventElapsedTime_v2", "cuEventElapsedTime"}) {
     if (void* sym = ::dlsym(lib, name)) {
@@ -258,6 +265,16 @@ class DriverImpl final : public Driver {
     check(api_.stream_create(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
     return reinterpret_cast<Stream>(s);
   }
+  std::pair<int, int> stream_priority_range() override {
+    int least = 0, greatest = 0;
+    check(api_.ctx_get_stream_priority_range(&least, &greatest), "cuCtxGetStreamPriorityRange");
+    return {least, greatest};
+  }
+  Stream stream_create_with_priority(int priority) override {
+    CUstream s = nullptr;
+    check(api_.stream_create_with_priority(&s, CU_STREAM_NON_BLOCKING, priority), "cuStreamCreateWithPriority");
+    return reinterpret_cast<Stream>(s);
+  }
   void stream_destroy(Stream s) override { check(api_.stream_destroy(stream(s)), "cuStreamDestroy"); }
   void stream_synchronize(Stream s) override {
     check(api_.stream_synchronize(stream(s)), "cuStreamSynchronize");
@@ -267,9 +284,11 @@ class DriverImpl final : public Driver {
     check(api_.stream_is_capturing(stream(s), &status), "cuStreamIsCapturing");
     return status != CU_STREAM_CAPTURE_STATUS_NONE;
   }
-  void relax_capture_mode() override {
-    CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
-    check(api_.exchange_capture_mode(&mode), "cuThreadExchangeStreamCaptureMode");
+  void relax_capture_mode() override { exchange_capture_mode(kCaptureModeRelaxed); }
+  int exchange_capture_mode(int mode) override {
+    auto m = static_cast<CUstreamCaptureMode>(mode);
+    check(api_.exchange_capture_mode(&m), "cuThreadExchangeStreamCaptureMode");
+    return static_cast<int>(m);
   }
 
   // In the calling thread's context, never one made up for the call (Note

@@ -91,6 +91,11 @@ void validate(const ModelConfig& c) {
     }
   }
   if (c.family == Family::kGpt2) return;
+  if (c.family == Family::kMegatron) {
+    EBB_CHECK(c.arch == Arch::kDecoder, "model family megatron is a decoder (Megatron-core's GPTModel; got arch ",
+              to_string(c.arch), ")");
+    return;
+  }
   if (c.family == Family::kT5) {
     EBB_CHECK(c.arch == Arch::kEncoderDecoder, "model family t5 is an encoder-decoder (got arch ",
               to_string(c.arch), ")");
@@ -130,7 +135,8 @@ Family parse_family(std::string_view name) {
   if (n == "gpt2") return Family::kGpt2;
   if (n == "llama") return Family::kLlama;
   if (n == "t5") return Family::kT5;
-  throw InvalidArgument(detail::concat("unknown family '", name, "' (valid: gpt2, llama, t5)"));
+  if (n == "megatron") return Family::kMegatron;
+  throw InvalidArgument(detail::concat("unknown family '", name, "' (valid: gpt2, llama, t5, megatron)"));
 }
 
 Norm parse_norm(std::string_view name) {
@@ -145,6 +151,7 @@ std::string to_string(Family family) {
     case Family::kGpt2: return "gpt2";
     case Family::kLlama: return "llama";
     case Family::kT5: return "t5";
+    case Family::kMegatron: return "megatron";
   }
   return "?";
 }

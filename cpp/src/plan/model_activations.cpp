@@ -1,6 +1,8 @@
 // Activation bytes per layer and per step (Notes [Activation bytes], [Layer
 // families], [T5 family]).
+#include "ebbtide/plan/megatron.hpp"
 #include "ebbtide/plan/model.hpp"
+#include "ebbtide/util/error.hpp"
 
 namespace ebbtide::plan {
 
@@ -201,6 +203,89 @@ ActivationBytes t5_activation_bytes(const ModelConfig& c) {
   return out;
 }
 
+}  // namespace
+
+// Note [Megatron family]
+// Megatron-core's GPTModel with its local layer spec (get_gpt_layer_local_spec:
+// LayerNorm, the unfused DotProductAttention, a GELU MLP with biases, learned
+// positions, the output layer tied to the embedding) counted per storage as
+// saved-tensor hooks see it in eager PyTorch (measured with a pack hook on
+// megatron-core 0.16.1; python/tests/test_integrations_megatron.py checks
+// the count on CPU within 2%). p = bytes_per_element, w = attention width,
+// ss = a s^2 b. Per layer, by the module whose forward saves it (the names of
+// Megatron's --offload-modules, MegatronLayerSaves):
+//   attn_norm: the input LayerNorm's input p sbh;
+//   qkv_linear: its output, the QKV projection's input p sbh;
+//   core_attn: the QKV output, one storage the scores and the context read
+//     (q, k and v are views of it) 3p sbw; the softmax output, fp32 when p = 2
+//     (attention_softmax_in_fp32) 4 ss, and without dropout at p = 2 its cast
+//     to p, which the context product reads, p ss; with dropout a bool mask
+//     and the dropped copy (1 + p) ss instead of the cast. FlashAttention
+//     (Transformer Engine's fused attention) keeps the fp32 log-sum-exp
+//     4 a s b instead of the scores; selective recompute keeps neither;
+//   attn_proj: the output projection's input p sbw;
+//   mlp_norm: the pre-MLP LayerNorm's input p sbh;
+//   the rest (no offload module takes it): both LayerNorms' fp32 row
+//     statistics 16 sb (Megatron's offloading leaves them: far below its
+//     min_offloaded_tensor_size), the pre-MLP LayerNorm's output p sbh, the
+//     GELU input and output 2p sbf, with dropout the two bias-dropout-add
+//     masks 2 sbh.
+// LayerNorm terms are split by TP only with sequence parallelism; the
+// others by TP. Full recompute keeps the layer input, p sbh.
+// Outside the layers: int64 token and position ids 16 sb, the bool attention
+// mask b s^2 (GPTDataset's per-sample causal masks), with dropout the
+// embedding dropout mask sbh, the final LayerNorm's input, statistics and
+// output (the output layer's input) 2p sbh + 8 sb. Logits: the vocab-parallel
+// cross entropy's fp32 softmax 4 sbV/t, its bool target mask sb and int64
+// masked targets 8 sb. On CPU dropout masks are in the activation dtype and
+// LayerNorm statistics in the input dtype: fp32 without dropout saves the
+// same on CPU as on a GPU.
+MegatronLayerSaves megatron_layer_saves(const ModelConfig& c) {
+  validate(c);
+  EBB_CHECK(c.family == Family::kMegatron, "Megatron's offload modules are modelled for family megatron (got ",
+            to_string(c.family), ")");
+  const auto [s, b, h, a, f, t, p] = sizes_of(c);
+  const double sb = s * b;
+  const double sbh = sb * h;
+  const double sbw = sb * static_cast<double>(c.attention_width());
+  const double ss = a * s * s * b;
+  const double sp_div = c.sp ? t : 1.0;
+  constexpr double kFp32 = 4.0;
+  constexpr double kMask = 1.0;
+  double core = 0;
+  if (c.recompute != Recompute::kSelective) {
+    core = c.flash_attn ? kFp32 * a * sb
+                        : kFp32 * ss + (c.dropout ? (kMask + p) * ss : (p < kFp32 ? p * ss : 0.0));
+  }
+  MegatronLayerSaves out;
+  out.attn_norm = p * sbh / sp_div;
+  out.qkv_linear = p * sbh / sp_div;
+  out.core_attn = (3 * p * sbw + core) / t;
+  out.attn_proj = p * sbw / t;
+  out.mlp_norm = p * sbh / sp_div;
+  out.rest = (2 * 2 * kFp32 * sb + p * sbh + (c.dropout ? 2 * kMask * sbh : 0.0)) / sp_div + 2 * p * sb * f / t;
+  return out;
+}
+
+namespace {
+
+ActivationBytes megatron_activation_bytes(const ModelConfig& c) {
+  const auto [s, b, h, a, f, t, p] = sizes_of(c);
+  const double sb = s * b;
+  const double sbh = sb * h;
+  const double sp_div = c.sp ? t : 1.0;
+  constexpr double kFp32 = 4.0;
+  constexpr double kInt64 = 8.0;
+  constexpr double kMask = 1.0;
+  ActivationBytes out;
+  out.self_layer = c.recompute == Recompute::kFull ? p * sbh / sp_div : megatron_layer_saves(c).total();
+  out.per_step = static_cast<double>(c.layers) * out.self_layer;
+  out.last_layer = out.self_layer;
+  out.outside = 2 * kInt64 * sb + b * s * s + ((c.dropout ? kMask * sbh : 0.0) + 2 * p * sbh + 2 * kFp32 * sb) / sp_div;
+  out.logits = kFp32 * sb * static_cast<double>(c.vocab) / t + kMask * sb + kInt64 * sb;
+  return out;
+}
+
 ActivationBytes stack_activation_bytes(const ModelConfig& c) {
   const auto [s, b, h, a, f, t, p] = sizes_of(c);
   const double sbh = s * b * h;
@@ -240,9 +325,10 @@ ActivationBytes stack_activation_bytes(const ModelConfig& c) {
 
 ActivationBytes activation_bytes(const ModelConfig& c) {
   validate(c);
-  ActivationBytes out = c.family == Family::kLlama ? llama_activation_bytes(c)
-                        : c.family == Family::kT5  ? t5_activation_bytes(c)
-                                                   : stack_activation_bytes(c);
+  ActivationBytes out = c.family == Family::kLlama      ? llama_activation_bytes(c)
+                        : c.family == Family::kT5       ? t5_activation_bytes(c)
+                        : c.family == Family::kMegatron ? megatron_activation_bytes(c)
+                                                        : stack_activation_bytes(c);
   if (c.recompute == Recompute::kFull) {
     // The layer being differentiated is rebuilt whole, beside the checkpoints.
     ModelConfig kept = c;

@@ -16,28 +16,38 @@ using detail::ssd_write_rate;
 using detail::validate;
 
 // Note [Budget plan]
-// With activation_budget_bytes B each module takes one of keep, offload_cpu,
-// offload_ssd, recompute, recompute_offload (cpu or ssd), and the plan
-// minimises the predicted step time T = forward + backward + recompute +
-// stall subject to the predicted peak P <= B, both from the timing model of
-// Note [Offload rule]: a recomputed module saves only its recompute_bytes in
+// With a budget B each module takes one of keep, offload_cpu, offload_ssd,
+// recompute, recompute_offload (cpu or ssd), and the plan minimises the
+// predicted step time T = forward + backward + recompute + stall subject to
+// the predicted peak P <= B, both from the step model (Note [Step model] in
+// step_model.cpp): a recomputed module saves only its recompute_bytes in
 // forward (offloaded like any module's bytes under recompute_offload) and
-// re-runs its forward at the start of its backward, holding all its bytes
-// then. Recompute costs compute the step always pays; offload costs only the
-// stall the links cannot hide; so:
-// 1. Start from plan_offload: what the links hide is free.
+// re-makes its activations at the start of its backward. P is the peak of
+// saved bytes for activation_budget_bytes, the allocator's (saves,
+// reloads, gradients, temporaries) for peak_budget_bytes, both with both
+// (Bound). The allocator's peak is where keeping pays: the last blocks'
+// activations are freed early in backward, before the gradients have grown,
+// so keeping them may cost no peak at all. Recompute costs compute the step
+// always pays; offload costs only the stall the links cannot hide; so:
+// 1. Start from plan_offload (what the links hide is free), and again from
+//    full recompute (every recomputable module; budgets near its peak are
+//    met at once), and keep the faster feasible result: a budget full
+//    recompute meets is never slower than it.
 // 2. While P > B, descend: try every change of one module's placement and
 //    take the one that lowers the peak most per second of T it adds (a change
 //    that lowers it for nothing first). A change that leaves the peak equal
 //    but lowers the sum of resident bytes over the scan's points counts a
 //    little, so two equal peaks (say forward end and a backward start) can be
 //    lowered one after the other. If no change lowers anything, B is below
-//    what this planner can reach: feasible = false, min_budget_bytes = the
-//    lowest peak found, and step 3 runs with that peak as the bound.
+//    what this planner can reach: feasible = false, min_budget_bytes (and
+//    min_peak_budget_bytes) = the lowest peak found, and step 3 runs with
+//    that peak as the bound.
 // 3. Polish: try every single change again and take the one that lowers T
 //    most with P <= B; at equal T (within float slack), the one that moves
 //    fewer bytes over the links. This undoes the descent's overshoot and
 //    keeps what need not move (less SSD wear).
+// Reloads take the lead that spans enough backward time (Note [Reload
+// lead]) throughout, made explicit at the end.
 // The peak is predicted at the measured rates. A write that runs slower
 // frees its memory later; the cache then holds the budget by making saves
 // wait for the writes (Note [Budget guard] in ebbtide/cache/adaptive.py), which
@@ -45,9 +55,9 @@ using detail::validate;
 // Offload changes follow plan_offload's limits: none for the last
 // keep_last_modules, the host tier within host_budget_bytes, and on a GPU
 // (writes_within_forward) every write done by the end of forward.
-// Each round simulates at most 5 changes per module, O(n^2) each (the peak
-// scan); rounds are bounded by 8n per phase. 80 modules plan in well under a
-// second (test_plan_planner.cpp, bench/planner_bench.py).
+// Each round simulates at most 5 changes per module, each an O(saves) step
+// model; rounds are bounded by 8n per phase (test_plan_planner.cpp,
+// bench/planner_bench.py).
 namespace {
 
 struct Candidate {
@@ -57,9 +67,26 @@ struct Candidate {
   double area = 0;
 };
 
+// The peak a budget bounds (Note [Budget plan]): saved bytes for
+// activation_budget_bytes, the allocator's for peak_budget_bytes; with both,
+// the saved peak scaled to the allocator bound, so that one number fits
+// `bound()` exactly when both fit.
+struct Bound {
+  uint64_t saved = 0, alloc = 0;
+  uint64_t peak(const Plan& p) const {
+    if (alloc == 0) return p.peak_resident_bytes;
+    if (saved == 0) return p.peak_allocated_bytes;
+    const double scaled = static_cast<double>(p.peak_resident_bytes) * static_cast<double>(alloc) /
+                          static_cast<double>(saved);
+    return std::max(p.peak_allocated_bytes, static_cast<uint64_t>(std::ceil(scaled)));
+  }
+  uint64_t bound() const { return alloc != 0 ? alloc : saved; }
+};
+
 class BudgetSearch {
  public:
-  BudgetSearch(const std::vector<ModuleProfile>& modules, const PlannerOptions& o) : modules_(modules), o_(o) {
+  BudgetSearch(const std::vector<ModuleProfile>& modules, const PlannerOptions& o, Bound bound)
+      : modules_(modules), o_(o), bound_(bound) {
     const size_t n = modules.size();
     candidates_ = n - std::min(n, static_cast<size_t>(o.keep_last_modules));
     ssd_ = ssd_write_rate(o) > 0 && o.read_bps > 0;
@@ -68,6 +95,8 @@ class BudgetSearch {
     for (const auto& m : modules) f += m.forward_seconds;
     slack_ = 1e-9 * f * (1 + o.backward_factor) + o.stall_tolerance_seconds;
   }
+
+  uint64_t peak(const Plan& p) const { return bound_.peak(p); }
 
   Candidate evaluate(std::vector<Placement> placements, std::vector<uint64_t> limits) const {
     Candidate c;
@@ -129,11 +158,13 @@ class BudgetSearch {
     std::optional<Candidate> best;
     double best_score = 0;
     bool best_free = false;
+    const uint64_t p0 = peak(cur.plan);
     for_each_change(cur, [&](Candidate c) {
       double gain = 0;
-      if (c.plan.peak_resident_bytes < cur.plan.peak_resident_bytes)
-        gain = static_cast<double>(cur.plan.peak_resident_bytes - c.plan.peak_resident_bytes);
-      else if (c.plan.peak_resident_bytes == cur.plan.peak_resident_bytes && c.area < cur.area)
+      const uint64_t p1 = peak(c.plan);
+      if (p1 < p0)
+        gain = static_cast<double>(p0 - p1);
+      else if (p1 == p0 && c.area < cur.area)
         gain = 1e-3 * (cur.area - c.area);
       if (gain <= 0) return;
       const double dt = c.plan.predicted_step_seconds() - t0;
@@ -161,7 +192,7 @@ class BudgetSearch {
     };
     std::optional<Candidate> best;
     for_each_change(cur, [&](Candidate c) {
-      if (c.plan.peak_resident_bytes > budget || !before(c.plan, cur.plan)) return;
+      if (peak(c.plan) > budget || !before(c.plan, cur.plan)) return;
       if (!best || before(c.plan, best->plan)) best = std::move(c);
     });
     if (!best) return false;
@@ -172,6 +203,7 @@ class BudgetSearch {
  private:
   const std::vector<ModuleProfile>& modules_;
   const PlannerOptions& o_;
+  Bound bound_;
   size_t candidates_ = 0;
   bool ssd_ = false;
   bool cpu_ = false;
@@ -188,26 +220,20 @@ struct Fit {
   uint64_t bound = 0;  // the budget, or (infeasible) the lowest peak found
 };
 
-// Note [Budget plan]'s search: from plan_offload under `start_options`,
-// descend in `descent`'s timing model, then polish in `polish`'s.
-Fit fit_budget(const std::vector<ModuleProfile>& modules, const PlannerOptions& start_options,
+// Note [Budget plan]'s search: from `start`, descend in `descent`'s timing
+// model, then polish in `polish`'s.
+Fit fit_budget(const std::vector<ModuleProfile>& modules, std::vector<Placement> start, std::vector<uint64_t> limits,
                const BudgetSearch& descent, const BudgetSearch& polish, uint64_t budget) {
-  std::vector<Placement> start;
-  std::vector<uint64_t> limits;
-  for (const auto& d : plan_offload(modules, start_options).modules) {
-    start.push_back(d.placement);
-    limits.push_back(d.partial() ? d.offload_bytes : kWholeModule);
-  }
   Candidate cur = descent.evaluate(std::move(start), std::move(limits));
   const size_t rounds = 8 * modules.size() + 8;
-  for (size_t r = 0; r < rounds && cur.plan.peak_resident_bytes > budget; ++r) {
+  for (size_t r = 0; r < rounds && descent.peak(cur.plan) > budget; ++r) {
     if (!descent.descend(cur)) break;
   }
   if (&descent != &polish) cur = polish.evaluate(std::move(cur.placements), std::move(cur.limits));
   Fit fit;
-  fit.feasible = cur.plan.peak_resident_bytes <= budget;
+  fit.feasible = polish.peak(cur.plan) <= budget;
   // Infeasible: the fastest plan at the lowest peak found.
-  fit.bound = fit.feasible ? budget : cur.plan.peak_resident_bytes;
+  fit.bound = fit.feasible ? budget : polish.peak(cur.plan);
   for (size_t r = 0; r < rounds; ++r) {
     if (!polish.polish(cur, fit.bound)) break;
   }
@@ -215,14 +241,52 @@ Fit fit_budget(const std::vector<ModuleProfile>& modules, const PlannerOptions& 
   return fit;
 }
 
+// The placements and limits of plan_offload under `o`: the search's first start.
+void offload_start(const std::vector<ModuleProfile>& modules, const PlannerOptions& o, std::vector<Placement>& start,
+                   std::vector<uint64_t>& limits) {
+  for (const auto& d : plan_offload(modules, o).modules) {
+    start.push_back(d.placement);
+    limits.push_back(d.partial() ? d.offload_bytes : kWholeModule);
+  }
+}
+
+// The better of two fits: the feasible one, the faster of two feasible ones,
+// the lower peak of two infeasible ones.
+bool better(const Fit& a, const Fit& b) {
+  if (a.feasible != b.feasible) return a.feasible;
+  if (a.feasible) return a.best.plan.predicted_step_seconds() < b.best.plan.predicted_step_seconds();
+  return a.bound < b.bound;
+}
+
 }  // namespace
 
+// Note [Budget plan], the starts: the search descends from plan_offload's
+// plan, and also from full recompute (every module that can be recomputed
+// is), where budgets near full recompute's peak are met at once; the polish
+// then keeps what the allocator's peak allows (the last blocks, whose
+// activations backward frees before the gradients have grown). The faster
+// feasible plan wins, so a budget full recompute meets is never slower than it.
 Plan plan_budget(const std::vector<ModuleProfile>& modules, const PlannerOptions& o) {
   validate(modules, o);
-  const uint64_t budget = o.activation_budget_bytes;
+  const Bound bound{o.activation_budget_bytes, o.peak_budget_bytes};
+  const uint64_t budget = bound.bound();
   if (budget == 0) return plan_offload(modules, o);
-  BudgetSearch search(modules, o);
-  Fit fit = fit_budget(modules, o, search, search, budget);
+  BudgetSearch search(modules, o, bound);
+  std::vector<Placement> start;
+  std::vector<uint64_t> limits;
+  offload_start(modules, o, start, limits);
+  Fit fit = fit_budget(modules, start, limits, search, search, budget);
+  {
+    std::vector<Placement> all(modules.size(), Placement::kKeep);
+    bool any = false;
+    for (size_t i = 0; i < modules.size(); ++i)
+      if (modules[i].recomputable) all[i] = Placement::kRecompute, any = true;
+    if (any) {
+      Fit alt = fit_budget(modules, std::move(all), std::vector<uint64_t>(modules.size(), kWholeModule), search,
+                           search, budget);
+      if (better(alt, fit)) fit = std::move(alt);
+    }
+  }
   if (o.guarded_writes) {
     // Note [Guarded writes]: with the guard any offload fits the forward at
     // the cost of waits, which changes the descent's path and where it
@@ -233,19 +297,19 @@ Plan plan_budget(const std::vector<ModuleProfile>& modules, const PlannerOptions
     // predicted alone, 0.834 s with both).
     PlannerOptions strict = o;
     strict.guarded_writes = false;
-    BudgetSearch strict_search(modules, strict);
-    Fit alt = fit_budget(modules, strict, strict_search, search, budget);
-    const bool better =
-        alt.feasible != fit.feasible
-            ? alt.feasible
-            : (alt.feasible ? alt.best.plan.predicted_step_seconds() < fit.best.plan.predicted_step_seconds()
-                            : alt.bound < fit.bound);
-    if (better) fit = std::move(alt);
+    BudgetSearch strict_search(modules, strict, bound);
+    std::vector<Placement> s2;
+    std::vector<uint64_t> l2;
+    offload_start(modules, strict, s2, l2);
+    Fit alt = fit_budget(modules, std::move(s2), std::move(l2), strict_search, search, budget);
+    if (better(alt, fit)) fit = std::move(alt);
   }
-  Plan plan = std::move(fit.best.plan);
-  plan.activation_budget_bytes = budget;
+  Plan plan = detail::refine_leads(modules, o, fit.best.placements, fit.best.limits, std::move(fit.best.plan));
+  plan.activation_budget_bytes = o.activation_budget_bytes;
+  plan.peak_budget_bytes = o.peak_budget_bytes;
   plan.feasible = fit.feasible;
-  plan.min_budget_bytes = fit.feasible ? 0 : fit.bound;
+  plan.min_budget_bytes = fit.feasible || o.activation_budget_bytes == 0 ? 0 : plan.peak_resident_bytes;
+  plan.min_peak_budget_bytes = fit.feasible || o.peak_budget_bytes == 0 ? 0 : plan.peak_allocated_bytes;
   return plan;
 }
 

@@ -21,7 +21,8 @@ Setting make(std::string_view name, Kind kind, std::string_view section, std::st
 
 std::vector<Setting> make_table() {
   using K = Kind;
-  const std::string_view gen = "General", io = "Storage engine", cache = "Tensor cache", ckpt = "Checkpoints";
+  const std::string_view gen = "General", io = "Storage engine", cache = "Tensor cache", ckpt = "Checkpoints",
+                         sw = "Without editing the script";
   return {
       make("EBBTIDE_LOG_LEVEL", K::kChoice, gen, "`warn`",
        "`error`, `warn`, `info` or `debug`. Fallbacks (buffered I/O on tmpfs, POSIX backend without io_uring, "
@@ -64,8 +65,22 @@ std::vector<Setting> make_table() {
        "bound on the step's peak of saved-activation bytes held in the training device's memory (bytes, e.g. "
        "`20GiB`); the planner keeps, offloads or recomputes each block to fit it at the least step time "
        "(Note [Budget plan]). Turns the cache adaptive."),
+      make("EBBTIDE_MEMORY_BUDGET", K::kBytes, cache, "`0` (none)",
+       "bound on the step's peak of the training device's allocator above the step's start (what "
+       "`torch.cuda.max_memory_allocated()` shows: saved activations, gradients, temporaries; bytes, e.g. "
+       "`60GiB`); the planner keeps, offloads or recomputes each block to fit it at the least step time "
+       "(Note [Budget plan]). On a CPU device it bounds the resident saved bytes, as "
+       "`EBBTIDE_ACTIVATION_BUDGET` does. Turns the cache adaptive."),
       make("EBBTIDE_MAX_WRITE_MBPS", K::kFloat, cache, "`0` (no cap)",
        "cap on SSD writes in MB/s (10^6 bytes/s); the planner plans with min(measured, cap).", 0, kNoMax),
+
+      make("EBBTIDE_OFFLOAD", K::kChoice, sw, "unset (off)",
+       "`cpu`, `ssd` or `auto`: every Python process of the environment (torchrun's and `accelerate launch`'s "
+       "workers too) offloads the activations of the HF/TRL, Lightning and torchtune trainers it runs, with this "
+       "target, as if the script added ebbtide's integration (`ebbtide run` sets it; docs/integrations.md).",
+       0, 0, {"cpu", "ssd", "auto"}),
+      make("EBBTIDE_OFFLOAD_PATH", K::kText, sw, "the temporary folder",
+       "with `EBBTIDE_OFFLOAD=ssd` or `auto`: the folder for the offloaded activations' files."),
 
       make("EBBTIDE_CKPT_CHUNK", K::kBytes, ckpt, "`4MiB`", "checksum and compression unit, a multiple of 4 KiB."),
       make("EBBTIDE_CKPT_QUEUE_DEPTH", K::kInt, ckpt, "`8`",

@@ -41,14 +41,16 @@ measures does not exceed the budget by the whole keep-all peak.
 """
 from __future__ import annotations
 
+import copy
 import logging
-import os
 import time
 from typing import Optional
 
 import torch
 
-from ebbtide import _core, _settings
+from ebbtide import _core
+from ebbtide.cache import profile as _profile
+from ebbtide.cache.budget import Budgets, fmt_bytes as _fmt_bytes, infeasible_message, inflight_bound
 from ebbtide.plan import planner
 
 logger = logging.getLogger("ebbtide")
@@ -61,75 +63,15 @@ _MIN_MEASURED_BYTES = 1 << 20
 # (prefetch_modules, the window of Note [Prefetch window] in tensor_cache.py).
 _CUDA_PREFETCH_MODULES = 4
 _PROBE_BYTES = 8 << 20
-_DEFAULT_HOST_FRACTION = 0.25  # of MemAvailable: auto's host tier when training on CUDA
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 0
-
-
-def resolve_budget(activation_budget_bytes, adaptive) -> int:
-    """The activation budget in bytes (0: none) from the argument, then
-    EBBTIDE_ACTIVATION_BUDGET; a budget needs the planner (adaptive)."""
-    explicit = activation_budget_bytes is not None
-    budget = _settings.resolve("EBBTIDE_ACTIVATION_BUDGET", activation_budget_bytes,
-                               "ebbtide.TensorCache: activation_budget_bytes")
-    budget = int(budget or 0)
-    if budget and adaptive is False:
-        where = "activation_budget_bytes" if explicit else "EBBTIDE_ACTIVATION_BUDGET"
-        raise ValueError(f"ebbtide.TensorCache: {where}={budget} needs the planner, but adaptive=False "
-                         "(leave adaptive unset or True)")
-    return budget
-
-
-def resolve_settings(target, cuda, adaptive, host_budget_bytes, max_write_mbps):
-    """(max_write_bps, host_budget_bytes, adaptive) from arguments, then EBBTIDE_* variables."""
-    explicit_cap = max_write_mbps is not None
-    max_write_mbps = _settings.resolve("EBBTIDE_MAX_WRITE_MBPS", max_write_mbps,
-                                       "ebbtide.TensorCache: max_write_mbps")
-    if target == "cpu" and explicit_cap and max_write_mbps:
-        raise ValueError("ebbtide.TensorCache: max_write_mbps caps SSD writes; target 'cpu' writes none "
-                         "(use target 'auto' or 'ssd')")
-    max_write_bps = float(max_write_mbps or 0) * 1e6 if target != "cpu" else 0.0
-    host_budget_bytes = _settings.resolve("EBBTIDE_HOST_BUDGET", host_budget_bytes,
-                                          "ebbtide.TensorCache: host_budget_bytes")
-    if host_budget_bytes is None:
-        # On CPU the activations already live in host memory: a host tier saves nothing.
-        host_budget_bytes = int(_available_memory() * _DEFAULT_HOST_FRACTION) if cuda else 0
-    host_budget = int(host_budget_bytes) if target == "auto" else 0
-    adaptive = _settings.resolve("EBBTIDE_ADAPTIVE", adaptive, "ebbtide.TensorCache: adaptive")
-    if adaptive is None:
-        # On a GPU every target is planned (Note [Release points]): what
-        # the link cannot copy during the forward stays resident.
-        adaptive = target == "auto" or bool(cuda)
-    return max_write_bps, host_budget, bool(adaptive)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n} B"
 
 
 class Adaptive:
     """Profile -> plan -> apply -> watch, for one TensorCache."""
 
     def __init__(self, cache, *, max_write_bps: float, host_budget_bytes: int, backward_factor: float = 2.0,
-                 prefetch_modules: int = 1, replan_fraction: float = 0.7, activation_budget_bytes: int = 0):
+                 prefetch_modules: int = 1, replan_fraction: float = 0.7, budgets: Budgets = Budgets()):
         self.cache = cache
-        self.activation_budget_bytes = int(activation_budget_bytes)
+        self.budgets = budgets
         self.max_write_bps = float(max_write_bps)
         self.host_budget_bytes = int(host_budget_bytes)
         self.backward_factor = backward_factor
@@ -138,6 +80,8 @@ class Adaptive:
         self.prefetch_modules = prefetch_modules
         self.replan_fraction = replan_fraction
         self.profiling = True        # this (or the next) step profiles
+        self.retiming = False        # this step times the blocks again (Note [Re-timed profile])
+        self._retime_next = False
         self.last_profiled = False   # the last step begun was a profiling step
         self._profile_next = True
         self.plan: Optional[dict] = None
@@ -147,7 +91,8 @@ class Adaptive:
         self.measured: dict = {}     # tier name -> {"write_bps", "read_bps", "source"}
         self.replans = 0
         self.plans = 0
-        self.release_after: dict = {}  # scope -> last scope released after its forward
+        self.release_bytes: dict = {}  # scope -> offloaded bytes released after its forward
+        self.leads: dict = {}          # scope -> reload lead in bytes (0: the window)
         self._marks: list = []       # (scope or None, float seconds | torch.cuda.Event)
         self._meter0: dict = {}
         self._cuda = False
@@ -160,6 +105,12 @@ class Adaptive:
         self.recompute_scopes: set = set()
         self.infeasible: Optional[str] = None  # the error of a budget no plan meets
         self.max_inflight_bytes = int(cache._max_inflight)  # Note [Budget guard]
+        self._bmarks: list = []      # Note [Backward profile]: (scope, point) as backward reaches blocks
+        self._grads = None           # (before, [per block], after) gradient bytes of the profiling step
+        self._alloc = None           # the step's AllocatorWindow
+        # The step's allocator peak above its start (CUDA, when the step raised
+        # max_memory_allocated; None else): what memory_budget_bytes bounds.
+        self.peak_allocated_bytes: Optional[int] = None
 
     # ---------------------------------------------------------------- control
     def request_profile(self) -> None:
@@ -170,6 +121,9 @@ class Adaptive:
         # that raised leaves the next one to profile.
         self.profiling = self._profile_next
         self.last_profiled = self.profiling
+        # Note [Re-timed profile]: the first planned step times the blocks again.
+        self.retiming = self._retime_next and not self.profiling and self.plan is not None
+        self._retime_next = False
         self._marks = []
         self._inputs, self._block_open, self._block = {}, {}, {}
         self.infeasible = None
@@ -177,8 +131,16 @@ class Adaptive:
             # The profile measures every block as the model runs it.
             self.cache._set_recompute(())
             self._guard(None)
-        self._step_begin = self._now() if self.profiling else None
+        self._step_begin = self._now() if self.profiling or self.retiming else None
         self._meter0 = {t["tier"]: dict(t) for t in core_stats.get("tiers", [])}
+        # Note [Backward profile]: the backward's marks, the gradients this
+        # step makes (counted before it makes them), the allocator's window.
+        self._bmarks = []
+        if self.profiling:
+            cache = self.cache
+            model = cache._model_ref() if cache._model_ref is not None else None
+            self._grads = _profile.gradient_bytes(cache._blocks, model) if model is not None else None
+        self._alloc = _profile.AllocatorWindow(self.cache._device)
 
     def _now(self):
         """A point in time: a CUDA event on the compute stream (no sync) or a host clock."""
@@ -191,9 +153,14 @@ class Adaptive:
         return time.perf_counter()
 
     def mark(self, scope: Optional[int]) -> None:
-        """A scope begins (None: the forward ended). Only while profiling."""
-        if self.profiling:
+        """A scope begins (None: the forward ended). Only while profiling or re-timing."""
+        if self.profiling or self.retiming:
             self._marks.append((scope, self._now()))
+
+    def mark_backward(self, scope: int) -> None:
+        """Block `scope`'s backward begins (Note [Backward profile]). Only while profiling or re-timing."""
+        if self.profiling or self.retiming:
+            self._bmarks.append((scope, self._now()))
 
     def block_begins(self, scope: int, module, args) -> None:
         """Block pre-hook while profiling: its inputs (what a recompute saves)
@@ -238,6 +205,9 @@ class Adaptive:
             return sum(a.elapsed_time(b) / 1e3 for a, b in spans)
         return sum(b - a for a, b in spans)
 
+    def _elapsed(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self._cuda else b - a
+
     def _measured_backward_factor(self, forward_seconds: float, stall_seconds: float) -> Optional[float]:
         """(step time - forward - stall) / forward of the profiling step, or None.
 
@@ -269,7 +239,7 @@ class Adaptive:
             # forward times the plan is made from.
             # With a budget the profile offloads on a GPU too: keeping every
             # block resident for it would exceed the budget (Note [Budget profile]).
-            return not self.cache._on_cuda() or bool(self.activation_budget_bytes), -1
+            return not self.cache._on_cuda() or bool(self.budgets), -1
         if self.plan is None:
             return True, -1
         return self.decisions.get(scope, (False, -1))
@@ -282,12 +252,29 @@ class Adaptive:
             return -1
         return self.limits.get(scope, -1)
 
-    def release_through(self, scope: int) -> int:
-        """After block `scope`'s forward: the last scope whose copies the plan
-        has done by then (-1: none; Note [Release points])."""
+    def release_point(self, scope: int) -> tuple:
+        """After block `scope`'s forward: (the last scope whose copies may be
+        released, the micro-batch's offloaded bytes through which they are;
+        -1: no bound). The plan's release points by bytes (Note [Release by
+        bytes] in cpp/src/cache/tensor_cache_device.cpp): the copies the step
+        model has done by the block's end, in copy order; the profiling step
+        releases every block before this one."""
         if self.plan is None or self.profiling:
-            return scope - 1
-        return self.release_after.get(scope, -1)
+            return scope - 1, -1
+        return scope, self.release_bytes.get(scope, 0)
+
+    def lead(self, scope: int) -> int:
+        """The reload lead in bytes of `scope`'s offloaded saves (Note
+        [Reload lead] in cpp/src/plan/step_model.cpp); 0: the window."""
+        if self.cache._model_ref is None or self.plan is None or self.profiling:
+            return 0
+        return self.leads.get(scope, 0)
+
+    def window_bytes(self) -> Optional[int]:
+        """The prefetch window the plan assumes (None: the cache's own rule)."""
+        if self.plan is None or self.profiling:
+            return None
+        return int(self.plan["window_bytes"])
 
     # ------------------------------------------------------------ measurement
     def _scope_times(self) -> dict:
@@ -353,6 +340,7 @@ class Adaptive:
         return measured
 
     def end_step(self, core_stats: dict) -> None:
+        self.peak_allocated_bytes = self._alloc.peak() if self._alloc is not None else None
         if self.profiling:
             times = self._scope_times()
             step_plan = self.cache._plan
@@ -376,7 +364,7 @@ class Adaptive:
                     seconds = self._block_seconds(scope)
                     m.update(recomputable=True, recompute_bytes=self._inputs.get(scope, 0) + total - inside,
                              recompute_seconds=seconds)
-                    if self.activation_budget_bytes and self._keeps_tail(scope) and total > inside:
+                    if self.budgets and self._keeps_tail(scope) and total > inside:
                         # The head and the loss follow the last block in its
                         # scope, kept: a module of their own, so the block's
                         # recompute is judged on the block alone.
@@ -393,21 +381,23 @@ class Adaptive:
             self._profile_next = False
             self.profile_modules = modules
             fwd = sum(m["forward_seconds"] for m in modules)
+            end = self._now()
             factor = self._measured_backward_factor(fwd, core_stats["step"]["stall_seconds"])
             self.backward_factor = factor if factor is not None else self.default_backward_factor
+            self._profile_backward(modules, end)
             self.measured = self._measure_tiers(core_stats)
+            self._calibrate_temporaries(modules)
             self._make_plan(reason="profile")
+            self._retime_next = True
             return
-        if self.plan is None or not self.plan["bytes_ssd"]:
+        if self.retiming:
+            self.retiming = False
+            self._retime(core_stats)
+        if self._shape_changed():
             return
-        r = self._tier_rates(core_stats).get("ssd")
-        if r is None or r["bytes_written"] < _MIN_MEASURED_BYTES or r["write_bps"] <= 0:
-            return
-        slower = planner.needs_replan(self.plan, r["write_bps"])
-        # A plan at the cap gains nothing from a faster link (the cap lets
-        # bursts through, so a step may measure above it).
-        at_cap = self.max_write_bps and self.plan["planned_write_bps"] >= self.max_write_bps * (1 - 1e-9)
-        if slower or (not at_cap and planner.link_faster(self.plan, r["write_bps"])):
+        change = self._ssd_rate_change(core_stats)
+        if change is not None:
+            r, slower = change
             # Note [Quiet re-plan]: the plan is remade with the measured rate; only
             # a plan that places blocks differently is a re-plan users hear of
             # (`replans`, the INFO line; a WARNING when the SSD got slower). Small
@@ -433,15 +423,186 @@ class Adaptive:
                 "next step", r["write_bps"] / 1e6, how, old["planned_write_bps"] / 1e6)
             self._log_plan()
 
+    def _ssd_rate_change(self, core_stats: dict):
+        """(the step's SSD rates, slower) when the measured write rate is far
+        enough from the plan's to make it again (Note [Quiet re-plan]); None
+        otherwise."""
+        if self.plan is None or not self.plan["bytes_ssd"]:
+            return None
+        r = self._tier_rates(core_stats).get("ssd")
+        if r is None or r["bytes_written"] < _MIN_MEASURED_BYTES or r["write_bps"] <= 0:
+            return None
+        slower = planner.needs_replan(self.plan, r["write_bps"])
+        # A plan at the cap gains nothing from a faster link (the cap lets
+        # bursts through, so a step may measure above it).
+        at_cap = self.max_write_bps and self.plan["planned_write_bps"] >= self.max_write_bps * (1 - 1e-9)
+        if slower or (not at_cap and planner.link_faster(self.plan, r["write_bps"])):
+            return r, slower
+        return None
+
+    def _backward_times(self, end) -> dict:
+        """Seconds of each module's backward in the step just ended (keys:
+        scopes, "tail" for what follows the last block; Note [Backward
+        profile]); empty when the backward was not marked. A module missing
+        from it is planned with backward_factor x its forward."""
+        forward_end = next((p for scope, p in reversed(self._marks) if scope is None), None)
+        if forward_end is None or not self._bmarks or type(forward_end) is not type(end):
+            return {}
+        tail = any(m.get("tail") for m in (self.profile_modules or []))
+        return _profile.backward_seconds(self._bmarks, forward_end, end, self._elapsed, tail)
+
+    def _profile_backward(self, modules: list, end) -> None:
+        """Each module's backward time and gradient bytes (Note [Backward profile])."""
+        back = self._backward_times(end)
+        if back:
+            for m in modules:
+                key = "tail" if m.get("tail") else m["scope"]
+                if key in back:
+                    m["backward_seconds"] = back[key]
+                elif m["scope"] < 0:
+                    m["backward_seconds"] = 0.0
+        if self._grads is None:
+            return
+        before, per, after = self._grads
+        blocks = [m for m in modules if m["scope"] >= 0 and not m.get("tail")]
+        for m in blocks:
+            m["grad_bytes"] = per[m["scope"]] if m["scope"] < len(per) else 0
+        if not blocks:
+            return
+        last = modules[-1]
+        last["grad_bytes"] = last.get("grad_bytes", 0) + after
+        first = next((m for m in modules if m["scope"] < 0), blocks[0])
+        first["grad_bytes"] = first.get("grad_bytes", 0) + before
+
+    def _retime(self, core_stats: dict) -> None:
+        """Note [Re-timed profile]
+        The profiling step is a process's first step more often than not:
+        its kernels meet cold caches, autotuning and a growing allocator (on
+        the H200, 1.24 s against 0.11 s later), and on a GPU with a budget it
+        offloads. The first planned step times each module again; a module's
+        time is the smaller of the two (whatever disturbs a step only adds
+        to it), and when that moves the total by more than a tenth the plan
+        is made again (reason "retime"), with the step's SSD write rate when
+        that too is far from the plan's: one plan, not two in a row."""
+        times = self._scope_times()
+        if not times:
+            return
+        back = self._backward_times(self._now())
+        before = sum(m["forward_seconds"] + m.get("backward_seconds", 0.0) for m in self.profile_modules)
+        for m in self.profile_modules:
+            if m.get("tail"):
+                continue  # its forward is the block's scope less the block: not timed apart
+            if m["scope"] in times:
+                m["forward_seconds"] = min(m["forward_seconds"], times[m["scope"]])
+            if m["scope"] in back and "backward_seconds" in m:
+                m["backward_seconds"] = min(m["backward_seconds"], back[m["scope"]])
+        after = sum(m["forward_seconds"] + m.get("backward_seconds", 0.0) for m in self.profile_modules)
+        if before > 0 and (before - after) / before > 0.1:
+            old = [m["placement"] for m in self.plan["modules"]] if self.plan is not None else None
+            change = self._ssd_rate_change(core_stats)
+            if change is not None:
+                self.measured.setdefault("ssd", {})["write_bps"] = change[0]["write_bps"]
+                self.measured["ssd"]["source"] = "step"
+            self._make_plan(reason="retime", log=False)
+            changed = old != [m["placement"] for m in self.plan["modules"]]
+            # As Note [Quiet re-plan]: only a plan that places blocks differently is announced.
+            (logger.info if changed else logger.debug)(
+                "ebbtide: the first planned step timed the blocks %.0f%% faster than the profiling step; "
+                "re-planned%s", 100 * (before - after) / before, "" if changed else " (placements unchanged)")
+            if changed:
+                self.replans += 1
+                self._log_plan()
+
+    def _shape_changed(self) -> bool:
+        """A planned step whose saves differ from the profile's by more than a
+        tenth (another sequence length or batch, a plan kept across calls of
+        offload()): the next step profiles again."""
+        if not self.profile_modules or self.plan is None:
+            return False
+        step = sum(p["bytes"] for p in self.cache._plan.values())
+        planned = sum(d["saved_bytes"] + d["fixed_bytes"] for d in self.plan["modules"])
+        if planned and step and abs(step - planned) > 0.1 * planned:
+            logger.info("ebbtide: this step saved %s where the plan expected %s; profiling the next step again",
+                        _fmt_bytes(step), _fmt_bytes(planned))
+            self.request_profile()
+            return True
+        return False
+
+    # Note [Plans across offload() calls]
+    # ebbtide.offload() makes a cache per step (the README's one-step form),
+    # and a cache's first step profiles: on a GPU that step keeps every
+    # activation resident, so a loop of offload() calls never offloaded. The
+    # profile and measurements are kept per model and settings when such a
+    # cache closes, and the next one for the same model and settings plans
+    # from them at once (its first step re-times the blocks, Note [Re-timed
+    # profile]); a step whose saves no longer match profiles again.
+    def snapshot(self) -> dict:
+        """What a later cache of the same model and settings plans from."""
+        return dict(profile_modules=copy.deepcopy(self.profile_modules), measured=copy.deepcopy(self.measured),
+                    backward_factor=self.backward_factor, recomputable=dict(self.recomputable),
+                    retime=self._retime_next)
+
+    def restore(self, state: dict) -> None:
+        """Plans from a snapshot() instead of profiling the next step."""
+        self.profile_modules = copy.deepcopy(state["profile_modules"])
+        self.measured = copy.deepcopy(state["measured"])
+        self.backward_factor = state["backward_factor"]
+        self.recomputable = dict(state["recomputable"])
+        self._profile_next = self.profiling = False
+        self._make_plan(reason="kept", log=False)
+        self._retime_next = state["retime"]
+
+    def _calibrate_temporaries(self, modules: list) -> None:
+        """On a GPU: the last module's backward temporaries, what the
+        profiling step's allocator peak held above the model's prediction of
+        that step (Note [Backward profile]). The step kept every save
+        resident, or with a budget offloaded every block but the kept last
+        ones (Note [Budget profile]); the prediction places them so."""
+        if not self._cuda:
+            return
+        measured = self.peak_allocated_bytes
+        if measured is None:
+            return
+        options = self._planner_options(Budgets())
+        placements = ["keep"] * len(modules)
+        if self.budgets:
+            tier = "offload_cpu" if options["host_budget_bytes"] else "offload_ssd"
+            kept = options["keep_last_modules"]
+            placements = [tier if i < len(modules) - kept else "keep" for i in range(len(modules))]
+        ran = planner.simulate([{k: v for k, v in m.items() if k not in ("scope", "tail")} for m in modules],
+                               placements, **options)
+        _profile.last_module_temporaries(modules, measured, ran["peak_allocated_bytes"])
+
     # --------------------------------------------------------------- planning
-    def predict(self, activation_budget_bytes: int) -> dict:
-        """The plan the last profile gives for another budget (0: none), not applied."""
+    def predict(self, budgets: Budgets) -> dict:
+        """The plan the last profile gives for other budgets, not applied."""
         if not self.profile_modules:
             raise RuntimeError("ebbtide.TensorCache.predict: no profiling step has run yet")
-        return self._planned(int(activation_budget_bytes))
+        return self._planned(budgets)
 
-    def _planned(self, budget: int) -> dict:
-        """The planner's answer for the profile and measurements at hand, within `budget`."""
+    def trace_run(self, name: str, measured: dict, kind: str = "offload") -> dict:
+        """The last plan as a run of ebbtide.plan.replay's trace format: the
+        profile, the planner settings and the decisions the cache ran with,
+        and `measured` (``step_seconds``, ``peak_bytes``: the allocator's
+        peak above the step's start, and whatever else the caller has)."""
+        if not self.profile_modules or self.plan is None:
+            raise RuntimeError("ebbtide.TensorCache.trace_run: no plan yet (profile a step first)")
+        plan = self.plan
+        options = self._planner_options(self.budgets)
+        return dict(
+            name=str(name), kind=kind,
+            modules=[{k: v for k, v in m.items() if k not in ("scope", "tail")} for m in self.profile_modules],
+            options=options, now_options=dict(options),
+            ran=dict(placements=[d["placement"] for d in plan["modules"]],
+                     offload_limits=[self.limits.get(m["scope"]) if not m.get("tail") else None
+                                     for m in self.profile_modules],
+                     # Released by bytes at the plan's points: the model's own rule (no release_after).
+                     lead_bytes=[int(d.get("lead_bytes", 0)) for d in plan["modules"]]),
+            measured=dict(measured))
+
+    def _planner_options(self, budgets: Budgets) -> dict:
+        """The planner's settings for this cache: measured rates, its rules
+        (ebbtide.plan.planner.plan_offload's keywords)."""
         ssd = self.measured.get("ssd", {})
         cpu = self.measured.get("cpu", {})
         has_cpu = "cpu" in self.measured
@@ -453,8 +614,8 @@ class Adaptive:
         if cache.target == "cpu":  # host memory is the only tier: bounded by capacity_bytes alone
             host_budget = cache.capacity_bytes or (1 << 50)
         cuda = cache._on_cuda()
-        plan = planner.plan_offload(
-            [{k: v for k, v in m.items() if k not in ("scope", "tail")} for m in self.profile_modules],
+        activation, peak = budgets.for_planner(cuda)  # Note [Two budgets]
+        return dict(
             write_bps=ssd.get("write_bps", 0.0), read_bps=ssd.get("read_bps", 0.0),
             target="auto", max_write_mbps=self.max_write_bps / 1e6 if self.max_write_bps else None,
             host_budget_bytes=host_budget if has_cpu else 0,
@@ -462,11 +623,24 @@ class Adaptive:
             keep_last_modules=keep_last, backward_factor=self.backward_factor,
             prefetch_modules=max(self.prefetch_modules, _CUDA_PREFETCH_MODULES) if cuda else self.prefetch_modules,
             replan_fraction=self.replan_fraction, writes_within_forward=cuda,
-            guarded_writes=not cuda, activation_budget_bytes=budget,
+            guarded_writes=not cuda, activation_budget_bytes=activation, peak_budget_bytes=peak,
             # Note [Copy bound in the plan]: the device waits behind the bound
             # when a plan queues more; the plan counts that wait.
             copy_bound_bytes=cache._core.device_inflight_bytes if cuda else 0,
-            partial_offload=cuda)
+            partial_offload=cuda,
+            # The cache's reload rules (Note [Reload lead] in
+            # cpp/src/plan/step_model.cpp): a lead per module, the window
+            # unbounded unless the user sized it, kept bytes in the prefetch
+            # distance, a shared storage at its last saver's place, loads on
+            # demand on the priority stream.
+            window_bytes=0 if cache._auto_window else cache._window_bytes,
+            lead_per_module=True, kept_in_distance=True, shared_at_last_user=True, priority_loads=True)
+
+    def _planned(self, budgets: Budgets) -> dict:
+        """The planner's answer for the profile and measurements at hand, within `budgets`."""
+        plan = planner.plan_offload(
+            [{k: v for k, v in m.items() if k not in ("scope", "tail")} for m in self.profile_modules],
+            **self._planner_options(budgets))
         for m, d in zip(self.profile_modules, plan["modules"]):
             d["scope"] = m["scope"]
             d["forward_seconds"] = m["forward_seconds"]
@@ -474,7 +648,7 @@ class Adaptive:
 
     def _make_plan(self, reason: str, log: bool = True) -> None:
         cache = self.cache
-        plan = self._planned(self.activation_budget_bytes)
+        plan = self._planned(self.budgets)
         decisions = {}
         limits = {}
         recompute = set()
@@ -490,25 +664,19 @@ class Adaptive:
         self.recompute_scopes = recompute
         cache._set_recompute(recompute)
         self._guard(plan)
-        if not plan["feasible"]:
-            self.infeasible = (
-                f"ebbtide: activation budget {_fmt_bytes(self.activation_budget_bytes)} "
-                f"({self.activation_budget_bytes} bytes) cannot be met: the smallest peak of saved activations "
-                f"the planner reaches for this model and batch is {_fmt_bytes(plan['min_budget_bytes'])} "
-                f"({plan['min_budget_bytes']} bytes; {plan['modules_recomputed']} of {len(plan['modules'])} blocks "
-                "recomputed, the rest offloaded where the links allow); raise activation_budget_bytes "
-                "(EBBTIDE_ACTIVATION_BUDGET) to at least that, or lower the micro-batch or sequence length")
-        # Note [Release points]: after block b, the blocks whose copies end by
-        # b's forward end.
-        release_after = {}
-        mods = plan["modules"]
-        for b, mb in enumerate(mods):
-            if self.profile_modules[b].get("tail"):
-                continue  # the last block's release point is the block's, not the head's
-            done = [s for s, ms in enumerate(mods[:b + 1])
-                    if ms["tier"] is not None and ms["write_done_seconds"] <= mb["forward_end_seconds"]]
-            release_after[mb["scope"]] = mods[max(done)]["scope"] if done else -1
-        self.release_after = release_after
+        self.infeasible = infeasible_message(self.budgets, plan, cache._on_cuda())
+        # Note [Release points]: after block b, the offloaded bytes the step
+        # model's copies have done by b's forward end (release_bytes, in copy
+        # order); a scope's reload lead is its module's (the tail's scope is the
+        # last block's: the block's module decides).
+        self.release_bytes = {}
+        self.leads = {}
+        for m, d in zip(self.profile_modules, plan["modules"]):
+            if m.get("tail"):
+                continue
+            self.release_bytes[m["scope"]] = int(d["release_bytes"])
+            if d["tier"] is not None:
+                self.leads[m["scope"]] = int(d["lead_bytes"])
         plan["reason"] = reason
         plan["backward_factor"] = self.backward_factor
         plan["measured"] = {k: dict(v) for k, v in self.measured.items()}
@@ -520,28 +688,10 @@ class Adaptive:
             self._log_plan()
 
     def _guard(self, plan: Optional[dict]) -> None:
-        """Note [Budget guard]
-        A budget plan's peak is predicted at the measured link rates (Note
-        [Budget plan]). Its forward holds at most the bytes it keeps (kept and
-        recomputed modules' saved bytes, and the fixed ones: K) plus the
-        offloaded bytes whose writes have not ended. If writes run slower
-        than measured, the latter grow; so on the worker path (host tensors)
-        the core's save waits while more than budget - K bytes are waiting to
-        be stored (Note [Store backpressure]): the forward never holds more
-        than the budget, and a slow link costs stall instead of memory (the
-        next step's measured rate then re-plans). A user's max_inflight_bytes
-        still applies when smaller; without a budget plan it applies alone.
-        On a GPU the release points order the frees after the copies
-        (Note [Release points]) and the host never waits."""
-        cache = self.cache
-        bound = cache._max_inflight
-        if plan is not None and plan["activation_budget_bytes"] and plan["feasible"] and not cache._on_cuda():
-            kept = sum(m["fixed_bytes"] + (m["saved_bytes"] if m["tier"] is None else 0) for m in plan["modules"])
-            slack = plan["activation_budget_bytes"] - kept
-            if slack > 0:
-                bound = min(bound, slack) if bound else slack
-        cache._core.set_max_inflight(int(bound))
-        self.max_inflight_bytes = int(bound)
+        """The store's in-flight bound for `plan` (Note [Budget guard] in ebbtide/cache/budget.py)."""
+        bound = inflight_bound(plan, self.cache._max_inflight, self.cache._on_cuda())
+        self.cache._core.set_max_inflight(bound)
+        self.max_inflight_bytes = bound
 
     def _log_plan(self) -> None:
         p = self.plan
@@ -549,8 +699,10 @@ class Adaptive:
         for d in p["modules"]:
             counts[d["placement"]] += 1
         budget = ""
-        if p["activation_budget_bytes"]:
-            budget = (f"; budget {_fmt_bytes(p['activation_budget_bytes'])}: recompute {counts['recompute']}, "
+        if p["activation_budget_bytes"] or p["peak_budget_bytes"]:
+            given = ", ".join(f"{what} {_fmt_bytes(p[key])}" for what, key in (
+                ("saved", "activation_budget_bytes"), ("allocator", "peak_budget_bytes")) if p[key])
+            budget = (f"; budget {given}: recompute {counts['recompute']}, "
                       f"recompute+offload {counts['recompute_offload']} (+{p['recompute_seconds']:.3f} s)"
                       + ("" if p["feasible"] else " NOT MET"))
         rates = ", ".join(f"{k} write {v['write_bps'] / 1e6:.0f} MB/s read {v['read_bps'] / 1e6:.0f} MB/s "
@@ -572,6 +724,8 @@ class Adaptive:
             predicted_stall_seconds=None if p is None else p["predicted_stall_seconds"],
             predicted_peak_bytes=None if p is None else p["peak_resident_bytes"],
             replans=self.replans,
+            peak_allocated_bytes=self.peak_allocated_bytes,
+            predicted_peak_allocated_bytes=None if p is None else p["peak_allocated_bytes"],
             max_inflight_bytes=self.max_inflight_bytes,
             measured_bandwidth={k: dict(v) for k, v in self.measured.items()},
         )

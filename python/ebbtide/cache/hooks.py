@@ -47,10 +47,13 @@ def _add_kept(d, counts):
     d["tensors_kept"] += kept
     d["tensors_deduped"] += deduped
     d["saved_bytes_total"] += nbytes
-    d["peak_resident_bytes"] += peak
+    # The core's peak counts the kept bytes with its entries' (Note [Joint
+    # resident peak] in cpp/src/cache/tensor_cache_load.cpp).
+    d["peak_resident_bytes"] = max(d["peak_resident_bytes"], peak)
 
 
 _STRIDED = torch.strided
+_no_context = torch.utils.checkpoint.noop_context_fn
 _graph_task_id = torch._C._current_graph_task_id
 _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
@@ -217,7 +220,7 @@ class _StepHooks:
         # this path takes no planned GPU step (the first tensor of a cache
         # whose device is unknown comes in its profiling step; CUDA tensors
         # without the driver shim stay resident).
-        decision, tier, _limit = self._scope_placement()
+        decision, tier, _limit, lead = self._scope_placement()
         native = self._native
         if nbytes < self.min_bytes or decision != "offload":
             # Note [Kept tensors]: a save that stays resident needs no core
@@ -241,7 +244,8 @@ class _StepHooks:
         # the released tensors go before the next allocation).
         try:
             eid, is_new, off, hid, done = self._core.save(key, version, st.data_ptr(), nbytes, dev, stream,
-                                                          self._fwd_mb, True, tier, t, native.storage_ref(t))
+                                                          self._fwd_mb, True, tier, t, native.storage_ref(t),
+                                                          lead_bytes=lead)
         except _StateError:
             if self._closed:
                 return t  # closed meanwhile: autograd keeps it
@@ -261,15 +265,18 @@ class _StepHooks:
             self._core.note_kept(self._fwd_mb, n)
 
     def _scope_placement(self):
-        """("keep" | "offload", store tier hint, byte limit or -1) for the
-        current scope: keep_last_modules, then the plan (Note [Scope byte
-        limits] in python/src/torch/hooks.cpp)."""
+        """("keep" | "offload", store tier hint, byte limit or -1, reload lead
+        in bytes or 0) for the current scope: keep_last_modules, then the
+        plan (Note [Scope byte limits] in python/src/torch/hooks.cpp, Note
+        [Reload lead] in cpp/src/plan/step_model.cpp)."""
         if self._keeping_scope():
-            return "keep", -1, -1
+            return "keep", -1, -1, 0
         if self._adapt is not None:
-            offload, tier = self._adapt.placement(self._scope)
-            return ("offload" if offload else "keep"), tier, self._adapt.offload_limit(self._scope)
-        return "offload", -1, -1
+            scope = self._scope
+            offload, tier = self._adapt.placement(scope)
+            return (("offload" if offload else "keep"), tier, self._adapt.offload_limit(scope),
+                    self._adapt.lead(scope))
+        return "offload", -1, -1, 0
 
     def _scope_name(self, s):
         return self._blocks[s][0] if 0 <= s < len(self._blocks) else ("<before blocks>" if s < 0 else
@@ -376,13 +383,16 @@ class _StepHooks:
         out["plan"] = self.plan()
         out["tiers"] = s["tiers"]
         out["adaptive"] = self._adapt is not None
-        out["activation_budget_bytes"] = self._adapt.activation_budget_bytes if self._adapt is not None else 0
+        budgets = self._adapt.budgets if self._adapt is not None else None
+        out["activation_budget_bytes"] = budgets.activation if budgets is not None else 0
+        out["memory_budget_bytes"] = budgets.memory if budgets is not None else 0
         out["recomputed_blocks"] = sorted(self._scope_name(s) for s in self._adapt.recompute_scopes) \
             if self._adapt is not None else []
         if self._adapt is not None:
             out.update(self._adapt.stats())
         else:
             out.update(planner=None, predicted_stall_seconds=None, predicted_peak_bytes=None,
+                       peak_allocated_bytes=None, predicted_peak_allocated_bytes=None,
                        max_inflight_bytes=self._max_inflight)
         return out
 
@@ -423,8 +433,13 @@ class _StepHooks:
                 self._expected_blocks = self._blocks_in_fwd
                 self._native.invalidate_placement()
             if self._auto_window:
+                # A plan's leads bound the loads, its window the bytes ahead
+                # (Note [Reload lead]); else a window of blocks (Note [Prefetch window]).
+                planned = self._adapt.window_bytes() if self._adapt is not None else None
                 biggest = max((p["bytes_offloaded"] for p in self._plan.values()), default=0)
-                if biggest:
+                if planned:
+                    self._core.set_prefetch_window(max(planned, biggest, 64 << 10))
+                elif biggest:
                     blocks = _CUDA_PREFETCH_MODULES if self._on_cuda() else 1
                     self._core.set_prefetch_window(max(biggest * blocks, 64 << 10))
             self._poll_locked()
@@ -438,9 +453,9 @@ class _StepHooks:
                 return
             scope = self._scope
             self._core.scope_end(self._fwd_mb, scope)
-            through = self._adapt.release_through(scope) if self._adapt is not None else scope - 1
-            if through >= 0:
-                self._core.release_copies(self._fwd_mb, through, self._stream())
+            through, max_bytes = self._adapt.release_point(scope) if self._adapt is not None else (scope - 1, -1)
+            if through >= 0 and max_bytes != 0:
+                self._core.release_copies(self._fwd_mb, through, self._stream(), max_bytes)
                 self._poll_locked()
 
     # ------------------------------------------------------------- recompute
@@ -465,8 +480,24 @@ class _StepHooks:
     # training the cache held nothing of this block before its forward, so
     # the recomputed attention sees the same keys and values, and
     # checkpoint's shape check fails loudly where it would not.
+    #
+    # Note [Framework blocks]
+    # An integration that knows its framework sets three attributes of the
+    # cache (ebbtide/integrations/megatron.py sets all three):
+    # _checkpoint_context_fn, torch checkpoint's context_fn for the cache's
+    # recompute (a framework's own RNG states, which preserve_rng_state does
+    # not cover, stashed in forward and restored for the recompute);
+    # _scope_without_grad, so a block whose forward runs without grad (inside
+    # a reentrant checkpoint: Megatron's full recompute) still opens its
+    # scope, and what the checkpoint saves as the block returns counts there;
+    # and _recompute_blocks False, so the plan never recomputes a block
+    # (another saved-tensor hook inside the blocks would take the
+    # checkpoint's saves). A block running without grad is never recomputed
+    # by the cache. detach() sets all three back.
     def _may_recompute(self, module) -> bool:
-        if self._stages is not None:
+        if not self._recompute_blocks or not torch.is_grad_enabled():
+            return False  # Note [Framework blocks]
+        if self._stages is not None and any(module is s for s in self._stages):
             return False  # a pipeline stage's forward holds its communication
         if getattr(module, "gradient_checkpointing", False) and module.training:
             return False  # HF GradientCheckpointingLayer
@@ -527,8 +558,11 @@ class _StepHooks:
                 # partitioner recomputes (Note [Hooks under compile]).
                 if c is None or not c._in_step or not torch.is_grad_enabled():
                     return inner(*args, **kwargs)
+                # Dynamo traces the default context_fn only; an integration's
+                # (Note [Framework blocks]) is passed on and refused there.
+                extra = {} if c._checkpoint_context_fn is None else {"context_fn": c._checkpoint_context_fn}
                 return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True,
-                                                         **kwargs)
+                                                         **extra, **kwargs)
             if c is None or not c._in_step or not torch.is_grad_enabled() or _in_backward():
                 return inner(*args, **kwargs)
             first = [True]
@@ -545,7 +579,7 @@ class _StepHooks:
                 return inner(*a, **kw)
 
             return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
-                                                     **kwargs)
+                                                     context_fn=c._checkpoint_context_fn or _no_context, **kwargs)
 
         forward.__wrapped__ = inner
         return forward
@@ -571,7 +605,7 @@ class _StepHooks:
 
     @torch.compiler.disable
     def _on_block_pre(self, module, args):
-        if not self._in_step or _in_backward() or not torch.is_grad_enabled():
+        if not self._in_step or _in_backward() or not (torch.is_grad_enabled() or self._scope_without_grad):
             return
         with self._lock:
             if self._closed:
@@ -605,6 +639,8 @@ class _StepHooks:
             def on_grad(grad):
                 c = ref()
                 if c is not None and not c._closed:
+                    if c._adapt is not None:
+                        c._adapt.mark_backward(scope)  # Note [Backward profile]
                     c._prefetch_scope(mb, scope)
                 return None
 

@@ -38,7 +38,8 @@ try:  # Note [Two modules] (python/src/glue_api.hpp): the hooks need libtorch
 except ImportError as _exc:  # built without torch's headers, or for another torch
     _torch = None
     _TORCH_MISSING = str(_exc)
-from ebbtide.cache.adaptive import Adaptive, resolve_budget, resolve_settings, tier_name
+from ebbtide.cache.adaptive import Adaptive, tier_name
+from ebbtide.cache.budget import Budgets, resolve_budgets, resolve_settings
 from ebbtide.cache.hooks import _StepHooks, _in_backward
 
 __all__ = ["TensorCache", "offload", "release_pooled_stores"]
@@ -81,6 +82,20 @@ def _find_blocks(model: torch.nn.Module):
     return chosen
 
 
+def _make_folders(paths):
+    """Creates the SSD target's folders that do not exist yet, as a cache
+    folder is expected to be; a file in the way or a folder that cannot be
+    made is an OSError naming it."""
+    for p in paths:
+        if os.path.exists(p) and not os.path.isdir(p):
+            raise NotADirectoryError(f"ebbtide.TensorCache: path {p!r} is a file, not a folder for the cache's files")
+        try:
+            os.makedirs(p, exist_ok=True)
+        except OSError as e:
+            raise OSError(e.errno, f"ebbtide.TensorCache: cannot create the folder {p!r} for the cache's files: "
+                                   f"{e.strerror}") from e
+
+
 class TensorCache(_StepHooks):
     """Offloads the activations autograd saves to SSD files or host memory.
 
@@ -103,6 +118,12 @@ class TensorCache(_StepHooks):
     block (non-reentrant activation checkpointing applied by the cache) to fit
     it at the least step time; a budget nothing fits raises at the first step,
     naming the smallest that does. Implies adaptive.
+    memory_budget_bytes: bound on the step's peak of the training device's
+    allocator above the step's start (EBBTIDE_MEMORY_BUDGET; what
+    torch.cuda.max_memory_allocated() shows: saved activations, gradients,
+    temporaries), met the same way (Note [Two budgets] in
+    ebbtide/cache/budget.py). On a CPU device it bounds the resident saved
+    bytes, as activation_budget_bytes does. Implies adaptive.
     capacity_bytes: bound on offloaded bytes (per directory for ssd); beyond
     it, activations stay resident. max_inflight_bytes: a pack waits while more
     bytes than this are queued for storing (0: never waits). device: the training device (default: that
@@ -115,7 +136,8 @@ class TensorCache(_StepHooks):
                  workers: Optional[int] = None, max_inflight_bytes: Optional[int] = None,
                  device: Union[None, str, torch.device] = None, adaptive: Optional[bool] = None,
                  host_budget_bytes: Optional[int] = None, max_write_mbps: Optional[float] = None,
-                 activation_budget_bytes: Optional[int] = None, _pooled: bool = False):
+                 activation_budget_bytes: Optional[int] = None, memory_budget_bytes: Optional[int] = None,
+                 _pooled: bool = False):
         self._origin = _fork.Origin()  # Note [Objects across fork]
         if _torch is None:
             raise RuntimeError("ebbtide.TensorCache: ebbtide._torch, the cache's saved-tensor hooks, is not "
@@ -162,8 +184,9 @@ class TensorCache(_StepHooks):
         # one block).
         self._auto_window = prefetch_window_bytes is None
         window = _DEFAULT_WINDOW if prefetch_window_bytes is None else int(prefetch_window_bytes)
+        self._window_bytes = int(window)
         cuda = torch.cuda.is_available() and (self._device is None or self._device.type == "cuda")
-        budget = resolve_budget(activation_budget_bytes, adaptive)
+        budget = resolve_budgets(activation_budget_bytes, memory_budget_bytes, adaptive)
         max_write_bps, host_budget, adaptive = resolve_settings(target, cuda, adaptive, host_budget_bytes,
                                                                max_write_mbps)
         adaptive = adaptive or bool(budget)
@@ -175,6 +198,7 @@ class TensorCache(_StepHooks):
             gpu_settings = dict(device_inflight_bytes=_core.env_setting("EBBTIDE_DEVICE_INFLIGHT"),
                                 staging_bytes=_core.env_setting("EBBTIDE_STAGING_BYTES"))
             try:
+                _make_folders(paths)
                 self._core = _core.CacheCore(target, *args, host_budget_bytes=host_budget,
                                              max_write_bps=max_write_bps, pooled=bool(_pooled), **gpu_settings)
             except OSError as exc:
@@ -227,11 +251,15 @@ class TensorCache(_StepHooks):
         self._blocks_in_fwd = 0
         self._phase = "forward"
         self._adapt = Adaptive(self, max_write_bps=max_write_bps, host_budget_bytes=host_budget,
-                               activation_budget_bytes=budget) if adaptive else None
+                               budgets=budget) if adaptive else None
         # Note [Recompute by the cache]: scope -> block module, seen in
         # forward; the blocks whose forward the cache wraps in a checkpoint.
         self._scope_modules: dict = {}
         self._recompute: dict = {}  # id(module) -> (module, had an instance forward, that forward)
+        # Note [Framework blocks]: what an integration tells the block hooks.
+        self._checkpoint_context_fn = None  # torch checkpoint's context_fn for the cache's recompute
+        self._scope_without_grad = False    # blocks run without grad (reentrant checkpoints) open scopes
+        self._recompute_blocks = True       # False: the plan never recomputes a block
 
     # State the hooks read on every save (Note [Hooks in C++]).
     @property
@@ -313,41 +341,53 @@ class TensorCache(_StepHooks):
             self._hooks.append(block.register_forward_pre_hook(self._on_block_pre))
             self._hooks.append(block.register_forward_hook(self._make_block_post(name)))
 
-    def attach_stages(self, modules) -> "TensorCache":
+    def attach_stages(self, modules, blocks=None) -> "TensorCache":
         """Attaches to several modules whose forwards run separately, such as
         the pipeline stages one rank holds (interleaved and zero-bubble
-        schedules): each module is one scoped block, numbered in the order
-        given, and each forward of one starts a micro-batch record of its own.
-        ``keep_last_modules`` counts these modules from the end.
+        schedules): each forward of one starts a micro-batch record of its
+        own. Each module is one scoped block, numbered in the order given, or
+        `blocks` names the blocks inside each: one list of (name, submodule)
+        per module (Megatron's decoder layers), numbered on across the
+        modules. ``keep_last_modules`` counts blocks from the end.
 
         Note [Stages sharing a cache]: the saved-tensor hooks of a step take
         every save, whichever stage makes it, so one cache serves all of a
         rank's stages (two caches in step at once would not share them). The
         cache holds the ModuleList it scopes by; a stage's forward starts at
-        scope (position - 1), so its block is scope `position`.
+        scope (its first block - 1), so its first block is the next scope.
         """
         stages = torch.nn.ModuleList(modules)
-        self._attach(stages, [(str(i), m) for i, m in enumerate(stages)], "attach_stages")
+        if blocks is None:
+            blocks = [[(str(i), m)] for i, m in enumerate(stages)]
+        else:
+            blocks = [list(b) for b in blocks]
+            if len(blocks) != len(stages):
+                raise ValueError(f"ebbtide.TensorCache.attach_stages: {len(blocks)} lists of blocks for "
+                                 f"{len(stages)} modules (one list per module)")
+        self._attach(stages, [b for per_stage in blocks for b in per_stage], "attach_stages")
         self._stages = stages
-        for position, m in enumerate(stages):
+        first = 0
+        for m, per_stage in zip(stages, blocks):
             # First among the module's pre-hooks, so its block hook sees the
             # stage's record.
-            self._hooks.append(m.register_forward_pre_hook(self._stage_forward_pre(position), prepend=True))
+            self._hooks.append(m.register_forward_pre_hook(self._stage_forward_pre(first), prepend=True))
             self._hooks.append(m.register_forward_hook(self._on_root_forward))
+            first += len(per_stage)
         return self
 
-    def _stage_forward_pre(self, position):
+    def _stage_forward_pre(self, first_block):
         @torch.compiler.disable
         def hook(module, args):
             self._on_root_forward_pre(module, args)
             if self._in_step and not _in_backward():
-                self._blocks_in_fwd = position
+                self._blocks_in_fwd = first_block
         return hook
 
     def detach(self) -> None:
         """Removes the module hooks and the cache's recompute wrappers (the cache stays usable)."""
         self._set_recompute(())
         self._scope_modules = {}
+        self._checkpoint_context_fn, self._scope_without_grad, self._recompute_blocks = None, False, True
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -465,17 +505,37 @@ class TensorCache(_StepHooks):
             self._poll_locked()
             return self._make_stats()
 
-    def predict(self, activation_budget_bytes: int) -> dict:
-        """The plan the last profiling step gives for `activation_budget_bytes`
-        (0: no budget), without applying it: the planner's dict (placements,
-        predicted peak and step time; ``feasible`` and ``min_budget_bytes`` say
-        whether it fits and the smallest budget that does). Needs an adaptive
-        cache that has profiled a step."""
+    def summary(self) -> str:
+        """stats() as a few readable lines (print(cache.summary())); stats()
+        keeps the dict for programs."""
+        from ebbtide.cache.summary import format_summary
+
+        return format_summary(self.stats())
+
+    def predict(self, activation_budget_bytes: int = 0, memory_budget_bytes: int = 0) -> dict:
+        """The plan the last profiling step gives for these budgets (0: none),
+        without applying it: the planner's dict (placements, predicted peaks
+        and step time; ``feasible``, ``min_budget_bytes`` and
+        ``min_peak_budget_bytes`` say whether it fits and the smallest
+        budgets that do). Needs an adaptive cache that has profiled a step."""
         self._check_open()
         if self._adapt is None:
             raise RuntimeError("ebbtide.TensorCache.predict: the cache is not adaptive (adaptive=False)")
-        return self._adapt.predict(_check_int("ebbtide.TensorCache.predict: activation_budget_bytes",
-                                              activation_budget_bytes, 0, None))
+        return self._adapt.predict(Budgets(
+            _check_int("ebbtide.TensorCache.predict: activation_budget_bytes", activation_budget_bytes, 0, None),
+            _check_int("ebbtide.TensorCache.predict: memory_budget_bytes", memory_budget_bytes, 0, None)))
+
+    def trace_run(self, name: str, measured: dict) -> dict:
+        """This cache's last plan as a replayable run (ebbtide.plan.replay's
+        trace format, what `ebbtide plan --replay` reads inside a file
+        ``{"format": "ebbtide-step-trace", "version": 1, "runs": [...]}``):
+        the profile, the settings and decisions the step ran with, and
+        `measured` (``step_seconds``, ``peak_bytes``: the allocator's peak
+        above the step's start). Needs an adaptive cache with a plan."""
+        self._check_open()
+        if self._adapt is None:
+            raise RuntimeError("ebbtide.TensorCache.trace_run: the cache is not adaptive (adaptive=False)")
+        return self._adapt.trace_run(name, measured)
 
     def plan(self) -> list:
         """Per scoped block of the last step: name, keep/offload, bytes saved."""
@@ -551,17 +611,40 @@ def offload(model: Optional[torch.nn.Module] = None, target: str = "auto",
     # cache per step costs its slab file and threads once per process.
     cache = TensorCache(target=target, path=path, _pooled=True, **kwargs)
     ok = False
+    key = None
     try:
         if model is not None:
             cache.attach(model)
+            if cache._adapt is not None:
+                # Note [Plans across offload() calls] (ebbtide/cache/adaptive.py).
+                key = _plan_key(cache, kwargs)
+                state = _PLANS.get(model, {}).get(key)
+                if state is not None:
+                    cache._adapt.restore(state)
         with cache.step():
             yield cache
         ok = True
     finally:
+        if ok and key is not None:
+            kept = _PLANS.setdefault(model, {})
+            if cache._adapt.profile_modules and not cache._adapt._profile_next:
+                kept[key] = cache._adapt.snapshot()
+            else:  # the step's saves no longer match the profile: the next call profiles
+                kept.pop(key, None)
         if ok:
             cache._close_when_released()
         else:
             cache.close()
+
+
+# Per model: settings -> the last profile an offload() cache planned from.
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _plan_key(cache: "TensorCache", kwargs: dict) -> tuple:
+    """The settings a kept profile belongs to: the cache's and the call's."""
+    return (cache.target, tuple(cache.paths), str(cache._device),
+            tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
 
 
 def release_pooled_stores() -> int:

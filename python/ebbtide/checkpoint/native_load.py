@@ -148,6 +148,19 @@ def _load_shard(shard, device, threads=0, dests=None):
     return tree.build(shard.meta["tree"], tensors, shard.file)
 
 
+def _nested_state_hint(saved, own):
+    """What to do when a module's keys are missing from the checkpoint's top
+    level: say where its state is, when an entry holds it (the usual
+    {"model": ..., "optimizer": ..., "step": ...}), else what into= takes."""
+    holders = sorted(k for k, v in saved.items() if isinstance(k, str) and isinstance(v, dict) and own <= set(v))
+    if holders:
+        k = holders[0]
+        return (f"; into= takes the module's own state, which this checkpoint holds under {k!r}: "
+                f"state = ebbtide.checkpoint.load(path); model.load_state_dict(state[{k!r}]) loads it "
+                "and returns the rest")
+    return "; into= takes what the module's state_dict() saved (load without into= to see what is there)"
+
+
 def _check_before_reading(shard, dests, into, strict, path):
     """Shape and key errors for a load into existing tensors, raised before any
     byte of them is overwritten. `dests`: the tensors of `into` (a module's
@@ -164,7 +177,8 @@ def _check_before_reading(shard, dests, into, strict, path):
             missing, unexpected = sorted(own - keys), sorted(k for k in keys - own if isinstance(k, str))
             if missing or unexpected:
                 raise ValueError(f"checkpoint: cannot load {path} into the module (strict): "
-                                 f"missing keys {missing[:10]}, unexpected keys {unexpected[:10]}")
+                                 f"missing keys {missing[:10]}, unexpected keys {unexpected[:10]}"
+                                 + _nested_state_hint(shard.decoded, own))
     for p, d in dests.items():
         t = saved.get(p)
         if t is not None and list(d.shape) != list(t.shape):

@@ -12,9 +12,9 @@ def register(subparsers):
         "demo", help="train a small HF model with and without offloading and compare")
     p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS,
                    help=f"random-init HF model (default {DEFAULT_MODEL}; Llama-family first)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per method (default 5)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per method (default 4)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
-    p.add_argument("--seq", type=int, help="sequence length (default: 512 CPU, 1024 GPU)")
+    p.add_argument("--seq", type=int, help="sequence length (default: 256 CPU, 1024 GPU)")
     p.add_argument("--batch", type=int, help="micro-batch size (default: 4 CPU, 8 GPU)")
     p.add_argument("--layers", type=int, help="transformer blocks (default: 4 CPU, 12 GPU)")
     p.add_argument("--hidden", type=int, help="hidden size (default: 256 CPU, 1024 GPU)")

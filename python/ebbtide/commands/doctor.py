@@ -93,7 +93,9 @@ def _hooks_check(torch_version):
             "<ebbtide source>")
     built_for = getattr(_torch, "TORCH_VERSION", None)
     hooks = dict(loaded=True, built_for_torch=built_for)
-    if built_for is not None and torch_version is not None and built_for != torch_version:
+    # The builds of one release share libtorch's interface (Note [Hooks for one torch]).
+    if built_for is not None and torch_version is not None and \
+            built_for.split("+")[0] != torch_version.split("+")[0]:
         return hooks, _check("hooks", "fail", f"ebbtide._torch was built for torch {built_for}, "
                                               f"torch {torch_version} runs",
                              "rebuild ebbtide against the installed torch: pip install --no-build-isolation "
@@ -281,6 +283,11 @@ def _probe_o_direct(directory):
 def _dir_checks(directory, size):
     checks = []
     info = dict(path=os.path.abspath(directory))
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        checks.append(_check("directory", "fail", f"{directory} is a file, not a directory",
+                             f"name the directory ebbtide should write in (--dir), e.g. "
+                             f"{os.path.dirname(os.path.abspath(directory))}, or {_LOCAL_NVME_ADVICE}"))
+        return info, checks
     if not os.path.isdir(directory):
         checks.append(_check("directory", "fail", f"{directory} is not a directory",
                              f"create it (mkdir -p {directory}) or {_LOCAL_NVME_ADVICE}"))

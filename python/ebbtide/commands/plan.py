@@ -38,7 +38,7 @@ def register(subparsers):
     p.add_argument("--shared-expert-ffn-hidden", type=int, default=None,
                    help="llama/moe: width of a shared expert (Qwen2-MoE)")
     p.add_argument("--norm", default=None, help="llama: rmsnorm | layernorm (default rmsnorm)")
-    p.add_argument("--dropout", action="store_true", help="llama: attention dropout on")
+    p.add_argument("--dropout", action="store_true", help="llama: attention dropout on; --megatron: hidden and attention dropout")
     p.add_argument("--no-flash-attn", action="store_true",
                    help="attention saves the s x s scores (eager / Megatron kernels)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
@@ -78,6 +78,14 @@ def register(subparsers):
                         "mix per layer that fits it at the least step time (Note [Budget plan])")
     p.add_argument("--host-budget", metavar="BYTES", default="0",
                    help="with --activation-budget: host memory per GPU the plan may offload to (default 0)")
+    p.add_argument("--replay", metavar="TRACE_OR_BENCH_JSON",
+                   help="replay a recorded GPU run (a step trace, or the JSON of bench/offload_bench.py or "
+                        "bench/budget_bench.py; a folder: every run in it) through the planner's step model: "
+                        "the plan that ran, predicted against measured, and the plan chosen now (docs/model.md, "
+                        "\"Replays\"); exit code 3 when a run is not reproduced within 5%% or a target is missed")
+    p.add_argument("--megatron", action="store_true",
+                   help="Megatron-core's GPTModel (local layer spec): with --activation-budget, also the Megatron "
+                        "flags (full recompute of the first layers, --offload-modules with --host-budget) that fit it")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -191,7 +199,8 @@ def _print_report(r, out):
         ("SSD write / read", f"{r['ssd_write_gbps']:.1f} / {r['ssd_read_gbps']:.1f} GB/s  "
                              f"(PCIe {r['pcie_gbps']:.0f} GB/s)"),
         ("bandwidth", "sufficient" if r["bandwidth_sufficient"] else
-         f"INSUFFICIENT: step stretches to {r['step_seconds_with_offload'] * 1e3:.1f} ms"),
+         f"INSUFFICIENT to offload all that: the step would stretch to "
+         f"{r['step_seconds_with_offload'] * 1e3:.1f} ms"),
         ("SSD lifetime", f"{r['ssd_lifetime_years']:.2f} years of continuous training "
                          f"(write amplification {r['write_amplification']})"),
         ("max micro-batch", f"{r['max_micro_batch']} offloaded, "
@@ -216,9 +225,10 @@ def _print_report(r, out):
         rows.append(("longest sequence", f"{r['longest_seq']} offloaded, {r['longest_seq_without_offload']} "
                                          "without offloading  (one sample per GPU)"))
     if r["model_state_bytes"] >= r["gpu_memory_bytes"]:
+        # First, before the figures it makes moot (no micro-batch fits).
         hint = "raise --tp" if sh["zero_stage"] == 3 else "shard it: --fsdp or --zero 1|2|3 with --dp"
-        rows.append(("note", f"model state ({_bytes(r['model_state_bytes'])}) exceeds GPU memory "
-                             f"({_bytes(r['gpu_memory_bytes'])}): {hint}"))
+        rows.insert(0, ("DOES NOT FIT", f"model state ({_bytes(r['model_state_bytes'])}) exceeds GPU memory "
+                                        f"({_bytes(r['gpu_memory_bytes'])}): {hint}"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         out.write(f"{k:<{width}}  {v}\n")
@@ -381,6 +391,10 @@ def _seq(text):
 
 
 def run(args):
+    if args.replay:
+        from ebbtide.harness import replay_report
+
+        return replay_report.run(args)
     if args.list:
         _print_catalogs(sys.stdout)
         return 0
@@ -406,6 +420,10 @@ def run(args):
             config[key] = value
     if args.dropout:
         config["dropout"] = True
+    if args.megatron:
+        from ebbtide.plan.megatron import megatron_config
+
+        config.update(megatron_config(config))
     missing = [f"--{n}" for n in ("layers", "hidden", "heads") if config.get(n) is None]
     missing += ["--seq"] if args.seq is None else []
     if missing:
@@ -453,6 +471,11 @@ def run(args):
         report["budget_plan"] = model.budget_plan(config, activation_budget_bytes=budget, gpu=args.gpu,
                                                   ssd=args.ssd, ssds=args.ssds, mfu=args.mfu,
                                                   host_budget_bytes=host)
+        if args.megatron:
+            from ebbtide.plan.megatron import megatron_flags
+
+            report["megatron"] = megatron_flags(config, activation_budget_bytes=budget, gpu=args.gpu, ssd=args.ssd,
+                                                ssds=args.ssds, mfu=args.mfu, host_budget_bytes=host)
     if args.json:
         json.dump(_finite(report), sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
@@ -460,6 +483,8 @@ def run(args):
         _print_report(report, sys.stdout)
         if "budget_plan" in report:
             _print_budget(report["budget_plan"], sys.stdout)
+        if "megatron" in report:
+            _print_megatron(report["megatron"], report["budget_plan"], sys.stdout)
     return 0
 
 
@@ -482,16 +507,18 @@ def _runs(names):
 
 def _print_budget(p, out):
     counts = {}
-    for m in p["modules"]:
+    layers = [m for m in p["modules"] if m["name"] != "head"]
+    for m in layers:  # the layers, as "by layer" shows them; the head after
         key = m["placement"] + (f" ({m['tier']})" if m["tier"] and m["placement"] != "offload_" + m["tier"] else "")
         counts[key] = counts.get(key, 0) + 1
-    layers = [m for m in p["modules"] if m["name"] != "head"]
+    head = [m["placement"] for m in p["modules"] if m["name"] == "head"]
     base = p["forward_seconds"] + p["backward_seconds"]
     rows = [
         ("activation budget", f"{_bytes(p['activation_budget_bytes'])} per GPU"
                               + ("" if p["feasible"] else
                                  f"  NOT MET: the smallest the planner reaches is {_bytes(p['min_budget_bytes'])}")),
-        ("mix", ", ".join(f"{k} {v}" for k, v in counts.items())),
+        ("mix", f"{len(layers)} layers: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+                + (f"; head {head[0]}" if head else "")),
         ("by layer", _runs([m["placement"] for m in layers])),
         ("predicted peak", f"{_bytes(p['peak_resident_bytes'])} of {_bytes(p['all_resident_bytes'])} kept-all "
                            f"({100 * p['peak_resident_fraction']:.0f}%)"),
@@ -501,6 +528,16 @@ def _print_budget(p, out):
                            f"(+{100 * (p['predicted_step_seconds'] / base - 1) if base else 0:.1f}%)"),
         ("moved per step", f"{_bytes(p['bytes_ssd'])} to SSD, {_bytes(p['bytes_cpu'])} to host"),
     ]
+    width = max(len(k) for k, _ in rows)
+    out.write("\n")
+    for k, v in rows:
+        out.write(f"{k:<{width}}  {v}\n")
+
+
+def _print_megatron(m, budget_plan, out):
+    from ebbtide.plan.megatron import flag_rows
+
+    rows = flag_rows(m, budget_plan, _bytes, _runs)
     width = max(len(k) for k, _ in rows)
     out.write("\n")
     for k, v in rows:

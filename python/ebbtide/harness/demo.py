@@ -171,6 +171,7 @@ class _Runner:
     def row(self):
         stats = self.step_stats[-1] if self.step_stats else {}
         return dict(method=self.method, status="ok", step_seconds=statistics.median(self.times),
+                    step_seconds_per_step=list(self.times),
                     forward_seconds=statistics.median(self.fwd_times), peak_bytes=max(self.peaks),
                     stats=stats, ssd_bytes_written=self.ssd_written,
                     forward_seconds_per_step=list(self.fwd_times),
@@ -326,9 +327,44 @@ def run_demo(model=DEFAULT_MODEL, methods=METHODS, steps=5, warmup=1, seq=None, 
             continue
         row["step_time_ratio"] = row["step_seconds"] / base_row["step_seconds"]
         row["peak_ratio"] = row["peak_bytes"] / base_row["peak_bytes"] if base_row["peak_bytes"] else None
+        # Note [Step ratios per round]: rounds interleave the methods, so step
+        # i of a method and of no offload ran under the same machine load; the
+        # spread of their ratios is the run's own noise.
+        row["step_time_ratios"] = [t / b for t, b in zip(row["step_seconds_per_step"],
+                                                         base_row["step_seconds_per_step"])]
     del net
-    return dict(model=model, device=str(dev), dtype=dtype, steps=steps, warmup=warmup, attn=attn,
-                compile=compile, optimizer=optimizer, **size, **extra, rows=rows)
+    result = dict(model=model, device=str(dev), dtype=dtype, steps=steps, warmup=warmup, attn=attn,
+                  compile=compile, optimizer=optimizer, **size, **extra, rows=rows)
+    for row in rows[1:]:
+        if row["status"] == "ok":
+            row["verdict"] = verdict(row, result["device"])
+    return result
+
+
+def verdict(row, device):
+    """One line saying a method's result against no offload: how much less
+    peak step memory at how much more step time, with the spread of the
+    per-step time ratios; a spread that contains 1.0 says the time is within
+    the run's noise."""
+    ratios = row["step_time_ratios"]
+    med = row["step_time_ratio"]  # the table's: median step time over no offload's
+    lo, hi = min(ratios), max(ratios)
+    if len(ratios) < 2:
+        spread = "1 step: no spread measured"
+    else:
+        spread = f"per step {lo:.2f}-{hi:.2f}x over {len(ratios)} steps"
+    if lo <= 1.0 <= hi and len(ratios) > 1:
+        time_text = f"step time within this run's noise ({med:.2f}x; {spread})"
+    else:
+        time_text = f"{(med - 1) * 100:+.0f}% step time ({spread})"
+    if row["peak_ratio"] is None:
+        mem_text = "peak step memory not measured"
+    elif not device.startswith("cuda") and row["method"] in _HOST_COPY_METHODS:
+        mem_text = "no less memory on the CPU (its copies stay in host memory)"
+    else:
+        change = (1 - row["peak_ratio"]) * 100
+        mem_text = f"{abs(change):.0f}% {'less' if change >= 0 else 'more'} peak step memory"
+    return f"{row['method']}: {mem_text} at {time_text}"
 
 
 def format_table(result):
@@ -357,10 +393,8 @@ def format_table(result):
                          f"({fb(s.get('bytes_offloaded', 0))}), kept {s.get('tensors_kept', 0)}, "
                          f"forwarded {s.get('tensors_forwarded', 0)}"
                          + (f" ({fb(s['bytes_discarded'])} written in vain)" if s.get('bytes_discarded') else "")
-                         + ", peak resident "
-                         f"{fb(s.get('peak_resident_bytes', 0))} of "
-                         f"{fb(s.get('saved_bytes_total', 0))} saved, "
-                         f"stall {s.get('stall_seconds', 0):.3f} s (last step)")
+                         + f" of {fb(s.get('saved_bytes_total', 0))} saved, "
+                         f"backward waited {s.get('stall_seconds', 0):.3f} s (last step)")
         if r.get("origin"):
             lines.append(f"  {r['method']}: OffloadActivations from {r['origin']}")
     lines.append("peak mem: the step's peak above its start (CUDA allocator on GPU; on CPU the process "
@@ -369,6 +403,10 @@ def format_table(result):
     if not result["device"].startswith("cuda") and copies:
         lines.append(f"on CPU, {' and '.join(copies)} copy activations to host memory, where they "
                      "already live: they cannot lower it.")
+    verdicts = [r["verdict"] for r in result["rows"] if r.get("verdict")]
+    if verdicts:
+        lines.append("result, against no offload:")
+        lines += [f"  {v}" for v in verdicts]
     return "\n".join(lines)
 
 
@@ -378,21 +416,31 @@ def plot(result, png_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for r in result["rows"]:
-        if r["status"] != "ok":
-            continue
-        x = r["peak_bytes"] / 2**20
-        y = r["tokens_per_second"]
-        ax.scatter([x], [y], s=40)
-        ax.annotate(r["method"], (x, y), textcoords="offset points", xytext=(5, 5), fontsize=9)
+    fig = figure(result)
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+
+
+def figure(result):
+    """The demo's plot: throughput against peak step memory, one marker per
+    method. Methods are named in a legend beside the axes, not next to their
+    points: on the CPU several methods share a point, and labels there would
+    print over each other."""
+    import matplotlib.pyplot as plt
+
+    markers = "osD^vP*Xh<>"
+    fig, ax = plt.subplots(figsize=(8.4, 4.4))
+    for i, r in enumerate(r for r in result["rows"] if r["status"] == "ok"):
+        ax.scatter([r["peak_bytes"] / 2**20], [r["tokens_per_second"]], s=60 - 6 * i,
+                   marker=markers[i % len(markers)], label=r["method"], alpha=0.85)
     ax.set_xlabel("peak step memory (MiB)")
     ax.set_ylabel("throughput (tokens/s)")
     ax.set_title(f"ebbtide demo: {result['model']} seq={result['seq']} batch={result['batch']} "
-                 f"on {result['device']}")
+                 f"on {result['device']}", fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.set_xlim(left=0)
-    ax.set_ylim(bottom=0)
+    # Room around the outermost points, which would otherwise sit on the frame.
+    ax.set_xlim(0, ax.get_xlim()[1] * 1.08)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.08)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=9, borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
+    return fig

@@ -11,10 +11,11 @@ MODELS = ("llama", "qwen2", "mistral", "mixtral", "gpt2", "bert", "t5")
 DEFAULT_MODEL = "llama"
 ATTENTION = ("eager", "sdpa")
 
-# (layers, hidden, heads, seq, batch) per device kind: about a minute for all
-# methods on 2 CPU cores; larger on a GPU.
+# (layers, hidden, heads, seq, batch) per device kind. CPU: the default demo
+# (4 timed steps of 5 methods) is meant to run in under a minute on 2 cores
+# (docs/benchmarks.md, "ebbtide demo"); larger on a GPU.
 SIZES = {
-    "cpu": dict(layers=4, hidden=256, heads=8, seq=512, batch=4),
+    "cpu": dict(layers=4, hidden=256, heads=8, seq=256, batch=4),
     "cuda": dict(layers=12, hidden=1024, heads=16, seq=1024, batch=8),
 }
 VOCAB = 8192

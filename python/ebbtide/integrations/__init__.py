@@ -14,6 +14,11 @@ says which package (and which ebbtide extra) is missing when it is not there:
   ``torch.distributed.pipelining`` action lists.
 - ``ebbtide.integrations.ray``: a cache per Ray Train worker, in its own
   directory (``worker_cache``, ``ebbtide[ray]``).
+- ``ebbtide.integrations.megatron``: one cache for a rank's Megatron-core
+  model chunks, scoped by their decoder layers (``offload_megatron``,
+  ``ebbtide[megatron]``).
+- ``ebbtide.integrations.switch``: the above without editing the script,
+  when ``EBBTIDE_OFFLOAD`` is set (``ebbtide run``).
 
 See docs/integrations.md.
 """

@@ -28,15 +28,20 @@ resident here.
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from typing import Union
 
 import torch
 
 from ebbtide.integrations import require
+from ebbtide.integrations._step import StepMetrics
 
-__all__ = ["OffloadActivations", "get_act_offloading_ctx_manager", "install"]
+__all__ = ["OffloadActivations", "get_act_offloading_ctx_manager", "install", "log_metrics_to"]
 
 _WHAT = "ebbtide.integrations.torchtune"
+# The contexts whose metrics the wrapped metric loggers report (log_metrics_to).
+_LIVE: "weakref.WeakSet[OffloadActivations]" = weakref.WeakSet()
 
 
 class OffloadActivations:
@@ -57,6 +62,8 @@ class OffloadActivations:
 
         self.cache = TensorCache(target=target, path=path, **cache_kwargs).attach(model)
         self._ctx = None
+        self.metrics = StepMetrics()  # the blocks since the last metric log (log_metrics_to)
+        _LIVE.add(self)
 
     def __enter__(self):
         ctx = self.cache.step()
@@ -66,7 +73,10 @@ class OffloadActivations:
 
     def __exit__(self, *exc):
         ctx, self._ctx = self._ctx, None
-        return ctx.__exit__(*exc)
+        out = ctx.__exit__(*exc)
+        if exc[0] is None:
+            self.metrics.add(self.cache.stats())
+        return out
 
     def close(self) -> None:
         """Closes the cache (its files, memory and threads); the context is unusable afterwards."""
@@ -99,11 +109,15 @@ def get_act_offloading_ctx_manager(model: torch.nn.Module, enable_activation_off
     return OffloadActivations(model, target=target, path=path, **cache_kwargs)
 
 
-def install(target: str = "auto", path=None, **cache_kwargs):
+def install(target: str = "auto", path=None, *, force: bool = False, **cache_kwargs):
     """Makes ``torchtune.training.get_act_offloading_ctx_manager`` this module's, with these settings.
 
     Recipes look the function up on ``torchtune.training`` when they set up,
     so call this before the recipe's ``setup()``.
+
+    Args:
+        force: offload whatever the recipe's ``enable_activation_offloading``
+            says (the switch, ebbtide.integrations.switch); False follows it.
 
     Returns:
         torchtune's own function, to put back with
@@ -116,8 +130,31 @@ def install(target: str = "auto", path=None, **cache_kwargs):
     previous = training.get_act_offloading_ctx_manager
 
     def ebbtide_ctx_manager(model, enable_activation_offloading, *args, **kwargs):
-        return get_act_offloading_ctx_manager(model, enable_activation_offloading, target=target, path=path,
-                                              **cache_kwargs)
+        return get_act_offloading_ctx_manager(model, force or enable_activation_offloading, target=target,
+                                              path=path, **cache_kwargs)
 
     training.get_act_offloading_ctx_manager = ebbtide_ctx_manager
     return previous
+
+
+def log_metrics_to(metric_logging) -> None:
+    """Adds the ``ebbtide/*`` metrics of the live OffloadActivations (since
+    their last log) to every ``log_dict`` of the metric loggers in the module
+    `metric_logging` (``torchtune.training.metric_logging``: the disk, stdout,
+    TensorBoard, W&B, Comet and MLflow loggers recipes log through).
+    Idempotent."""
+    for cls in vars(metric_logging).values():
+        log_dict = getattr(cls, "log_dict", None) if isinstance(cls, type) else None
+        if log_dict is None or getattr(log_dict, "_ebbtide_metrics", False) or \
+                getattr(log_dict, "__isabstractmethod__", False):
+            continue
+
+        def wrapped(self, payload, *args, _log_dict=log_dict, **kwargs):
+            extra = {}
+            for ctx in list(_LIVE):
+                extra.update(ctx.metrics.take())
+            return _log_dict(self, {**payload, **extra} if extra else payload, *args, **kwargs)
+
+        functools.update_wrapper(wrapped, log_dict)
+        wrapped._ebbtide_metrics = True
+        cls.log_dict = wrapped

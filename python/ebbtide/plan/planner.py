@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping
 from ebbtide import _core
 from ebbtide._records import as_dict, make
 
-__all__ = ["plan_offload", "simulate", "needs_replan", "link_faster", "PLACEMENTS"]
+__all__ = ["plan_offload", "simulate", "simulate_ran", "needs_replan", "link_faster", "PLACEMENTS"]
 
 PLACEMENTS = ("keep", "offload_cpu", "offload_ssd", "recompute", "recompute_offload")
 
@@ -25,7 +25,10 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
                  prefetch_modules: int = 2, stall_tolerance_seconds: float = 0.0,
                  replan_fraction: float = 0.7, writes_within_forward: bool = False,
                  guarded_writes: bool = False, activation_budget_bytes: int = 0,
-                 copy_bound_bytes: int = 0, partial_offload: bool = False) -> dict:
+                 copy_bound_bytes: int = 0, partial_offload: bool = False, peak_budget_bytes: int = 0,
+                 window_bytes: int = 0, lead_per_module: bool = True, kept_in_distance: bool = True,
+                 shared_at_last_user: bool = True, priority_loads: bool = True,
+                 staging_bytes: int = 1 << 30) -> dict:
     """Plans where each module's saved activations go.
 
     modules: forward order, each ``{"name": str, "forward_seconds": float, "bytes": int}``,
@@ -54,17 +57,32 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
     activation_budget_bytes: bound on the predicted peak of resident saved
     bytes (0: none, offload what hides). A budget no mix meets gives
     ``feasible`` False and ``min_budget_bytes``, the smallest it can meet.
+    peak_budget_bytes: bound on the predicted allocator peak above the
+    step's start (saved bytes, reload buffers, gradients, temporaries: what
+    torch.cuda.max_memory_allocated() shows); ``min_peak_budget_bytes`` when
+    no mix meets it.
+    The cache's reload rules (Note [Reload lead] in cpp/src/plan/step_model.cpp):
+    lead_per_module (each offloaded module's reload starts as late as hides
+    it, ``lead_bytes``), window_bytes (bytes loading or loaded ahead; 0:
+    unbounded with lead_per_module, else prefetch_modules times the largest
+    offloaded module), kept_in_distance, shared_at_last_user, priority_loads;
+    staging_bytes (GPU: page-locked bytes for SSD-tier saves on their way).
+    Modules may also carry what the allocator sees (Note [Step model]):
+    ``backward_seconds`` (measured; default backward_factor * forward_seconds),
+    ``grad_bytes``, ``forward_temp_bytes``, ``backward_temp_bytes``, and
+    ``saves``: their saves in order as (bytes, shared id or -1) pairs.
 
     Returns ``{"modules": [{"name", "placement", "tier" ("cpu", "ssd" or None),
     "bytes", "saved_bytes", "fixed_bytes", "recompute_seconds", "forward_end_seconds",
     "write_done_seconds", "read_start_seconds", "backward_start_seconds",
-    "offload_bytes" (bytes moved: saved_bytes, or less for a partial module)}, ...],
+    "offload_bytes" (bytes moved: saved_bytes, or less for a partial module),
+    "lead_bytes", "wait_seconds", "forwarded_bytes"}, ...],
     "forward_seconds", "backward_seconds", "predicted_stall_seconds", "forward_wait_seconds",
-    "recompute_seconds", "predicted_step_seconds", "all_resident_bytes",
-    "peak_resident_bytes", "peak_resident_fraction", "bytes_keep", "bytes_cpu",
-    "bytes_ssd", "bytes_recomputed", "modules_recomputed",
-    "activation_budget_bytes", "feasible", "min_budget_bytes",
-    "planned_write_bps", "planned_read_bps", "replan_fraction"}``.
+    "backward_wait_seconds", "recompute_seconds", "predicted_step_seconds", "all_resident_bytes",
+    "peak_resident_bytes", "peak_allocated_bytes", "window_bytes", "peak_resident_fraction",
+    "bytes_keep", "bytes_cpu", "bytes_ssd", "bytes_recomputed", "modules_recomputed",
+    "activation_budget_bytes", "feasible", "min_budget_bytes", "peak_budget_bytes",
+    "min_peak_budget_bytes", "planned_write_bps", "planned_read_bps", "replan_fraction"}``.
     Raises ValueError naming a bad module or setting.
     """
     options = _options(write_bps, read_bps, target=target, max_write_mbps=max_write_mbps,
@@ -74,7 +92,10 @@ def plan_offload(modules: Iterable[Mapping[str, Any]], write_bps: float, read_bp
                        stall_tolerance_seconds=stall_tolerance_seconds, replan_fraction=replan_fraction,
                        writes_within_forward=writes_within_forward, guarded_writes=guarded_writes,
                        activation_budget_bytes=activation_budget_bytes, copy_bound_bytes=copy_bound_bytes,
-                       partial_offload=partial_offload)
+                       partial_offload=partial_offload, peak_budget_bytes=peak_budget_bytes,
+                       window_bytes=window_bytes, lead_per_module=lead_per_module,
+                       kept_in_distance=kept_in_distance, shared_at_last_user=shared_at_last_user,
+                       priority_loads=priority_loads, staging_bytes=staging_bytes)
     profiles = [_module(i, dict(m)) for i, m in enumerate(modules)]
     return as_dict(_core.plan_budget(profiles, options))
 
@@ -94,10 +115,28 @@ def simulate(modules: Iterable[Mapping[str, Any]], placements: Iterable[str], wr
     return as_dict(_core.plan_simulate(profiles, options, [str(p) for p in placements], limits))
 
 
+def simulate_ran(modules: Iterable[Mapping[str, Any]], placements: Iterable[str], write_bps: float = 0.0,
+                 read_bps: float = 0.0, *, offload_limits: Iterable[int | None] | None = None,
+                 lead_bytes: Iterable[int] | None = None, release_after: Iterable[int] | None = None,
+                 **settings) -> dict:
+    """A step as it ran (a replay, Note [Step model]): ``simulate`` with the
+    reload leads it used (bytes per module, 0: the window) and, on a GPU,
+    its release points (``release_after[b]``: the last module released after
+    module b's forward, -1 none; None: the glue's rule on the model's times)."""
+    options = _options(write_bps, read_bps, **settings)
+    profiles = [_module(i, dict(m)) for i, m in enumerate(modules)]
+    limits = [] if offload_limits is None else [-1 if v is None else int(v) for v in offload_limits]
+    return as_dict(_core.plan_simulate_ran(profiles, options, [str(p) for p in placements], limits,
+                                           [int(v) for v in lead_bytes or ()],
+                                           [int(v) for v in release_after or ()]))
+
+
 def _options(write_bps, read_bps, *, target="auto", max_write_mbps=None, host_budget_bytes=0, host_write_bps=0.0,
              host_read_bps=0.0, keep_last_modules=1, backward_factor=2.0, prefetch_modules=2,
              stall_tolerance_seconds=0.0, replan_fraction=0.7, writes_within_forward=False,
-             guarded_writes=False, activation_budget_bytes=0, copy_bound_bytes=0, partial_offload=False):
+             guarded_writes=False, activation_budget_bytes=0, copy_bound_bytes=0, partial_offload=False,
+             peak_budget_bytes=0, window_bytes=0, lead_per_module=True, kept_in_distance=True,
+             shared_at_last_user=True, priority_loads=True, staging_bytes=1 << 30):
     if target not in ("auto", "ssd", "cpu"):
         raise ValueError(f"planner target {target!r} is not valid (valid: auto, ssd, cpu)")
     if target == "cpu" and int(host_budget_bytes) <= 0:
@@ -126,6 +165,13 @@ def _options(write_bps, read_bps, *, target="auto", max_write_mbps=None, host_bu
         "activation_budget_bytes": int(activation_budget_bytes),
         "copy_bound_bytes": int(copy_bound_bytes),
         "partial_offload": bool(partial_offload),
+        "peak_budget_bytes": int(peak_budget_bytes),
+        "window_bytes": int(window_bytes),
+        "lead_per_module": bool(lead_per_module),
+        "kept_in_distance": bool(kept_in_distance),
+        "shared_at_last_user": bool(shared_at_last_user),
+        "priority_loads": bool(priority_loads),
+        "staging_bytes": int(staging_bytes),
     }, "planner")
 
 
@@ -135,9 +181,15 @@ def _module(i: int, m: dict):
         if key not in m:
             raise ValueError(f"module {i} ('{name}') lacks '{key}'")
     fields = {"name": name, "forward_seconds": m["forward_seconds"], "bytes": m["bytes"]}
-    for key in ("fixed_bytes", "recomputable", "recompute_bytes", "recompute_seconds"):
+    for key in ("fixed_bytes", "recomputable", "recompute_bytes", "recompute_seconds", "backward_seconds",
+                "grad_bytes", "forward_temp_bytes", "backward_temp_bytes"):
         if key in m:
             fields[key] = m[key]
+    if "saves" in m:
+        try:
+            fields["saves"] = [(int(b), int(sh)) for b, sh in m["saves"]]
+        except (TypeError, ValueError):
+            raise ValueError(f"module {i} ('{name}'): saves must be (bytes, shared id or -1) pairs") from None
     return make(_core.ModuleProfile, fields, f"module {i} ('{name}')")
 
 

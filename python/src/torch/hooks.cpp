@@ -154,6 +154,7 @@ struct Hooks {
   bool place_offload = true;
   int place_tier = -1;
   int64_t place_limit = -1;  // Note [Scope byte limits]; -1: none
+  uint64_t place_lead = 0;   // SaveRequest::lead_bytes (0: the prefetch window)
   struct ScopeLimit {
     int mb = -1;
     uint64_t used = 0;     // offloaded in the scope by this micro-batch's forward
@@ -170,7 +171,7 @@ struct Hooks {
   // (storage key, version) -> live kept handles
   std::unordered_map<std::pair<uint64_t, uint64_t>, uint64_t, KeyHash> kept_refs;
   uint64_t kept_live = 0;
-  uint64_t unflushed = 0;  // CUDA kept bytes not yet told to the core (note_kept)
+  uint64_t unflushed = 0;  // kept bytes not yet told to the core (note_kept)
   KeptCounts step, total;
   Kept* listed = nullptr;  // this step's kept handles
   std::map<int64_t, PlanRow> plan;
@@ -211,6 +212,10 @@ struct Hooks {
     place_offload = nb::cast<std::string>(pl[0]) == "offload";
     place_tier = nb::cast<int>(pl[1]);
     place_limit = nb::len(pl) > 2 ? nb::cast<int64_t>(pl[2]) : -1;
+    // The scope's reload lead in bytes (Note [Prefetch distance] in
+    // tensor_cache_load.cpp); absent or 0: the prefetch window.
+    const int64_t lead = nb::len(pl) > 3 ? nb::cast<int64_t>(pl[3]) : 0;
+    place_lead = lead > 0 ? static_cast<uint64_t>(lead) : 0;
     placement_valid = true;
   }
 
@@ -259,6 +264,7 @@ struct Hooks {
     if (--it->second == 0) {
       kept_refs.erase(it);
       kept_live -= nbytes;
+      g_api->kept_resident(core, kept_live);  // Note [Joint resident peak]
     }
   }
 
@@ -286,8 +292,12 @@ struct Hooks {
       step.bytes += nbytes;
       kept_live += nbytes;
       step.peak = std::max(step.peak, kept_live);
+      g_api->kept_resident(core, kept_live);  // Note [Joint resident peak]
       if (!handle_refs.count({key, version})) note_plan(nbytes, false, offload, tier);
-      if (t.is_cuda()) unflushed += nbytes;
+      // The prefetch distance counts kept bytes on every device (Note
+      // [Prefetch distance]): without them a CPU step reloaded the blocks
+      // below the kept tail while the tail was still resident.
+      unflushed += nbytes;
     } else {
       step.deduped += 1;
     }
@@ -353,8 +363,9 @@ struct Hooks {
       StorageRef* r = nullptr;
       if (orig && nb::try_cast<StorageRef*>(nb::handle(orig), r) && r && !r->expired()) {
         // Its storage is still alive outside autograd: its unpack will use
-        // the original (Note [Originals still alive]): counted now, and the
-        // core offers it to no later prefetch of this step.
+        // the original (Note [Originals still alive]): counted once per step
+        // by the core, which offers it again to later prefetches (the
+        // original may die before its unpack: it is then loaded).
         if (!g_api->reuse(core, c.id)) throw nb::python_error();
         continue;
       }
@@ -442,6 +453,7 @@ struct Hooks {
     r.microbatch = fwd_mb;
     r.offload = true;
     r.tier = place_tier;
+    r.lead_bytes = place_lead;
     r.live = g_api->glue_obj(obj);
     nb::object sref = nb::cast(StorageRef{t.storage().getWeakStorageImpl()});
     r.orig = g_api->glue_obj(sref.ptr());
@@ -657,9 +669,13 @@ NB_MODULE(_torch, m) {
     throw std::runtime_error("ebbtide._torch was built for another ebbtide._core (rebuild both)");
   // Note [Hooks for one torch]: libtorch's C++ API is not stable across
   // releases, so the module refuses to load under a torch other than the one
-  // it was built against, naming both and the rebuild.
+  // it was built against, naming both and the rebuild. Only the public
+  // version counts: the builds of one release for the CPU and for each CUDA
+  // version ("2.13.0+cpu", "2.13.0+cu130") share libtorch's C++ interface,
+  // and the wheel requires torch by that public version (docs/packaging.md).
   const std::string running = nb::cast<std::string>(nb::module_::import_("torch").attr("__version__"));
-  if (running != EBBTIDE_TORCH_VERSION)
+  const auto public_version = [](const std::string& v) { return v.substr(0, v.find('+')); };
+  if (public_version(running) != public_version(EBBTIDE_TORCH_VERSION))
     throw nb::import_error(("ebbtide._torch was built against torch " EBBTIDE_TORCH_VERSION ", but torch " + running +
                             " is installed; rebuild ebbtide for it: pip install --no-build-isolation "
                             "--force-reinstall --no-deps <ebbtide's source directory>")

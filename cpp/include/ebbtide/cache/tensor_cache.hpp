@@ -16,6 +16,7 @@
 // the caller. States: Note [Entry states] in the .cpp.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -98,6 +99,10 @@ struct SaveRequest {
   int tier = kTierFirst;        // store tier hint (Store::put)
   GlueObj live;                 // the saved tensor: held while the entry needs it resident
   GlueObj orig;                 // handed back with prefetch candidates (Candidate::orig)
+  // Its reload may start once backward is within this many bytes of saves of
+  // it (Note [Prefetch distance]; 0: the prefetch window). A dedup hit that
+  // moves the entry (Note [Shared entries]) gives it the new request's lead.
+  uint64_t lead_bytes = 0;
 };
 
 struct Completion {
@@ -162,6 +167,12 @@ struct Counters {
   uint64_t saved_bytes_total = 0;  // bytes of new entries (after dedup)
   uint64_t peak_resident_bytes = 0;
   double stall_seconds = 0;        // caller time blocked on loads and stores
+  // Device time compute streams spent in waits the cache enqueued (Note
+  // [Device waits]): all of them, those for copies (release points, the copy
+  // bound) and those for reloads (unpack, wait). Counted once measured.
+  double device_wait_seconds = 0;
+  double copy_wait_seconds = 0;
+  double load_wait_seconds = 0;
 };
 
 struct CacheStats {
@@ -244,6 +255,8 @@ class TensorCache : public mem::ForkOrigin {
   Reload request(EntryId id);
   // Starts the reload of a kStored entry into dst (entry's nbytes, on the
   // entry's device; `stream`: where dst was allocated, the copy waits for it).
+  // A load made on demand: on the device's priority load stream (Note
+  // [Priority loads]), ahead of the workers' queued loads.
   void start_load(EntryId id, void* dst, mem::cuda::Stream stream);
   // The same, the cache keeping `owner` (the buffer's glue object) until the
   // entry is consumed or released.
@@ -267,6 +280,9 @@ class TensorCache : public mem::ForkOrigin {
   // of the micro-batch's forward order: the prefetch distance counts them
   // (Note [Prefetch distance]).
   void note_kept(int microbatch, uint64_t nbytes);
+  // The bytes the glue keeps resident without entries, now (Note [Joint
+  // resident peak]): peak_resident_bytes counts them with the entries'.
+  void set_kept_resident(uint64_t bytes);
   // Stored entries to load next, in reverse forward order from the end of
   // `scope` (or from just before entry `id`), within the prefetch window.
   // prefetch_scope also marks the start of the micro-batch's backward: its
@@ -290,9 +306,11 @@ class TensorCache : public mem::ForkOrigin {
   void set_inline_copy_bytes(uint64_t bytes);
   // A release point (Note [Release points]): the compute stream `compute` waits
   // for the copies of micro-batch `microbatch`'s device entries saved up to the
-  // end of `scope` (every scope: INT64_MAX), and their completions are queued
+  // end of `scope` (every scope: INT64_MAX) whose offloaded bytes, counted in
+  // forward order from the micro-batch's first offloaded entry, end within
+  // `max_bytes` (Note [Release by bytes]), and their completions are queued
   // for poll(), so the glue drops the tensors in the device's order.
-  void release_copies(int microbatch, int64_t scope, mem::cuda::Stream compute);
+  void release_copies(int microbatch, int64_t scope, mem::cuda::Stream compute, uint64_t max_bytes = UINT64_MAX);
   // Live entries (released ones excluded).
   size_t entry_count() const;
   // Device-to-host and host-to-device bytes/s of device `device`'s link,
@@ -328,7 +346,8 @@ class TensorCache : public mem::ForkOrigin {
   struct Lane {
     int device = 0;
     mem::cuda::Stream copy = 0;  // device -> host copies, in production order
-    mem::cuda::Stream load = 0;  // host -> device reloads
+    mem::cuda::Stream load = 0;  // host -> device reloads (prefetches)
+    mem::cuda::Stream load_hi = 0;  // reloads made on demand, highest priority (Note [Priority loads])
     uint64_t enqueued = 0;       // bytes ever enqueued on `copy`
     uint64_t waited = 0;         // copies up to here are done before the compute stream goes on
     struct Copy {
@@ -361,6 +380,19 @@ class TensorCache : public mem::ForkOrigin {
     std::map<int64_t, size_t> scope_end;     // scope -> order size at its end
     size_t live = 0;
     bool backward_began = false;  // its queued stores were cancelled (Note [Late stores])
+    uint64_t offloaded = 0;       // bytes of its offloaded entries so far (Note [Release by bytes])
+    uint64_t max_lead = 0;        // the longest lead_bytes an entry took (Note [Prefetch distance])
+    bool window_lead = false;     // an entry took the prefetch window as its lead
+  };
+  // A pair of timed events around a wait the cache enqueued on `stream`
+  // (Note [Device waits]).
+  struct WaitTiming {
+    int device = 0;
+    mem::cuda::Stream stream = 0;
+    mem::cuda::Event begin = 0;
+    mem::cuda::Event end = 0;
+    uint64_t step = 0;
+    bool load = false;  // a reload's wait, else a copy's
   };
   using Lock = std::unique_lock<std::mutex>;
 
@@ -391,9 +423,17 @@ class TensorCache : public mem::ForkOrigin {
   void run_device_load(Lock& lock, Entry& e);
   void ref_event_locked(mem::cuda::Event ev);
   void wait_idle_locked(Lock& lock, Entry& e);
-  std::vector<Candidate> prefetch_locked(MicroBatch& mb, size_t end, int64_t task);
+  // `urgent_from`: candidates at or past this place in the order are the
+  // running module's, loaded on the priority stream (Note [Priority loads]).
+  std::vector<Candidate> prefetch_locked(MicroBatch& mb, size_t end, int64_t task, size_t urgent_from);
+  // The first place in the order of the scope holding place `pos` (its
+  // predecessor's end; `strict`: a scope ending at `pos` is that predecessor).
+  static size_t scope_start(const MicroBatch& mb, size_t pos, bool strict);
   std::vector<Completion> take_completions_locked();
   void push_order_locked(MicroBatch& mb, Entry* e, uint64_t nbytes, bool loadable);
+  void take_lead_locked(MicroBatch& mb, Entry& e, uint64_t lead);
+  void move_order_locked(MicroBatch& mb, Entry& e, uint64_t lead);
+  uint64_t lead_of_locked(const Entry& e) const;
   void bury_locked(GlueObj& obj);
   bool copy_on_caller_locked(Entry& e, const SaveRequest& r);
   void load_host_locked(Lock& lock, Entry& e, void* into, bool count);
@@ -401,7 +441,7 @@ class TensorCache : public mem::ForkOrigin {
   void consume_locked(Entry& e, int64_t task);
   bool count_reuse_locked(Entry& e);  // Note [Originals still alive]: once per entry and step
   void count_reload_locked(Entry& e);
-  void start_load_locked(Entry& e, void* dst, mem::cuda::Stream stream);
+  void start_load_locked(Entry& e, void* dst, mem::cuda::Stream stream, bool on_demand);
   void adopt_buffer_locked(Entry& e, GlueObj owner, mem::cuda::Stream stream);
   void worker_main(unsigned index);
   void run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Stream>& side);
@@ -410,6 +450,14 @@ class TensorCache : public mem::ForkOrigin {
   mem::cuda::Event take_event_locked(int device);
   void give_event_locked(int device, mem::cuda::Event& ev);
   void add_stall(double seconds);
+  // `stream` waits for `ev`, not seen complete (device `device`, current),
+  // between timed events (Note [Device waits]).
+  void timed_wait_locked(int device, mem::cuda::Stream stream, mem::cuda::Event ev, bool load);
+  // `stream` waits for the entry's reload (load_done_ev): timed unless a host
+  // query finds it done.
+  void wait_for_load_locked(Entry& e, mem::cuda::Stream stream);
+  void harvest_waits_locked();
+  void drop_timings_locked();
 
   std::unique_ptr<Store> store_;
   CacheOptions opts_;
@@ -435,6 +483,8 @@ class TensorCache : public mem::ForkOrigin {
   std::vector<Completion> completions_;
   std::vector<GlueObj> graveyard_;  // glue objects to destroy once the lock is released
   std::map<int, std::vector<mem::cuda::Event>> free_events_;  // per device
+  std::map<int, std::vector<mem::cuda::Event>> free_timed_;   // per device: timed events (Note [Device waits])
+  std::vector<WaitTiming> wait_timings_;                      // not yet seen complete
   std::unordered_map<mem::cuda::Event, int> event_refs_;       // holders of taken events
   std::map<int, Lane> lanes_;
   std::deque<FencedFree> fenced_;
@@ -450,10 +500,15 @@ class TensorCache : public mem::ForkOrigin {
   bool stop_offload_ = false;  // a store failed in this step
   bool closed_ = false;
   uint64_t resident_ = 0;
+  std::atomic<uint64_t> kept_resident_{0};  // set_kept_resident (Note [Joint resident peak])
+  void note_peak_locked() {
+    step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_ + kept_resident_.load());
+  }
   uint64_t window_ = 0;
   uint64_t inflight_ = 0;  // bytes in kQueued + kStoring
   Counters step_c_;
   Counters total_c_;
+  bool step_folded_ = false;  // end_step() folded step_c_ into total_c_
   uint64_t steps_ = 0;
 };
 

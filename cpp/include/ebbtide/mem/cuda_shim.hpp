@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 
 namespace ebbtide::mem::cuda {
 
@@ -43,6 +44,13 @@ class Driver {
   virtual bool event_query(Event e) = 0;  // true when complete
   virtual void stream_wait_event(Stream s, Event e) = 0;
   virtual Stream stream_create() = 0;     // non-blocking stream in the current context
+  // The current context's stream priorities (cuCtxGetStreamPriorityRange):
+  // {least, greatest}; the greatest is the numerically lowest. Default: {0, 0}.
+  virtual std::pair<int, int> stream_priority_range();
+  // A non-blocking stream of priority `priority` in the current context
+  // (cuStreamCreateWithPriority; out of range: clamped by the driver).
+  // Default: stream_create().
+  virtual Stream stream_create_with_priority(int priority);
   virtual void stream_destroy(Stream s) = 0;
   virtual void stream_synchronize(Stream s) = 0;
   // True while `s` is being captured into a CUDA graph (cuStreamIsCapturing;
@@ -55,6 +63,9 @@ class Driver {
   // RELAXED): for worker threads that never touch a capturing stream.
   // Default: nothing.
   virtual void relax_capture_mode();
+  // cuThreadExchangeStreamCaptureMode: sets the calling thread's capture
+  // mode (kCaptureMode*) and returns the one it had. Default: returns `mode`.
+  virtual int exchange_capture_mode(int mode);
   // cuMemHostRegister(PORTABLE) in the calling thread's current context; false
   // (and one warning) when refused. Unregistration belongs in the context that
   // registered (Note [Registration context] in host_mapping.cpp). With no
@@ -73,6 +84,32 @@ class Driver {
   // Default: Unsupported.
   virtual Event event_create_timed();
   virtual float event_elapsed_ms(Event start, Event end);
+};
+
+// CUstreamCaptureMode's values.
+constexpr int kCaptureModeGlobal = 0;
+constexpr int kCaptureModeThreadLocal = 1;
+constexpr int kCaptureModeRelaxed = 2;
+
+// The calling thread's capture mode is relaxed for a scope, then restored:
+// for queries of events recorded outside any capture, legal while a graph
+// is captured (by this thread or another) only in that mode.
+class RelaxedCaptureScope {
+ public:
+  explicit RelaxedCaptureScope(Driver* driver)
+      : driver_(driver), previous_(driver->exchange_capture_mode(kCaptureModeRelaxed)) {}
+  ~RelaxedCaptureScope() {
+    try {
+      driver_->exchange_capture_mode(previous_);
+    } catch (...) {  // a destructor must not throw
+    }
+  }
+  RelaxedCaptureScope(const RelaxedCaptureScope&) = delete;
+  RelaxedCaptureScope& operator=(const RelaxedCaptureScope&) = delete;
+
+ private:
+  Driver* driver_;
+  int previous_;
 };
 
 // Restores the calling thread's current context when the scope ends, so the

@@ -18,8 +18,10 @@ enum class Recompute { kNone, kSelective, kFull };
 // Layer family (Note [Layer families] in model_activations.cpp): kGpt2 counts what
 // Megatron-LM's fused kernels save (Korthikanti et al.); kLlama counts what
 // the Hugging Face Llama/Qwen2/Mistral/Mixtral layers save in PyTorch eager;
-// kT5 what the Hugging Face T5 blocks save (Note [T5 family]).
-enum class Family { kGpt2, kLlama, kT5 };
+// kT5 what the Hugging Face T5 blocks save (Note [T5 family]); kMegatron what
+// Megatron-core's GPTModel with its local layer spec saves in PyTorch eager
+// (Note [Megatron family]).
+enum class Family { kGpt2, kLlama, kT5, kMegatron };
 enum class Norm { kLayerNorm, kRmsNorm };
 
 // One transformer stack. Zero in ffn_hidden means 4*hidden; zero in
@@ -55,7 +57,7 @@ struct ModelConfig {
   Norm norm = Norm::kRmsNorm;    // llama family only
   bool bias = false;             // llama family: q/k/v/o and MLP biases (parameters only)
   bool qkv_bias = false;         // llama family: biases on q, k, v only (Qwen2)
-  bool dropout = false;          // llama family: attention dropout; t5: dropout_rate > 0
+  bool dropout = false;          // llama family: attention dropout; t5: dropout_rate > 0; megatron: hidden and attention dropout
   bool rotary = true;            // llama family
   bool tied_embeddings = false;  // llama, t5 family: LM head shares the embedding
   int64_t experts = 0;
@@ -86,7 +88,7 @@ void validate(const ModelConfig& config);
 ModelConfig normalized(const ModelConfig& config);
 
 // Names accepted by the CLI and Python ("decoder", "encoder",
-// "encoder-decoder"/"encoder_decoder"; "gpt2", "llama", "t5"; "layernorm",
+// "encoder-decoder"/"encoder_decoder"; "gpt2", "llama", "t5", "megatron"; "layernorm",
 // "rmsnorm"; "none", "selective", "full"; "bf16", "fp16", "fp32"). Unknown
 // names throw InvalidArgument listing them.
 Arch parse_arch(std::string_view name);
@@ -107,7 +109,7 @@ struct ActivationBytes {
   double per_step = 0;        // all layers + shared
   double last_layer = 0;      // the layer kept resident when offloading
   double logits = 0;          // output layer logits (never offloaded); llama family: what the loss saves
-  double outside = 0;         // llama/t5 family, once per step: token ids, rotary tables, final norm, LM-head input
+  double outside = 0;         // llama/t5/megatron family, once per step: token ids, rotary tables, final norm, LM-head input
   double recompute_layer = 0; // full recompute: the largest layer's activations, rebuilt during its backward
   double largest_layer() const { return cross_layer > self_layer ? cross_layer : self_layer; }
 };

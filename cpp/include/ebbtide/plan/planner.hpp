@@ -3,8 +3,9 @@
 // GPU, go to host memory or go to the SSD, so that offloading adds no stall;
 // with an activation budget, also which modules are recomputed in backward,
 // so that the predicted peak fits the budget at the least step time.
-// The rules and their math: Note [Offload rule] in planner.cpp, Note
-// [Budget plan] in planner_budget.cpp, docs/model.md.
+// The rules and their math: Note [Step model] in step_model.cpp (the step as
+// the device runs it), Note [Offload rule] in planner.cpp, Note [Budget plan]
+// in planner_budget.cpp, docs/model.md.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +13,16 @@
 #include <vector>
 
 namespace ebbtide::plan {
+
+// One save of a module's forward, in save order (ModuleProfile::saves).
+struct Save {
+  uint64_t bytes = 0;
+  // >= 0: a storage several modules save (HF Llama's rotary tables), with
+  // the same id in each; its bytes belong to the first module that saves it
+  // and the later ones hold it (Note [Shared storages] in step_model.cpp).
+  // -1: the module's own.
+  int64_t shared = -1;
+};
 
 // One module, in forward order: its forward compute time and the bytes it saves for backward.
 struct ModuleProfile {
@@ -28,6 +39,19 @@ struct ModuleProfile {
   bool recomputable = false;
   uint64_t recompute_bytes = 0;
   double recompute_seconds = -1;
+  // The rest of the step as the allocator sees it (Note [Step model]):
+  // the module's backward time measured without offloading (< 0:
+  // backward_factor * forward_seconds); the gradient bytes its backward
+  // allocates and holds to the step's end; the transient bytes above its
+  // saves at its forward's end, and above its saves and gradients during its
+  // backward (the allocator's peak inside it less its level there).
+  double backward_seconds = -1;
+  uint64_t grad_bytes = 0;
+  uint64_t forward_temp_bytes = 0;
+  uint64_t backward_temp_bytes = 0;
+  // Its saves of `bytes` in save order (a trace's); empty: `bytes` saved
+  // evenly through the forward. The own saves' bytes must sum to `bytes`.
+  std::vector<Save> saves;
 };
 
 // Bandwidths in bytes/s. A tier with zero write or read bandwidth is unused;
@@ -61,6 +85,11 @@ struct PlannerOptions {
   // makes the forward wait as the device does (Note [Copy bound in the plan]),
   // so a plan the bound would slow down costs its stall.
   uint64_t copy_bound_bytes = 0;
+  // GPU: page-locked bytes that hold SSD-tier saves between their copy off
+  // the device and the end of their SSD write (the cache's staging_bytes,
+  // Note [SSD below the link]); a save that finds them full stays resident
+  // (0: no bound).
+  uint64_t staging_bytes = 1ull << 30;
   // The walk may offload a prefix of a module's saves, by bytes in save
   // order, where the whole module would stall or miss the forward (Note
   // [Partial offload]); ModuleDecision::offload_bytes is the prefix.
@@ -68,6 +97,29 @@ struct PlannerOptions {
   // Bound on the predicted peak of resident saved bytes (0: none; then
   // plan_budget is plan_offload). Note [Budget plan].
   uint64_t activation_budget_bytes = 0;
+  // Bound on the predicted allocator peak above the step's start: saved
+  // bytes, reload buffers, gradients and temporaries (the figure
+  // torch.cuda.max_memory_allocated() shows; 0: none). Note [Budget plan].
+  uint64_t peak_budget_bytes = 0;
+  // The cache's reload rules (Note [Reload lead] in step_model.cpp).
+  // lead_per_module: the planner chooses each offloaded module's reload
+  // lead, the shortest that hides its reload (ModuleDecision::lead_bytes),
+  // and the window bounds nothing unless window_bytes is set; otherwise
+  // every module's lead is the window: window_bytes, or when 0
+  // prefetch_modules times the largest offloaded module (the glue's rule
+  // before 2026-11-29, kept for replays).
+  uint64_t window_bytes = 0;
+  bool lead_per_module = true;
+  // Kept saves count in the prefetch distance (the cache counts them).
+  bool kept_in_distance = true;
+  // A storage several modules save is reloaded in the order of its last
+  // offloading saver's save, a prefetch skips it only while a kept holder
+  // holds it, and a load made on demand runs on the priority stream (the
+  // cache's rules); false: the rules before 2026-11-29 (its first saver's
+  // place, offered to no later prefetch once found held; on demand behind
+  // every queued load). Note [Shared storages] in step_model.cpp.
+  bool shared_at_last_user = true;
+  bool priority_loads = true;
 };
 
 // recompute_offload_*: recomputed, and the bytes it still saves are offloaded.
@@ -98,6 +150,18 @@ struct ModuleDecision {
   // the whole module moves, less for a partial one, whose rest stays
   // resident. 0 for placements that move nothing.
   uint64_t offload_bytes = 0;
+  // Offloaded placements: how far ahead of the point backward has reached
+  // its reloads may start, in bytes of saves in between (Note [Reload
+  // lead]); the window's size unless the planner chose it per module.
+  uint64_t lead_bytes = 0;
+  double wait_seconds = 0;           // the device's waits in its backward (reloads not done)
+  // GPU: the release point after its forward (Note [Release by bytes] in
+  // step_model.cpp): the copies released through it, as offloaded bytes of
+  // the step in save order.
+  uint64_t release_bytes = 0;
+  // Offloaded bytes backward used from the live tensor: their write had not
+  // ended, or had not started when backward began (Note [Late stores]).
+  uint64_t forwarded_bytes = 0;
   bool partial() const { return offload_bytes < saved_bytes && offload_bytes > 0; }
 };
 
@@ -109,18 +173,26 @@ struct Plan {
   double forward_wait_seconds = 0;    // saves waiting for writes (guarded_writes)
   uint64_t all_resident_bytes = 0;    // peak when nothing is offloaded
   uint64_t peak_resident_bytes = 0;   // predicted peak with this plan
+  // Predicted allocator peak above the step's start: resident saved bytes,
+  // reload buffers, recomputed activations, gradients and temporaries.
+  uint64_t peak_allocated_bytes = 0;
+  double peak_seconds = 0;            // when the allocator peak comes, from the step's start
+  double backward_wait_seconds = 0;   // part of the stall: reloads not done when backward needs them
+  uint64_t window_bytes = 0;          // the prefetch window the plan assumes
   uint64_t bytes_keep = 0;
   uint64_t bytes_cpu = 0;
   uint64_t bytes_ssd = 0;
   uint64_t bytes_recomputed = 0;      // saved bytes recompute avoids (bytes - saved_bytes)
   int64_t modules_recomputed = 0;
   double recompute_seconds = 0;       // forward re-run in backward, in all
-  // A budget plan (Note [Budget plan]): the budget, whether the plan meets it,
-  // and, when it does not, the smallest peak the planner reached (the
-  // smallest budget it can meet).
+  // A budget plan (Note [Budget plan]): the budgets, whether the plan meets
+  // them, and, when it does not, the smallest peak the planner reached (the
+  // smallest budget it can meet: of saved bytes, and of the allocator).
   uint64_t activation_budget_bytes = 0;
+  uint64_t peak_budget_bytes = 0;
   bool feasible = true;
   uint64_t min_budget_bytes = 0;
+  uint64_t min_peak_budget_bytes = 0;
   double planned_write_bps = 0;       // SSD write bandwidth the plan assumed (after the cap)
   double planned_read_bps = 0;
   double replan_fraction = 0.7;
@@ -164,5 +236,17 @@ Plan simulate_plan(const std::vector<ModuleProfile>& modules, const PlannerOptio
 inline constexpr uint64_t kWholeModule = ~uint64_t{0};
 Plan simulate_plan(const std::vector<ModuleProfile>& modules, const PlannerOptions& options,
                    const std::vector<Placement>& placements, const std::vector<uint64_t>& offload_limits);
+
+// A step as it ran (the replay of a recorded run, Note [Step model]): the
+// placements, offload limits, reload leads (0: the window) and, on a GPU, the
+// release points the glue used (release_after[b]: the last module released
+// after module b's forward, -1 none; empty: derived as the glue does).
+struct RanPlan {
+  std::vector<Placement> placements;
+  std::vector<uint64_t> offload_limits;  // empty: whole modules
+  std::vector<uint64_t> lead_bytes;      // empty: the window for all
+  std::vector<int64_t> release_after;    // empty: derived
+};
+Plan simulate_ran(const std::vector<ModuleProfile>& modules, const PlannerOptions& options, const RanPlan& ran);
 
 }  // namespace ebbtide::plan

@@ -1,0 +1,152 @@
+"""What the cache measures and keeps for the planner's step model (issue 40):
+the backward profile (each block's backward time and gradient bytes, Note
+[Backward profile]), the re-timed first planned step (Note [Re-timed
+profile]), plans kept across ebbtide.offload() calls (Note [Plans across
+offload() calls]) and a profile made again when a step's saves change."""
+import logging
+
+import pytest
+import torch
+
+import ebbtide
+from ebbtide import _core
+
+pytestmark = pytest.mark.skipif(not _core.build_info.get("cache_ssd", False),
+                                reason="storage engine not in this build")
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.a = torch.nn.Linear(d, 4 * d)
+        self.b = torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, layers=4, d=64):
+        super().__init__()
+        self.embed = torch.nn.Linear(d, d)
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = torch.nn.Linear(d, 1)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).sum()
+
+
+def net_and_input():
+    torch.manual_seed(0)
+    return Net(), torch.randn(512, 64)
+
+
+def step(model, x, ctx):
+    model.zero_grad(set_to_none=True)
+    with ctx:
+        loss = model(x)
+        loss.backward()
+
+
+def test_the_profile_has_each_blocks_backward_and_gradients(tmp_path):
+    model, x = net_and_input()
+    with ebbtide.TensorCache("ssd", str(tmp_path), adaptive=True) as cache:
+        cache.attach(model)
+        step(model, x, cache.step())
+        mods = cache._adapt.profile_modules
+    blocks = [m for m in mods if m["scope"] >= 0]
+    assert len(blocks) == 4
+    per_block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    for m in blocks[:-1]:
+        assert m["grad_bytes"] == per_block, m
+        assert m["backward_seconds"] > 0, m
+    # The last block's module holds the head's gradients too (Note [Backward profile]).
+    head = sum(p.numel() * p.element_size() for p in model.head.parameters())
+    assert blocks[-1]["grad_bytes"] == per_block + head
+    # The scope before the blocks (the embedding) is not a block: its gradient
+    # comes with the first module that is.
+    embed = sum(p.numel() * p.element_size() for p in model.embed.parameters())
+    first = mods[0]
+    assert first["grad_bytes"] == embed + (per_block if first["scope"] == 0 else 0)
+
+
+def test_gradients_already_made_are_not_counted(tmp_path):
+    """Gradient accumulation: a parameter holding a gradient allocates none in this step."""
+    model, x = net_and_input()
+    model(x).backward()  # every parameter holds a gradient now
+    with ebbtide.TensorCache("ssd", str(tmp_path), adaptive=True) as cache:
+        cache.attach(model)
+        with cache.step():
+            model(x).backward()
+        assert all(m.get("grad_bytes", 0) == 0 for m in cache._adapt.profile_modules)
+
+
+def test_the_first_planned_step_retimes_the_profile(tmp_path, caplog):
+    """Note [Re-timed profile]: times the first planned step measures lower
+    than the profile's replace them, and the plan is made again."""
+    model, x = net_and_input()
+    with ebbtide.TensorCache("ssd", str(tmp_path), adaptive=True) as cache:
+        cache.attach(model)
+        step(model, x, cache.step())
+        adapt = cache._adapt
+        # As if the profiling step had run on cold caches: ten times slower.
+        for m in adapt.profile_modules:
+            m["forward_seconds"] *= 10
+            if "backward_seconds" in m:
+                m["backward_seconds"] *= 10
+        slow = sum(m["forward_seconds"] for m in adapt.profile_modules)
+        assert adapt._retime_next
+        with caplog.at_level(logging.DEBUG, logger="ebbtide"):
+            step(model, x, cache.step())
+        fast = sum(m["forward_seconds"] for m in adapt.profile_modules)
+        assert fast < 0.5 * slow
+        assert adapt.plan["reason"] == "retime"
+        # Announced at INFO only when the blocks are placed differently (as Note [Quiet re-plan]).
+        said = [r for r in caplog.records if "re-planned" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelno == (logging.INFO if adapt.replans else logging.DEBUG)
+        # Once: the third step leaves the profile alone.
+        before = [m["forward_seconds"] for m in adapt.profile_modules]
+        step(model, x, cache.step())
+        assert [m["forward_seconds"] for m in adapt.profile_modules] == before
+
+
+def test_offload_calls_plan_from_the_last_profile(tmp_path):
+    """Note [Plans across offload() calls]: the one-step form profiles once
+    per model and settings; before, every call profiled (and on a GPU a
+    profiling step offloads nothing)."""
+    model, x = net_and_input()
+    kw = dict(target="ssd", path=str(tmp_path), adaptive=True)
+    profiled = []
+    for _ in range(3):
+        with ebbtide.offload(model, **kw) as cache:
+            model.zero_grad(set_to_none=True)
+            model(x).backward()
+        profiled.append(cache.stats()["profiled"])
+    assert profiled == [True, False, False]
+    assert cache.stats()["planner"]["reason"] in ("kept", "retime")
+    # Other settings are another plan.
+    with ebbtide.offload(model, keep_last_modules=2, **kw) as cache:
+        model(x).backward()
+    assert cache.stats()["profiled"]
+    # Another batch size: the kept plan no longer matches, and the step after it profiles again.
+    with ebbtide.offload(model, **kw) as cache:
+        model(torch.randn(2048, 64)).backward()
+    assert not cache.stats()["profiled"]
+    with ebbtide.offload(model, **kw) as cache:
+        model(torch.randn(2048, 64)).backward()
+    assert cache.stats()["profiled"]
+
+
+def test_offload_gradients_stay_bitwise_with_a_kept_plan(tmp_path):
+    model, x = net_and_input()
+    model.zero_grad(set_to_none=True)
+    model(x).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        with ebbtide.offload(model, target="ssd", path=str(tmp_path), adaptive=True):
+            model(x).backward()
+        assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want))
