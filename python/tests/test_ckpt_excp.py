@@ -206,6 +206,42 @@ def test_async_delta_saves_encode_a_staged_copy_after_returning(tmp_path):
             assert torch.equal(got["optimizer"]["state"][i][m], want["optimizer"]["state"][i][m]), (i, m)
 
 
+def test_first_async_delta_save_fills_the_staging_buffer_after_its_encode(tmp_path, monkeypatch):
+    """Note [Async delta saves]: a save that finds no staging buffer encodes
+    in the call, and only then does a thread fill the buffer (beside the
+    encode, the fill slowed the call: 1.22-1.61x a synchronous delta save
+    against 0.96-1.08x after, 0.5 GB at load 9-12). The encode waits up to
+    2 s for a fill to reach its gate, so a fill started before it is seen."""
+    import threading
+
+    from ebbtide.checkpoint import dcp_format
+    at_gate, seen = threading.Event(), []
+    encode = _lossy.encode
+
+    def gate():
+        seen.append(len(encoded))
+        at_gate.set()
+
+    encoded = []
+
+    def traced(*a, **k):
+        at_gate.wait(2)
+        out = encode(*a, **k)
+        encoded.append(1)
+        return out
+    monkeypatch.setitem(dcp_format._test_gates, "staging-fill", gate)
+    monkeypatch.setattr(_lossy, "encode", traced)
+    st = {"w": torch.randn(64, 128)}
+    w = ckpt.Writer()
+    ckpt.save(st, tmp_path / "b", writer=w)
+    h = w.save(st, tmp_path / "c", compress="delta", base=tmp_path / "b", async_=True)
+    assert h._encoder is None  # no buffer yet: encoded in the call
+    h.wait()
+    w.join()
+    assert seen == [1], "the staging fill started before the call's encode ended"
+    assert w._native.staging_buffer is not None
+
+
 def test_async_delta_save_errors_come_from_wait(tmp_path):
     st = {"w": torch.randn(64, 128)}
     w = ckpt.Writer()

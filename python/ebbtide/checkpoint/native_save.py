@@ -373,6 +373,7 @@ class _Save:
         self.group = self.reserve_ticket = None  # Note [Checkpoint collectives]
         self.staged = threading.Event() if background or uncopied else None
         self.encoding = False  # Note [Async delta saves]: encoded and started on a thread
+        self.fill_bytes = 0  # Note [Async delta saves]: the staging buffer to fill once the call is done
         self.reserve = 0  # Note [First async save] in writer_arena.cpp: the arena to grow after a written-through save
         self.shard = f"rank{self.rank}.ebt"
 
@@ -585,19 +586,21 @@ class _Save:
     # error. A save that finds no staging buffer ready (the first of a
     # writer, a state grown past the buffer), or state outside host memory,
     # encodes in the call as a synchronous delta save does, and a thread
-    # fills a buffer for the next one. The staged copy is not touched again
+    # fills a buffer for the next one, started only once the call's encode
+    # and snapshot are done: beside them, the fill (mapping and faulting in
+    # memory of the state's size) competed for the cores and slowed the call. The staged copy is not touched again
     # until the next save's copy, which comes only once this save is done
     # (one save in flight per writer).
     def stage_delta(self, state_dict):
         """Note [Async delta saves]: `state_dict` copied into the writer's
-        staging buffer, or None (encode in the call; a fill of the buffer is
-        started for the next save)."""
+        staging buffer, or None (encode in the call; fill_bytes says what
+        buffer to fill for the next save once this call's work is done)."""
         from ebbtide.checkpoint.lossy import _map_tree
         staged = staging.staged_state(self.w._native, state_dict, _map_tree)
         if staged is None:
             tensors = [t for _, t in tree.walk_tensors(state_dict)]
             if all(t.device.type == "cpu" for t in tensors):
-                self.w._filler.start(staging.state_bytes(tensors), -1)
+                self.fill_bytes = staging.state_bytes(tensors)
         else:
             self.encoding = True
             self.staged = threading.Event()
@@ -703,6 +706,8 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_d
             s.write_through_if_fresh()
         if staged is None and not background:
             s.start_blocking()
+        if s.fill_bytes:  # after the encode and the snapshot (Note [Async delta saves])
+            w._filler.start(s.fill_bytes, -1)
     except BaseException:
         s.drop_ticket()
         w._native.release_claim()
