@@ -415,6 +415,7 @@ configure() {
     -DEBBTIDE_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v "$py")" \
     -DCMAKE_PREFIX_PATH="$repo/.deps/root/usr"
   local rc=$?
+  [ "$rc" = 0 ] && configured=1  # a dry run writes no build.ninja: the ctest stage asks this too
   grep -E "liburing found|cuda.h|CUDA shim|GTest|ebbtide: nanobind|ebbtide._torch" "$out/configure.log"
   return $rc
 }
@@ -509,7 +510,7 @@ for stage in "${stages[@]}"; do
       configure && step build_py build_py.log 400 cmake --build "$build" -j"$jobs" --target _core _torch
       ;;
     ctest)
-      { [ -f "$build/build.ninja" ] || configure; } &&
+      { [ -f "$build/build.ninja" ] || [ "${configured:-0}" = 1 ] || configure; } &&
         step build-tests build-tests.log 300 cmake --build "$build" -j"$jobs" &&
         step ctest ctest.log 300 ctest --test-dir "$build" --no-tests=error --output-on-failure -j8
       grep -E "tests passed|tests failed|Skipped|Failed|\*\*\*" "$out/ctest.log" 2>/dev/null | tail -n 20
