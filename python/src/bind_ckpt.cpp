@@ -16,8 +16,9 @@
 #include "ebbtide/util/error.hpp"
 
 namespace nb = nanobind;
-using namespace ebbtide::ckpt;
 
+// No file-scope using-directive (Note [Unity build] in CMakeLists.txt).
+namespace ebbtide::ckpt {
 namespace {
 
 // (name, ptr, nbytes, device, stream, elem_bytes, codec)
@@ -36,8 +37,10 @@ nb::dict result_dict(const SaveResult& r) {
 }
 
 }  // namespace
+}  // namespace ebbtide::ckpt
 
 void ebbtide::py::bind_ckpt(nb::module_& m) {
+  using namespace ebbtide::ckpt;
   m.attr("CKPT_FORMAT_VERSION") = kFormatVersion;
   m.def("ckpt_have_zstd", &have_zstd);
 
