@@ -161,28 +161,32 @@ def touch_pages(tensors):
     return total
 
 
-def weights_like(size_gb):
+def weights_like(size_gb, device="cpu"):
     """A decoder's weights of about `size_gb` GB: bf16 matrices of a 2048-wide
-    model plus fp32 norms, random values (incompressible, like trained ones)."""
-    g = torch.Generator().manual_seed(0)
+    model plus fp32 norms, random values (incompressible, like trained ones),
+    made on `device` (on a GPU in a fraction of the time)."""
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device)
     out, total, i = {}, 0, 0
     vocab = min(32000, max(256, int(size_gb * 1e9 / 4 / 2 / 2048)))  # small sizes: a smaller vocabulary
-    out["embed_tokens.weight"] = torch.randn(vocab, 2048, generator=g).bfloat16()
+    out["embed_tokens.weight"] = randn(vocab, 2048).bfloat16()
     total += out["embed_tokens.weight"].nbytes
     while total < size_gb * 1e9:
         if size_gb < 0.2:  # small sizes (the benchmark's own test): small layers
-            out[f"layers.{i}.weight"] = torch.randn(512, 2048, generator=g).bfloat16()
+            out[f"layers.{i}.weight"] = randn(512, 2048).bfloat16()
             total += 512 * 2048 * 2
             i += 1
             continue
         for name, shape in (("q_proj", (2048, 2048)), ("k_proj", (512, 2048)), ("v_proj", (512, 2048)),
                             ("o_proj", (2048, 2048)), ("gate_proj", (5632, 2048)), ("up_proj", (5632, 2048)),
                             ("down_proj", (2048, 5632))):
-            t = torch.randn(*shape, generator=g).bfloat16()
+            t = randn(*shape).bfloat16()
             out[f"layers.{i}.{name}.weight"] = t
             total += t.nbytes
         for name in ("input_layernorm", "post_attention_layernorm"):
-            out[f"layers.{i}.{name}.weight"] = torch.randn(2048, generator=g)
+            out[f"layers.{i}.{name}.weight"] = randn(2048)
             total += 2048 * 4
         i += 1
     return out
@@ -403,7 +407,7 @@ def dcp_plugin_rounds(flat, work, repeat):
     fut = dcp.async_save(flat, storage_writer=wa)
     out["dcp_ebb_async_blocked_first_s"] = time.perf_counter() - t0
     fut.result()
-    # async_staging=True (Note [Async staging] in ebbtide/checkpoint/dcp_writer.py): async_save returns before the
+    # async_staging=True (Note [Async staging] in ebbtide/checkpoint/dcp_staging.py): async_save returns before the
     # staging copy; a training loop waits for staging_completion at its next optimizer step.
     ws = EbbtideWriter(epath, async_staging=True)
 
@@ -456,21 +460,28 @@ def main(argv=None):
                     help="--safetensors: seconds before each fresh-process load (freed memory goes back to the host)")
     ap.add_argument("--safetensors", action="store_true",
                     help="compare safetensors save/load (ebbtide, the safetensors package, fio) instead")
+    ap.add_argument("--device-loads", action="store_true",
+                    help="loads into --device tensors only: safetensors (ebbtide vs load_file) and DCP (EbbtideReader "
+                         "vs FileSystemReader)")
     ap.add_argument("--no-dcp-plugin", action="store_true",
                     help="skip DCP with ebbtide's storage plugin vs FileSystemWriter/Reader")
     ap.add_argument("--stripe-dirs", nargs="*", default=None,
                     help="also time a save/load striped over --dir plus these directories")
     args = ap.parse_args(argv)
-    if args.device != "cpu" and not args.safetensors:
-        ap.error("--device is for --safetensors runs")
+    if args.device != "cpu" and not (args.safetensors or args.device_loads):
+        ap.error("--device is for --safetensors and --device-loads runs")
 
     base = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-", dir=".")
     os.makedirs(base, exist_ok=True)
     work = tempfile.mkdtemp(prefix="run-", dir=base)
     res = {"size_arg_gb": args.size, "dir": os.path.abspath(work)}
     try:
-        if args.safetensors:
-            safetensors_bench(args, work, res)
+        if args.safetensors or args.device_loads:
+            if args.device_loads:
+                from ckpt_device_loads import device_loads_bench
+                device_loads_bench(args, work, res)
+            else:
+                safetensors_bench(args, work, res)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(res, f, indent=1)

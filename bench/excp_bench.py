@@ -34,21 +34,26 @@ SIZES = {  # name -> (hidden, layers, heads)
     "xs": (64, 2, 2),
     "s": (96, 2, 3),
     "m": (128, 3, 4),
+    "h256": (256, 4, 4),  # the early-run case: 4 layers at hidden 256 (3.4M parameters)
+    "l": (512, 8, 8),  # 25.7M parameters
 }
 # Settings: name -> lossy options (None: a lossless chain, the harness's control).
 SETTINGS = {
     "lossless chain (control)": None,
     "ExCP code defaults (beta=2, v zeroed)": {"density": 0.1, "beta": 2.0, "v_unkept": "zero"},
     "issue-31 options (d=0.2, beta=0.5, v zeroed)": {"density": 0.2, "beta": 0.5, "v_unkept": "zero"},
-    "default (d=0.1, 4/4 bits, v carried)": {},
+    "default (d=0.1 + tolerance, 4/4 bits, v carried)": {},
+    "fixed density (d=0.1, tolerance 0)": {"tolerance": 0.0},
     "d=0.05, 4/4 bits": {"density": 0.05},
     "d=0.05, 3/3 bits": {"density": 0.05, "bits": 3, "bits_moments": 3},
     "d=0.03, 3/3 bits": {"density": 0.03, "bits": 3, "bits_moments": 3},
     "d=0.02, 3/3 bits": {"density": 0.02, "bits": 3, "bits_moments": 3},
     "d=0.03, 3/2 bits": {"density": 0.03, "bits": 3, "bits_moments": 2},
 }
-QUICK_SETTINGS = ["lossless chain (control)", "ExCP code defaults (beta=2, v zeroed)",
-                  "default (d=0.1, 4/4 bits, v carried)"]
+DEFAULT = "default (d=0.1 + tolerance, 4/4 bits, v carried)"
+QUICK_SETTINGS = ["lossless chain (control)", "ExCP code defaults (beta=2, v zeroed)", DEFAULT]
+# --early-run: the chain of issue 42 §3, early in a run (a fixed density lost 2.85-7.7% there).
+EARLY_SETTINGS = ["lossless chain (control)", "fixed density (d=0.1, tolerance 0)", DEFAULT]
 
 
 class Corpus:
@@ -163,17 +168,19 @@ class Run:
         return at_resume, self.evaluate(model)
 
 
+def _clone(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clone(v) for v in x]
+    return x
+
+
 def clone_state(model, opt, sched, step):
-    def c(x):
-        if isinstance(x, torch.Tensor):
-            return x.detach().clone()
-        if isinstance(x, dict):
-            return {k: c(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [c(v) for v in x]
-        return x
-    return {"model": c(model.state_dict()), "optimizer": c(opt.state_dict()), "scheduler": c(sched.state_dict()),
-            "step": step}
+    return {"model": _clone(model.state_dict()), "optimizer": _clone(opt.state_dict()),
+            "scheduler": _clone(sched.state_dict()), "step": step}
 
 
 def raw_bytes(state):
@@ -218,6 +225,9 @@ def run_setting(run, base_run, name, lossy, tmp):
                       "payload_bytes": int(info["stored_bytes"]),
                       "kind": "full" if prev is None or lossy is None else "delta"})
         links[-1]["ratio"] = links[-1]["raw_bytes"] / links[-1]["stored_bytes"]
+        kept = [v["kept"] for p, v in (info.get("error") or {}).get("tensors", {}).items()
+                if not p.endswith((".exp_avg", ".exp_avg_sq"))]
+        links[-1]["weights_kept"] = sum(kept) / len(kept) if kept else None  # mean kept fraction of the residuals
         prev = path
     t0 = time.perf_counter()
     loaded = ckpt.load(prev)
@@ -230,6 +240,8 @@ def run_setting(run, base_run, name, lossy, tmp):
            "delta_payload_ratio": sum(x["raw_bytes"] for x in deltas) / sum(x["payload_bytes"] for x in deltas),
            "chain_ratio": sum(x["raw_bytes"] for x in links) / sum(x["stored_bytes"] for x in links),
            "chain_stored_bytes": sum(x["stored_bytes"] for x in links),
+           "weights_kept_mean": (sum(x["weights_kept"] for x in deltas) / len(deltas)
+                                 if deltas and all(x.get("weights_kept") is not None for x in deltas) else None),
            "save_s_mean": sum(save_s[1:]) / max(1, len(save_s) - 1), "load_chain_end_s": load_s,
            "state_rel_l2": errs, "loss_at_resume": at_resume, "heldout_loss": final,
            "loss_delta_pct": 100.0 * (final - base_run["heldout_loss"]) / base_run["heldout_loss"]}
@@ -238,17 +250,19 @@ def run_setting(run, base_run, name, lossy, tmp):
 
 
 def fmt_table(rows, base_loss):
-    head = (f"{'setting':46} {'delta x':>8} {'payload':>8} {'chain x':>8} {'save s':>7} {'load s':>7} "
+    head = (f"{'setting':46} {'delta x':>8} {'payload':>8} {'chain x':>8} {'kept':>6} {'save s':>7} {'load s':>7} "
             f"{'W err':>7} {'m err':>7} {'v err':>7} {'loss':>7} {'vs ref':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         e = r["state_rel_l2"]
         lines.append(f"{r['setting'][:46]:46} {r['delta_ratio_mean']:8.1f} {r['delta_payload_ratio']:8.1f} "
                      f"{r['chain_ratio']:8.1f} "
+                     f"{(r['weights_kept_mean'] if r['weights_kept_mean'] is not None else float('nan')):6.3f} "
                      f"{r['save_s_mean']:7.3f} {r['load_chain_end_s']:7.3f} {e['weights']:7.4f} "
                      f"{e['exp_avg']:7.3f} {e['exp_avg_sq']:7.3f} {r['heldout_loss']:7.4f} "
                      f"{r['loss_delta_pct']:+7.2f}%")
-    lines.append(f"{'uninterrupted run':46} {'':8} {'':8} {'':8} {'':7} {'':7} {'':7} {'':7} {'':7} {base_loss:7.4f}")
+    lines.append(f"{'uninterrupted run':46} {'':8} {'':8} {'':8} {'':6} {'':7} {'':7} {'':7} {'':7} {'':7} "
+                 f"{base_loss:7.4f}")
     return "\n".join(lines)
 
 
@@ -292,9 +306,131 @@ def plot(result, path):
     print(f"wrote {path}")
 
 
+def fio_write(directory, nbytes):
+    """fio's sequential write rate to `directory` (1 MiB, queue depth 16,
+    O_DIRECT, fsync at the end), in GB/s; None without fio."""
+    import json as _json
+    import subprocess
+    if shutil.which("fio") is None:
+        return None
+    r = subprocess.run(["fio", "--name=excp", f"--directory={directory}", "--rw=write", "--bs=1M", "--direct=1",
+                        "--ioengine=io_uring", "--iodepth=16", f"--size={nbytes}", "--end_fsync=1",
+                        "--output-format=json", "--filename=fio.dat"], capture_output=True, text=True)
+    os.unlink(os.path.join(directory, "fio.dat"))
+    if r.returncode != 0:
+        return None
+    job = _json.loads(r.stdout[r.stdout.index("{"):])["jobs"][0]
+    return job["write"]["io_bytes"] / (job["job_runtime"] / 1e3) / 1e9
+
+
+def throughput(a):
+    """--throughput: how fast a delta save of a >= 1 GB state runs. A
+    Llama-style model of about 109M parameters (hidden 1024, 6 layers,
+    vocabulary 16,000), random init, AdamW steps on the synthetic corpus;
+    the state after the first step is saved losslessly as the base, the
+    state two steps later is encoded against it. Rounds alternate: the
+    encoding alone (lossy.encode on a checkpoint writer's threads, the base
+    loaded), the whole compressed save (base read back, encoding, writes),
+    a lossless and a raw save, fio's write of the state's size; then async
+    saves (delta with a staging buffer ready, lossless): what each blocks
+    its caller for. GB/s of the raw state (fp32 weights and both moments)."""
+    import statistics
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ebbtide.checkpoint import lossy
+    torch.manual_seed(0)
+    vocab, hidden, inter, layers, heads = (16000, 1024, 2752, 6, 16) if a.throughput == "full" else (512, 64, 176, 2, 2)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    corpus = Corpus()  # its vocabulary (512) is a subset of the model's
+    states = []
+    for t in range(3):
+        x = corpus.batch(t, 4, 64)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if t in (0, 2):
+            states.append({"model": _clone(model.state_dict()), "optimizer": _clone(opt.state_dict())})
+    del model, opt
+    base_state, state = states
+    nbytes = raw_bytes(state)
+    params = sum(v.numel() for v in state["model"].values())
+    d = tempfile.mkdtemp(prefix="excp-throughput-", dir=a.dir)
+    try:
+        w = ckpt.Writer()
+        base = os.path.join(d, "base")
+        ckpt.save(base_state, base, compress="lossless", writer=w)
+        loaded = ckpt.load(base)
+        rounds = {k: [] for k in ("encode_s", "encode_cpu_s", "delta_save_s", "lossless_save_s", "raw_save_s",
+                                  "fio_GBps")}
+        info = None
+        for r in range(a.rounds + 1):  # round 0 (the writer's first: its scratch memory is fresh) reported apart
+            t0, c0 = time.perf_counter(), time.process_time()
+            lossy.encode(state, loaded, None, w._native)
+            rounds["encode_s"].append(time.perf_counter() - t0)
+            rounds["encode_cpu_s"].append(time.process_time() - c0)  # all threads: what it costs on a free machine
+            t0 = time.perf_counter()
+            info = ckpt.save(state, os.path.join(d, "delta"), compress="delta", base=base, writer=w)
+            rounds["delta_save_s"].append(time.perf_counter() - t0)
+            for key, kw in (("lossless_save_s", {"compress": "lossless"}), ("raw_save_s", {})):
+                t0 = time.perf_counter()
+                ckpt.save(state, os.path.join(d, key), writer=w, **kw)
+                rounds[key].append(time.perf_counter() - t0)
+            w.join()
+            f = fio_write(d, nbytes)
+            if f is not None:
+                rounds["fio_GBps"].append(f)
+        blocked = {"delta": [], "lossless": []}
+        for r in range(a.rounds + 1):  # the first delta one fills the staging buffer
+            for kind, kw in (("delta", {"compress": "delta", "base": base}), ("lossless", {"compress": "lossless"})):
+                t0 = time.perf_counter()
+                h = w.save(state, os.path.join(d, f"async-{kind}"), async_=True, **kw)
+                blocked[kind].append(time.perf_counter() - t0)
+                h.wait()
+                w.join()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    gb = nbytes / 1e9
+    first = {k: v[0] for k, v in rounds.items() if v}
+    med = {k: statistics.median(v[1:]) for k, v in rounds.items() if len(v) > 1}
+    if rounds["fio_GBps"]:  # encode against fio in the same round: the machine's load moves both
+        rounds["encode_vs_fio"] = [gb / e / f for e, f in zip(rounds["encode_s"], rounds["fio_GBps"])]
+        med["encode_vs_fio"] = statistics.median(rounds["encode_vs_fio"][1:])
+    out = {"bench": "excp-throughput", "params": params, "state_bytes": nbytes, "rounds": rounds, "first": first,
+           "median": med, "async_blocked_s": blocked, "delta_ratio": info["ratio"], "delta_error": info["error"]["overall"],
+           "load_average": os.getloadavg()}
+    print(f"ExCP throughput: Llama-style, {params:,} parameters, state {gb:.3f} GB (fp32 weights + AdamW moments); "
+          f"medians of {a.rounds} rounds after a first one; load average {out['load_average'][0]:.2f}")
+    rows = [("encode (lossy.encode, writer's threads)", "encode_s"),
+            ("delta save: read base + encode + write", "delta_save_s"),
+            ("lossless save (zstd)", "lossless_save_s"), ("raw save", "raw_save_s")]
+    for name, key in rows:
+        print(f"  {name:<44} {med[key]:7.3f} s  {gb / med[key]:6.2f} GB/s  (first round {first[key]:.3f} s)")
+    cores = min(4, len(os.sched_getaffinity(0)))  # the writer's threads (EBBTIDE_CKPT_THREADS unset)
+    out["encode_GBps_free_cores"] = gb * cores / med["encode_cpu_s"]
+    print(f"  {'encode, CPU seconds (all threads)':<44} {med['encode_cpu_s']:7.3f} s  {gb / med['encode_cpu_s']:6.2f} GB/s "
+          f"per core: {out['encode_GBps_free_cores']:.2f} GB/s with its {cores} cores free")
+    if "fio_GBps" in med:
+        print(f"  {'fio sequential write (1M, qd16, direct, fsync)':<44} {'':7}    {med['fio_GBps']:6.2f} GB/s  "
+              f"(encode / fio, each round's: median {med['encode_vs_fio']:.2f}x, rounds "
+              f"{', '.join(f'{x:.2f}' for x in rounds['encode_vs_fio'][1:])})")
+    later = lambda v: statistics.median(v[1:])  # noqa: E731 - the first delta one had no staging buffer
+    print(f"  async saves, caller blocked (later calls, median): delta {later(blocked['delta']):.3f} s, lossless "
+          f"{later(blocked['lossless']):.3f} s; first delta {blocked['delta'][0]:.3f} s (encoded in the call)")
+    print(f"  delta ratio {info['ratio']:.1f}x, rel. L2 error {info['error']['overall']['rel_l2']:.4f}")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small run for a test (about half a minute)")
+    ap.add_argument("--early-run", action="store_true",
+                    help="the chain early in a run: model h256, lr 1e-3, deltas every 20 steps from step 40 to "
+                         "160, resumed for 40 steps")
     ap.add_argument("--size", default="s", choices=sorted(SIZES), help="model of the settings sweep")
     ap.add_argument("--sizes", nargs="*", default=None,
                     help="model sizes for the size sweep at the default setting (default: xs s m; none with --quick)")
@@ -310,10 +446,22 @@ def main(argv=None):
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--settings", nargs="*", default=None, help="names of settings to run (default: all)")
     ap.add_argument("--dir", default=None, help="where the chains are written (default: a temporary directory)")
+    ap.add_argument("--throughput", nargs="?", const="full", choices=("full", "tiny"),
+                    help="encode and save rates of a >= 1 GB state (109M parameters; tiny: 0.3M, a test) against "
+                         "fio, instead of the chain sweep")
+    ap.add_argument("--rounds", type=int, default=3, help="--throughput: rounds")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
+    if a.throughput:
+        result = throughput(a)
+        write_result(result, a.json)
+        return result
+    if a.early_run:
+        a.size, a.steps, a.every, a.links, a.resume_steps, a.lr = "h256", 160, 20, 6, 40, 1e-3
+        a.sizes = a.sizes or []
+        a.settings = a.settings or EARLY_SETTINGS
     if a.quick:
         a.size = "xs" if a.size == "s" else a.size
         a.links = a.links or 3
@@ -360,8 +508,8 @@ def main(argv=None):
             print("\ndefault setting by model size:")
             print(f"{'size':5} {'params':>10} {'delta x':>8} {'payload':>8} {'chain x':>8} {'loss vs ref':>12}")
             for s in a.sizes:
-                if s == a.size and "default (d=0.1, 4/4 bits, v carried)" in names:
-                    r = next(x for x in rows if x["setting"].startswith("default"))
+                if s == a.size and DEFAULT in names:
+                    r = next(x for x in rows if x["setting"] == DEFAULT)
                     p = base["params"]
                 else:
                     rs = Run(a, s)

@@ -82,10 +82,16 @@
 #   pytest   the whole pytest suite (CPU tests included)
 #   demo     ebbtide demo on CUDA, every method
 #   io       ebbtide bench io (device <-> file)
-#   ckpt     bench/ckpt_bench.py, safetensors (with loads into the GPU) and
-#            DCP/native checkpoints, 2 GB each (CKPT_SIZE=GB): issue 16's numbers on a
-#            machine whose fresh memory is cheap (fio, where installed, is the
-#            reference; `io` gives the engine's own rates otherwise)
+#   ckpt     checkpoints with CUDA state, 1 GB (CKPT_SIZE=GB), about 100 s on
+#            an H200 (limits 60 + 120 s; 106 s on the 2-core VM's CPU at
+#            0.05 GB): bench/ckpt_bench.py --device-loads
+#            (a safetensors file into CUDA tensors, ebbtide against load_file
+#            + .to("cuda") and load_file(device=); a DCP checkpoint into CUDA
+#            targets, EbbtideReader against FileSystemReader; JSON
+#            ckpt_loads.json) and bench/ckpt_first_save.py --mode async
+#            --device cuda (every async save's blocking time, native and
+#            dcp.async_save, against a D2H copy of the state; JSON
+#            ckpt_async.json). Without a GPU both run on CPU tensors
 #   dist     bench/dist_offload.py under torchrun (nccl)
 #   megatron bench/megatron_offload.py --device cuda (issue 43): a Megatron-core
 #            GPTModel (local spec, 8 layers, hidden 2048, seq 2048, bf16) with
@@ -615,12 +621,12 @@ for stage in "${stages[@]}"; do
     ckpt)
       mkdir -p /tmp/ebbtide-ckpt
       dev=$(torch_device)
-      step ckpt_safetensors ckpt_safetensors.txt 240 "$py" bench/ckpt_bench.py --safetensors --size "${CKPT_SIZE:-2.0}" --repeat 3 \
-        --fresh-rounds 2 --fresh-pause 1 --device "$dev" --dir /tmp/ebbtide-ckpt --json "$out/ckpt_safetensors.json"
-      tail -n 20 "$out/ckpt_safetensors.txt"
-      step ckpt_dcp ckpt_dcp.txt 300 "$py" bench/ckpt_bench.py --size "${CKPT_SIZE:-2.0}" --repeat 2 --dir /tmp/ebbtide-ckpt \
-        --json "$out/ckpt_dcp.json"
-      tail -n 36 "$out/ckpt_dcp.txt"
+      step ckpt_loads ckpt_loads.txt 60 "$py" bench/ckpt_bench.py --device-loads --device "$dev" \
+        --size "${CKPT_SIZE:-1.0}" --repeat 2 --dir /tmp/ebbtide-ckpt --json "$out/ckpt_loads.json"
+      tail -n 9 "$out/ckpt_loads.txt"
+      step ckpt_async ckpt_async.txt 120 "$py" bench/ckpt_first_save.py --mode async --device "$dev" \
+        --size "${CKPT_SIZE:-1.0}" --saves 4 --dir /tmp/ebbtide-ckpt/async --json "$out/ckpt_async.json"
+      tail -n 8 "$out/ckpt_async.txt"
       ;;
     dist)
       step dist_offload dist_offload.txt 300 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 \

@@ -395,6 +395,30 @@ TEST(CacheCore, MicroBatchRecordsAreSeparate) {
   EXPECT_TRUE(f.cache->prefetch_scope(7, 0).empty());
 }
 
+// Note [Joint resident peak]: the glue's kept bytes arrive as changes from
+// threads that hold no lock in common, in any order. As levels, a fall that
+// overtook its rise (level 0 sent after level 100) left 100 for good; as
+// changes the sum is right whatever the order, and a sum below zero for a
+// moment counts as nothing.
+TEST(CacheCore, KeptBytesArriveAsChangesInAnyOrder) {
+  Fixture f;
+  auto x = test::random_bytes(300, 1);
+  f.cache->add_kept_resident(-100);  // the fall overtook its rise
+  EntryId k = f.save(x, 1, 0, /*offload=*/false);
+  EXPECT_EQ(f.cache->stats().step.peak_resident_bytes, 300u);
+  f.cache->add_kept_resident(100);
+  EXPECT_EQ(f.cache->stats().step.peak_resident_bytes, 300u);
+  f.cache->add_kept_resident(200);
+  EXPECT_EQ(f.cache->stats().step.peak_resident_bytes, 500u);
+  f.cache->add_kept_resident(-200);
+  f.cache->release(k);
+  f.poll();
+  f.cache->end_step();
+  f.cache->begin_step();
+  EXPECT_EQ(f.cache->stats().step.peak_resident_bytes, 0u);  // nothing kept: no stale level
+  f.cache->end_step();
+}
+
 TEST(CacheCore, KeptEntriesAreResidentAndCounted) {
   Fixture f;
   auto x = test::random_bytes(300, 1), y = test::random_bytes(500, 2);

@@ -178,6 +178,54 @@ TEST(CkptDevice, DeviceOneTensorsTouchOnlyDeviceOne) {
   EXPECT_EQ(sim.contexts(), std::set<int>{1}) << "the writers' end";
 }
 
+// Note [Staging buffer] in writer_arena.cpp: a staging buffer reserved for
+// state on device 1 (from a thread with no context, as the plugin's filler
+// is) is page-locked there, in device 1's context only; stage() copies the
+// device tensors into it on their streams and the host ones on the
+// workers, and returns once every copy has landed; the caller's thread is
+// left as it was. A device copy into memory outside the buffer (pageable:
+// the driver would copy synchronously) is refused.
+TEST(CkptDevice, StagingCopiesDeviceTensorsIntoThePageLockedBuffer) {
+  SimDriver sim(SimDriver::Options{.devices = 2});
+  constexpr Stream kSide = 55;
+  sim.declare_stream(kSide, 1);
+  const auto a = test::random_bytes((1 << 20) + 5, 190), b = test::random_bytes(3000, 191),
+             h = test::random_bytes((3 << 20) + 1, 192);
+  const DevicePtr da = device_copy_of(sim, a, 1, "a"), db = device_copy_of(sim, b, 1, "b");
+  WriterOptions o = small_chunks();
+  o.cuda_driver = &sim;
+  CheckpointWriter w(o);
+  StagingBuffer buf = w.reserve_staging(a.size() + b.size() + h.size() + 64, 1);
+  EXPECT_TRUE(buf->pinned());
+  EXPECT_EQ(sim.registers(), 1);
+  EXPECT_EQ(sim.contexts(), std::set<int>{1});
+  EXPECT_EQ(sim.current_context(), 0u) << "the filling thread is left without a context";
+  auto* base = static_cast<unsigned char*>(buf->data());
+  unsigned char* sa = base;
+  unsigned char* sb = base + a.size() + 3;
+  unsigned char* sh = sb + b.size() + 1;
+  sim.launch(kSide, 1.0, {}, 1);  // work queued before the staging: the copy of `a` on kSide runs after it
+  w.stage({{sa, on_device(sim, da, a.size(), 1, kSide)}, {sh, test::host_buffer(h)},
+           {sb, on_device(sim, db, b.size(), 1, 0)}});
+  EXPECT_EQ(std::memcmp(sa, a.data(), a.size()), 0) << "stage() returned before the device copy landed";
+  EXPECT_EQ(std::memcmp(sb, b.data(), b.size()), 0);
+  EXPECT_EQ(std::memcmp(sh, h.data(), h.size()), 0);
+  size_t d2h = 0;
+  for (const auto& c : sim.copies()) {
+    EXPECT_TRUE(c.d2h);
+    EXPECT_TRUE(c.host >= base && static_cast<const unsigned char*>(c.host) + c.n <= base + buf->size());
+    ++d2h;
+  }
+  EXPECT_EQ(d2h, 2u) << "host sources are not copied by the driver";
+  EXPECT_EQ(sim.registers(), 1) << "pinned once, by reserve_staging";
+  EXPECT_EQ(sim.contexts(), std::set<int>{1});
+  EXPECT_EQ(sim.current_context(), 0u) << "the caller's thread is left without a context";
+  std::vector<unsigned char> pageable(a.size());
+  EXPECT_THROW(w.stage({{pageable.data(), on_device(sim, da, a.size(), 1, kSide)}}), InvalidArgument);
+  EXPECT_TRUE(sim.errors().empty()) << SimDriver::join_lines(sim.errors());
+  EXPECT_TRUE(sim.races().empty()) << SimDriver::join_lines(sim.races());
+}
+
 // Many small device tensors (a model's biases and norms): the safetensors
 // save copies them into one staging buffer and waits for their stream once
 // per buffer, not once per tensor; the load likewise. No events either way.

@@ -427,18 +427,40 @@ TEST(CkptReader, TruncatedAndGarbageFiles) {
   EXPECT_THROW(ShardReader{d.path() + "/missing"}, IoError);
 }
 
-// CheckpointWriter::copy: pieces over the writer's threads, streaming stores
-// where the destination allows; ranges above a piece (8 MiB), odd lengths and
-// an unaligned destination come out byte for byte.
-TEST(CkptWriter, CopyMovesEveryRangeExactly) {
+// CheckpointWriter::stage of host memory: pieces over the writer's threads,
+// streaming stores where the destination allows; ranges above a piece (8
+// MiB), odd lengths and an unaligned destination come out byte for byte.
+TEST(CkptWriter, StageMovesEveryHostRangeExactly) {
   CheckpointWriter w;
   auto a = test::random_bytes((17 << 20) + 3, 11), b = test::random_bytes(4097, 12), c = test::random_bytes(1, 13);
   std::vector<unsigned char> da(a.size()), db(b.size() + 1), dc(1);
-  w.copy({{da.data(), a.data(), a.size()}, {db.data() + 1, b.data(), b.size()}, {dc.data(), c.data(), 1},
-          {nullptr, nullptr, 0}});
+  w.stage({{da.data(), test::host_buffer(a)}, {db.data() + 1, test::host_buffer(b)}, {dc.data(), test::host_buffer(c)},
+           {nullptr, {nullptr, 0}}});
   EXPECT_EQ(da, a);
   EXPECT_EQ(0, std::memcmp(db.data() + 1, b.data(), b.size()));
   EXPECT_EQ(dc, c);
+}
+
+// Note [Staging buffer]: reserve_staging maps the buffer with its pages
+// present and makes it the writer's; a larger one replaces it, and views
+// of the old one (a staged copy being written) keep it mapped.
+TEST(CkptWriter, StagingBufferIsReplacedButOutlivesItsViews) {
+  CheckpointWriter w;
+  EXPECT_EQ(w.staging_buffer(), nullptr);
+  EXPECT_THROW(w.reserve_staging(0), InvalidArgument);
+  StagingBuffer first = w.reserve_staging(100000);
+  ASSERT_NE(first, nullptr);
+  EXPECT_EQ(w.staging_buffer(), first);
+  EXPECT_GE(first->size(), 100000u);
+  EXPECT_FALSE(first->pinned()) << "host state: never page-locked";
+  auto a = test::random_bytes(100000, 14);
+  w.stage({{first->data(), test::host_buffer(a)}});
+  StagingBuffer second = w.reserve_staging(300000);
+  EXPECT_EQ(w.staging_buffer(), second);
+  EXPECT_NE(second->data(), first->data());
+  EXPECT_EQ(0, std::memcmp(first->data(), a.data(), a.size())) << "the replaced buffer is still mapped";
+  first.reset();
+  EXPECT_EQ(first.use_count(), 0);
 }
 
 TEST(CkptCommit, ReplacesExistingDirectoryAtomically) {

@@ -6,7 +6,7 @@ public names (docs/checkpoints.md, "torch.distributed.checkpoint").
     dcp.save(state, storage_writer=EbbtideWriter("/ckpt/step100"))
     dcp.load(state, storage_reader=EbbtideReader("/ckpt/step100"))
 
-The plugin lives in ebbtide/checkpoint/ (dcp_writer.py, dcp_reader.py and the
+The plugin lives in ebbtide/checkpoint/ (dcp_writer.py, dcp_staging.py, dcp_reader.py and the
 layout in dcp_format.py).
 """
 from ebbtide.checkpoint.dcp_format import load_metadata, rank_metadata_ranks

@@ -3,9 +3,12 @@
 #pragma once
 
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 
 #include <cstdint>
 #include <exception>
+#include <type_traits>
+#include <utility>
 
 #include "ebbtide/mem/buffer.hpp"
 
@@ -36,6 +39,20 @@ using gil_release = nb::gil_scoped_release;
 // device buffer gets ordinal 0 there (mem/buffer.hpp).
 inline mem::Buffer pointer_buffer(uintptr_t ptr, uint64_t nbytes, bool device, uintptr_t stream) {
   return {reinterpret_cast<void*>(ptr), nbytes, device ? 0 : mem::kHost, stream};
+}
+
+// A capsule owning `owner`, moved onto the heap, and that heap object: what a
+// tensor over memory the owner holds (its data, a buffer it keeps) keeps alive.
+template <class Owner, class Kept = std::decay_t<Owner>>
+std::pair<nb::capsule, Kept*> owning_capsule(Owner&& owner) {
+  auto* keep = new Kept(std::forward<Owner>(owner));
+  return {nb::capsule(keep, [](void* p) noexcept { delete static_cast<Kept*>(p); }), keep};
+}
+
+// `n` T at `data` as a 1-D torch tensor that keeps `owner` (a capsule) alive.
+template <class T>
+nb::object tensor_1d(T* data, uint64_t n, const nb::capsule& owner) {
+  return nb::cast(nb::ndarray<nb::pytorch, T, nb::ndim<1>>(data, {static_cast<size_t>(n)}, owner));
 }
 
 }  // namespace ebbtide::py

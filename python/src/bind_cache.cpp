@@ -76,9 +76,8 @@ nb::object py_obj(const GlueObj& g) {
 // A host pool buffer the core allocated (Entry::buf) as a torch uint8 tensor
 // of `nbytes` at `data`; the tensor keeps the buffer alive.
 nb::object host_tensor(const GlueObj& buf, void* data, uint64_t nbytes) {
-  auto* keep = new GlueObj(buf);
-  nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<GlueObj*>(p); });
-  return nb::cast(nb::ndarray<nb::pytorch, uint8_t, nb::ndim<1>>(data, {static_cast<size_t>(nbytes)}, owner));
+  auto owner = ebbtide::py::owning_capsule(GlueObj(buf)).first;
+  return ebbtide::py::tensor_1d(static_cast<uint8_t*>(data), nbytes, owner);
 }
 
 // None when empty (the common case costs no list), else [(id, ok, live, version)].
@@ -119,9 +118,9 @@ ebbtide::py::GlueApi make_glue_api() {
     return c;
   };
   a.glue_obj = [](PyObject* obj) noexcept { return glue_obj(nb::handle(obj)); };
-  a.kept_resident = [](TensorCache* c, uint64_t bytes) noexcept {
+  a.kept_resident = [](TensorCache* c, int64_t delta) noexcept {
     nb::gil_scoped_release unlocked;  // a rise takes the core's lock
-    c->set_kept_resident(bytes);
+    c->add_kept_resident(delta);
   };
   a.save = [](TensorCache* c, SaveRequest& r, SaveResult* out) noexcept {
     bool ok = guarded([&] {

@@ -1,5 +1,6 @@
 // Checkpoint writer/reader bindings: the Python glue (ebbtide/checkpoint/native_save.py)
 // flattens state dicts into blobs (pointer, size) and JSON metadata.
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -33,6 +34,32 @@ nb::dict result_dict(const SaveResult& r) {
   d["snapshot_seconds"] = r.snapshot_seconds;
   d["total_seconds"] = r.total_seconds;
   d["backend"] = r.backend;
+  return d;
+}
+
+// A vector as a 1-D torch tensor that owns it.
+template <class T>
+nb::object owned_tensor(std::vector<T>&& v) {
+  auto [cap, keep] = ebbtide::py::owning_capsule(std::move(v));
+  return ebbtide::py::tensor_1d(keep->data(), keep->size(), cap);
+}
+
+// Bytes [offset, offset + nbytes) of a staging buffer as a uint8 tensor that keeps the buffer alive.
+nb::object staging_tensor(StagingBuffer&& buf, uint64_t offset, uint64_t nbytes) {
+  auto [cap, keep] = ebbtide::py::owning_capsule(std::move(buf));
+  return ebbtide::py::tensor_1d(static_cast<uint8_t*>((*keep)->data()) + offset, nbytes, cap);
+}
+
+nb::dict coded_dict(excp::Coded&& c) {
+  nb::dict d;
+  d["mask"] = owned_tensor(std::move(c.mask));
+  d["codes"] = owned_tensor(std::move(c.codes));
+  d["codebook"] = owned_tensor(std::move(c.codebook));
+  d["count"] = c.count;
+  d["kept"] = c.kept;
+  d["max_abs"] = c.max_abs;
+  d["sq_err"] = c.sq_err;
+  d["sq_ref"] = c.sq_ref;
   return d;
 }
 
@@ -122,16 +149,46 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
         ebbtide::py::gil_release g;
         w.join();
       })
-      .def("copy",
-           [](CheckpointWriter& w, const std::vector<std::tuple<uintptr_t, uintptr_t, uint64_t>>& copies) {
-             std::vector<HostCopy> c;
+      .def("stage",
+           [](CheckpointWriter& w, const std::vector<std::tuple<uintptr_t, uintptr_t, uint64_t, bool, uintptr_t>>& copies) {
+             std::vector<StageCopy> c;
              c.reserve(copies.size());
-             for (const auto& [dst, src, n] : copies)
-               c.push_back({reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n});
+             for (const auto& [dst, src, n, device, stream] : copies)
+               c.push_back({reinterpret_cast<void*>(dst), ebbtide::py::pointer_buffer(src, n, device, stream)});
              ebbtide::py::gil_release g;
-             w.copy(c);
+             w.stage(c);
            },
-           nb::arg("copies"), "Copies host (dst, src, nbytes) ranges on the writer's threads (staging).")
+           nb::arg("copies"),
+           "Copies (dst, src, nbytes, device, stream) ranges as a snapshot does: device sources on their stream "
+           "into the staging buffer, host ones on the writer's threads (Note [Staging buffer]).")
+      .def("reserve_staging",
+           [](CheckpointWriter& w, uint64_t nbytes, int device) {
+             ebbtide::py::gil_release g;
+             (void)w.reserve_staging(nbytes, device);
+           },
+           nb::arg("nbytes"), nb::arg("device") = -1,
+           "Maps and faults in a staging buffer of nbytes on this thread (page-locked in CUDA device `device`'s "
+           "context when >= 0) and makes it the writer's (Note [Staging buffer]).")
+      .def_prop_ro("staging_buffer",
+                   [](const CheckpointWriter& w) -> nb::object {
+                     StagingBuffer buf = w.staging_buffer();
+                     if (!buf) return nb::none();
+                     const size_t size = buf->size();
+                     return staging_tensor(std::move(buf), 0, size);
+                   },
+                   "The writer's staging buffer as a uint8 tensor that keeps it alive, or None.")
+      .def("staging_view",
+           [](const CheckpointWriter& w, uint64_t offset, uint64_t nbytes) {
+             StagingBuffer buf = w.staging_buffer();
+             if (!buf || offset > buf->size() || nbytes > buf->size() - offset)
+               throw ebbtide::InvalidArgument(ebbtide::detail::concat(
+                   "staging_view: bytes [", offset, ", ", offset + nbytes, ") lie outside the staging buffer of ",
+                   buf ? buf->size() : 0, " bytes"));
+             return staging_tensor(std::move(buf), offset, nbytes);
+           },
+           nb::arg("offset"), nb::arg("nbytes"),
+           "Bytes [offset, offset + nbytes) of the staging buffer as a uint8 tensor with a storage of its own "
+           "that keeps the buffer alive (a staged tensor's storage, Note [Staging buffer]).")
       .def("commit",
            [](CheckpointWriter& w, SaveTransaction& t, const std::vector<std::pair<std::string, nb::bytes>>& files) {
              std::vector<NamedContent> f;
@@ -141,6 +198,47 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
            },
            nb::arg("transaction"), nb::arg("files") = std::vector<std::pair<std::string, nb::bytes>>{},
            "Commits a save that `transaction` reserved (Note [Deferred removal]).")
+      .def("excp_encode",
+           [](CheckpointWriter& w, uintptr_t weight, uintptr_t base, uint64_t n, uintptr_t m, uintptr_t v,
+              uintptr_t base_v, double density, double tolerance, double alpha, double beta, int bits,
+              int bits_moments, bool carry_v, int kmeans_iters) {
+             excp::Weight in;
+             in.w = reinterpret_cast<const float*>(weight);
+             in.base = reinterpret_cast<const float*>(base);
+             in.n = n;
+             in.m = reinterpret_cast<const float*>(m);
+             in.v = reinterpret_cast<const float*>(v);
+             in.base_v = reinterpret_cast<const float*>(base_v);
+             excp::Options o;
+             o.density = density;
+             o.tolerance = tolerance;
+             o.alpha = alpha;
+             o.beta = beta;
+             o.bits = bits;
+             o.bits_moments = bits_moments;
+             o.carry_v = carry_v;
+             o.kmeans_iters = kmeans_iters;
+             excp::Encoded e;
+             {
+               ebbtide::py::gil_release g;
+               e = w.encode_delta(in, o);
+             }
+             nb::dict d;
+             d["w"] = coded_dict(std::move(e.w));
+             if (in.m != nullptr) {
+               d["m"] = coded_dict(std::move(e.m));
+               d["v"] = coded_dict(std::move(e.v));
+             }
+             d["carried"] = e.carried;
+             return d;
+           },
+           nb::arg("weight"), nb::arg("base"), nb::arg("n"), nb::arg("m") = 0, nb::arg("v") = 0,
+           nb::arg("base_v") = 0, nb::arg("density") = 0.1, nb::arg("tolerance") = 0.0, nb::arg("alpha") = -1.0,
+           nb::arg("beta") = 0.0, nb::arg("bits") = 4, nb::arg("bits_moments") = 4, nb::arg("carry_v") = true,
+           nb::arg("kmeans_iters") = 8,
+           "ExCP-encodes one fp32 weight (pointers to n floats; m, v, base_v 0 when absent) on the writer's "
+           "threads (Note [ExCP encoding]): {'w', 'm', 'v': {mask, codes, codebook, count, kept, max_abs, "
+           "sq_err, sq_ref}, 'carried'}.")
       .def_prop_ro("snapshot_capacity", &CheckpointWriter::snapshot_capacity)
       .def_prop_ro("chunk_bytes", [](const CheckpointWriter& w) { return w.options().chunk_bytes; });
 

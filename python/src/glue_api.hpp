@@ -24,7 +24,8 @@
 namespace ebbtide::py {
 
 struct GlueApi {
-  static constexpr uint32_t kVersion = 4;  // 3: SaveRequest::lead_bytes; 4: kept_resident
+  // 3: SaveRequest::lead_bytes; 4: kept_resident; 5: kept_resident takes changes
+  static constexpr uint32_t kVersion = 5;
   uint32_t version = kVersion;
   uint32_t size = sizeof(GlueApi);
   // The core of a CacheCore object; nullptr and TypeError otherwise.
@@ -45,8 +46,8 @@ struct GlueApi {
   bool (*prefetch_scope)(cache::TensorCache* c, int microbatch, int64_t scope, int64_t task,
                          std::vector<cache::Candidate>* out);
   bool (*hold_live)(cache::TensorCache* c, cache::EntryId id, PyObject* live);
-  // TensorCache::set_kept_resident (Note [Joint resident peak]); never fails.
-  void (*kept_resident)(cache::TensorCache* c, uint64_t bytes);
+  // TensorCache::add_kept_resident (Note [Joint resident peak]); never fails.
+  void (*kept_resident)(cache::TensorCache* c, int64_t delta);
   // The exception type the core's StateError becomes (closed cache, unknown entry).
   PyObject* state_error;
   // mem::fork_generation() (Note [Objects across fork]).

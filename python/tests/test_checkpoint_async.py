@@ -1,8 +1,8 @@
 """Async saves (issue 31 §2): what the caller may do once save() returns
 (Note [First async save] in cpp/src/ckpt/writer_arena.cpp, Note [Uncopied async
-saves] in ebbtide/checkpoint/native_save.py, Note [Uncopied DCP saves] in ebbtide/checkpoint/dcp_writer.py),
-errors of the background writes, and the benchmark run end to end. Nothing
-here is timed."""
+saves] in ebbtide/checkpoint/native_save.py, Notes [Uncopied DCP saves] and
+[First DCP async save] in ebbtide/checkpoint/dcp_staging.py), errors of the
+background writes, and the benchmark run end to end. Nothing here is timed."""
 import errno
 import json
 import os
@@ -190,10 +190,12 @@ def test_dcp_async_save_holds_the_state_at_save(tmp_path, staging):
         want = clone(state)
         fut = dcp.async_save(state, storage_writer=w)
         if staging == "copy":
-            # The first call was written through (Note [First DCP async save]), later ones staged.
-            assert (w._cache_filler is not None) == (i == 0)
+            # The first call was written through (Note [First DCP async save]); once the writer is
+            # joined its staging buffer is filled, and the next call copies into it.
+            assert (w._views is None) == (i == 0)
             mutate(state)  # at once: the staged copy is what is written
         fut.result()
+        w.join()
         if staging == "none":
             mutate(state)  # only after the future: the promise of staging="none"
         got = {k: torch.empty_like(v) for k, v in want.items()}
@@ -242,15 +244,63 @@ def test_dcp_bad_staging(tmp_path, kwargs, match):
 
 def test_async_bench_runs(tmp_path):
     out = tmp_path / "r.json"
-    subprocess.run([sys.executable, BENCH, "--mode", "async", "--dir", str(tmp_path / "b"), "--size", "0.01",
-                    "--saves", "2", "--json", str(out)], check=True, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, BENCH, "--mode", "async", "--dir", str(tmp_path / "b"), "--size", "0.01",
+                        "--saves", "2", "--json", str(out)], check=True, capture_output=True, text=True, timeout=600)
     r = json.loads(out.read_text())
     assert [(x["path"], x["copy"]) for x in r["runs"]] == [("native", True), ("native", False), ("dcp", True),
                                                             ("dcp", False)]
-    for x in r["runs"]:
+    for x in r["runs"]:  # every call is reported, each later one against a copy of the state timed before it
         assert x["first_blocked_s"] > 0 and len(x["later_blocked_s"]) == 1 and len(x["sync_s"]) == 2
-        assert x["first_ratio"] > 0 and x["later_ratio"] > 0
-        assert x["first_sync_s"] > 0 and x["first_vs_first_sync"] > 0
+        assert len(x["copy_s"]) == 1 and x["copy_s"][0] > 0 and len(x["later_vs_copy"]) == 1
+        assert len(x["later_cpu_vs_copy"]) == 1
+        assert x["first_ratio"] > 0 and len(x["later_ratio"]) == 1 and x["later_vs_copy_max"] > 0
+        assert x["first_sync_s"] > 0 and x["first_vs_first_sync"] > 0 and x["device"] == "cpu"
+    assert "later DCP calls / later native calls" in p.stdout
+
+
+def test_dcp_async_save_never_waits_for_the_staging_fill(tmp_path, monkeypatch):
+    """Note [First DCP async save] (dcp_staging.py), the staging order: the
+    first async_save writes the state through and then has a thread fill the
+    writer's staging buffer. While that fill is held at its gate, another
+    async_save does not wait for it (it writes through too); once the fill
+    has ended, the next one copies into the buffer. Every save holds the
+    state as it was at its call."""
+    at_gate, go = threading.Event(), threading.Event()
+
+    def hold():
+        at_gate.set()
+        go.wait(120)
+    monkeypatch.setitem(dcp_format._test_gates, "staging-fill", hold)
+    state = make_state()
+    del state["step"]
+    w = EbbtideWriter(tmp_path / "c")
+
+    def save_and_check(writer):
+        want, out = clone(state), {}
+        t = threading.Thread(target=lambda: out.update(fut=dcp.async_save(state, storage_writer=writer)), daemon=True)
+        t.start()
+        t.join(120)
+        assert not t.is_alive(), "async_save waited for the staging buffer's fill"
+        mutate(state)  # the caller goes on at once
+        out["fut"].result()
+        got = {k: torch.empty_like(v) for k, v in want.items()}
+        dcp.load(got, storage_reader=EbbtideReader(tmp_path / "c"))
+        assert_bitwise(got, want)
+    try:
+        for _ in range(2):
+            save_and_check(w)
+            assert at_gate.wait(120), "no fill was started after a written-through save"
+            assert w._native.staging_buffer is None and w._views is None  # written through: nothing staged
+        go.set()
+        w.join()  # waits for the fill
+        buf = w._native.staging_buffer
+        assert buf is not None and buf.numel() >= sum(v.nbytes for v in state.values())
+        save_and_check(w)
+        lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+        staged = [t for t in w._views[2].values() if t.numel() > 0]
+        assert staged and all(lo <= t.data_ptr() < hi for t in staged), "the staged copy is in the writer's buffer"
+    finally:
+        go.set()
 
 
 def test_dcp_first_async_save_failing_before_the_writes_returns(tmp_path):

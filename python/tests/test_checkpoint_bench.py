@@ -29,6 +29,14 @@ def test_ckpt_bench_safetensors_small(tmp_path, run_bench):
     assert os.listdir(tmp_path / "d") == []
 
 
+def test_ckpt_bench_device_loads_small(tmp_path, run_bench):
+    pytest.importorskip("safetensors")
+    p, r = run_bench("ckpt_bench.py", "--device-loads", "--size", "0.02", "--repeat", "1", "--dir", str(tmp_path / "d"))
+    assert r["device"] == "cpu" and len(r["median_s"]) == 6 and all(v > 0 for v in r["median_s"].values())
+    assert "DCP load into device targets, EbbtideReader" in p.stdout
+    assert os.listdir(tmp_path / "d") == []
+
+
 @pytest.mark.parametrize("mode", ["native", "dcp"])
 def test_ckpt_first_save_small(tmp_path, run_bench, mode):
     # 0.1 GB: more than one 64 MiB arena segment, so a writer that kept a

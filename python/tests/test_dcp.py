@@ -305,7 +305,7 @@ def test_async_staging_fails_a_save_whose_tensor_changed_while_staged(tmp_path, 
 def test_async_staging_waits_for_the_callers_streams_before_copying(tmp_path, monkeypatch):
     import threading
 
-    from ebbtide.checkpoint import dcp_writer as edcp
+    from ebbtide.checkpoint import dcp_staging as edcp
     log = []
 
     class FakeEvent:
@@ -318,9 +318,9 @@ def test_async_staging_waits_for_the_callers_streams_before_copying(tmp_path, mo
 
     stage_now = EbbtideWriter._stage_now
 
-    def copy(self, state_dict):
+    def copy(self, state_dict, in_buffer):
         log.append(("copy", threading.current_thread().name))
-        return stage_now(self, state_dict)
+        return stage_now(self, state_dict, in_buffer)
     monkeypatch.setattr(edcp, "_record_callers_streams", record)
     monkeypatch.setattr(EbbtideWriter, "_stage_now", copy)
     sd = _mixed_state()
@@ -336,7 +336,7 @@ def test_async_staging_waits_for_the_callers_streams_before_copying(tmp_path, mo
 
 
 def test_callers_streams_are_recorded_once_per_device(monkeypatch):
-    from ebbtide.checkpoint import dcp_writer as edcp
+    from ebbtide.checkpoint import dcp_staging as edcp
 
     class FakeEvent:
         def __init__(self, blocking=False):
@@ -478,7 +478,7 @@ def test_writer_pickles_its_configuration_only(tmp_path):
 
 
 class _RecordCopies:
-    """Wraps a writer's native object and records what copy() was given."""
+    """Wraps a writer's native object and records what stage() was given."""
 
     def __init__(self, native):
         self.native, self.copies = native, []
@@ -486,9 +486,9 @@ class _RecordCopies:
     def __getattr__(self, name):
         return getattr(self.native, name)
 
-    def copy(self, copies):
+    def stage(self, copies):
         self.copies.extend(copies)
-        return self.native.copy(copies)
+        return self.native.stage(copies)
 
 
 # Note [Staging copy]: stage() gives exactly what torch's _copy_state_dict

@@ -275,7 +275,7 @@ void TensorCache::begin_step() {
   step_folded_ = false;
   step_c_ = Counters{};
   std::erase_if(microbatches_, [](const auto& kv) { return kv.second.live == 0; });
-  step_c_.peak_resident_bytes = resident_ + kept_resident_.load();
+  step_c_.peak_resident_bytes = resident_ + kept_resident();
   stop_offload_ = false;
   // No sweep of fenced frees here: a step may begin inside a graph capture,
   // where the query is illegal (Note [Graph capture]); saves sweep them.

@@ -509,14 +509,19 @@ void TensorCache::cancel_late_stores_locked(MicroBatch& mb) {
 // tells the core how many bytes those hold whenever that changes. The step's
 // peak of resident saved bytes is the peak of the sum: summing the two
 // peaks (the kept ones at the forward's end, the reloads' late in
-// backward) reported a CPU step's 36 MiB as 54 MiB. A rise takes the lock
-// to compare with the entries' bytes of that moment; a fall cannot raise the
-// peak and only stores the value.
-void TensorCache::set_kept_resident(uint64_t bytes) {
-  const uint64_t before = kept_resident_.exchange(bytes);
-  if (bytes <= before) return;
+// backward) reported a CPU step's 36 MiB as 54 MiB. The glue sends changes,
+// not levels: its calls run without the GIL, and two threads' levels could
+// arrive out of order and leave a stale one (a sum of changes does not
+// depend on their order). A rise takes the lock and compares the kept bytes
+// its own add produced with the entries' bytes of that moment: read again
+// under the lock, a fall that landed between could hide the peak. A fall
+// cannot raise the peak and only adds.
+void TensorCache::add_kept_resident(int64_t delta) {
+  const int64_t kept = kept_resident_.fetch_add(delta) + delta;
+  if (delta <= 0) return;
   Lock lock(mu_);
-  note_peak_locked();
+  step_c_.peak_resident_bytes =
+      std::max(step_c_.peak_resident_bytes, resident_ + static_cast<uint64_t>(std::max<int64_t>(kept, 0)));
 }
 
 void TensorCache::note_kept(int microbatch, uint64_t nbytes) {

@@ -110,7 +110,19 @@ void CheckpointWriter::commit(SaveTransaction& txn, const std::vector<std::pair<
   txn.committed();
 }
 
-void CheckpointWriter::copy(const std::vector<HostCopy>& copies) { impl_->copy_host(copies); }
+void CheckpointWriter::stage(const std::vector<StageCopy>& copies) { impl_->stage(copies); }
+
+excp::Encoded CheckpointWriter::encode_delta(const excp::Weight& in, const excp::Options& o) {
+  std::lock_guard lock(impl_->excp_mu);
+  return excp::encode(
+      in, o, [this](size_t n, const std::function<void(size_t)>& fn) { impl_->workers.parallel_for(n, fn); },
+      &impl_->excp_scratch);
+}
+
+StagingBuffer CheckpointWriter::staging_buffer() const {
+  std::lock_guard lock(impl_->staging_mu);
+  return impl_->staging_buf;
+}
 
 void CheckpointWriter::join() {
   std::lock_guard lock(impl_->mu);

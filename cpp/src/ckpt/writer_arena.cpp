@@ -182,6 +182,64 @@ std::vector<BlobPlan> CheckpointWriter::Impl::snapshot(const SaveRequest& req, b
   return plan;
 }
 
+// Note [Staging buffer]
+// DCP's async_save copies the state before it returns ("staging"), and the
+// plugin's upload then writes from that copy through the save ring. The
+// copy lands in memory the writer keeps across saves, as a native async
+// save's snapshot lands in the arena: reserve_staging() maps it and faults
+// every page in on a thread the caller chooses (the plugin's filler thread,
+// after a first async_save that had nowhere to stage and was written
+// through, Note [First DCP async save] in checkpoint/dcp_staging.py), so no
+// async_save pays for fresh memory (0.3-2.6 s per GB on the 2-core VM), and
+// a later one never waits for that fill: it finds the buffer ready, or
+// writes through again. Views of the buffer (the staged tensors) share its
+// ownership, so a larger reserve never unmaps memory a staged copy lies in.
+// stage() copies as snapshot() does: device sources with cuMemcpyDtoHAsync
+// on their streams into the buffer (page-locked for that once, in the
+// context of the device copied from), host sources over the workers.
+StagingBuffer CheckpointWriter::reserve_staging(uint64_t bytes, int device) {
+  EBB_CHECK(bytes > 0, "checkpoint staging buffer: 0 bytes requested");
+  auto buf = std::make_shared<mem::HostMapping>(bytes, "checkpoint staging buffer", /*populate=*/true);
+  if (device >= 0) {
+    mem::cuda::Driver* drv = detail::device_driver(options_.cuda_driver, "the staged state is in CUDA device memory");
+    mem::cuda::DeviceScope scope(drv, device);  // Note [Pinning context] in shard_io.hpp
+    buf->pin(drv);
+  }
+  std::lock_guard lock(impl_->staging_mu);
+  impl_->staging_buf = buf;
+  return buf;
+}
+
+void CheckpointWriter::Impl::stage(const std::vector<StageCopy>& copies) {
+  detail::CallerContext caller;
+  detail::StreamWaits device_copies;  // waited for on any error too
+  std::vector<HostCopy> host;
+  for (const auto& c : copies) {
+    if (c.src.nbytes == 0) continue;
+    if (!c.src.on_device()) {
+      host.push_back({c.dst, c.src.ptr, c.src.nbytes});
+      continue;
+    }
+    mem::cuda::Driver* drv =
+        detail::device_driver(opt.cuda_driver, "a staged tensor is in CUDA device memory");
+    caller.take(drv);
+    drv->bind_context_of(reinterpret_cast<mem::cuda::DevicePtr>(c.src.ptr));
+    {
+      std::lock_guard lock(staging_mu);
+      const auto* base = staging_buf ? static_cast<const char*>(staging_buf->data()) : nullptr;
+      const auto* dst = static_cast<const char*>(c.dst);
+      EBB_CHECK(base != nullptr && dst >= base && dst + c.src.nbytes <= base + staging_buf->size(),
+                "checkpoint staging: a device copy of ", c.src.nbytes,
+                " bytes must land in the writer's staging buffer (reserve_staging)");
+      staging_buf->pin(drv);  // asynchronous copies need page-locked memory
+    }
+    drv->memcpy_dtoh_async(c.dst, reinterpret_cast<mem::cuda::DevicePtr>(c.src.ptr), c.src.nbytes, c.src.stream);
+    device_copies.add(drv, c.src.stream);
+  }
+  copy_host(host);
+  device_copies.synchronize();
+}
+
 // Note [Fresh arena]
 // Registering buffers with io_uring pins them, and pinning faults in every
 // page on the calling thread before the first write can start: for a fresh

@@ -119,6 +119,10 @@ struct CheckpointWriter::Impl {
   bool claimed = false;  // claim(): the next save() is reserved
   std::condition_variable claim_cv;
   detail::Reaper reaper;  // Note [Deferred removal]
+  mutable std::mutex staging_mu;  // staging_buf (replaced by reserve_staging) and its page-locking
+  StagingBuffer staging_buf;      // Note [Staging buffer]
+  std::mutex excp_mu;             // excp_scratch: one encode_delta at a time
+  excp::Scratch excp_scratch;     // the encoder's working memory, kept across tensors
 
   explicit Impl(const WriterOptions& o)
       : opt(o), workers(o.threads ? o.threads : detail::default_threads()) {}
@@ -163,6 +167,7 @@ struct CheckpointWriter::Impl {
   void ensure_arena(uint64_t bytes, uint64_t huge_bytes);
   void reserve(uint64_t bytes, uint64_t huge_bytes);
   void copy_host(const std::vector<HostCopy>& copies);
+  void stage(const std::vector<StageCopy>& copies);
   std::vector<BlobPlan> snapshot(const SaveRequest& req, bool copy);
   void ensure_loop(unsigned depth, bool with_arena);
   // In writer.cpp:

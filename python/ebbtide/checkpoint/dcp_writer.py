@@ -1,8 +1,9 @@
 """The DCP plugin's writer: ``EbbtideWriter`` for ``dcp.save`` and
-``dcp.async_save`` (staging into pinned memory, the C++ checkpoint writer, the
-commit by rename), and the torch.save framing of each tensor blob. The file
-layout and its Notes ([DCP layout], [DCP striping], [DCP metadata safety]) are
-in dcp_format.py; ``ebbtide.dcp`` re-exports the public names.
+``dcp.async_save`` (the C++ checkpoint writer, the commit by rename), and the
+torch.save framing of each tensor blob. async_save's staging is in
+dcp_staging.py; the file layout and its Notes ([DCP layout], [DCP striping],
+[DCP metadata safety]) are in dcp_format.py; ``ebbtide.dcp`` re-exports the
+public names.
 """
 import dataclasses
 import functools
@@ -10,11 +11,8 @@ import json
 import os
 import pickle
 import re
-import sys
-import threading
 import uuid
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.futures import Future
@@ -22,13 +20,11 @@ from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint import state_dict_saver as _saver
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItemType
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
+from ebbtide import _core
 from ebbtide.checkpoint import tree
-from ebbtide import _core, _fork
-from ebbtide.checkpoint import native_save as _checkpoint
+from ebbtide.checkpoint.dcp_staging import DcpStager
 from ebbtide.checkpoint.native_save import _stripe_dir_list
 from ebbtide.checkpoint.dcp_format import (COMPRESSED_DESCRIPTOR, DCP_VERSION, LAYOUT, LAYOUT_VERSION,
                                            METADATA_NAME, STRIPED_DESCRIPTOR, STRIPE_RECORD, _DirectoryId,
@@ -154,89 +150,15 @@ def _frame_stand_in(t):
 _unpickled_natives = {}  # options -> native writer, for writers unpickled here (Note [Writer in another process])
 
 
-class _StagingHandle:
-    """A pending async staging copy, in native_save.py's registry of background
-    snapshots that torch.optim steps wait for (Note [Async staging])."""
-
-    def __init__(self):
-        self._origin = _fork.Origin()  # a forked child's optimizer steps do not wait for it (Note [Objects across fork])
-        self._event = threading.Event()
-        self.snapshot_wait_seconds = 0.0
-
-    def staged(self):
-        return self._event.is_set()
-
-    def wait_staged(self):
-        self._event.wait()
-
-    def done(self):
-        self._event.set()
-        _checkpoint._background.discard(self)
-
-
-def _thread_upload():
-    """Whether the caller is torch's async_save with its thread executor
-    (Note [First DCP async save]): read from async_save's frame; anything
-    else (another torch, the process executor) counts as no."""
-    f = sys._getframe(1)
-    while f is not None and f.f_code.co_name != "async_save":
-        f = f.f_back
-    kind = f.f_locals.get("async_checkpointer_type") if f is not None else None
-    return kind is not None and getattr(kind, "value", None) == "thread"
-
-
-def _upload_threads():
-    """The threads of DCP's thread executor now alive (torch names them)."""
-    return {t for t in threading.enumerate() if t.name.startswith("AsyncCheckpointExecutor")}
-
-
-def _local_tensors(obj, path=""):
-    """(tensor, path) for each tensor in a state dict, the local tensor of a DTensor."""
-    if isinstance(obj, torch.Tensor):
-        local = getattr(obj, "_local_tensor", None)
-        yield (local if isinstance(local, torch.Tensor) else obj), path
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _local_tensors(v, f"{path}.{k}" if path else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _local_tensors(v, f"{path}.{i}" if path else str(i))
-
-
-def _saved_versions(obj):
-    """(tensor, version counter, path) for each tensor in a state dict: what
-    an in-place change bumps."""
-    for t, path in _local_tensors(obj):
-        if not t.is_inference():
-            yield t, t._version, path
-
-
-def _cuda_devices(obj):
-    """The CUDA devices holding tensors of a state dict."""
-    return {t.device for t, _ in _local_tensors(obj) if t.device.type == "cuda"}
-
-
-def _record_callers_streams(devices):
-    """On the caller's thread: an event after the work queued so far on the
-    current stream of each device in `devices` (Note [Async staging]).
-    Blocking-sync events: the staging thread that waits for them sleeps."""
-    events = []
-    for d in sorted(devices, key=lambda d: d.index if d.index is not None else -1):
-        ev = torch.cuda.Event(blocking=True)
-        ev.record(torch.cuda.current_stream(d))
-        events.append(ev)
-    return events
-
-
-class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
+class EbbtideWriter(_DirectoryId, StorageWriter, DcpStager):
     """DCP StorageWriter writing through ebbtide's C++ checkpoint writer.
 
     One file per rank, crash-safe: every rank writes into ``PATH.tmp-*``; the
     coordinator writes ``.metadata`` and commits the directory by rename, so
     PATH is always the previous complete checkpoint or the new one. Reuse one
     writer across saves to keep its buffers (a 64 MiB ring the writes go
-    through, EBBTIDE_CKPT_RING; and, for async_save, its staged copy of the
-    state).
+    through, EBBTIDE_CKPT_RING; and, for async_save, a staging buffer the
+    size of the state that its staged copies land in, Note [Staging buffer]).
 
     Args:
         path: checkpoint directory (replaced as a whole by each save).
@@ -248,8 +170,9 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         threads: snapshot copy and compression threads (0: min(4, cores)).
         direct: O_DIRECT where the filesystem allows it (default True).
         cache_staged_state_dict: async_save keeps its staged copy of the
-            state for the next async_save (faster staging, one state of
-            host memory held).
+            state for the next async_save, in the writer's staging buffer
+            (faster staging, one state of host memory held; the first call
+            writes the state through instead, Note [First DCP async save]).
         async_staging: async_save returns before the staging copy is made
             (Note [Async staging]): it returns torch's AsyncSaveResponse,
             whose staging_completion says when the state may change again;
@@ -285,7 +208,7 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
     def __init__(self, path, *, compress=None, zstd_level=None, chunk_bytes=None, queue_depth=None, threads=None,
                  direct=None, cache_staged_state_dict=True, stripe_dirs=None, async_staging=False, staging="copy"):
         StorageWriter.__init__(self)
-        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        DcpStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         if compress not in (None, "lossless"):
             raise ValueError(f"compress={compress!r}: expected None or 'lossless'")
         if async_staging and not hasattr(_saver, "AsyncSaveResponse"):
@@ -298,10 +221,7 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
                              "background: pass async_staging=False")
         self.async_staging = bool(async_staging)
         self.staging = staging
-        self._unstaged = None  # staging="none": the saved tensors' version counters (Note [Uncopied DCP saves])
-        self._written = None  # the first async_save, written through: set once its bytes are (Note [First DCP async save])
-        self._cache_filler = None  # the thread that makes the staged copy after a written-through save
-        self._stager = None  # the staging thread (async_staging)
+        self._init_staging()
         self.path = os.fspath(path)
         self.stripe_dirs = _stripe_dir_list(stripe_dirs)
         self.compress = compress
@@ -323,15 +243,13 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
     # the saves it runs one after another keep one set of pinned buffers.
     def __getstate__(self):
         state = self.__dict__.copy()
-        for k in ("_native", "_stager", "_txn", "state_dict_cache", "_unstaged", "_written", "_cache_filler"):
+        for k in ("_native", "_stager", "_txn", "state_dict_cache", "_unstaged", "_written", "_filler", "_views"):
             state.pop(k, None)
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._stager = None
-        self._unstaged = None  # the version counters stay with the caller's process
-        self._written = self._cache_filler = None
+        self._init_staging()  # the version counters, threads and staged copies stay with the caller's process
         self.state_dict_cache = None
         key = tuple(sorted(self._options.items()))
         native = _unpickled_natives.get(key)
@@ -343,192 +261,11 @@ class EbbtideWriter(_DirectoryId, StorageWriter, BlockingAsyncStager):
         """Waits until the checkpoint the last save replaced is removed: the
         save returns once the new one is committed, and the writer removes
         the old one after (Note [Deferred removal] in cpp/src/ckpt/writer.cpp;
-        also done when the writer is destroyed)."""
+        also done when the writer is destroyed); and until a staging buffer
+        being filled for the next async_save is ready (Note [First DCP async
+        save] in dcp_staging.py)."""
+        self._join_filler()
         self._native.join()
-
-    # -- AsyncStager ---------------------------------------------------------------
-    def stage(self, state_dict):
-        """async_save's staging: a CPU copy of `state_dict` (kept for the next
-        call with cache_staged_state_dict; pinned only where CUDA is usable).
-        With async_staging, a Future of that copy, made on the writer's
-        staging thread (Note [Async staging]). With staging="none",
-        `state_dict` itself (Note [Uncopied DCP saves])."""
-        if self.staging == "none":
-            self._unstaged = list(_saved_versions(state_dict))
-            return state_dict
-        if self._cache_filler is not None:  # Note [First DCP async save]
-            self._cache_filler.join()
-            self._cache_filler = None
-        if (not self.async_staging and self.cache_staged_state_dict and self.state_dict_cache is None
-                and _thread_upload()):
-            self._written = (threading.Event(), _upload_threads(), state_dict)
-            self._synchronize_after_execute = True
-            return state_dict
-        if not self.async_staging:
-            return self._stage_now(state_dict)
-        versions = list(_saved_versions(state_dict))
-        devices = _cuda_devices(state_dict)
-        ready = _record_callers_streams(devices)  # Note [Async staging]: the caller's streams, now
-        device = torch.cuda.current_device() if devices else None
-        handle = _StagingHandle()
-        _checkpoint._install_optimizer_hook()
-        _checkpoint._background.add(handle)
-        if self._stager is None:
-            self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ebbtide-dcp-staging")
-        try:
-            return self._stager.submit(self._stage_checked, state_dict, versions, handle, ready, device)
-        except BaseException:
-            handle.done()
-            raise
-
-    # Note [Uncopied DCP saves]
-    # EbbtideWriter(staging="none") is DCP's no-staging mode: stage() hands
-    # async_save the caller's state dict, so async_save blocks for nothing but
-    # torch's own set-up, and the upload's write_data reads the tensors
-    # through the writer's ring (Note [Pipelined save]) as a synchronous save
-    # does. The caller promises not to change them until the upload future
-    # completes. stage() notes each tensor's version counter; write_data
-    # compares them once every byte is written and durable, and a change
-    # fails the save there, before finish() could commit (the previous
-    # checkpoint stays). Unlike ebbtide.checkpoint's snapshot="none",
-    # torch.optim steps do not wait for it: a save that fails in DCP's
-    # planning never reaches write_data, and a step waiting for it would wait
-    # forever. Changes through `.data` are not seen.
-
-    # Note [Async staging]
-    # EbbtideWriter(async_staging=True) makes async_save return before the
-    # staging copy: stage() returns a Future (torch's own protocol: async_save
-    # then returns AsyncSaveResponse, and its upload thread waits for the
-    # Future before planning), and the copy runs on the writer's staging
-    # thread (the large tensors on the writer's threads, GIL released, Note
-    # [Staging copy]) while the caller goes on with the next forward and
-    # backward, which read the state but do not change it. The same two guards
-    # as ebbtide.checkpoint's background snapshot (Note [Background snapshot]
-    # in native_save.py) keep the checkpoint exactly the state at async_save():
-    # every torch.optim step waits for pending staging first (the same global
-    # step pre-hook and registry), and after the copy each saved tensor's
-    # version counter is compared with the one seen at async_save(); a change
-    # made in place meanwhile fails the staging future, so the upload raises
-    # before anything is written and the last committed checkpoint stays.
-    # torch's DefaultStager(use_async_staging) has neither guard: there, a
-    # caller that steps before staging_completion saves a torn state silently.
-    # A failed staging always fails upload_completion; staging_completion
-    # carries the error only if the staging ends after async_save has
-    # returned (torch's async_save reports a staging future that is already
-    # done as a success), so wait for upload_completion to know the outcome.
-    # CUDA tensors: the staging thread's copies run on its own current
-    # stream, which is not ordered after the caller's (a step queued on a
-    # side stream could be copied half done, and no version counter would
-    # tell). So async_save records an event on the current stream of each
-    # device holding saved tensors, on the caller's thread, and the staging
-    # thread waits for those events before it copies; it also makes the
-    # caller's device its own, so the pinned staged copy is made in that
-    # device's context, not in a new one on GPU 0.
-    # Note [First DCP async save]
-    # The default async_save blocks for a staging copy of the state, and the
-    # first one of a writer also allocates that copy: fresh memory, which on
-    # the 2-core VM costs 0.3-2.6 s per GB to fault in, so it blocked about 3x
-    # as long as a synchronous dcp.save (as ebbtide.checkpoint's first async
-    # save did, Note [First async save] in cpp/src/ckpt/writer_arena.cpp). So the
-    # first call hands DCP the caller's state dict uncopied and asks torch to
-    # call synchronize_staging() before async_save returns; that waits until
-    # write_data has written and synced the tensors' bytes through the ring
-    # (as dcp.save does), or until the upload thread ended without getting
-    # there (a planning error: the future carries it). Then a thread makes
-    # the staged copy, pages faulted in, for the next call, which waits for
-    # it. Only with DCP's thread executor, found in async_save's frame: with
-    # the process executor the state is pickled on a thread after
-    # async_save returns, so the first call copies as before.
-    def synchronize_staging(self):
-        pending = self._written
-        self._synchronize_after_execute = False
-        if pending is None:
-            return
-        written, before, state_dict = pending
-        # DCP's executor started its thread before this call; gone already, or
-        # ended without reaching write_data, the upload failed (its future says why).
-        uploads = _upload_threads() - before
-        while not written.wait(0.01) and any(t.is_alive() for t in uploads):
-            pass
-        self._written = None  # after write_data took it
-        self._cache_filler = threading.Thread(target=self._fill_cache, args=(state_dict,),
-                                              name="ebbtide-dcp-staged-copy", daemon=True)
-        self._cache_filler.start()
-
-    def _fill_cache(self, state_dict):
-        cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-        for t, _ in _local_tensors(cache):
-            if t.device.type == "cpu" and t.numel():
-                t.view(-1).view(torch.uint8).zero_() if t.is_contiguous() else t.zero_()  # faulted in now
-        self.state_dict_cache = cache
-
-    def _stage_checked(self, state_dict, versions, handle, ready=(), device=None):
-        try:
-            if device is not None:
-                torch.cuda.set_device(device)
-            for ev in ready:
-                ev.synchronize()
-            _test_hook_gate("staging")
-            staged = self._stage_now(state_dict)
-            changed = [path for t, v, path in versions if t._version != v]
-            if changed:
-                raise RuntimeError(
-                    f"dcp.async_save to {self.path}: tensor {changed[0]!r}"
-                    f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''} was changed in place "
-                    "while it was being staged (async_staging=True), so the copy may be torn; nothing was "
-                    "written. Wait for the AsyncSaveResponse's staging_completion (every torch.optim step "
-                    "does) before changing saved tensors")
-            return staged
-        finally:
-            handle.done()
-
-    def _stage_now(self, state_dict):
-        if not self.cache_staged_state_dict:
-            staged = _create_cpu_state_dict(state_dict)
-            return self._copy_staged(state_dict, staged)
-        if self.state_dict_cache is None:
-            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-        return self._copy_staged(state_dict, self.state_dict_cache)
-
-    def close(self):
-        """Stops the staging thread (async_staging), after the staging it is doing."""
-        if self._stager is not None:
-            self._stager.shutdown(wait=True)
-            self._stager = None
-
-    # Note [Staging copy]
-    # async_save blocks its caller for stage() only, and that is one copy of
-    # the state. torch's _copy_state_dict copies tensor by tensor with copy_
-    # (one core here: about 12 GB/s); the writer's copy() does what a native
-    # save's snapshot does (8 MiB pieces over its threads, streaming stores:
-    # about 19 GB/s). So the large plain host tensors are copied by the writer
-    # first, and _copy_state_dict then runs on a structure in which each of
-    # them is replaced by its own staged tensor: copy_ of a tensor onto itself
-    # returns at once, and everything else (DTensors, device tensors, small or
-    # strided ones, the structure checks) is done by torch as before.
-    _NATIVE_COPY_MIN = 1 << 20
-
-    def _copy_staged(self, src, staged):
-        copies = {}  # by destination: tied tensors share one staged tensor
-
-        def swap(s, d):
-            if type(s) is torch.Tensor and type(d) is torch.Tensor:
-                if (s.device.type == "cpu" and d.device.type == "cpu" and s.dtype == d.dtype and s.shape == d.shape
-                        and s.is_contiguous() and d.is_contiguous() and s.nbytes >= self._NATIVE_COPY_MIN
-                        and not (s.is_conj() or s.is_neg())):
-                    copies[d.data_ptr()] = (d.data_ptr(), s.data_ptr(), s.nbytes)
-                    return d
-                return s
-            if isinstance(s, dict) and isinstance(d, dict) and s.keys() == d.keys():
-                return {k: swap(v, d[k]) for k, v in s.items()}
-            if isinstance(s, (list, tuple)) and isinstance(d, (list, tuple)) and len(s) == len(d):
-                out = [swap(a, b) for a, b in zip(s, d)]
-                return tuple(out) if isinstance(s, tuple) else out
-            return s
-
-        swapped = swap(src, staged)
-        self._native.copy(list(copies.values()))
-        return _copy_state_dict(swapped, staged)
 
     # -- StorageWriter --------------------------------------------------------------
     def reset(self, checkpoint_id=None):

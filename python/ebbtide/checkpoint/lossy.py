@@ -25,17 +25,25 @@ state, its moments m and v:
      its orders of magnitude are. Masks are bit-packed (m's and v's masks
      over the weight's kept positions only), codes one per byte, and the
      writer entropy-codes both with zstd.
-Everything else (ints, small tensors, tensors without a base) is stored
-losslessly. The error of each lossy tensor against the exact value is
-measured after encoding: max abs and relative L2, per tensor and overall.
+Steps 1-5 run in the C++ core on the checkpoint writer's threads
+(ebbtide._core.CkptWriter.excp_encode, Note [ExCP encoding] in
+cpp/src/ckpt/excp.cpp), which also measures the error of what decodes; this
+module pairs weights with moments, lays the result out (Note [Lossy tensor
+layout]) and decodes it on load. Everything else (ints, small tensors,
+tensors without a base) is stored losslessly. The error of each lossy tensor
+against the exact value: max abs and relative L2, per tensor and overall.
 """
 import dataclasses
-import math
 
 import torch
 
 from ebbtide.checkpoint import tree
 from ebbtide.checkpoint.checks import fail
+
+
+# Note [Density that follows the update] in cpp/src/ckpt/excp.cpp: the
+# default share of a residual's Fisher energy a link may drop.
+TOLERANCE = 0.1
 
 
 @dataclasses.dataclass
@@ -44,9 +52,15 @@ class LossyOptions:
     checkpoints").
 
     Args:
-        density: fraction of each weight's residuals kept (top by |r| sqrt(v)).
-        alpha: when set, the paper's fixed threshold instead of `density`:
-            keep |r| sqrt(v) > alpha * median|W| (the kept fraction then varies).
+        density: fraction of each weight's residuals kept (top by |r| sqrt(v));
+            the floor when `tolerance` > 0.
+        tolerance: keep more than `density` where the update needs it: the
+            dropped residuals carry at most this fraction of the residual's
+            Fisher energy, sum v r^2 (Note [Density that follows the update]
+            in cpp/src/ckpt/excp.cpp); 0: the density alone.
+        alpha: when set, the paper's fixed threshold instead of `density`
+            and `tolerance`: keep |r| sqrt(v) > alpha * median|W| (the kept
+            fraction then varies).
         beta: first moments are kept where the residual is and |m| > beta * mean|m|.
         bits: codebook of the weight residuals, 2**bits centres.
         bits_moments: codebook of the kept moments.
@@ -55,6 +69,7 @@ class LossyOptions:
         min_numel: smaller tensors are stored losslessly.
     """
     density: float = 0.1
+    tolerance: float = TOLERANCE
     alpha: float = None
     beta: float = 0.0
     bits: int = 4
@@ -79,6 +94,8 @@ def _opts(lossy):
         raise TypeError(f"lossy= must be a dict or LossyOptions, not {type(lossy).__name__}")
     if not 0 < o.density <= 1:
         raise ValueError(f"lossy=: density {o.density!r} is not in (0, 1]")
+    if not 0 <= o.tolerance < 1:
+        raise ValueError(f"lossy=: tolerance {o.tolerance!r} is not in [0, 1)")
     if o.alpha is not None and not o.alpha >= 0:
         raise ValueError(f"lossy=: alpha {o.alpha!r} is not >= 0")
     if not o.beta >= 0:
@@ -91,58 +108,21 @@ def _opts(lossy):
     return o
 
 
-def _quantise(values, bits, iters):
-    """values: 1-D float32 -> (codes uint8, codebook float32 [2**bits], sorted)."""
-    k = 1 << bits
-    if values.numel() == 0:
-        return torch.zeros(0, dtype=torch.uint8), torch.zeros(k, dtype=torch.float32)
-    q = torch.linspace(0.5 / k, 1 - 0.5 / k, k)
-    g = torch.Generator().manual_seed(0)
-    sample = values if values.numel() <= 1 << 20 else values[torch.randint(values.numel(), (1 << 20,), generator=g)]
-    centres = torch.quantile(sample, q).contiguous()
-    ones = torch.ones_like(values)
-    for _ in range(iters):
-        centres, _ = torch.sort(centres)
-        idx = torch.bucketize(values, (centres[1:] + centres[:-1]) / 2)
-        sums = torch.zeros(k).index_add_(0, idx, values)
-        counts = torch.zeros(k).index_add_(0, idx, ones)
-        centres = torch.where(counts > 0, sums / counts.clamp(min=1), centres)
-    centres, _ = torch.sort(centres)
-    idx = torch.bucketize(values, (centres[1:] + centres[:-1]) / 2)
-    return idx.to(torch.uint8), centres.float()
-
-
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-
-
-def _pack_mask(mask):
-    flat = mask.reshape(-1).to(torch.uint8)
-    pad = (-flat.numel()) % 8
-    if pad:
-        flat = torch.cat([flat, torch.zeros(pad, dtype=torch.uint8)])
-    return (flat.view(-1, 8) * _BIT_WEIGHTS).sum(1, dtype=torch.uint8) if flat.numel() else flat
 
 
 def _unpack_mask(packed, n):
     return (packed.view(-1, 1) & _BIT_WEIGHTS).ne(0).view(-1)[:n]
 
 
-_TINY = 1e-30  # log-domain floor of second moments (an exact 0 decodes to 1e-30)
-
-
-def _encode_tensor(x, mask, bits, iters, mode, ref=None, log=False):
-    """Encodes the elements of `x` under the boolean `mask` (Note [Lossy
-    tensor layout]). With `ref` = (path, mask of that tensor) the mask is
-    stored over the ref's kept positions only."""
-    vals = x.reshape(-1)[mask.reshape(-1)].float()
-    if log:
-        vals = vals.clamp(min=_TINY).log()
-    codes, book = _quantise(vals, bits, iters)
-    stored_mask = mask.reshape(-1) if ref is None else mask.reshape(-1)[ref[1].reshape(-1)]
-    e = {"mode": mode, "dtype": tree.dtype_name(x.dtype), "shape": list(x.shape),
-         "mask": _pack_mask(stored_mask), "codes": codes, "codebook": book, "count": codes.numel(), "bits": bits}
+def _entry(x, coded, bits, mode, ref=None, log=False):
+    """The encoding of tensor `x` (Note [Lossy tensor layout]) from the
+    core's result `coded`; with `ref`, the path of the weight whose kept
+    positions its mask is over."""
+    e = {"mode": mode, "dtype": tree.dtype_name(x.dtype), "shape": list(x.shape), "mask": coded["mask"],
+         "codes": coded["codes"], "codebook": coded["codebook"], "count": int(coded["count"]), "bits": bits}
     if ref is not None:
-        e["mask_ref"] = ref[0]
+        e["mask_ref"] = ref
     if log:
         e["log"] = True
     return {"__excp__": e}
@@ -208,38 +188,24 @@ def _find_moments(flat):
     return pairs
 
 
-def _weight_mask(r, w, v, o):
-    """Weight-to-momentum pruning of residual `r` (Note [Which residuals are kept])."""
-    score = r.abs() if v is None else r.abs() * v.sqrt()
-    if o.alpha is not None:
-        return score > o.alpha * float(w.abs().median())
-    k = max(1, int(round(o.density * r.numel())))
-    thresh = torch.topk(score.reshape(-1), k, sorted=False).values.min()
-    return score >= thresh if float(thresh) > 0 else score > 0
+def _fp32(t):
+    """`t` as a contiguous float32 CPU tensor (itself when it is one)."""
+    return t.detach().to(device="cpu", dtype=torch.float32).contiguous()
 
 
-def encode(state, base_state, lossy):
-    """Returns (encoded state, error report)."""
+def encode(state, base_state, lossy, writer):
+    """Returns (encoded state, error report); the encoding runs on
+    `writer`'s threads (an ebbtide._core.CkptWriter)."""
     o = _opts(lossy)
     flat = list(tree.walk_tensors(state))
     base = dict(tree.walk_tensors(base_state))
     tensors = dict(flat)
     pairs = _find_moments(flat)
-    replace, report = {}, {}
-    sq_err = sq_ref = 0.0
-    max_abs = 0.0
+    replace, report, exact = {}, {}, {}
 
-    def account(path, exact, approx):
-        nonlocal sq_err, sq_ref, max_abs
-        d = (approx - exact.float()).abs()
-        e2 = float(d.pow(2).sum())
-        r2 = float(exact.float().pow(2).sum())
-        ma = float(d.max()) if d.numel() else 0.0
-        report[path] = {"max_abs": ma, "rel_l2": (e2 ** 0.5) / (r2 ** 0.5) if r2 > 0 else (0.0 if e2 == 0 else 1.0),
-                        "kept": 0.0}
-        sq_err += e2
-        sq_ref += r2
-        max_abs = max(max_abs, ma)
+    def account(path, coded):
+        r2, e2 = coded["sq_ref"], coded["sq_err"]
+        report[path] = {"max_abs": coded["max_abs"], "sq_err": e2, "sq_ref": r2, "kept": coded["kept"]}
 
     def usable_base(path, t):
         b = base.get(path)
@@ -251,26 +217,26 @@ def encode(state, base_state, lossy):
             continue
         if not w.is_floating_point() or w.numel() < o.min_numel or not usable_base(path, w):
             continue
-        wf = w.detach().float().cpu()
-        bw = base[path].float().cpu()
-        r = wf - bw
+        wf, bw = _fp32(w), _fp32(base[path])
         mv = pairs.get(path)
-        v = tensors[mv[1]].detach().float().cpu() if mv is not None else None
-        mask = _weight_mask(r, wf, v, o)
-        enc = _encode_tensor(r, mask, o.bits, o.kmeans_iters, "delta")
-        replace[path] = enc
-        kept = mask.reshape(-1)
-        approx = bw.reshape(-1) + _decode_dense(enc["__excp__"], kept)
-        account(path, wf.reshape(-1), approx.to(w.dtype).float())
-        report[path]["kept"] = float(kept.float().mean())
+        m = v = bv = None
+        carry = False
+        if mv is not None:
+            m, v = _fp32(tensors[mv[0]]), _fp32(tensors[mv[1]])
+            carry = o.v_unkept == "carry" and usable_base(mv[1], v)
+            bv = _fp32(base[mv[1]]) if carry else None
+        coded = writer.excp_encode(wf.data_ptr(), bw.data_ptr(), wf.numel(), m.data_ptr() if m is not None else 0,
+                                   v.data_ptr() if v is not None else 0, bv.data_ptr() if bv is not None else 0,
+                                   density=o.density, tolerance=o.tolerance if o.alpha is None else 0.0,
+                                   alpha=-1.0 if o.alpha is None else float(o.alpha), beta=o.beta, bits=o.bits,
+                                   bits_moments=o.bits_moments, carry_v=carry, kmeans_iters=o.kmeans_iters)
+        replace[path] = _entry(w, coded["w"], o.bits, "delta")
+        account(path, coded["w"])
+        exact[path] = w
         if mv is None:
             continue
-        m = tensors[mv[0]].detach().float().cpu()
-        mmask = mask & (m.abs() > o.beta * m.abs().mean()) if o.beta > 0 else mask
-        enc = _encode_tensor(m, mmask, o.bits_moments, o.kmeans_iters, "direct", ref=(path, mask))
-        replace[mv[0]] = enc
-        account(mv[0], m.reshape(-1), _decode_dense(enc["__excp__"], mmask.reshape(-1)))
-        report[mv[0]]["kept"] = float(mmask.float().mean())
+        replace[mv[0]] = _entry(tensors[mv[0]], coded["m"], o.bits_moments, "direct", ref=path)
+        account(mv[0], coded["m"])
         # Note [Second moments are carried]
         # The paper zeroes an unkept v. On resume such an element's step is
         # m / sqrt(v) ~ (1 - b1) g / (sqrt(1 - b2) |g|): ~3x the learning rate
@@ -278,15 +244,24 @@ def encode(state, base_state, lossy):
         # for a trained element, on most of each tensor at once. The base's v
         # (one link old, b2^K of it still in the exact v) only misjudges the
         # step by the ratio of square roots, and costs no bits.
-        carry = o.v_unkept == "carry" and usable_base(mv[1], v)
-        enc = _encode_tensor(v, mmask, o.bits_moments, o.kmeans_iters, "carry" if carry else "direct",
-                             ref=(path, mask), log=True)
-        replace[mv[1]] = enc
-        dv = _decode_dense(enc["__excp__"], mmask.reshape(-1))
-        if carry:
-            dv = torch.where(mmask.reshape(-1), dv, base[mv[1]].float().cpu().reshape(-1))
-        account(mv[1], v.reshape(-1), dv)
-        report[mv[1]]["kept"] = float(mmask.float().mean())
+        replace[mv[1]] = _entry(tensors[mv[1]], coded["v"], o.bits_moments, "carry" if carry else "direct",
+                                ref=path, log=True)
+        account(mv[1], coded["v"])
+        exact[mv[0]], exact[mv[1]] = tensors[mv[0]], tensors[mv[1]]
+    # The core measured each error in float32; a tensor stored in another
+    # dtype decodes rounded to it, so its error is measured on what decodes.
+    encs = {p: r["__excp__"] for p, r in replace.items()}
+    for p, t in exact.items():
+        if t.dtype != torch.float32:
+            approx = _decode_leaf(replace[p], base, encs, p, "ebbtide.checkpoint.lossy").float().reshape(-1)
+            d = (approx - t.detach().float().cpu().reshape(-1)).abs()
+            report[p].update(max_abs=float(d.max()) if d.numel() else 0.0, sq_err=float(d.pow(2).sum()),
+                             sq_ref=float(t.detach().float().pow(2).sum()))
+    sq_err = sq_ref = max_abs = 0.0
+    for r in report.values():
+        e2, r2 = r.pop("sq_err"), r.pop("sq_ref")
+        r["rel_l2"] = (e2 ** 0.5) / (r2 ** 0.5) if r2 > 0 else (0.0 if e2 == 0 else 1.0)
+        sq_err, sq_ref, max_abs = sq_err + e2, sq_ref + r2, max(max_abs, r["max_abs"])
     overall = {"max_abs": max_abs, "rel_l2": (sq_err ** 0.5) / (sq_ref ** 0.5) if sq_ref > 0 else 0.0,
                "tensors": len(report)}
     small = {p: {"t": t} for p, t in flat if p not in replace and _packable(t, o)}

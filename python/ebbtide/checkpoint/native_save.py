@@ -8,7 +8,6 @@ reusable pinned buffers, background O_DIRECT writes with crc32c per chunk,
 header last, commit by atomic rename.
 """
 import atexit
-import contextlib
 import json
 import logging
 import os
@@ -19,8 +18,10 @@ import weakref
 import torch
 
 from ebbtide import _core, _fork
+from ebbtide.checkpoint import staging
 from ebbtide.checkpoint import tree
 from ebbtide.checkpoint import validate
+from ebbtide.checkpoint.collectives import _collectives
 
 
 FORMAT_VERSION = validate.FORMAT_VERSION
@@ -62,6 +63,7 @@ class SaveHandle:
         self._done = False
         self._native = None
         self._staged = None  # threading.Event for background snapshots
+        self._encoder = None  # the thread of an async delta save (Note [Async delta saves])
         self.snapshot_seconds = None  # background: from save() to the snapshot taken (and checked)
         self.snapshot_wait_seconds = 0.0  # time optimizer steps waited for this snapshot
 
@@ -210,6 +212,7 @@ class Writer:
         self._native = _core.CkptWriter(chunk_bytes=chunk_bytes, queue_depth=queue_depth, threads=threads,
                                         zstd_level=zstd_level, direct=direct)
         self._pending = None
+        self._filler = staging.Filler(self._native, "checkpoint.save")  # Note [Async delta saves]
 
     @property
     def busy(self):
@@ -222,6 +225,9 @@ class Writer:
         the background after a save is done, Note [Deferred removal])."""
         if self._pending is not None:
             self._pending.wait_staged()
+            if self._pending._encoder is not None:  # Note [Async delta saves]: its writes start there
+                self._pending._encoder.join()
+        self._filler.join()
         self._native.join()
 
     def save(self, state_dict, path, *, async_=False, compress=None, base=None, block=False, lossy=None,
@@ -281,62 +287,6 @@ def _dist():
     return None, 0, 1
 
 
-# Note [Checkpoint collectives]
-# Under torch.distributed the ranks agree on a save twice: rank 0 reserves
-# the save's directories and broadcasts their names (reserve_directories),
-# and in wait() every rank reports its outcome and rank 0 its commit
-# (commit_across_ranks). Both are object collectives, which under NCCL move
-# their pickles through CUDA tensors and make the host wait for the GPU: the
-# training thread would wait for all the kernels queued before save(). So
-# they run over a gloo group of all ranks, made once per default group on
-# the first save (new_group is itself a collective: every rank makes it at
-# the same point of the program, on the caller's thread), or over the
-# default group where it already moves objects through host memory.
-# A background snapshot (snapshot="background") also reserves on its own
-# thread, so under torch.distributed save() returns without waiting for the
-# other ranks either (a reservation error then comes from wait(), on every
-# rank). Collectives on a group must be issued in one order on every rank;
-# with reservations on snapshot threads beside the caller's waits, each
-# save's reservation and each wait() takes a ticket on the caller's thread,
-# in program order, and runs its collectives in ticket order.
-class _Collectives:
-    def __init__(self):
-        self._cv = threading.Condition()
-        self._issued = 0  # tickets handed out
-        self._done = 0  # tickets whose collectives are over
-        self._groups = None  # (default group, group of the checkpoint collectives: None = the default)
-
-    def group(self, dist):
-        """The group checkpoint collectives use (None: the default group).
-        Collective when first called for a default group: on the caller's thread."""
-        world = dist.group.WORLD
-        if self._groups is None or self._groups[0] is not world:
-            backend = str(dist.get_backend())
-            on_cpu = backend == "gloo" or "cpu:gloo" in backend
-            self._groups = (world, None if on_cpu else dist.new_group(backend="gloo"))
-        return self._groups[1]
-
-    def ticket(self):
-        with self._cv:
-            self._issued += 1
-            return self._issued - 1
-
-    @contextlib.contextmanager
-    def turn(self, ticket):
-        """Runs the body once the collectives of every earlier ticket are over.
-        Every ticket must be turned exactly once (a failed save turns its
-        reservation's with an empty body)."""
-        with self._cv:
-            self._cv.wait_for(lambda: self._done == ticket)
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._done += 1
-                self._cv.notify_all()
-
-
-_collectives = _Collectives()
 
 
 def _stripe_dir_list(stripe_dirs):
@@ -422,6 +372,8 @@ class _Save:
         self.native = self.stage_error = self.keep = None
         self.group = self.reserve_ticket = None  # Note [Checkpoint collectives]
         self.staged = threading.Event() if background or uncopied else None
+        self.encoding = False  # Note [Async delta saves]: encoded and started on a thread
+        self.fill_bytes = 0  # Note [Async delta saves]: the staging buffer to fill once the call is done
         self.reserve = 0  # Note [First async save] in writer_arena.cpp: the arena to grow after a written-through save
         self.shard = f"rank{self.rank}.ebt"
 
@@ -434,7 +386,7 @@ class _Save:
             from ebbtide.checkpoint.native_load import load
             base_abs = os.path.abspath(os.fspath(base))
             base_state = load(base_abs, device="cpu", rank=self.rank if self.world > 1 else None)
-            state_dict, self.lossy_error = _lossy.encode(state_dict, base_state, lossy)
+            state_dict, self.lossy_error = _lossy.encode(state_dict, base_state, lossy, self.w._native)
             self.delta = {"base": os.path.relpath(base_abs, os.path.dirname(self.path)),
                           "base_id": validate.read_index(base_abs)["id"]}
         fl = tree.Flattener(self.compress in ("lossless", "delta"))
@@ -583,25 +535,36 @@ class _Save:
     def _drop_inputs(self):
         self.fl = self.blobs = self.state_dict = self.meta = self.versions = None
 
-    def stage(self, handle, cuda_device):
-        """Background snapshot (Note [Background snapshot]), on its own
-        thread: starts the save, then approves its commit unless a saved
-        tensor changed meanwhile."""
-        self.keep = (self.fl, self.blobs, self.state_dict)
+    def start_from_thread(self, handle, prepare):
+        """On a snapshot or encoding thread: prepare(), then the core's
+        save, which the handle then waits for; returns it, or None after
+        keeping the error for wait() and releasing the writer."""
         try:
-            if self.reserve_ticket is not None:  # Note [Checkpoint collectives]
-                self.reserve_directories()
-            if cuda_device is not None:
-                torch.cuda.set_device(cuda_device)
+            prepare()
             n = self.start()
         except BaseException as e:  # noqa: BLE001 - raised by wait()
             self.drop_ticket()
             self.w._native.release_claim()  # in case the core's save() was not reached
             self.stage_error = e
-        else:
-            self.decide(n, "while its background snapshot was taken, so the copy may be torn")
-            self.native = n
-            handle._native = n
+            return None
+        self.native = handle._native = n
+        return n
+
+    def stage(self, handle, cuda_device):
+        """Background snapshot (Note [Background snapshot]), on its own
+        thread: starts the save, then approves its commit unless a saved
+        tensor changed meanwhile."""
+        self.keep = (self.fl, self.blobs, self.state_dict)
+
+        def prepare():
+            if self.reserve_ticket is not None:  # Note [Checkpoint collectives]
+                self.reserve_directories()
+            if cuda_device is not None:
+                torch.cuda.set_device(cuda_device)
+        try:
+            n = self.start_from_thread(handle, prepare)
+            if n is not None:
+                self.decide(n, "while its background snapshot was taken, so the copy may be torn")
         finally:
             self.keep = None  # the snapshot holds the data now
             self._drop_inputs()
@@ -609,10 +572,57 @@ class _Save:
             self.staged.set()
             _background.discard(handle)
 
+    # Note [Async delta saves]
+    # A delta save (compress="delta") encodes the state against its base
+    # (ExCP, Note [ExCP encoding] in cpp/src/ckpt/excp.cpp): it reads the
+    # base back and makes passes over every weight and moment. With async_=True
+    # and a blocking snapshot, save() only copies the state into the writer's
+    # staging buffer (Note [Staging buffer] in cpp/src/ckpt/writer_arena.cpp)
+    # on the writer's threads, storage by storage so that ties and views stay
+    # as they are, and returns: one copy of the state, all that a lossless
+    # async save makes its caller wait for too. A thread then loads the base,
+    # encodes the staged copy on the writer's threads, reserves the
+    # directories and starts the writes; wait() waits for it and raises its
+    # error. A save that finds no staging buffer ready (the first of a
+    # writer, a state grown past the buffer), or state outside host memory,
+    # encodes in the call as a synchronous delta save does, and a thread
+    # fills a buffer for the next one, started only once the call's encode
+    # and snapshot are done: beside them, the fill (mapping and faulting in
+    # memory of the state's size) competed for the cores and slowed the call. The staged copy is not touched again
+    # until the next save's copy, which comes only once this save is done
+    # (one save in flight per writer).
+    def stage_delta(self, state_dict):
+        """Note [Async delta saves]: `state_dict` copied into the writer's
+        staging buffer, or None (encode in the call; fill_bytes says what
+        buffer to fill for the next save once this call's work is done)."""
+        from ebbtide.checkpoint.lossy import _map_tree
+        staged = staging.staged_state(self.w._native, state_dict, _map_tree)
+        if staged is None:
+            tensors = [t for _, t in tree.walk_tensors(state_dict)]
+            if all(t.device.type == "cpu" for t in tensors):
+                self.fill_bytes = staging.state_bytes(tensors)
+        else:
+            self.encoding = True
+            self.staged = threading.Event()
+        return staged
+
+    def encode_and_start(self, staged, base, lossy, handle):
+        """Note [Async delta saves], on its own thread: encodes the staged
+        copy, reserves the directories (in ticket order, Note [Checkpoint
+        collectives]) and starts the writes."""
+        def prepare():
+            self.encode(staged, base, lossy)
+            self.reserve_directories()
+        try:
+            self.start_from_thread(handle, prepare)
+        finally:
+            self._drop_inputs()  # the snapshot holds the encoded state now
+            self.staged.set()
+
     def wait_native(self):
         """The core's result for this rank, or the error that stopped it."""
         try:
-            if self.background:
+            if self.background or self.encoding:
                 self.staged.wait()
                 if self.stage_error is not None:
                     raise self.stage_error
@@ -681,17 +691,23 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_d
     s = _Save(w, path, async_=async_, compress=compress, block=block, background=background,
               stripe_dirs=stripe_dirs, uncopied=snapshot == "none")
     _claim(w, block, s.path)
-    try:  # until the core's save() (on the snapshot thread for background saves) takes the claim
-        s.encode(state_dict, base, lossy)
+    staged = None
+    try:  # until the core's save() (on the snapshot or encoding thread) takes the claim
+        if async_ and snapshot == "blocking" and compress == "delta":
+            staged = s.stage_delta(state_dict)  # Note [Async delta saves]
+        if staged is None:
+            s.encode(state_dict, base, lossy)
         del state_dict
         s.take_ticket()
         # Note [Checkpoint collectives]: a background snapshot under torch.distributed reserves on its thread.
-        if not (background and s.dist is not None):
+        if staged is None and not (background and s.dist is not None):
             s.reserve_directories()
         if async_ and snapshot == "blocking" and compress in (None, "none"):
             s.write_through_if_fresh()
-        if not background:
+        if staged is None and not background:
             s.start_blocking()
+        if s.fill_bytes:  # after the encode and the snapshot (Note [Async delta saves])
+            w._filler.start(s.fill_bytes, -1)
     except BaseException:
         s.drop_ticket()
         w._native.release_claim()
@@ -700,6 +716,19 @@ def _save(w, state_dict, path, *, async_, compress, base, block, lossy, stripe_d
     handle._native = s.native
     handle._path = s.path
     w._pending = handle
+    if staged is not None:
+        # The thread holds the writer until the save is started, as the snapshot thread below does.
+        handle._encoder = threading.Thread(target=lambda: (w, s.encode_and_start(staged, base, lossy, handle)),
+                                           name="ebbtide-ckpt-encode", daemon=False)
+        try:
+            handle._encoder.start()
+        except BaseException as e:
+            handle._encoder = None
+            s.drop_ticket()
+            w._native.release_claim()
+            s.stage_error = e
+            s.staged.set()
+            raise
     if s.uncopied:
         handle._staged = s.staged
         _install_optimizer_hook()

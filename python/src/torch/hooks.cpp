@@ -264,7 +264,7 @@ struct Hooks {
     if (--it->second == 0) {
       kept_refs.erase(it);
       kept_live -= nbytes;
-      g_api->kept_resident(core, kept_live);  // Note [Joint resident peak]
+      g_api->kept_resident(core, -static_cast<int64_t>(nbytes));  // Note [Joint resident peak]
     }
   }
 
@@ -292,7 +292,7 @@ struct Hooks {
       step.bytes += nbytes;
       kept_live += nbytes;
       step.peak = std::max(step.peak, kept_live);
-      g_api->kept_resident(core, kept_live);  // Note [Joint resident peak]
+      g_api->kept_resident(core, static_cast<int64_t>(nbytes));  // Note [Joint resident peak]
       if (!handle_refs.count({key, version})) note_plan(nbytes, false, offload, tier);
       // The prefetch distance counts kept bytes on every device (Note
       // [Prefetch distance]): without them a CPU step reloaded the blocks

@@ -280,9 +280,10 @@ class TensorCache : public mem::ForkOrigin {
   // of the micro-batch's forward order: the prefetch distance counts them
   // (Note [Prefetch distance]).
   void note_kept(int microbatch, uint64_t nbytes);
-  // The bytes the glue keeps resident without entries, now (Note [Joint
-  // resident peak]): peak_resident_bytes counts them with the entries'.
-  void set_kept_resident(uint64_t bytes);
+  // The glue's bytes kept resident without entries rose (delta > 0) or fell
+  // (Note [Joint resident peak]): peak_resident_bytes counts them with the
+  // entries'. Changes, not levels: two threads' calls may arrive in any order.
+  void add_kept_resident(int64_t delta);
   // Stored entries to load next, in reverse forward order from the end of
   // `scope` (or from just before entry `id`), within the prefetch window.
   // prefetch_scope also marks the start of the micro-batch's backward: its
@@ -508,9 +509,12 @@ class TensorCache : public mem::ForkOrigin {
   bool stop_offload_ = false;  // a store failed in this step
   bool closed_ = false;
   uint64_t resident_ = 0;
-  std::atomic<uint64_t> kept_resident_{0};  // set_kept_resident (Note [Joint resident peak])
+  // add_kept_resident's sum (Note [Joint resident peak]); below zero for a
+  // moment when a fall arrives before the rise it undoes.
+  std::atomic<int64_t> kept_resident_{0};
+  uint64_t kept_resident() const { return static_cast<uint64_t>(std::max<int64_t>(kept_resident_.load(), 0)); }
   void note_peak_locked() {
-    step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_ + kept_resident_.load());
+    step_c_.peak_resident_bytes = std::max(step_c_.peak_resident_bytes, resident_ + kept_resident());
   }
   uint64_t window_ = 0;
   uint64_t inflight_ = 0;  // bytes in kQueued + kStoring

@@ -13,10 +13,12 @@
 #include <vector>
 
 #include "ebbtide/mem/fork_origin.hpp"
+#include "ebbtide/ckpt/excp.hpp"
 #include "ebbtide/ckpt/format.hpp"
 #include "ebbtide/io/engine.hpp"
 #include "ebbtide/mem/buffer.hpp"
 #include "ebbtide/mem/cuda_shim.hpp"
+#include "ebbtide/mem/host_mapping.hpp"
 
 namespace ebbtide::ckpt {
 
@@ -119,12 +121,24 @@ class SaveHandle {
 
 class SaveTransaction;  // transaction.hpp
 
-// One host-to-host copy of CheckpointWriter::copy().
+// One host-to-host copy of the writer's snapshot (CheckpointWriter::Impl::copy_host).
 struct HostCopy {
   void* dst = nullptr;
   const void* src = nullptr;
   uint64_t nbytes = 0;
 };
+
+// One copy of CheckpointWriter::stage(): `src.nbytes` bytes of `src` (host
+// memory, or CUDA device memory copied on src.stream) to `dst`.
+struct StageCopy {
+  void* dst = nullptr;
+  mem::Buffer src;
+};
+
+// Host memory a caller stages a state into before its save (the DCP
+// plugin's staged copy, Note [Staging buffer] in writer_arena.cpp): the
+// writer keeps it for the next save; views of it keep it alive.
+using StagingBuffer = std::shared_ptr<mem::HostMapping>;
 
 class CheckpointWriter : public mem::ForkOrigin {
  public:
@@ -157,12 +171,28 @@ class CheckpointWriter : public mem::ForkOrigin {
   // [Deferred removal]), so the caller does not wait for the filesystem to
   // free it. IoError from the commit.
   void commit(SaveTransaction& txn, const std::vector<std::pair<std::string, std::string>>& files = {});
-  // Copies host memory on this writer's threads, the way save() snapshots
-  // host blobs (8 MiB pieces, streaming stores): the staging copy of an
-  // asynchronous save made outside save() (the DCP plugin's stage()).
-  // Ranges must not overlap and must stay valid until it returns; safe
-  // beside a save in flight.
-  void copy(const std::vector<HostCopy>& copies);
+  // Maps `bytes` of staging memory and faults every page in, on the calling
+  // thread (one off the caller's training thread: Note [Staging buffer]),
+  // then makes it staging_buffer(); the one it replaces lives on while views
+  // of it do. With `device` >= 0 (a CUDA device the staged copies come from)
+  // it is page-locked too, in that device's primary context (Note [Pinning
+  // context] in shard_io.hpp). InvalidArgument for 0 bytes, IoError when
+  // the memory cannot be mapped. Thread safe.
+  StagingBuffer reserve_staging(uint64_t bytes, int device = mem::kHost);
+  // The last reserve_staging()'s buffer, or null. Never waits.
+  StagingBuffer staging_buffer() const;
+  // Copies a state into staging memory the way save() snapshots blobs: the
+  // device sources first, with cuMemcpyDtoHAsync on their streams (their
+  // destinations must lie in staging_buffer(), page-locked then for the
+  // copies), the host ones over this writer's threads (8 MiB pieces,
+  // streaming stores), and returns once every copy has landed. Ranges must
+  // not overlap and must stay valid until it returns; safe beside a save in
+  // flight. InvalidArgument for a device copy outside the staging buffer.
+  void stage(const std::vector<StageCopy>& copies);
+  // ExCP delta encoding of one weight (excp::encode) on this writer's
+  // threads: a delta save's encoding runs where its copies and
+  // compression do. Safe beside a save in flight.
+  excp::Encoded encode_delta(const excp::Weight& in, const excp::Options& o);
   const WriterOptions& options() const { return options_; }
   uint64_t snapshot_capacity() const;  // bytes of reusable snapshot (or save ring) buffers held
 
