@@ -56,7 +56,9 @@ if(EBBTIDE_WITH_ZSTD AND EBBTIDE_ZSTD_SOURCE)
   file(GLOB _zstd_sources ${EBBTIDE_ZSTD_SOURCE}/common/*.c ${EBBTIDE_ZSTD_SOURCE}/compress/*.c
        ${EBBTIDE_ZSTD_SOURCE}/decompress/*.c ${EBBTIDE_ZSTD_SOURCE}/decompress/*.S)
   add_library(ebbtide_zstd STATIC ${_zstd_sources})
-  set_target_properties(ebbtide_zstd PROPERTIES C_VISIBILITY_PRESET hidden POSITION_INDEPENDENT_CODE ON)
+  # Upstream's sources, compiled file by file as upstream does (Note [Unity build]).
+  set_target_properties(ebbtide_zstd PROPERTIES C_VISIBILITY_PRESET hidden POSITION_INDEPENDENT_CODE ON
+                        UNITY_BUILD OFF)
   target_compile_definitions(ebbtide_zstd PRIVATE ZSTDLIB_VISIBLE= ZSTDERRORLIB_VISIBLE= ZDICTLIB_VISIBLE=)
   set(ZSTD_LIBRARY ebbtide_zstd)
   set(ZSTD_INCLUDE_DIR ${EBBTIDE_ZSTD_SOURCE})

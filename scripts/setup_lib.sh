@@ -49,7 +49,7 @@ ensure_requirements() {
   [ "$want" = "$(cat "$stamp" 2>/dev/null)" ] && return 0
   say "installing ${files[*]}"
   local torch_pin args=()
-  torch_pin="torch==$("$py" -c 'import torch; print(torch.__version__)')"
+  torch_pin="torch==$(torch_version)"
   for f in "${files[@]}"; do args+=(-r "$repo/$f"); done
   # pip's notes on empty local index folders (this machine's pip
   # configuration) are left out; a failing install still stops the script.
@@ -69,7 +69,14 @@ build_inputs_hash() {
   (cd "$repo" && find CMakeLists.txt pyproject.toml cmake cpp/CMakeLists.txt cpp/include cpp/src \
       python/CMakeLists.txt python/src python/ebbtide -type f ! -name '*.pyc' ! -path '*/__pycache__/*' \
       | LC_ALL=C sort | xargs sha256sum
-   "$py" -c 'import sys, torch; print(sys.version, torch.__version__)') | sha256sum | cut -d' ' -f1
+   echo "$("$py" -c 'import sys; print(sys.version)') $(torch_version)") | sha256sum | cut -d' ' -f1
+}
+
+# The installed torch's version, from its metadata: importing torch takes
+# about 2 s of a rerun of scripts/demo.sh, and before numpy is installed it
+# warns that numpy is missing.
+torch_version() {
+  "$py" -c 'import importlib.metadata as m; print(m.version("torch"))'
 }
 
 # Builds and installs ebbtide (the native modules by scikit-build-core and

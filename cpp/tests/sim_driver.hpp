@@ -786,4 +786,14 @@ class SimDriver final : public mem::cuda::Driver {
   Stream next_stream_ = 0;
 };
 
+// A simulated driver with two devices.
+inline SimDriver::Options two_devices() {
+  SimDriver::Options o;
+  o.devices = 2;
+  return o;
+}
+
+// The compute stream the cache tests pass to unpack and launch on.
+inline constexpr mem::cuda::Stream kCompute = 7;
+
 }  // namespace ebbtide::test

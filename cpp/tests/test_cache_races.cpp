@@ -32,7 +32,7 @@ namespace {
 using test::GatedSsd;
 using test::SimDriver;
 using DevicePtr = mem::cuda::DevicePtr;
-constexpr mem::cuda::Stream kCompute = 7;
+using test::kCompute;
 constexpr mem::cuda::Stream kSide = 9;
 constexpr uint64_t kBytes = 1 << 20;
 

@@ -32,7 +32,7 @@ namespace {
 
 using test::SimDriver;
 using DevicePtr = mem::cuda::DevicePtr;
-constexpr mem::cuda::Stream kCompute = 7;
+using test::kCompute;
 constexpr uint64_t kMiB = 1 << 20;
 constexpr double kLink = 1e8;  // bytes/s each way: 1 MiB takes ~10.5 ms
 constexpr double kCopy = static_cast<double>(kMiB) / kLink;

@@ -104,7 +104,7 @@ std::string load_error(const std::string& bytes) {
   }
 }
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using test::contains;
 
 TEST(CkptHostile, CraftedShardLoadsWhenWellFormed) {
   auto s = craft({10000, 0, 4096}, 4096);

@@ -27,6 +27,7 @@
 #include "ebbtide/mem/host_mapping.hpp"
 #include "ebbtide/util/error.hpp"
 #include "sim_driver.hpp"
+#include "test_utils.hpp"
 
 namespace ebbtide::mem {
 namespace {
@@ -39,13 +40,9 @@ HostBufferPoolOptions pinning_with(cuda::Driver& drv) {
   return o;
 }
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using test::contains;
 
-test::SimDriver::Options two_devices() {
-  test::SimDriver::Options o;
-  o.devices = 2;
-  return o;
-}
+using test::two_devices;
 
 // The context of device `d` as the simulated driver names it (0: none).
 cuda::Context context_of(int d) { return static_cast<cuda::Context>(d + 1); }

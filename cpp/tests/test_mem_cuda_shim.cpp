@@ -17,7 +17,7 @@
 namespace ebbtide::mem {
 namespace {
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using test::contains;
 
 TEST(CudaShim, DriverAndReasonAreConsistent) {
   cuda::Driver* d = cuda::driver();

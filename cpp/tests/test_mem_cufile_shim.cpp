@@ -16,7 +16,7 @@
 namespace ebbtide::mem {
 namespace {
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using test::contains;
 
 TEST(CufileShim, DriverAndReasonAreConsistent) {
   cufile::Driver* d = cufile::cufile();

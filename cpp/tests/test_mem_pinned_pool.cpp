@@ -225,11 +225,7 @@ TEST(PinnedPool, RegistersOnFirstNeedWhenMadeHostOnly) {
   std::memset(lease.data(), 1, lease.size());
 }
 
-test::SimDriver::Options two_devices() {
-  test::SimDriver::Options o;
-  o.devices = 2;
-  return o;
-}
+using test::two_devices;
 
 PinnedPoolOptions registering_with(cuda::Driver& drv) {
   PinnedPoolOptions o;

@@ -21,6 +21,8 @@
 
 namespace ebbtide::test {
 
+inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
 // Holds the threads that pass() while closed, to stage races: a test closes
 // it, waits until a worker is inside (wait_started), checks, and opens it.
 class Gate {

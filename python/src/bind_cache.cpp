@@ -22,8 +22,9 @@
 #include "ebbtide/util/error.hpp"
 
 namespace nb = nanobind;
-using namespace ebbtide::cache;
 
+// No file-scope using-directive (Note [Unity build] in CMakeLists.txt).
+namespace ebbtide::cache {
 namespace {
 
 nb::dict record_dict(const StatRecord& r);
@@ -171,8 +172,10 @@ ebbtide::py::GlueApi make_glue_api() {
 }
 
 }  // namespace
+}  // namespace ebbtide::cache
 
 void ebbtide::py::bind_cache(nb::module_& m) {
+  using namespace ebbtide::cache;
   nb::dict(m.attr("build_info"))["cache_ssd"] = true;
   static const ebbtide::py::GlueApi api = make_glue_api();
   m.attr("_glue_api") = nb::capsule(&api, "ebbtide._core._glue_api");

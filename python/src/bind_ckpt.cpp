@@ -17,8 +17,9 @@
 #include "ebbtide/util/error.hpp"
 
 namespace nb = nanobind;
-using namespace ebbtide::ckpt;
 
+// No file-scope using-directive (Note [Unity build] in CMakeLists.txt).
+namespace ebbtide::ckpt {
 namespace {
 
 // (name, ptr, nbytes, device, stream, elem_bytes, codec)
@@ -63,8 +64,10 @@ nb::dict coded_dict(excp::Coded&& c) {
 }
 
 }  // namespace
+}  // namespace ebbtide::ckpt
 
 void ebbtide::py::bind_ckpt(nb::module_& m) {
+  using namespace ebbtide::ckpt;
   m.attr("CKPT_FORMAT_VERSION") = kFormatVersion;
   m.def("ckpt_have_zstd", &have_zstd);
 

@@ -19,8 +19,9 @@
 #include "ebbtide/plan/planner.hpp"
 
 namespace nb = nanobind;
-using namespace ebbtide::plan;
 
+// No file-scope using-directive (Note [Unity build] in CMakeLists.txt).
+namespace ebbtide::plan {
 namespace {
 
 nb::tuple as_tuple(nb::handle list) { return nb::steal<nb::tuple>(PyList_AsTuple(list.ptr())); }
@@ -391,8 +392,10 @@ void bind_planner(nb::module_& m) {
 }
 
 }  // namespace
+}  // namespace ebbtide::plan
 
 void ebbtide::py::bind_plan(nb::module_& m) {
+  using namespace ebbtide::plan;
   bind_model_config(m);
   bind_model_results(m);
   bind_planner(m);

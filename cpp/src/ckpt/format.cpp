@@ -65,7 +65,7 @@ Codec parse_codec(std::string_view t) {
   if (t == "zstd") return Codec::kZstd;
   if (t == "shuffle-zstd") return Codec::kShuffleZstd;
   if (t == "float-zstd") return Codec::kFloatZstd;
-  throw InvalidArgument(detail::concat("codec '", t, "' is not valid (valid: none, zstd, shuffle-zstd, float-zstd)"));
+  throw InvalidArgument(ebbtide::detail::concat("codec '", t, "' is not valid (valid: none, zstd, shuffle-zstd, float-zstd)"));
 }
 
 void encode_superblock(const Superblock& sb, unsigned char out[kSuperBytes]) {
@@ -88,14 +88,14 @@ Superblock decode_superblock(const unsigned char in[kSuperBytes], const std::str
   if (std::memcmp(in, kSuperMagic, 16) != 0) {
     bool zero = true;
     for (size_t i = 0; i < 16; ++i) zero = zero && in[i] == 0;
-    throw InvalidArgument(detail::concat(path, ": not an ebbtide checkpoint shard (bad magic at offset 0",
+    throw InvalidArgument(ebbtide::detail::concat(path, ": not an ebbtide checkpoint shard (bad magic at offset 0",
                                          zero ? "; the superblock was never written: incomplete file" : "",
                                          ")"));
   }
   Superblock sb;
   sb.format_version = get_at<uint32_t>(in, 16);
   if (sb.format_version > kFormatVersion || sb.format_version == 0) {
-    throw Unsupported(detail::concat(path, ": checkpoint format version ", sb.format_version,
+    throw Unsupported(ebbtide::detail::concat(path, ": checkpoint format version ", sb.format_version,
                                      " is not supported by this ebbtide (it reads versions 1 to ",
                                      kFormatVersion, "); upgrade ebbtide to load it"));
   }
@@ -111,7 +111,7 @@ Superblock decode_superblock(const unsigned char in[kSuperBytes], const std::str
     sb.stripe_index = get_at<uint16_t>(in, 52);
     sb.stripe_count = get_at<uint16_t>(in, 54);
     if (sb.stripe_count == 0 || sb.stripe_index >= sb.stripe_count)
-      throw InvalidArgument(detail::concat(path, ": corrupt superblock (stripe ", sb.stripe_index, " of ",
+      throw InvalidArgument(ebbtide::detail::concat(path, ": corrupt superblock (stripe ", sb.stripe_index, " of ",
                                            sb.stripe_count, ")"));
   }
   return sb;
@@ -177,7 +177,7 @@ std::string encode_header(const Header& h) {
 // extent against the real size of the file holding it.
 Header decode_header(std::string_view bytes, const std::string& path) {
   auto bad = [&](auto&&... what) {
-    return InvalidArgument(detail::concat(path, ": corrupt checkpoint header (", what..., ")"));
+    return InvalidArgument(ebbtide::detail::concat(path, ": corrupt checkpoint header (", what..., ")"));
   };
   if (bytes.size() < kHeaderPrefixBytes || std::memcmp(bytes.data(), kHeaderMagic, 8) != 0)
     throw bad("bad header magic");
