@@ -136,7 +136,7 @@ def test_gpu_stage_sweeps_the_allocator_and_writes_a_trace(tmp_path, stores_befo
     cache's plan predicted. No timing is asserted."""
     pytest.importorskip("transformers")
     from ebbtide.harness import gpu_runs
-    from ebbtide.plan import replay
+    from ebbtide.plan import planner, replay
 
     trace, out = tmp_path / "trace_budget.json", tmp_path / "budget.json"
     p = subprocess.run([sys.executable, os.path.join(BENCH_DIR, "budget_bench.py"), "--device", "cpu", "--layers", "2", "--hidden", "64", "--heads", "2",
@@ -187,7 +187,7 @@ def test_gpu_stage_sweeps_the_allocator_and_writes_a_trace(tmp_path, stores_befo
         # The replay plays the decisions the cache ran with: its plan's own
         # prediction (the first planned step re-times the profile and plans
         # from it again: Note [Re-timed profile]).
-        assert [m["placement"] for m in res["ran"]["plan"]] == run["ran"]["placements"]
+        assert [planner.ran_placement(m) for m in res["ran"]["plan"]] == run["ran"]["placements"]
         assert res["ran"]["predicted"]["step_seconds"] == pytest.approx(x["predicted_step_seconds"], rel=1e-6)
         assert res["ran"]["predicted"]["peak_saved_bytes"] == x["predicted_peak_bytes"]
         assert "best" in res

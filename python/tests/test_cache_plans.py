@@ -115,6 +115,25 @@ def test_the_first_planned_step_retimes_the_profile(tmp_path, caplog):
         assert [m["forward_seconds"] for m in adapt.profile_modules] == before
 
 
+def test_the_retime_moves_a_blocks_recompute_time_with_its_forward(tmp_path):
+    """Note [Re-timed profile]: a block's recompute time comes from the same
+    profiling step as its forward time and is lowered with it (kept at the
+    profile's, a plan recomputing all blocks predicted 1.18x its step)."""
+    model, x = net_and_input()
+    with ebbtide.TensorCache("ssd", str(tmp_path), activation_budget_bytes=1 << 40).attach(model) as cache:
+        step(model, x, cache.step())
+        adapt = cache._adapt
+        blocks = [m for m in adapt.profile_modules if m.get("recompute_seconds")]
+        assert blocks
+        for m in blocks:
+            m["forward_seconds"] = 100.0
+            m["recompute_seconds"] = 50.0
+        step(model, x, cache.step())
+        for m in blocks:
+            assert m["forward_seconds"] < 100.0
+            assert m["recompute_seconds"] == pytest.approx(50.0 * m["forward_seconds"] / 100.0)
+
+
 def test_offload_calls_plan_from_the_last_profile(tmp_path):
     """Note [Plans across offload() calls]: the one-step form profiles once
     per model and settings; before, every call profiled (and on a GPU a

@@ -140,3 +140,19 @@ def test_writes_within_forward_offloads_only_what_the_link_copies_in_time():
     for m in p["modules"]:
         if m["placement"] != "keep":
             assert m["write_done_seconds"] <= p["forward_seconds"] + 1e-9
+
+
+def test_a_plans_recompute_offload_rows_replay_as_they_ran():
+    """The plan writes recompute_offload with its tier apart; the trace of the
+    step (TensorCache.trace_run) names it whole, which simulate_ran takes
+    (a trace that held the plan's name failed its replay)."""
+    mods = [dict(name=f"m{i}", forward_seconds=1.0, bytes=100, recomputable=True, recompute_bytes=10,
+                 recompute_seconds=1.0) for i in range(3)]
+    row = dict(placement="recompute_offload", tier="cpu")
+    assert planner.ran_placement(row) == "recompute_offload_cpu"
+    assert planner.ran_placement(dict(placement="offload_ssd", tier="ssd")) == "offload_ssd"
+    pl = [planner.ran_placement(row), "recompute", "keep"]
+    out = planner.simulate_ran(mods, pl, 1e9, 1e9, host_budget_bytes=1 << 30, host_write_bps=1e9,
+                               host_read_bps=1e9)
+    assert [(m["placement"], m["tier"]) for m in out["modules"]] == [("recompute_offload", "cpu"),
+                                                                     ("recompute", None), ("keep", None)]

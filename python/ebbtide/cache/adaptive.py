@@ -481,7 +481,7 @@ class Adaptive:
         the H200, 1.24 s against 0.11 s later), and on a GPU with a budget it
         offloads. The first planned step times each module again; a module's
         time is the smaller of the two (whatever disturbs a step only adds
-        to it). When that lowers any time the plan is made again (reason
+        to it), and a recomputable block's recompute time moves with it. When that lowers any time the plan is made again (reason
         "retime"), so that its prediction (stats(), the trace) is of the
         times it keeps, with the step's SSD write rate when that too is far
         from the plan's: one plan, not two in a row. As Note [Quiet re-plan],
@@ -496,7 +496,13 @@ class Adaptive:
             if m.get("tail"):
                 continue  # its forward is the block's scope less the block: not timed apart
             if m["scope"] in times:
-                m["forward_seconds"] = min(m["forward_seconds"], times[m["scope"]])
+                fwd = min(m["forward_seconds"], times[m["scope"]])
+                if m.get("recompute_seconds") and m["forward_seconds"] > 0:
+                    # The block's own time came from the same disturbed step:
+                    # it moves with its scope's (a recompute planned at the
+                    # profile's time read 1.18x the measured step).
+                    m["recompute_seconds"] *= fwd / m["forward_seconds"]
+                m["forward_seconds"] = fwd
             if m["scope"] in back and "backward_seconds" in m:
                 m["backward_seconds"] = min(m["backward_seconds"], back[m["scope"]])
         after = sum(m["forward_seconds"] + m.get("backward_seconds", 0.0) for m in self.profile_modules)
@@ -596,7 +602,7 @@ class Adaptive:
             name=str(name), kind=kind,
             modules=[{k: v for k, v in m.items() if k not in ("scope", "tail")} for m in self.profile_modules],
             options=options, now_options=dict(options),
-            ran=dict(placements=[d["placement"] for d in plan["modules"]],
+            ran=dict(placements=[planner.ran_placement(d) for d in plan["modules"]],
                      offload_limits=[self.limits.get(m["scope"]) if not m.get("tail") else None
                                      for m in self.profile_modules],
                      # Released by bytes at the plan's points: the model's own rule (no release_after).

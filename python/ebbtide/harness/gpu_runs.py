@@ -40,6 +40,7 @@ import json
 import os
 from typing import Any, Optional
 
+from ebbtide.plan import planner
 from ebbtide.plan import replay as _replay
 
 __all__ = ["load", "convert_offload_bench", "param_bytes_by_module"]
@@ -289,7 +290,7 @@ def convert_offload_bench(d: dict) -> list:
             m["backward_temp_bytes"] = block_temp
         mods[-1]["backward_temp_bytes"] = temp
         pm = row["stats"]["planner"]["modules"]
-        ran = dict(placements=[m["placement"] for m in pm],
+        ran = dict(placements=[planner.ran_placement(m) for m in pm],
                    offload_limits=[m["offload_bytes"] if m["tier"] is not None and 0 < m["offload_bytes"] <
                                    m["saved_bytes"] else -1 for m in pm],
                    release_after=_release_after(pm))

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping
 from ebbtide import _core
 from ebbtide._records import as_dict, make
 
-__all__ = ["plan_offload", "simulate", "simulate_ran", "needs_replan", "link_faster", "PLACEMENTS"]
+__all__ = ["plan_offload", "simulate", "simulate_ran", "needs_replan", "link_faster", "ran_placement", "PLACEMENTS"]
 
 PLACEMENTS = ("keep", "offload_cpu", "offload_ssd", "recompute", "recompute_offload")
 
@@ -191,6 +191,14 @@ def _module(i: int, m: dict):
         except (TypeError, ValueError):
             raise ValueError(f"module {i} ('{name}'): saves must be (bytes, shared id or -1) pairs") from None
     return make(_core.ModuleProfile, fields, f"module {i} ('{name}')")
+
+
+def ran_placement(module: Mapping[str, Any]) -> str:
+    """A plan row's placement as ``simulate`` and ``simulate_ran`` take it: the
+    plan writes ``recompute_offload`` with the tier apart, they take it whole
+    (``recompute_offload_cpu``, ``recompute_offload_ssd``)."""
+    placement = module["placement"]
+    return f"{placement}_{module['tier']}" if placement == "recompute_offload" else placement
 
 
 def needs_replan(plan: Mapping[str, Any], measured_write_bps: float) -> bool:
