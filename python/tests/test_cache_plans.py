@@ -147,7 +147,10 @@ def test_offload_calls_plan_from_the_last_profile(tmp_path):
             model(x).backward()
         profiled.append(cache.stats()["profiled"])
     assert profiled == [True, False, False]
-    assert cache.stats()["planner"]["reason"] in ("kept", "retime")
+    # The kept plan, re-timed, or re-made at the measured SSD rate (which
+    # depends on the disk's speed in that call: Note [Quiet re-plan]); never
+    # a new profile.
+    assert cache.stats()["planner"]["reason"] in ("kept", "retime", "replan")
     # Other settings are another plan.
     with ebbtide.offload(model, keep_last_modules=2, **kw) as cache:
         model(x).backward()
