@@ -19,20 +19,20 @@ pytestmark = pytest.mark.skipif(not _core.build_info.get("cache_ssd", False),
 MiB = 1 << 20
 
 
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(1024, 4096)
-        self.g = torch.nn.GELU()
-        self.b = torch.nn.Linear(4096, 1024)
+def _bench():
+    """bench/mlp_budget.py: the issue's model is built there, once."""
+    import importlib.util
+    import os
 
-    def forward(self, x):
-        return self.b(self.g(self.a(x)))
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "mlp_budget.py")
+    spec = importlib.util.spec_from_file_location("mlp_budget_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
 
 
 def mlp():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*[Block() for _ in range(8)]), torch.randn(256, 1024)
+    return _bench().mlp(torch, 8, 256)
 
 
 def steps(model, x, cache=None, n=3):
@@ -115,14 +115,9 @@ def test_each_device_gives_the_planner_its_bound():
 
 def test_the_mlp_budget_bench_runs_at_a_small_size(tmp_path):
     """bench/mlp_budget.py (the table of docs/benchmarks.md) at 3 blocks."""
-    import importlib.util
     import json
-    import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "mlp_budget.py")
-    spec = importlib.util.spec_from_file_location("mlp_budget_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench()
     out = tmp_path / "mlp.json"
     rc = bench.main(["--blocks", "3", "--batch", "64", "--budgets", "3,0.01", "--steps", "1",
                      "--path", str(tmp_path), "--json", str(out)])
