@@ -359,6 +359,8 @@ def throughput(a):
     base_state, state = states
     nbytes = raw_bytes(state)
     params = sum(v.numel() for v in state["model"].values())
+    if a.dir:
+        os.makedirs(a.dir, exist_ok=True)
     d = tempfile.mkdtemp(prefix="excp-throughput-", dir=a.dir)
     try:
         w = ckpt.Writer()
@@ -482,6 +484,8 @@ def main(argv=None):
         ap.error(f"unknown setting {bad[0]!r} (valid: {', '.join(SETTINGS)})")
     if a.every * a.links >= a.steps:
         ap.error(f"--every {a.every} x --links {a.links} must be below --steps {a.steps}")
+    if a.dir:
+        os.makedirs(a.dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="excp-bench-", dir=a.dir)
     try:
         run = Run(a, a.size)

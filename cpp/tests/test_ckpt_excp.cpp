@@ -159,23 +159,82 @@ TEST(Excp, ReportedErrorIsTheErrorOfWhatDecodes) {
   }
 }
 
+void expect_same(const Encoded& a, const Encoded& b) {
+  EXPECT_EQ(a.carried, b.carried);
+  for (auto pick : {&Encoded::w, &Encoded::m, &Encoded::v}) {
+    const Coded &x = a.*pick, &y = b.*pick;
+    EXPECT_EQ(x.mask, y.mask);
+    EXPECT_EQ(x.codes, y.codes);
+    EXPECT_EQ(x.codebook, y.codebook);
+    EXPECT_EQ(x.count, y.count);
+    EXPECT_EQ(x.sq_err, y.sq_err);
+    EXPECT_EQ(x.sq_ref, y.sq_ref);
+    EXPECT_EQ(x.max_abs, y.max_abs);
+  }
+}
+
 TEST(Excp, SameResultOnAnyNumberOfThreads) {
   const Tensors t = make((size_t{1} << 16) * 20 + 77, 3);  // 21 blocks over 16 parts
   Options o;
   o.tolerance = 0.2;
   const Encoded serial = encode(t.in(), o), parallel = encode(t.in(), o, threads());
-  for (auto pick : {&Encoded::w, &Encoded::m, &Encoded::v}) {
-    const Coded &a = serial.*pick, &b = parallel.*pick;
-    EXPECT_EQ(a.mask, b.mask);
-    EXPECT_EQ(a.codes, b.codes);
-    EXPECT_EQ(a.codebook, b.codebook);
-    EXPECT_EQ(a.sq_err, b.sq_err);
-    EXPECT_EQ(a.max_abs, b.max_abs);
-  }
+  expect_same(serial, parallel);
   CheckpointWriter writer;  // the writer's threads: the same again
   const Encoded w = writer.encode_delta(t.in(), o);
   EXPECT_EQ(w.w.codes, serial.w.codes);
   EXPECT_EQ(w.v.codebook, serial.v.codebook);
+}
+
+// Note [ExCP batches]: a batch returns what encode() of each weight alone
+// does, whether a weight ran split (the largest here: over 1 / (2 runners)
+// of the elements), side by side with others, or on a spare scratch (more
+// threads than runners), with moments or without, empty ones included.
+TEST(Excp, BatchEqualsEachWeightAlone) {
+  std::vector<Tensors> ts;
+  for (size_t n : {size_t{1} << 20, size_t{70000}, size_t{5}, size_t{0}, size_t{200001}, size_t{65536}, size_t{3000}})
+    ts.push_back(make(n, 10 + n));
+  std::vector<Job> jobs;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    Job j;
+    j.in = ts[i].in(/*moments=*/i % 3 != 1);
+    j.o.tolerance = i % 2 == 0 ? 0.1 : 0.0;
+    j.o.beta = i == 4 ? 0.5 : 0.0;
+    j.o.carry_v = i != 2;
+    jobs.push_back(j);
+  }
+  std::vector<Encoded> alone;
+  for (const Job& j : jobs) alone.push_back(encode(j.in, j.o));
+  for (unsigned runners : {1u, 2u, 3u}) {
+    std::vector<Scratch> pool;
+    // threads() runs every part at once: more at a time than `runners` when it is 1 or 2.
+    const std::vector<Encoded> batch = encode_batch(jobs, runners, threads(), &pool);
+    ASSERT_EQ(batch.size(), jobs.size());
+    EXPECT_EQ(pool.size(), runners);
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      SCOPED_TRACE(testing::Message() << "runners " << runners << ", weight " << i);
+      expect_same(batch[i], alone[i]);
+    }
+  }
+  CheckpointWriter writer;  // the writer's threads and its kept scratch, twice
+  for (int round = 0; round < 2; ++round) {
+    const std::vector<Encoded> batch = writer.encode_deltas(jobs);
+    for (size_t i = 0; i < jobs.size(); ++i) expect_same(batch[i], alone[i]);
+  }
+  EXPECT_TRUE(encode_batch({}, 2, threads()).empty());
+}
+
+TEST(Excp, BatchChecksEveryJobFirst) {
+  const Tensors t = make(1000, 4);
+  std::vector<Job> jobs(2);
+  jobs[0].in = t.in();
+  jobs[1].in = t.in();
+  jobs[1].o.bits = 9;
+  int ran = 0;
+  const ParallelFor counting = [&](size_t n, const std::function<void(size_t)>& fn) {
+    for (size_t i = 0; i < n; ++i, ++ran) fn(i);
+  };
+  EXPECT_THROW(encode_batch(jobs, 2, counting), InvalidArgument);
+  EXPECT_EQ(ran, 0);
 }
 
 // Note [Density that follows the update]: a dense update (every element

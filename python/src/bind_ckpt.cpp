@@ -239,6 +239,54 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
            "ExCP-encodes one fp32 weight (pointers to n floats; m, v, base_v 0 when absent) on the writer's "
            "threads (Note [ExCP encoding]): {'w', 'm', 'v': {mask, codes, codebook, count, kept, max_abs, "
            "sq_err, sq_ref}, 'carried'}.")
+      .def("excp_encode_many",
+           [](CheckpointWriter& w,
+              const std::vector<std::tuple<uintptr_t, uintptr_t, uint64_t, uintptr_t, uintptr_t, uintptr_t, bool>>& weights,
+              double density, double tolerance, double alpha, double beta, int bits, int bits_moments,
+              int kmeans_iters) {
+             std::vector<excp::Job> jobs;
+             jobs.reserve(weights.size());
+             for (const auto& [weight, base, n, m, v, base_v, carry_v] : weights) {
+               excp::Job j;
+               j.in.w = reinterpret_cast<const float*>(weight);
+               j.in.base = reinterpret_cast<const float*>(base);
+               j.in.n = n;
+               j.in.m = reinterpret_cast<const float*>(m);
+               j.in.v = reinterpret_cast<const float*>(v);
+               j.in.base_v = reinterpret_cast<const float*>(base_v);
+               j.o.density = density;
+               j.o.tolerance = tolerance;
+               j.o.alpha = alpha;
+               j.o.beta = beta;
+               j.o.bits = bits;
+               j.o.bits_moments = bits_moments;
+               j.o.carry_v = carry_v;
+               j.o.kmeans_iters = kmeans_iters;
+               jobs.push_back(j);
+             }
+             std::vector<excp::Encoded> out;
+             {
+               ebbtide::py::gil_release g;
+               out = w.encode_deltas(jobs);
+             }
+             nb::list result;
+             for (size_t i = 0; i < out.size(); ++i) {
+               nb::dict d;
+               d["w"] = coded_dict(std::move(out[i].w));
+               if (jobs[i].in.m != nullptr) {
+                 d["m"] = coded_dict(std::move(out[i].m));
+                 d["v"] = coded_dict(std::move(out[i].v));
+               }
+               d["carried"] = out[i].carried;
+               result.append(d);
+             }
+             return result;
+           },
+           nb::arg("weights"), nb::arg("density") = 0.1, nb::arg("tolerance") = 0.0, nb::arg("alpha") = -1.0,
+           nb::arg("beta") = 0.0, nb::arg("bits") = 4, nb::arg("bits_moments") = 4, nb::arg("kmeans_iters") = 8,
+           "ExCP-encodes many fp32 weights at once, [(weight, base, n, m, v, base_v, carry_v)] as excp_encode "
+           "takes them, whole weights side by side on the writer's threads (Note [ExCP batches]): a list of "
+           "excp_encode's results.")
       .def_prop_ro("snapshot_capacity", &CheckpointWriter::snapshot_capacity)
       .def_prop_ro("chunk_bytes", [](const CheckpointWriter& w) { return w.options().chunk_bytes; });
 

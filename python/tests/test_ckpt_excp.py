@@ -169,6 +169,45 @@ def test_bf16_weights_report_the_error_of_what_decodes(tmp_path):
     assert 0 < float((got.float() - st["w"].float()).abs().max()) <= recorded * (1 + 1e-6)
 
 
+def test_encodings_in_batches_equal_one_batch(monkeypatch):
+    """Note [ExCP batches]: weights are encoded side by side in batches
+    bounded by their float32 copies; however the batches fall, each tensor's
+    encoding and error are the same (one weight bf16, so that one job copies
+    and the other does not)."""
+    from ebbtide import _core
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train(model, opt, 3, 0)
+    base = _state(model, opt)
+    _train(model, opt, 2, 1)
+    state = _state(model, opt)
+    for st in (state, base):
+        st["model"]["0.weight"] = st["model"]["0.weight"].bfloat16()  # encoded from a float32 copy
+    w = _core.CkptWriter()
+    calls = []
+    real = _lossy.encode
+
+    class Counting:
+        def excp_encode_many(self, weights, **kw):
+            calls.append(len(weights))
+            return w.excp_encode_many(weights, **kw)
+
+    whole, whole_report = real(state, base, None, Counting())
+    assert calls == [2]  # both weights with their moments (the biases are below min_numel)
+    assert len(whole_report["tensors"]) == 6
+    monkeypatch.setattr(_lossy, "_BATCH_COPY_BYTES", 1)  # the copying weight ends a batch
+    calls.clear()
+    split, split_report = real(state, base, None, Counting())
+    assert calls == [1, 1]
+    assert split_report == whole_report
+    flat_whole = dict(_lossy.tree.walk_tensors(whole))
+    flat_split = dict(_lossy.tree.walk_tensors(split))
+    assert flat_whole.keys() == flat_split.keys()
+    for k, t in flat_whole.items():
+        assert torch.equal(t, flat_split[k]), k
+
+
 def test_async_delta_saves_encode_a_staged_copy_after_returning(tmp_path):
     """Note [Async delta saves]: an async delta save that finds the writer's
     staging buffer ready copies the state into it, returns, and encodes on

@@ -196,7 +196,7 @@ void TensorCache::run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Str
       mutate(e, EntryState::kFailed, true);
       step_c_.tensors_kept += 1;
     }
-    completions_.push_back({id, false});  // also when forwarded meanwhile: the glue warns
+    completions_.push_back({id, false, {}, 0});  // also when forwarded meanwhile: the glue warns
     return;
   }
   if (e.state == EntryState::kStoring) {
@@ -205,7 +205,7 @@ void TensorCache::run_store(Lock& lock, EntryId id, std::map<int, mem::cuda::Str
     mutate(e, EntryState::kStored, false);
     step_c_.bytes_offloaded += e.nbytes;
     step_c_.tensors_offloaded += 1;
-    completions_.push_back({id, true});
+    completions_.push_back({id, true, {}, 0});
   }
 }
 

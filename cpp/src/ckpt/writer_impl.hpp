@@ -121,8 +121,8 @@ struct CheckpointWriter::Impl {
   detail::Reaper reaper;  // Note [Deferred removal]
   mutable std::mutex staging_mu;  // staging_buf (replaced by reserve_staging) and its page-locking
   StagingBuffer staging_buf;      // Note [Staging buffer]
-  std::mutex excp_mu;             // excp_scratch: one encode_delta at a time
-  excp::Scratch excp_scratch;     // the encoder's working memory, kept across tensors
+  std::mutex excp_mu;                      // excp_scratch: one encode at a time
+  std::vector<excp::Scratch> excp_scratch;  // the encoder's working memory per runner, kept across tensors
 
   explicit Impl(const WriterOptions& o)
       : opt(o), workers(o.threads ? o.threads : detail::default_threads()) {}

@@ -13,7 +13,7 @@ writer and reader, ebbtide._core.CkptWriter / CkptReader):
   save and load; tree.py: the state-dict tree codec both use; collectives.py:
   the collectives of a save under torch.distributed;
 - lossy.py: ExCP-style delta compression (``save(..., base=, lossy=)``; the
-  encoding itself is the core's, CkptWriter.excp_encode);
+  encoding itself is the core's, CkptWriter.excp_encode_many);
 - checks.py, validate.py: every check a hostile checkpoint meets, one table
   for ``load`` and ``ebbtide ckpt inspect`` (Note [One validator]);
 - safetensors.py: safetensors files and sharded HF checkpoints;

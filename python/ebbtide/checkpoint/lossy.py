@@ -26,8 +26,8 @@ state, its moments m and v:
      over the weight's kept positions only), codes one per byte, and the
      writer entropy-codes both with zstd.
 Steps 1-5 run in the C++ core on the checkpoint writer's threads
-(ebbtide._core.CkptWriter.excp_encode, Note [ExCP encoding] in
-cpp/src/ckpt/excp.cpp), which also measures the error of what decodes; this
+(ebbtide._core.CkptWriter.excp_encode_many, Note [ExCP encoding] and
+Note [ExCP batches] in cpp/src/ckpt/excp.cpp), which also measures the error of what decodes; this
 module pairs weights with moments, lays the result out (Note [Lossy tensor
 layout]) and decodes it on load. Everything else (ints, small tensors,
 tensors without a base) is stored losslessly. The error of each lossy tensor
@@ -193,6 +193,11 @@ def _fp32(t):
     return t.detach().to(device="cpu", dtype=torch.float32).contiguous()
 
 
+# Bytes of float32 copies (of bf16/fp16 or device tensors) a batch of
+# encodings may hold at once.
+_BATCH_COPY_BYTES = 512 << 20
+
+
 def encode(state, base_state, lossy, writer):
     """Returns (encoded state, error report); the encoding runs on
     `writer`'s threads (an ebbtide._core.CkptWriter)."""
@@ -212,42 +217,64 @@ def encode(state, base_state, lossy, writer):
         return b is not None and tuple(b.shape) == tuple(t.shape) and b.is_floating_point()
 
     moment_paths = {p for mv in pairs.values() for p in mv}
+    jobs, queued, copied = [], set(), 0
+
+    def flush():
+        # Whole weights side by side on the writer's threads (Note [ExCP batches]).
+        results = writer.excp_encode_many(
+            [j[-1] for j in jobs], density=o.density, tolerance=o.tolerance if o.alpha is None else 0.0,
+            alpha=-1.0 if o.alpha is None else float(o.alpha), beta=o.beta, bits=o.bits,
+            bits_moments=o.bits_moments, kmeans_iters=o.kmeans_iters)
+        for (path, w, mv, carry, _keep, _args), coded in zip(jobs, results):
+            replace[path] = _entry(w, coded["w"], o.bits, "delta")
+            account(path, coded["w"])
+            exact[path] = w
+            if mv is None:
+                continue
+            replace[mv[0]] = _entry(tensors[mv[0]], coded["m"], o.bits_moments, "direct", ref=path)
+            account(mv[0], coded["m"])
+            # Note [Second moments are carried]
+            # The paper zeroes an unkept v. On resume such an element's step is
+            # m / sqrt(v) ~ (1 - b1) g / (sqrt(1 - b2) |g|): ~3x the learning rate
+            # per unit gradient for b2 = 0.999 until v refills, against ~0.1-0.3x
+            # for a trained element, on most of each tensor at once. The base's v
+            # (one link old, b2^K of it still in the exact v) only misjudges the
+            # step by the ratio of square roots, and costs no bits.
+            replace[mv[1]] = _entry(tensors[mv[1]], coded["v"], o.bits_moments, "carry" if carry else "direct",
+                                    ref=path, log=True)
+            account(mv[1], coded["v"])
+            exact[mv[0]], exact[mv[1]] = tensors[mv[0]], tensors[mv[1]]
+        jobs.clear()
+
     for path, w in flat:
-        if path in moment_paths or path in replace:
+        if path in moment_paths or path in queued:
             continue
         if not w.is_floating_point() or w.numel() < o.min_numel or not usable_base(path, w):
             continue
+        queued.add(path)
+        originals = [w, base[path]]
         wf, bw = _fp32(w), _fp32(base[path])
         mv = pairs.get(path)
         m = v = bv = None
         carry = False
         if mv is not None:
             m, v = _fp32(tensors[mv[0]]), _fp32(tensors[mv[1]])
+            originals += [tensors[mv[0]], tensors[mv[1]]]
             carry = o.v_unkept == "carry" and usable_base(mv[1], v)
             bv = _fp32(base[mv[1]]) if carry else None
-        coded = writer.excp_encode(wf.data_ptr(), bw.data_ptr(), wf.numel(), m.data_ptr() if m is not None else 0,
-                                   v.data_ptr() if v is not None else 0, bv.data_ptr() if bv is not None else 0,
-                                   density=o.density, tolerance=o.tolerance if o.alpha is None else 0.0,
-                                   alpha=-1.0 if o.alpha is None else float(o.alpha), beta=o.beta, bits=o.bits,
-                                   bits_moments=o.bits_moments, carry_v=carry, kmeans_iters=o.kmeans_iters)
-        replace[path] = _entry(w, coded["w"], o.bits, "delta")
-        account(path, coded["w"])
-        exact[path] = w
-        if mv is None:
-            continue
-        replace[mv[0]] = _entry(tensors[mv[0]], coded["m"], o.bits_moments, "direct", ref=path)
-        account(mv[0], coded["m"])
-        # Note [Second moments are carried]
-        # The paper zeroes an unkept v. On resume such an element's step is
-        # m / sqrt(v) ~ (1 - b1) g / (sqrt(1 - b2) |g|): ~3x the learning rate
-        # per unit gradient for b2 = 0.999 until v refills, against ~0.1-0.3x
-        # for a trained element, on most of each tensor at once. The base's v
-        # (one link old, b2^K of it still in the exact v) only misjudges the
-        # step by the ratio of square roots, and costs no bits.
-        replace[mv[1]] = _entry(tensors[mv[1]], coded["v"], o.bits_moments, "carry" if carry else "direct",
-                                ref=path, log=True)
-        account(mv[1], coded["v"])
-        exact[mv[0]], exact[mv[1]] = tensors[mv[0]], tensors[mv[1]]
+            if carry:
+                originals.append(base[mv[1]])
+        keep = [x for x in (wf, bw, m, v, bv) if x is not None]
+        # fp32 copies of other dtypes are held until their batch is encoded: bounded.
+        copied += sum(x.numel() * 4 for x, orig in zip(keep, originals) if x.data_ptr() != orig.data_ptr())
+        jobs.append((path, w, mv, carry, keep,
+                     (wf.data_ptr(), bw.data_ptr(), wf.numel(), m.data_ptr() if m is not None else 0,
+                      v.data_ptr() if v is not None else 0, bv.data_ptr() if bv is not None else 0, carry)))
+        if copied > _BATCH_COPY_BYTES:
+            flush()
+            copied = 0
+    if jobs:
+        flush()
     # The core measured each error in float32; a tensor stored in another
     # dtype decodes rounded to it, so its error is measured on what decodes.
     encs = {p: r["__excp__"] for p, r in replace.items()}

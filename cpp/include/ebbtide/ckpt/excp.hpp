@@ -81,4 +81,18 @@ struct Scratch {
 // missing one of them. Serial when `parallel` is empty.
 Encoded encode(const Weight& in, const Options& o, const ParallelFor& parallel = {}, Scratch* scratch = nullptr);
 
+struct Job {
+  Weight in;
+  Options o;
+};
+
+// encode() of every job, each result the same as alone (Note [ExCP
+// batches]): a weight of at least 1 / (2 runners) of the batch's elements
+// is split over `parallel`, the others run side by side, one per runner,
+// largest first. `runners`: how many threads `parallel` runs at once.
+// `scratch` (resized to `runners`) is kept across calls; options are
+// checked for every job before any is encoded.
+std::vector<Encoded> encode_batch(const std::vector<Job>& jobs, unsigned runners, const ParallelFor& parallel = {},
+                                  std::vector<Scratch>* scratch = nullptr);
+
 }  // namespace ebbtide::ckpt::excp
