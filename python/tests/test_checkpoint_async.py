@@ -303,6 +303,99 @@ def test_dcp_async_save_never_waits_for_the_staging_fill(tmp_path, monkeypatch):
         go.set()
 
 
+def _writer_with_staging_buffer(path, state):
+    """An EbbtideWriter whose next async_save copies into its staging buffer
+    (the first one writes through and fills it: Note [First DCP async save])."""
+    w = EbbtideWriter(path)
+    dcp.async_save(state, storage_writer=w).result()
+    w.join()
+    assert w._native.staging_buffer is not None
+    return w
+
+
+def test_dcp_async_save_returns_with_the_overlapped_copy_whole(tmp_path, monkeypatch):
+    """Note [Overlapped staging copy]: the writer's staging copy runs beside
+    torch's set-up. While it is held at its gate, async_save has not
+    returned, and the upload, having reached write_data, writes nothing
+    (the staging buffer still holds the previous save's bytes); once it
+    ends, the checkpoint is the state at the call."""
+    state = make_state()
+    del state["step"]
+    w = _writer_with_staging_buffer(tmp_path / "c", state)
+    mutate(state)  # the buffer now holds other bytes than the state's
+    want, out = clone(state), {}
+    copy_held, go, upload_waits = threading.Event(), threading.Event(), threading.Event()
+    saves = []
+
+    def hold():
+        copy_held.set()
+        go.wait(120)
+    monkeypatch.setitem(dcp_format._test_gates, "staging-copy", hold)
+    monkeypatch.setitem(dcp_format._test_gates, "staging-copy-wait", upload_waits.set)
+    real_save = w._native.save
+
+    class Native:  # the C++ writer, its saves recorded
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def save(self, *a, **k):
+            saves.append(a[0])
+            return real_save(*a, **k)
+    real = w._native
+    w._native = Native()
+    try:
+        t = threading.Thread(target=lambda: out.update(fut=dcp.async_save(state, storage_writer=w)), daemon=True)
+        t.start()
+        assert copy_held.wait(120) and upload_waits.wait(120)
+        t.join(1.0)  # a call that does not wait for the copy returns meanwhile; one that waits cannot
+        assert t.is_alive(), "async_save returned before its staging copy ended"
+        assert saves == [], "the upload wrote before the staging copy ended"
+    finally:
+        go.set()
+    t.join(120)
+    assert not t.is_alive()
+    mutate(state)  # the caller goes on once async_save has returned
+    out["fut"].result()
+    assert len(saves) == 1
+    got = {k: torch.empty_like(v) for k, v in want.items()}
+    dcp.load(got, storage_reader=EbbtideReader(tmp_path / "c"))
+    assert_bitwise(got, want)
+
+
+def test_dcp_async_save_with_a_failed_staging_copy_raises_and_commits_nothing(tmp_path):
+    """Note [Overlapped staging copy]: a staging copy that fails makes
+    async_save raise its error, and the upload writes nothing; the last
+    checkpoint stays, and the next save works."""
+    state = make_state()
+    del state["step"]
+    w = _writer_with_staging_buffer(tmp_path / "c", state)
+    want = clone(state)
+    real = w._native
+
+    class Native:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def stage(self, copies):
+            raise OSError(errno.EIO, "staging copy failed (test)")
+    w._native = Native()
+    before = set(threading.enumerate())
+    mutate(state)
+    with pytest.raises(OSError, match="staging copy failed"):
+        dcp.async_save(state, storage_writer=w)
+    for t in set(threading.enumerate()) - before:
+        if t.name.startswith("AsyncCheckpointExecutor"):
+            t.join(120)
+            assert not t.is_alive()
+    got = {k: torch.empty_like(v) for k, v in want.items()}
+    dcp.load(got, storage_reader=EbbtideReader(tmp_path / "c"))
+    assert_bitwise(got, want)  # the previous checkpoint
+    w._native = real
+    dcp.async_save(state, storage_writer=w).result()
+    dcp.load(got, storage_reader=EbbtideReader(tmp_path / "c"))
+    assert_bitwise(got, state)
+
+
 def test_dcp_first_async_save_failing_before_the_writes_returns(tmp_path):
     """The first async_save waits for write_data (Note [First DCP async save]);
     an upload that fails in planning (a stripe directory that does not exist)

@@ -243,7 +243,8 @@ class EbbtideWriter(_DirectoryId, StorageWriter, DcpStager):
     # the saves it runs one after another keep one set of pinned buffers.
     def __getstate__(self):
         state = self.__dict__.copy()
-        for k in ("_native", "_stager", "_txn", "state_dict_cache", "_unstaged", "_written", "_filler", "_views"):
+        for k in ("_native", "_stager", "_txn", "state_dict_cache", "_unstaged", "_written", "_filler", "_views",
+                  "_copier", "_copying"):
             state.pop(k, None)
         return state
 
@@ -374,6 +375,8 @@ class EbbtideWriter(_DirectoryId, StorageWriter, DcpStager):
         # caller's tensors during dcp.save, or DCP's staged copy during
         # async_save), so the writer copies chunk k while chunk k-1 is being
         # written instead of snapshotting everything first (Note [Pipelined save]).
+        _test_hook_gate("staging-copy-wait")
+        self._wait_copied([b[1] for b in blobs])  # Note [Overlapped staging copy]: the staged bytes are whole
         unstaged, self._unstaged = self._unstaged, None  # Note [Uncopied DCP saves]
         written = self._written  # Note [First DCP async save]
         try:
