@@ -513,6 +513,7 @@ def test_replan_when_the_link_measures_faster(tmp_path, caplog, monkeypatch):
         real_times = adapt._scope_times
         monkeypatch.setattr(adapt, "_scope_times", lambda: {s: 0.01 for s in real_times()})
         monkeypatch.setattr(adapt, "_block_seconds", lambda scope: 0.01)
+        monkeypatch.setattr(adapt, "recomputed", lambda scope, start: None)  # recomputes timed at the profile's
         monkeypatch.setattr(adapt, "_measured_backward_factor", lambda fwd, stall: 2.0)
         monkeypatch.setattr(adapt, "_backward_times", lambda end: {})  # backward = 2 x forward
         speed = [0.5]
@@ -557,6 +558,7 @@ def test_no_replan_up_at_the_write_cap(tmp_path, monkeypatch):
         real_times = adapt._scope_times
         monkeypatch.setattr(adapt, "_scope_times", lambda: {s: 0.05 for s in real_times()})
         monkeypatch.setattr(adapt, "_block_seconds", lambda scope: 0.05)
+        monkeypatch.setattr(adapt, "recomputed", lambda scope, start: None)  # recomputes timed at the profile's
         monkeypatch.setattr(adapt, "_measured_backward_factor", lambda fwd, stall: 2.0)
         monkeypatch.setattr(adapt, "_backward_times", lambda end: {})  # backward = 2 x forward
         monkeypatch.setattr(adapt, "_tier_rates", lambda core_stats: {

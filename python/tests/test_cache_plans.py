@@ -134,6 +134,34 @@ def test_the_retime_moves_a_blocks_recompute_time_with_its_forward(tmp_path):
             assert m["recompute_seconds"] == pytest.approx(50.0 * m["forward_seconds"] / 100.0)
 
 
+def test_the_retime_times_the_recompute_of_a_recomputed_block(tmp_path):
+    """Note [Re-timed profile]: where the plan recomputes a block, the first
+    planned step times that recompute as it runs in backward and keeps it
+    (scaling the profiled time with the forward over-predicted it), and the
+    block's backward is its span less the recompute. The profile's times are
+    set so that scaling would leave them unchanged: only a measurement moves
+    them."""
+    model, x = net_and_input()
+    with ebbtide.TensorCache("ssd", str(tmp_path), activation_budget_bytes=1 << 21).attach(model) as cache:
+        step(model, x, cache.step())
+        adapt = cache._adapt
+        assert adapt.recompute_scopes, "a 2 MiB budget recomputes blocks (1.5 MiB is the least reachable)"
+        blocks = [m for m in adapt.profile_modules if m.get("recompute_seconds")]
+        for m in blocks:
+            m["forward_seconds"] = 1e-9  # below any measured time: the forward stays, the scale is 1
+            m["recompute_seconds"] = 100.0
+            m["backward_seconds"] = 100.0
+        step(model, x, cache.step())
+        assert set(adapt._recomputes) == set(adapt.recompute_scopes) & {m["scope"] for m in blocks}
+        for m in blocks:
+            if m["scope"] in adapt._recomputes:
+                assert 0 < m["recompute_seconds"] < 100.0, m
+                assert m["backward_seconds"] < 100.0, m
+            else:
+                assert m["recompute_seconds"] == 100.0, m
+        assert adapt.plan["reason"] == "retime"
+
+
 def test_offload_calls_plan_from_the_last_profile(tmp_path):
     """Note [Plans across offload() calls]: the one-step form profiles once
     per model and settings; before, every call profiled (and on a GPU a

@@ -106,6 +106,7 @@ class Adaptive:
         self.infeasible: Optional[str] = None  # the error of a budget no plan meets
         self.max_inflight_bytes = int(cache._max_inflight)  # Note [Budget guard]
         self._bmarks: list = []      # Note [Backward profile]: (scope, point) as backward reaches blocks
+        self._recomputes: dict = {}  # Note [Re-timed profile]: scope -> [(start, end)] of its recomputes
         self._grads = None           # (before, [per block], after) gradient bytes of the profiling step
         self._alloc = None           # the step's AllocatorWindow
         # The step's allocator peak above its start (CUDA, when the step raised
@@ -125,6 +126,7 @@ class Adaptive:
         self.retiming = self._retime_next and not self.profiling and self.plan is not None
         self._retime_next = False
         self._marks = []
+        self._recomputes = {}  # scope -> [(start, end)] of its recomputes in this re-timed step
         self._inputs, self._block_open, self._block = {}, {}, {}
         self.infeasible = None
         if self.profiling:
@@ -156,6 +158,12 @@ class Adaptive:
         """A scope begins (None: the forward ended). Only while profiling or re-timing."""
         if self.profiling or self.retiming:
             self._marks.append((scope, self._now()))
+
+    def recomputed(self, scope: int, start) -> None:
+        """Block `scope`'s recompute in backward, begun at `start` (a _now()
+        point), ends now. Only while re-timing (Note [Re-timed profile])."""
+        if self.retiming:
+            self._recomputes.setdefault(scope, []).append((start, self._now()))
 
     def mark_backward(self, scope: int) -> None:
         """Block `scope`'s backward begins (Note [Backward profile]). Only while profiling or re-timing."""
@@ -481,7 +489,11 @@ class Adaptive:
         the H200, 1.24 s against 0.11 s later), and on a GPU with a budget it
         offloads. The first planned step times each module again; a module's
         time is the smaller of the two (whatever disturbs a step only adds
-        to it), and a recomputable block's recompute time moves with it. When that lowers any time the plan is made again (reason
+        to it), and a recomputable block's recompute time moves with it,
+        unless the plan recomputes the block: then its recompute is timed as
+        it runs in backward (a forward that saves nothing for the cache:
+        scaling the profiled time over-predicted it), and the block's
+        backward is its backward span less that recompute. When that lowers any time the plan is made again (reason
         "retime"), so that its prediction (stats(), the trace) is of the
         times it keeps, with the step's SSD write rate when that too is far
         from the plan's: one plan, not two in a row. As Note [Quiet re-plan],
@@ -491,21 +503,31 @@ class Adaptive:
         if not times:
             return
         back = self._backward_times(self._now())
-        before = sum(m["forward_seconds"] + m.get("backward_seconds", 0.0) for m in self.profile_modules)
+        if self._cuda:
+            for spans in self._recomputes.values():
+                spans[-1][1].synchronize()  # recorded in backward, after the marks' last sync
+        recomputed = {scope: sum(self._elapsed(a, b) for a, b in spans) for scope, spans in self._recomputes.items()}
+        def total():
+            return sum(m["forward_seconds"] + m.get("backward_seconds", 0.0) + m.get("recompute_seconds", 0.0)
+                       for m in self.profile_modules)
+        before = total()
         for m in self.profile_modules:
             if m.get("tail"):
                 continue  # its forward is the block's scope less the block: not timed apart
             if m["scope"] in times:
                 fwd = min(m["forward_seconds"], times[m["scope"]])
-                if m.get("recompute_seconds") and m["forward_seconds"] > 0:
+                if m["scope"] in recomputed:
+                    m["recompute_seconds"] = recomputed[m["scope"]]
+                elif m.get("recompute_seconds") and m["forward_seconds"] > 0:
                     # The block's own time came from the same disturbed step:
                     # it moves with its scope's (a recompute planned at the
                     # profile's time read 1.18x the measured step).
                     m["recompute_seconds"] *= fwd / m["forward_seconds"]
                 m["forward_seconds"] = fwd
             if m["scope"] in back and "backward_seconds" in m:
-                m["backward_seconds"] = min(m["backward_seconds"], back[m["scope"]])
-        after = sum(m["forward_seconds"] + m.get("backward_seconds", 0.0) for m in self.profile_modules)
+                own = max(back[m["scope"]] - recomputed.get(m["scope"], 0.0), 0.0)
+                m["backward_seconds"] = min(m["backward_seconds"], own)
+        after = total()
         if 0 < after < before:
             old = [m["placement"] for m in self.plan["modules"]] if self.plan is not None else None
             change = self._ssd_rate_change(core_stats)

@@ -519,11 +519,12 @@ class _StepHooks:
     def _set_recompute(self, scopes) -> None:
         """Wraps the forwards of the blocks of `scopes` in a checkpoint and
         unwraps the others (Note [Recompute by the cache])."""
-        want = {}
+        want, scope_of = {}, {}
         for s in scopes:
             m = self._scope_modules.get(s)
             if m is not None:
                 want[id(m)] = m
+                scope_of[id(m)] = s
         for key, (m, had, fwd, ours) in list(self._recompute.items()):
             if key in want and m.__dict__.get("forward") is ours:
                 continue
@@ -539,11 +540,11 @@ class _StepHooks:
             if key not in self._recompute:
                 had = "forward" in m.__dict__
                 fwd = m.__dict__.get("forward")
-                ours = self._recompute_wrapper(m.forward)
+                ours = self._recompute_wrapper(m.forward, scope_of[key])
                 m.forward = ours
                 self._recompute[key] = (m, had, fwd, ours)
 
-    def _recompute_wrapper(self, inner):
+    def _recompute_wrapper(self, inner, scope):
         ref = weakref.ref(self)
 
         def forward(*args, **kwargs):
@@ -570,13 +571,21 @@ class _StepHooks:
             def run(*a, **kw):
                 if first[0]:
                     first[0] = False
-                elif any(_is_kv_cache(v) for v in kw.values()):
+                    return inner(*a, **kw)
+                if any(_is_kv_cache(v) for v in kw.values()):
                     # The recompute in backward: a key/value cache the
                     # forward already appended to is not passed again.
                     kw = {k: (None if _is_kv_cache(v) else v) for k, v in kw.items()}
                     if "use_cache" in kw:
                         kw["use_cache"] = False
-                return inner(*a, **kw)
+                adapt = c._adapt if c is not None else None
+                if adapt is None or not adapt.retiming:
+                    return inner(*a, **kw)
+                start = adapt._now()  # Note [Re-timed profile]: the recompute as the plan runs it
+                try:
+                    return inner(*a, **kw)
+                finally:  # torch's checkpoint ends a recompute early by raising once it has what backward needs
+                    adapt.recomputed(scope, start)
 
             return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
                                                      context_fn=c._checkpoint_context_fn or _no_context, **kwargs)
