@@ -382,6 +382,11 @@ class EbbtideWriter(_DirectoryId, StorageWriter, DcpStager):
         try:
             h = self._native.save(file, blobs, meta, block=True, pipelined=True, frames=frames,
                                   stripe_files=stripe_files)
+            if written is not None:
+                # The caller's tensors may change once their bytes are written
+                # and durable; the file's own close and header need not be waited for.
+                h.wait_written()
+                written[0].set()
             h.wait()
         finally:
             if written is not None:
