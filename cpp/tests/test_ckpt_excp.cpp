@@ -11,6 +11,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
 #include "ebbtide/ckpt/excp.hpp"
 #include "ebbtide/ckpt/writer.hpp"
 #include "ebbtide/util/error.hpp"
@@ -222,6 +226,26 @@ TEST(Excp, BatchEqualsEachWeightAlone) {
   }
   EXPECT_TRUE(encode_batch({}, 2, threads()).empty());
 }
+
+#if defined(__x86_64__)
+// A caller with flush-to-zero and denormals-are-zero set (torch.set_flush_denormal(True))
+// gets what every other thread gets: tiny second moments scored as IEEE numbers.
+TEST(Excp, DenormalsAreIeeeWhateverTheCallersMode) {
+  Tensors t = make(size_t{1} << 17, 21);
+  for (size_t i = 0; i < t.v.size(); i += 2) t.v[i] = 1e-40f;  // denormal: its score is not 0
+  Options o;
+  o.tolerance = 0.1;
+  const Encoded plain = encode(t.in(), o);
+  Encoded flushed;
+  std::thread th([&] {
+    _mm_setcsr(_mm_getcsr() | 0x8040u);
+    flushed = encode(t.in(), o, threads());
+    EXPECT_EQ(_mm_getcsr() & 0x8040u, 0x8040u) << "the caller's mode is restored";
+  });
+  th.join();
+  expect_same(plain, flushed);
+}
+#endif
 
 TEST(Excp, BatchChecksEveryJobFirst) {
   const Tensors t = make(1000, 4);

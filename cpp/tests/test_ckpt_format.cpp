@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <thread>
 
 #include "ckpt_writer_test.hpp"
@@ -346,6 +347,42 @@ TEST(CkptWriter, WaitWrittenReturnsBeforeTheGatedCommit) {
   h.approve();
   EXPECT_EQ(h.wait().raw_bytes, b.size());
   EXPECT_EQ(committed_bytes(d.path()), b.size());
+}
+
+// wait_copied(): a pipelined save stops reading its sources once its last
+// chunk is in the ring, before the writes complete. The writing thread is
+// held right after that point; wait_copied() returns, the save is not done.
+TEST(CkptWriter, WaitCopiedReturnsBeforeThePipelinedWritesComplete) {
+  TempDir d;
+  auto a = test::random_bytes(1 << 20, 15), b = test::random_bytes(3 << 20, 14);
+  CheckpointWriter w;
+  w.save(commit_request(d.path(), a, false)).wait();
+  std::promise<void> release;
+  std::shared_future<void> go = release.get_future().share();
+  std::promise<void> at_hook;
+  std::future<void> reached = at_hook.get_future();
+  detail::after_copy_hook = [&] {
+    at_hook.set_value();
+    go.wait();
+  };
+  auto req = commit_request(d.path(), b, false);
+  req.pipelined = true;
+  auto h = w.save(std::move(req));
+  auto copied = std::async(std::launch::async, [&] { h.wait_copied(); });
+  // Read everything while the writing thread is held, then let it go before any assertion.
+  const bool held = reached.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
+  const bool returned = copied.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
+  const bool done_while_held = h.done();
+  const uint64_t committed_while_held = committed_bytes(d.path());
+  release.set_value();
+  EXPECT_TRUE(held) << "the save never reached the point after its copies";
+  EXPECT_TRUE(returned) << "wait_copied() waited for the writes";
+  EXPECT_FALSE(done_while_held);
+  EXPECT_EQ(committed_while_held, a.size());
+  EXPECT_EQ(h.wait().raw_bytes, b.size());
+  detail::after_copy_hook = nullptr;
+  EXPECT_EQ(committed_bytes(d.path()), b.size());
+  w.save(commit_request(d.path(), a, false)).wait_copied();  // not pipelined: returns once written (or done)
 }
 
 // Note [First async save]: reserve_arena grows the arena after the save.

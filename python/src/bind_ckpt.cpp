@@ -73,6 +73,11 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
 
   nb::class_<SaveHandle>(m, "CkptSaveHandle")
       .def("done", &SaveHandle::done)
+      .def("wait_copied",
+           [](const SaveHandle& h) {
+             ebbtide::py::gil_release g;
+             h.wait_copied();
+           })
       .def("wait_written",
            [](const SaveHandle& h) {
              ebbtide::py::gil_release g;

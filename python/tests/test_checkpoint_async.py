@@ -362,14 +362,12 @@ def test_dcp_async_save_returns_with_the_overlapped_copy_whole(tmp_path, monkeyp
     assert_bitwise(got, want)
 
 
-def test_dcp_async_save_with_a_failed_staging_copy_raises_and_commits_nothing(tmp_path):
-    """Note [Overlapped staging copy]: a staging copy that fails makes
-    async_save raise its error, and the upload writes nothing; the last
-    checkpoint stays, and the next save works."""
+def _writer_whose_copies_fail(tmp_path):
+    """(state, writer with a staging buffer whose writer's copies raise EIO,
+    the state it last saved, its real C++ writer)."""
     state = make_state()
     del state["step"]
     w = _writer_with_staging_buffer(tmp_path / "c", state)
-    want = clone(state)
     real = w._native
 
     class Native:
@@ -379,6 +377,14 @@ def test_dcp_async_save_with_a_failed_staging_copy_raises_and_commits_nothing(tm
         def stage(self, copies):
             raise OSError(errno.EIO, "staging copy failed (test)")
     w._native = Native()
+    return state, w, clone(state), real
+
+
+def test_dcp_async_save_with_a_failed_staging_copy_raises_and_commits_nothing(tmp_path):
+    """Note [Overlapped staging copy]: a staging copy that fails makes
+    async_save raise its error, and the upload writes nothing; the last
+    checkpoint stays, and the next save works."""
+    state, w, want, real = _writer_whose_copies_fail(tmp_path)
     before = set(threading.enumerate())
     mutate(state)
     with pytest.raises(OSError, match="staging copy failed"):
@@ -394,6 +400,44 @@ def test_dcp_async_save_with_a_failed_staging_copy_raises_and_commits_nothing(tm
     dcp.async_save(state, storage_writer=w).result()
     dcp.load(got, storage_reader=EbbtideReader(tmp_path / "c"))
     assert_bitwise(got, state)
+
+
+def test_dcp_async_save_with_a_failed_copy_raises_once_its_upload_has_failed(tmp_path, monkeypatch):
+    """Note [Overlapped staging copy]: async_save raises a failed copy's
+    error only once the upload it started has failed too, so that nothing
+    the caller does next (close(), another save) can let that upload commit
+    what the copy left in the buffer. The upload is held at its gate: the
+    call has not raised; released, it fails, and then the call raises."""
+    state, w, want, real = _writer_whose_copies_fail(tmp_path)
+    at_gate, go = threading.Event(), threading.Event()
+
+    def hold():
+        at_gate.set()
+        go.wait(120)
+    monkeypatch.setitem(dcp_format._test_gates, "staging-copy-wait", hold)
+    mutate(state)
+    out = {}
+
+    def call():
+        try:
+            dcp.async_save(state, storage_writer=w)
+        except OSError as e:
+            out["error"] = e
+    t = threading.Thread(target=call, daemon=True)
+    try:
+        t.start()
+        assert at_gate.wait(120)
+        t.join(1.0)  # a call that does not wait for the upload raises meanwhile
+        assert t.is_alive(), "async_save raised while its upload could still commit"
+    finally:
+        go.set()
+    t.join(120)
+    assert not t.is_alive() and "staging copy failed" in str(out.get("error"))
+    w._native = real
+    w.close()
+    got = {k: torch.empty_like(v) for k, v in want.items()}
+    dcp.load(got, storage_reader=EbbtideReader(tmp_path / "c"))
+    assert_bitwise(got, want)  # the previous checkpoint
 
 
 def test_dcp_first_async_save_failing_before_the_writes_returns(tmp_path):

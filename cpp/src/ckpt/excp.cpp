@@ -57,6 +57,10 @@
 
 #include "ebbtide/util/error.hpp"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
 namespace ebbtide::ckpt::excp {
 namespace {
 
@@ -67,11 +71,26 @@ constexpr size_t kBuckets = size_t{1} << 15;  // top 16 bits of a non-negative f
 constexpr float kTiny = 1e-30f;  // log-domain floor of second moments (an exact 0 decodes to 1e-30)
 constexpr uint64_t kSample = uint64_t{1} << 14;  // codebooks are fitted on at most this many values
 
+// Denormals as IEEE on this thread while it lives: a caller (or the thread
+// that made the pool's workers) with flush-to-zero set, as
+// torch.set_flush_denormal(True) sets it, would otherwise score tiny second
+// moments as 0 on some threads and not on others.
+struct IeeeDenormals {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned saved = _mm_getcsr();
+  IeeeDenormals() { _mm_setcsr(saved & ~0x8040u); }  // FTZ (bit 15) and DAZ (bit 6) off
+  ~IeeeDenormals() { _mm_setcsr(saved); }
+#endif
+};
+
 void run(const ParallelFor& par, size_t n, const std::function<void(size_t)>& fn) {
   if (n == 1 || !par) {
     for (size_t i = 0; i < n; ++i) fn(i);
   } else if (n > 1) {
-    par(n, fn);
+    par(n, [&fn](size_t i) {
+      IeeeDenormals ieee;
+      fn(i);
+    });
   }
 }
 
@@ -319,6 +338,7 @@ inline uint8_t pack8(const uint8_t* k) {
 
 Encoded encode(const Weight& in, const Options& o, const ParallelFor& par, Scratch* scratch) {
   check(in, o);
+  IeeeDenormals ieee;
   Encoded out;
   const uint64_t n = in.n;
   const bool moments = in.m != nullptr;
@@ -532,7 +552,7 @@ Encoded encode(const Weight& in, const Options& o, const ParallelFor& par, Scrat
         tr[c] = wi[j] - bi[j];
         c += kw[j];
       }
-      std::memcpy(kr.data() + out_i, tr, c * sizeof(float));
+      if (c != 0) std::memcpy(kr.data() + out_i, tr, c * sizeof(float));
       if (moments) {
         const float* mi = in.m + i;
         const float* vi = in.v + i;
@@ -543,9 +563,11 @@ Encoded encode(const Weight& in, const Options& o, const ParallelFor& par, Scrat
           tf[c] = k[j];
           c += kw[j];
         }
-        std::memcpy(km.data() + out_i, tm, c * sizeof(float));
-        std::memcpy(kv.data() + out_i, tv, c * sizeof(float));
-        std::memcpy(kflag.data() + out_i, tf, c);
+        if (c != 0) {
+          std::memcpy(km.data() + out_i, tm, c * sizeof(float));
+          std::memcpy(kv.data() + out_i, tv, c * sizeof(float));
+          std::memcpy(kflag.data() + out_i, tf, c);
+        }
       }
       out_i += c;
     }

@@ -68,6 +68,14 @@ void SaveHandle::wait_written() const {
   s_->cv.wait(lock, [&] { return s_->written || s_->done; });
 }
 
+std::function<void()> detail::after_copy_hook;
+
+void SaveHandle::wait_copied() const {
+  EBB_CHECK_STATE(s_, "SaveHandle is empty");
+  std::unique_lock lock(s_->mu);
+  s_->cv.wait(lock, [&] { return s_->copied || s_->written || s_->done; });
+}
+
 bool SaveHandle::done() const {
   EBB_CHECK_STATE(s_, "SaveHandle is empty");
   std::lock_guard lock(s_->mu);

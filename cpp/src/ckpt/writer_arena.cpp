@@ -87,8 +87,9 @@ void CheckpointWriter::Impl::ensure_arena(uint64_t bytes, uint64_t huge_bytes) {
 // 0.3-2.6 s per GB: the hypervisor backs each new page), which made it
 // block 3x as long as a synchronous save. So checkpoint.py saves an async
 // request the arena cannot hold as a pipelined one (through the ring, as
-// a synchronous save does) and returns once its sources are written
-// (SaveHandle::wait_written()); its `reserve_arena` then has this thread,
+// a synchronous save does) and returns once its sources are read: every
+// chunk copied into the ring (SaveHandle::wait_copied(); the last writes,
+// the header and the syncs go on without them); its `reserve_arena` then has this thread,
 // after the save is done, grow the arena to the state's size and fault it
 // in (MADV_POPULATE_WRITE), off the caller's path. The next async save
 // copies into present memory. A later save waits for the growth to end

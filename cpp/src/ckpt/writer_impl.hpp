@@ -43,6 +43,14 @@ struct SaveState {
   enum class Gate { kOpen, kPending, kApproved, kRejected } gate = Gate::kOpen;
   std::string reject_reason;
   bool written = false;  // every byte of the sources is written and durable (Note [Uncopied async saves])
+  bool copied = false;   // the sources are read no more (SaveHandle::wait_copied())
+  void mark_copied() {
+    {
+      std::lock_guard lock(mu);
+      copied = true;
+    }
+    cv.notify_all();
+  }
 
   // Blocks the writing thread until the caller approves or rejects the
   // commit; a rejection fails the save with StateError(reason).

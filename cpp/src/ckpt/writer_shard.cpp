@@ -450,6 +450,10 @@ SaveResult CheckpointWriter::Impl::write(const SaveRequest& req, const std::vect
   try {
     sw.submit_chunks();
     snapshot_done = seconds_since(t0);
+    if (pipelined) {  // every chunk is in the ring: the sources are read no more
+      state.mark_copied();
+      if (detail::after_copy_hook) detail::after_copy_hook();
+    }
     sw.flush_runs();
     loop->drain();
     arena_used = true;

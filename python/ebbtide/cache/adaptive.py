@@ -502,10 +502,10 @@ class Adaptive:
         times = self._scope_times()
         if not times:
             return
-        back = self._backward_times(self._now())
+        end = self._now()
         if self._cuda:
-            for spans in self._recomputes.values():
-                spans[-1][1].synchronize()  # recorded in backward, after the marks' last sync
+            end.synchronize()  # the backward's marks and recomputes came after the forward's last mark, synced
+        back = self._backward_times(end)
         recomputed = {scope: sum(self._elapsed(a, b) for a, b in spans) for scope, spans in self._recomputes.items()}
         def total():
             return sum(m["forward_seconds"] + m.get("backward_seconds", 0.0) + m.get("recompute_seconds", 0.0)

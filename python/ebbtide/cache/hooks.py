@@ -519,12 +519,11 @@ class _StepHooks:
     def _set_recompute(self, scopes) -> None:
         """Wraps the forwards of the blocks of `scopes` in a checkpoint and
         unwraps the others (Note [Recompute by the cache])."""
-        want, scope_of = {}, {}
+        want = {}
         for s in scopes:
             m = self._scope_modules.get(s)
             if m is not None:
                 want[id(m)] = m
-                scope_of[id(m)] = s
         for key, (m, had, fwd, ours) in list(self._recompute.items()):
             if key in want and m.__dict__.get("forward") is ours:
                 continue
@@ -540,11 +539,11 @@ class _StepHooks:
             if key not in self._recompute:
                 had = "forward" in m.__dict__
                 fwd = m.__dict__.get("forward")
-                ours = self._recompute_wrapper(m.forward, scope_of[key])
+                ours = self._recompute_wrapper(m.forward)
                 m.forward = ours
                 self._recompute[key] = (m, had, fwd, ours)
 
-    def _recompute_wrapper(self, inner, scope):
+    def _recompute_wrapper(self, inner):
         ref = weakref.ref(self)
 
         def forward(*args, **kwargs):
@@ -567,6 +566,7 @@ class _StepHooks:
             if c is None or not c._in_step or not torch.is_grad_enabled() or _in_backward():
                 return inner(*args, **kwargs)
             first = [True]
+            scope = c._scope  # the block's pre-hook has just set it (a module may run at several scopes)
 
             def run(*a, **kw):
                 if first[0]:

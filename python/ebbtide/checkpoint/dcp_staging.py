@@ -150,7 +150,7 @@ class DcpStager(BlockingAsyncStager):
         self._views = None  # (layout key, buffer address, staged structure over the staging buffer)
         self._stager = None  # the staging thread (async_staging)
         self._copier = None  # runs the writer's staging copy beside torch's set-up (Note [Overlapped staging copy])
-        self._copying = None  # (that copy's Future, the staging buffer's first and end address)
+        self._copying = None  # that copy: (Future, first and end address it writes, upload threads before it)
 
     def stage(self, state_dict):
         """async_save's staging: a CPU copy of `state_dict` (kept for the next
@@ -270,35 +270,73 @@ class DcpStager(BlockingAsyncStager):
     # before; the upload thread's write_data waits for the same copy before
     # it reads the staged bytes, and a failed copy fails it before anything
     # is written. CUDA sources keep the blocking copy (their copies are
-    # queued on the caller's streams, from the caller's thread).
+    # queued on the caller's streams, from the caller's thread). A failed
+    # copy stays the writer's until the uploads started since it have ended
+    # (each fails in write_data): only then does async_save raise, or the
+    # next stage() or close() go on, so no upload can find another save's
+    # copy, or none, and commit what the failed one left in the buffer. The
+    # wait for the copy ignores KeyboardInterrupt until the copy is done (it
+    # reads the caller's tensors, which the copy thread holds), then raises it.
     def _finish_copying(self):
-        """Waits for the staging copy in flight, if any; its error is the
-        failed save's (async_save or write_data raised it)."""
-        copying, self._copying = self._copying, None
-        if copying is not None:
+        """Waits for the staging copy in flight, if any, and, when it failed,
+        for the uploads started since it (they fail in write_data)."""
+        copying = self._copying
+        if copying is None:
+            return
+        try:
+            self._copy_result(copying)
+        except Exception:
+            self._await_uploads(copying)
+        self._copying = None
+
+    @staticmethod
+    def _await_uploads(copying):
+        for t in _upload_threads() - copying[3]:
+            t.join()
+
+    @staticmethod
+    def _copy_result(copying):
+        """The copy's result, waited for through KeyboardInterrupt (raised after)."""
+        interrupted = None
+        while True:
             try:
                 copying[0].result()
-            except Exception:
-                pass
+                break
+            except KeyboardInterrupt as e:
+                interrupted = e
+            except BaseException:
+                if interrupted is not None:
+                    raise interrupted
+                raise
+        if interrupted is not None:
+            raise interrupted
 
-    def _overlapped_copy(self, copies):
+    def _overlapped_copy(self, copies, sources):
+        del sources  # held until the copy ends: the copies read their memory by address
         _test_hook_gate("staging-copy")
         self._native.stage(copies)
 
     def _wait_copied(self, addresses=None):
         """Waits for the staging copy in flight and raises its error (Note
         [Overlapped staging copy]); with `addresses`, only when one of them
-        lies in the staging buffer it copies into (a synchronous dcp.save
-        writes the caller's tensors and waits for nothing)."""
+        lies in what it copies into (a synchronous dcp.save writes the
+        caller's tensors and waits for nothing)."""
         copying = self._copying
         if copying is None:
             return
-        future, lo, hi = copying
+        _future, lo, hi, _before = copying
         if addresses is None or any(lo <= a < hi for a in addresses):
-            future.result()
+            self._copy_result(copying)
 
     def synchronize_staging(self):
-        self._wait_copied()
+        copying = self._copying
+        if copying is not None:
+            try:
+                self._copy_result(copying)
+            except Exception:
+                self._synchronize_after_execute = False
+                self._await_uploads(copying)  # each fails in write_data: nothing is committed
+                raise
         pending = self._written
         self._synchronize_after_execute = False
         if pending is None:
@@ -434,9 +472,9 @@ class DcpStager(BlockingAsyncStager):
         if overlap and copies and not any(c[3] for c in copies):  # host sources only
             if self._copier is None:
                 self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ebbtide-dcp-copy")
-            buf = self._native.staging_buffer
-            self._copying = (self._copier.submit(self._overlapped_copy, copies), buf.data_ptr(),
-                             buf.data_ptr() + buf.numel())
+            before = _upload_threads()
+            self._copying = (self._copier.submit(self._overlapped_copy, copies, src), min(c[0] for c in copies),
+                             max(c[0] + c[2] for c in copies), before)
             try:
                 return _copy_state_dict(swapped, staged)
             except BaseException:

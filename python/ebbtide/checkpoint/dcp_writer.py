@@ -383,9 +383,10 @@ class EbbtideWriter(_DirectoryId, StorageWriter, DcpStager):
             h = self._native.save(file, blobs, meta, block=True, pipelined=True, frames=frames,
                                   stripe_files=stripe_files)
             if written is not None:
-                # The caller's tensors may change once their bytes are written
-                # and durable; the file's own close and header need not be waited for.
-                h.wait_written()
+                # The caller's tensors may change once the save reads them no
+                # more: every chunk in the ring (its last writes, the header and
+                # the syncs go on without them).
+                h.wait_copied()
                 written[0].set()
             h.wait()
         finally:

@@ -497,7 +497,7 @@ class _Save:
     def start_blocking(self):
         self.native = self.start()
         if self.reserve:  # Note [First async save]: back to the caller once the tensors are read
-            self.native.wait_written()
+            self.native.wait_copied()
         # Async: the snapshot holds the data now. Pipelined: the writer still reads the tensors.
         self.keep = (self.fl, self.blobs, self.state_dict) if self.pipelined else None
         versions = self.versions

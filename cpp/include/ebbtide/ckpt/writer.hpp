@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -95,6 +96,9 @@ struct SaveResult {
 };
 
 namespace detail {
+// Test only: runs on a pipelined save's writing thread once every source
+// is copied into the ring, before the writes complete (SaveHandle::wait_copied()).
+extern std::function<void()> after_copy_hook;
 struct SaveState;
 }
 
@@ -114,6 +118,11 @@ class SaveHandle {
   // Blocks until every byte of the save's sources is written and durable
   // (a gated save then waits for approve()/reject()), or the save is done.
   void wait_written() const;
+  // Blocks until the save no longer reads its sources: a pipelined save's
+  // chunks are all copied into its ring (their writes may still run), any
+  // other save's once written (its snapshot was taken in save()), or the
+  // save is done. The caller may change the sources then.
+  void wait_copied() const;
 
  private:
   std::shared_ptr<detail::SaveState> s_;
