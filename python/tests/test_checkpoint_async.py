@@ -245,7 +245,8 @@ def test_dcp_bad_staging(tmp_path, kwargs, match):
 def test_async_bench_runs(tmp_path):
     out = tmp_path / "r.json"
     p = subprocess.run([sys.executable, BENCH, "--mode", "async", "--dir", str(tmp_path / "b"), "--size", "0.01",
-                        "--saves", "2", "--json", str(out)], check=True, capture_output=True, text=True, timeout=600)
+                        "--saves", "2", "--first-rounds", "2", "--json", str(out)], check=True, capture_output=True,
+                       text=True, timeout=600)
     r = json.loads(out.read_text())
     assert [(x["path"], x["copy"]) for x in r["runs"]] == [("native", True), ("native", False), ("dcp", True),
                                                             ("dcp", False)]
@@ -256,6 +257,9 @@ def test_async_bench_runs(tmp_path):
         assert x["first_ratio"] > 0 and len(x["later_ratio"]) == 1 and x["later_vs_copy_max"] > 0
         assert x["first_sync_s"] > 0 and x["first_vs_first_sync"] > 0 and x["device"] == "cpu"
     assert "later DCP calls / later native calls" in p.stdout
+    for path in ("native", "dcp"):  # the first call again in fresh processes, beside fresh first sync saves
+        f = r["first_rounds"][path]
+        assert len(f["first_blocked_s"]) == 2 and len(f["first_sync_s"]) == 2 and f["ratio_of_medians"] > 0
 
 
 def test_dcp_async_save_never_waits_for_the_staging_fill(tmp_path, monkeypatch):
