@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <thread>
 #include <vector>
@@ -324,6 +325,9 @@ TEST(Excp, BadOptionsAndInputsAreRefused) {
     return o;
   };
   EXPECT_THROW(encode(t.in(), with([](Options& o) { o.bits = 9; })), InvalidArgument);
+  Tensors nan = t;  // the paper's rule on a weight whose median |W| is NaN
+  std::fill(nan.w.begin(), nan.w.end(), std::numeric_limits<float>::quiet_NaN());
+  EXPECT_THROW(encode(nan.in(), with([](Options& o) { o.alpha = 0.5; })), InvalidArgument);
   EXPECT_THROW(encode(t.in(), with([](Options& o) { o.bits_moments = 0; })), InvalidArgument);
   EXPECT_THROW(encode(t.in(), with([](Options& o) { o.density = 0; })), InvalidArgument);
   EXPECT_THROW(encode(t.in(), with([](Options& o) { o.tolerance = -0.1; })), InvalidArgument);

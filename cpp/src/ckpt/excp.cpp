@@ -422,7 +422,11 @@ Encoded encode(const Weight& in, const Options& o, const ParallelFor& par, Scrat
     need = k - above;
   } else {
     // The paper's rule: score > alpha * median|W|, i.e. keys above cut's.
-    const uint32_t key = std::bit_cast<uint32_t>(static_cast<float>(o.alpha * median_abs(in.w, n))) + 1;
+    const auto cut = static_cast<float>(o.alpha * median_abs(in.w, n));
+    // A NaN cut has no keys above it that both passes agree on (its pattern + 1 wraps the sign).
+    EBB_CHECK(!std::isnan(cut), "ExCP: alpha x median|W| is NaN for a weight of ", n,
+              " elements (at least half its values are NaN); save it losslessly");
+    const uint32_t key = std::bit_cast<uint32_t>(cut) + 1;
     bucket = key >> 16;
     low = key & 0xffff;
   }
