@@ -13,11 +13,10 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 
-from bench_common import gpt2_batch  # noqa: E402
+from bench_common import gpt2_batch, timed_step  # noqa: E402
 
 
 def main():
@@ -52,16 +51,7 @@ def main():
     stats = {}
     for i in range(args.warmup + args.steps):
         for name, cache in caches.items():
-            model.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            c0 = time.process_time()
-            if cache is None:
-                model(**batch).loss.backward()
-            else:
-                with cache.step():
-                    model(**batch).loss.backward()
-            dt = time.perf_counter() - t0
-            dc = time.process_time() - c0
+            dt, dc = timed_step(model, batch, cache)
             if i >= args.warmup:
                 times[name].append(dt)
                 cpu_times[name].append(dc)

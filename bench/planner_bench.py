@@ -19,11 +19,10 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 
-from bench_common import gpt2_batch  # noqa: E402
+from bench_common import gpt2_batch, timed_step  # noqa: E402
 
 
 def run(args):
@@ -58,14 +57,7 @@ def run(args):
             cache = caches[name]
             if cache is not None:
                 cache.attach(model)
-            model.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            if cache is None:
-                model(**batch).loss.backward()
-            else:
-                with cache.step():
-                    model(**batch).loss.backward()
-            dt = time.perf_counter() - t0
+            dt, _ = timed_step(model, batch, cache)
             if cache is not None:
                 cache.detach()
                 s = cache.stats()

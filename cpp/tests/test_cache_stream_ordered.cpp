@@ -240,6 +240,28 @@ std::unique_ptr<TensorCache> sim_cache(SimDriver& drv, uint64_t inflight = 0, ui
   return std::make_unique<TensorCache>(make_host_store(ho), co);
 }
 
+// The workload's blocks as the glue profiles them (Note [Step model]), and
+// the planner's options for host memory over a link of d2h / h2d bytes/s.
+std::vector<plan::ModuleProfile> workload_modules(const Workload& w) {
+  std::vector<plan::ModuleProfile> mods;
+  for (int b = 0; b < w.blocks; ++b) {
+    mods.push_back({"block" + std::to_string(b), w.block_seconds, w.block_bytes()});
+    mods.back().saves.assign(static_cast<size_t>(w.tensors_per_block), plan::Save{w.tensor_bytes, -1});
+  }
+  return mods;
+}
+
+plan::PlannerOptions host_options(const Workload& w, double d2h, double h2d) {
+  plan::PlannerOptions po;
+  po.host_budget_bytes = 1ull << 40;
+  po.host_write_bps = d2h;
+  po.host_read_bps = h2d;
+  po.keep_last_modules = 1;
+  po.backward_factor = w.backward_factor;
+  po.writes_within_forward = true;  // the glue's options on a GPU (adaptive.py)
+  return po;
+}
+
 // The planner's choice (Note [Offload rule]) and the release points the glue
 // derives from it (Note [Release points]): after block b, the blocks whose
 // copies the plan has done by b's forward end.
@@ -250,20 +272,9 @@ void plan_step(const Workload& w, double d2h, double h2d, uint64_t window, std::
                std::vector<int64_t>& release, uint64_t copy_bound = 0, bool partial = false,
                std::vector<uint64_t>* limits = nullptr, uint64_t* predicted_peak = nullptr,
                uint64_t* glue_window = nullptr) {
-  std::vector<plan::ModuleProfile> mods;
-  for (int b = 0; b < w.blocks; ++b) {
-    mods.push_back({"block" + std::to_string(b), w.block_seconds, w.block_bytes()});
-    // The block's saves as the glue profiles them (Note [Step model]).
-    mods.back().saves.assign(static_cast<size_t>(w.tensors_per_block), plan::Save{w.tensor_bytes, -1});
-  }
-  plan::PlannerOptions po;
-  po.host_budget_bytes = 1ull << 40;
-  po.host_write_bps = d2h;
-  po.host_read_bps = h2d;
-  po.keep_last_modules = 1;
-  po.backward_factor = w.backward_factor;
+  const std::vector<plan::ModuleProfile> mods = workload_modules(w);
+  plan::PlannerOptions po = host_options(w, d2h, h2d);
   po.prefetch_modules = static_cast<int64_t>(std::max<uint64_t>(1, window / w.block_bytes()));
-  po.writes_within_forward = true;
   po.copy_bound_bytes = copy_bound;
   po.partial_offload = partial;
   po.lead_per_module = false;  // the cache's window rule: every lead the window
@@ -368,19 +379,7 @@ TEST(CacheStreamOrdered, TheCacheRunsThePlansLeadsAndBytewiseReleasePoints) {
     SCOPED_TRACE("link/production " + std::to_string(ratio));
     const double d2h = R * ratio, h2d = R * ratio;
     const StepResult none = baseline(w, d2h, h2d);
-    std::vector<plan::ModuleProfile> mods;
-    for (int b = 0; b < w.blocks; ++b) {
-      mods.push_back({"block" + std::to_string(b), w.block_seconds, w.block_bytes()});
-      mods.back().saves.assign(static_cast<size_t>(w.tensors_per_block), plan::Save{w.tensor_bytes, -1});
-    }
-    plan::PlannerOptions po;
-    po.host_budget_bytes = 1ull << 40;
-    po.host_write_bps = d2h;
-    po.host_read_bps = h2d;
-    po.keep_last_modules = 1;
-    po.backward_factor = w.backward_factor;
-    po.writes_within_forward = true;  // the glue's options on a GPU (adaptive.py)
-    const plan::Plan p = plan::plan_offload(mods, po);
+    const plan::Plan p = plan::plan_offload(workload_modules(w), host_options(w, d2h, h2d));
     std::vector<bool> offload(static_cast<size_t>(w.blocks), false);
     Rules rules;
     for (int b = 0; b < w.blocks; ++b) {
