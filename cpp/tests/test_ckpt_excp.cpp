@@ -185,7 +185,7 @@ TEST(Excp, SameResultOnAnyNumberOfThreads) {
   const Encoded serial = encode(t.in(), o), parallel = encode(t.in(), o, threads());
   expect_same(serial, parallel);
   CheckpointWriter writer;  // the writer's threads: the same again
-  const Encoded w = writer.encode_delta(t.in(), o);
+  const Encoded w = writer.encode_deltas({{t.in(), o}}).at(0);
   EXPECT_EQ(w.w.codes, serial.w.codes);
   EXPECT_EQ(w.v.codebook, serial.v.codebook);
 }

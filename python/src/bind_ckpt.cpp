@@ -203,47 +203,6 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
            },
            nb::arg("transaction"), nb::arg("files") = std::vector<std::pair<std::string, nb::bytes>>{},
            "Commits a save that `transaction` reserved (Note [Deferred removal]).")
-      .def("excp_encode",
-           [](CheckpointWriter& w, uintptr_t weight, uintptr_t base, uint64_t n, uintptr_t m, uintptr_t v,
-              uintptr_t base_v, double density, double tolerance, double alpha, double beta, int bits,
-              int bits_moments, bool carry_v, int kmeans_iters) {
-             excp::Weight in;
-             in.w = reinterpret_cast<const float*>(weight);
-             in.base = reinterpret_cast<const float*>(base);
-             in.n = n;
-             in.m = reinterpret_cast<const float*>(m);
-             in.v = reinterpret_cast<const float*>(v);
-             in.base_v = reinterpret_cast<const float*>(base_v);
-             excp::Options o;
-             o.density = density;
-             o.tolerance = tolerance;
-             o.alpha = alpha;
-             o.beta = beta;
-             o.bits = bits;
-             o.bits_moments = bits_moments;
-             o.carry_v = carry_v;
-             o.kmeans_iters = kmeans_iters;
-             excp::Encoded e;
-             {
-               ebbtide::py::gil_release g;
-               e = w.encode_delta(in, o);
-             }
-             nb::dict d;
-             d["w"] = coded_dict(std::move(e.w));
-             if (in.m != nullptr) {
-               d["m"] = coded_dict(std::move(e.m));
-               d["v"] = coded_dict(std::move(e.v));
-             }
-             d["carried"] = e.carried;
-             return d;
-           },
-           nb::arg("weight"), nb::arg("base"), nb::arg("n"), nb::arg("m") = 0, nb::arg("v") = 0,
-           nb::arg("base_v") = 0, nb::arg("density") = 0.1, nb::arg("tolerance") = 0.0, nb::arg("alpha") = -1.0,
-           nb::arg("beta") = 0.0, nb::arg("bits") = 4, nb::arg("bits_moments") = 4, nb::arg("carry_v") = true,
-           nb::arg("kmeans_iters") = 8,
-           "ExCP-encodes one fp32 weight (pointers to n floats; m, v, base_v 0 when absent) on the writer's "
-           "threads (Note [ExCP encoding]): {'w', 'm', 'v': {mask, codes, codebook, count, kept, max_abs, "
-           "sq_err, sq_ref}, 'carried'}.")
       .def("excp_encode_many",
            [](CheckpointWriter& w,
               const std::vector<std::tuple<uintptr_t, uintptr_t, uint64_t, uintptr_t, uintptr_t, uintptr_t, bool>>& weights,
@@ -289,9 +248,10 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
            },
            nb::arg("weights"), nb::arg("density") = 0.1, nb::arg("tolerance") = 0.0, nb::arg("alpha") = -1.0,
            nb::arg("beta") = 0.0, nb::arg("bits") = 4, nb::arg("bits_moments") = 4, nb::arg("kmeans_iters") = 8,
-           "ExCP-encodes many fp32 weights at once, [(weight, base, n, m, v, base_v, carry_v)] as excp_encode "
-           "takes them, whole weights side by side on the writer's threads (Note [ExCP batches]): a list of "
-           "excp_encode's results.")
+           "ExCP-encodes fp32 weights, [(weight, base, n, m, v, base_v, carry_v)]: pointers to n floats (m, v, "
+           "base_v 0 when absent), whole weights side by side on the writer's threads (Note [ExCP encoding], Note "
+           "[ExCP batches]). One result per weight: {'w', 'm', 'v': {mask, codes, codebook, count, kept, "
+           "max_abs, sq_err, sq_ref}, 'carried'}.")
       .def_prop_ro("snapshot_capacity", &CheckpointWriter::snapshot_capacity)
       .def_prop_ro("chunk_bytes", [](const CheckpointWriter& w) { return w.options().chunk_bytes; });
 

@@ -135,8 +135,8 @@ def test_core_encoding_matches_the_torch_one():
     w = b + torch.randn(n, generator=g) * 1e-3 * torch.randn(n, generator=g).exp()
     m = torch.randn(n, generator=g) * 1e-3
     v = (torch.randn(n, generator=g) * 2).exp() * 1e-6
-    core = ckpt.Writer()._native.excp_encode(w.data_ptr(), b.data_ptr(), n, m.data_ptr(), v.data_ptr(), v.data_ptr(),
-                                             tolerance=0.0)
+    core, = ckpt.Writer()._native.excp_encode_many(
+        [(w.data_ptr(), b.data_ptr(), n, m.data_ptr(), v.data_ptr(), v.data_ptr(), True)], tolerance=0.0)
     ref = _reference_encoding(w, b, m, v)
     assert torch.equal(core["w"]["mask"], ref["mask"])
     assert core["w"]["count"] == core["m"]["count"] == ref["w"][0].numel()

@@ -120,14 +120,6 @@ void CheckpointWriter::commit(SaveTransaction& txn, const std::vector<std::pair<
 
 void CheckpointWriter::stage(const std::vector<StageCopy>& copies) { impl_->stage(copies); }
 
-excp::Encoded CheckpointWriter::encode_delta(const excp::Weight& in, const excp::Options& o) {
-  std::lock_guard lock(impl_->excp_mu);
-  if (impl_->excp_scratch.empty()) impl_->excp_scratch.resize(1);
-  return excp::encode(
-      in, o, [this](size_t n, const std::function<void(size_t)>& fn) { impl_->workers.parallel_for(n, fn); },
-      &impl_->excp_scratch[0]);
-}
-
 std::vector<excp::Encoded> CheckpointWriter::encode_deltas(const std::vector<excp::Job>& jobs) {
   std::lock_guard lock(impl_->excp_mu);
   return excp::encode_batch(

@@ -7,6 +7,7 @@ save]); ``async_staging=True`` copies on a thread of its own (Note [Async
 staging]); ``staging="none"`` copies nothing (Note [Uncopied DCP saves]).
 EbbtideWriter (dcp_writer.py) mixes ``DcpStager`` in.
 """
+import concurrent.futures
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -297,19 +298,15 @@ class DcpStager(BlockingAsyncStager):
     @staticmethod
     def _copy_result(copying):
         """The copy's result, waited for through KeyboardInterrupt (raised after)."""
-        interrupted = None
-        while True:
+        future, interrupted = copying[0], None
+        while not future.done():
             try:
-                copying[0].result()
-                break
+                concurrent.futures.wait([future])
             except KeyboardInterrupt as e:
                 interrupted = e
-            except BaseException:
-                if interrupted is not None:
-                    raise interrupted
-                raise
         if interrupted is not None:
             raise interrupted
+        future.result()
 
     def _overlapped_copy(self, copies, sources):
         del sources  # held until the copy ends: the copies read their memory by address

@@ -217,7 +217,15 @@ def encode(state, base_state, lossy, writer):
         return b is not None and tuple(b.shape) == tuple(t.shape) and b.is_floating_point()
 
     moment_paths = {p for mv in pairs.values() for p in mv}
-    jobs, queued, copied = [], set(), 0
+    jobs, copied = [], 0
+
+    def fp32(t):
+        # fp32 copies of other dtypes are held until their batch is encoded: bounded.
+        nonlocal copied
+        x = _fp32(t)
+        if x.data_ptr() != t.data_ptr():
+            copied += x.numel() * 4
+        return x
 
     def flush():
         # Whole weights side by side on the writer's threads (Note [ExCP batches]).
@@ -247,26 +255,19 @@ def encode(state, base_state, lossy, writer):
         jobs.clear()
 
     for path, w in flat:
-        if path in moment_paths or path in queued:
+        if path in moment_paths:
             continue
         if not w.is_floating_point() or w.numel() < o.min_numel or not usable_base(path, w):
             continue
-        queued.add(path)
-        originals = [w, base[path]]
-        wf, bw = _fp32(w), _fp32(base[path])
+        wf, bw = fp32(w), fp32(base[path])
         mv = pairs.get(path)
         m = v = bv = None
         carry = False
         if mv is not None:
-            m, v = _fp32(tensors[mv[0]]), _fp32(tensors[mv[1]])
-            originals += [tensors[mv[0]], tensors[mv[1]]]
+            m, v = fp32(tensors[mv[0]]), fp32(tensors[mv[1]])
             carry = o.v_unkept == "carry" and usable_base(mv[1], v)
-            bv = _fp32(base[mv[1]]) if carry else None
-            if carry:
-                originals.append(base[mv[1]])
+            bv = fp32(base[mv[1]]) if carry else None
         keep = [x for x in (wf, bw, m, v, bv) if x is not None]
-        # fp32 copies of other dtypes are held until their batch is encoded: bounded.
-        copied += sum(x.numel() * 4 for x, orig in zip(keep, originals) if x.data_ptr() != orig.data_ptr())
         jobs.append((path, w, mv, carry, keep,
                      (wf.data_ptr(), bw.data_ptr(), wf.numel(), m.data_ptr() if m is not None else 0,
                       v.data_ptr() if v is not None else 0, bv.data_ptr() if bv is not None else 0, carry)))

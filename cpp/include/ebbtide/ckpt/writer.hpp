@@ -198,12 +198,9 @@ class CheckpointWriter : public mem::ForkOrigin {
   // not overlap and must stay valid until it returns; safe beside a save in
   // flight. InvalidArgument for a device copy outside the staging buffer.
   void stage(const std::vector<StageCopy>& copies);
-  // ExCP delta encoding of one weight (excp::encode) on this writer's
-  // threads: a delta save's encoding runs where its copies and
-  // compression do. Safe beside a save in flight.
-  excp::Encoded encode_delta(const excp::Weight& in, const excp::Options& o);
-  // Many weights at once (excp::encode_batch over this writer's threads
-  // and the caller): each result as encode_delta's.
+  // ExCP delta encoding of weights (excp::encode_batch) on this writer's
+  // threads and the caller: a delta save's encoding runs where its copies
+  // and compression do. Safe beside a save in flight.
   std::vector<excp::Encoded> encode_deltas(const std::vector<excp::Job>& jobs);
   const WriterOptions& options() const { return options_; }
   uint64_t snapshot_capacity() const;  // bytes of reusable snapshot (or save ring) buffers held
