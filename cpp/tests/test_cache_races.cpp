@@ -722,5 +722,58 @@ TEST(CacheRaces, AFailedUnpackHandsBackTheCompletionsItTook) {
   c->close();
 }
 
+// Review: a release point with copies held on two devices (Note [Release
+// points on several devices]). The compute stream belongs to one of them:
+// only that device's lane makes it wait (an event of one device cannot be
+// recorded on, or waited for in, another device's context); the other lane's
+// copies are ordered before the stream its tensor was made on, so the next
+// allocation there cannot overwrite what the copy still reads, and that wait
+// is timed too. Without the device named the call refuses and releases
+// nothing, whichever devices its range reaches; while the compute stream is
+// captured no lane releases anything, nor queries an event.
+TEST(CacheRaces, ReleasePointWithCopiesOnTwoDevices) {
+  SimDriver drv(slow_link(/*devices=*/2));
+  constexpr mem::cuda::Stream kOther = 11;  // device 1's compute stream
+  drv.declare_stream(kOther, 1);
+  Glue g0{drv, 0};
+  Glue g1{drv, 1};
+  auto c = host_cache(drv);
+  c->begin_step();
+  DevicePtr a0 = 0, a1 = 0;
+  const SaveResult r1 = save_one(g1, *c, test::random_bytes(kBytes, 81), kOther, 81, kTierFirst, &a1);
+  const SaveResult r0 = save_one(g0, *c, test::random_bytes(kBytes, 80), kCompute, 80, kTierFirst, &a0);
+  ASSERT_TRUE(r0.offloaded && r1.offloaded);
+  EXPECT_THROW(c->release_copies(0, INT64_MAX, kCompute), InvalidArgument);
+  EXPECT_THROW(c->release_copies(0, INT64_MAX, kCompute, kBytes), InvalidArgument) << "device 1's copy only";
+  EXPECT_TRUE(c->poll().empty()) << "a refused release point released nothing";
+  drv.begin_capture(kCompute, 0);
+  c->release_copies(0, INT64_MAX, kCompute, UINT64_MAX, /*compute_device=*/0);
+  EXPECT_TRUE(c->poll().empty()) << "released inside a capture";
+  EXPECT_NO_THROW(drv.end_capture(kCompute, 0)) << SimDriver::join_lines(drv.errors());
+  c->release_copies(0, INT64_MAX, kCompute, UINT64_MAX, /*compute_device=*/0);
+  for (auto& d : c->poll()) d.live.reset();
+  ASSERT_EQ(g0.freed, 1);
+  ASSERT_EQ(g1.freed, 1);
+  // Each device's next allocation on the stream the tensor was made on gets
+  // its block back at once and writes it.
+  DevicePtr n1 = drv.alloc(kBytes, kOther, "device 1's next activation", 1);
+  ASSERT_EQ(n1, a1);
+  g1.write(kOther, n1, test::random_bytes(kBytes, 82));
+  DevicePtr n0 = drv.alloc(kBytes, kCompute, "device 0's next activation", 0);
+  ASSERT_EQ(n0, a0);
+  g0.write(kCompute, n0, test::random_bytes(kBytes, 83));
+  EXPECT_GE(drv.waits_on(kCompute, 0), 1u) << "device 0's compute stream waited for its copy";
+  EXPECT_GE(drv.waits_on(kOther, 1), 1u) << "device 1's stream waited for its copy";
+  expect_clean(drv);
+  const auto st = c->stats().step;
+  EXPECT_EQ(st.copy_waits, 2u);
+  // Simulated time: each copy of 1 MiB at 1e8 B/s takes ~10 ms on its own
+  // device's engine, and both devices' waits are timed.
+  EXPECT_GT(st.copy_wait_seconds, 1.5 * kBytes / 1e8);
+  c->release(r0.id);
+  c->release(r1.id);
+  c->close();
+}
+
 }  // namespace
 }  // namespace ebbtide::cache

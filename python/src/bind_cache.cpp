@@ -321,13 +321,16 @@ void ebbtide::py::bind_cache(nb::module_& m) {
            [](TensorCache& c, EntryId id, int64_t task) { return candidates_py(c.prefetch_before(id, task)); },
            nb::arg("id"), nb::arg("task") = -1)
       .def("release_copies",
-           [](TensorCache& c, int mb, int64_t scope, uintptr_t stream, int64_t max_bytes) {
+           [](TensorCache& c, int mb, int64_t scope, uintptr_t stream, int64_t max_bytes, int device) {
              EBB_CHECK(max_bytes >= -1, "release_copies: max_bytes ", max_bytes, " (-1: no limit, else >= 0)");
-             c.release_copies(mb, scope, stream, max_bytes < 0 ? UINT64_MAX : static_cast<uint64_t>(max_bytes));
+             c.release_copies(mb, scope, stream, max_bytes < 0 ? UINT64_MAX : static_cast<uint64_t>(max_bytes),
+                              device);
            },
            nb::arg("microbatch"), nb::arg("scope"), nb::arg("stream"), nb::arg("max_bytes") = -1,
+           nb::arg("device") = -1,
            "Note [Release by bytes]: the copies of the micro-batch's entries up to the end of `scope` whose "
-           "offloaded bytes, counted in forward order, end within `max_bytes` (-1: no limit).")
+           "offloaded bytes, counted in forward order, end within `max_bytes` (-1: no limit). `stream` is a "
+           "stream of CUDA device `device` (-1: the device of the held copies, all on one).")
       .def("measure_link",
            [](TensorCache& c, int device, uintptr_t dev_ptr, uint64_t nbytes, int repeats) {
              return c.measure_link(device, reinterpret_cast<void*>(dev_ptr), nbytes, repeats);

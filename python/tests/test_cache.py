@@ -490,6 +490,7 @@ def test_core_takes_a_lead_per_save_and_release_points_by_bytes():
         core.drain()
         core.poll()
         core.release_copies(0, 2, 0, max_bytes=8192)  # host entries: nothing held, nothing to release
+        core.release_copies(0, 2, 0, max_bytes=8192, device=0)  # the compute stream's device, named
         with pytest.raises(ValueError, match="max_bytes"):
             core.release_copies(0, 2, 0, max_bytes=-2)
         # From the end: the first entry is 12 KiB away, beyond its 4 KiB lead.

@@ -249,15 +249,16 @@ def test_async_bench_runs(tmp_path):
                        text=True, timeout=600)
     r = json.loads(out.read_text())
     assert [(x["path"], x["copy"]) for x in r["runs"]] == [("native", True), ("native", False), ("dcp", True),
-                                                            ("dcp", False)]
+                                                            ("dcp", False), ("dcp-wrapped", True)]
     for x in r["runs"]:  # every call is reported, each later one against a copy of the state timed before it
         assert x["first_blocked_s"] > 0 and len(x["later_blocked_s"]) == 1 and len(x["sync_s"]) == 2
         assert len(x["copy_s"]) == 1 and x["copy_s"][0] > 0 and len(x["later_vs_copy"]) == 1
         assert len(x["later_cpu_vs_copy"]) == 1
         assert x["first_ratio"] > 0 and len(x["later_ratio"]) == 1 and x["later_vs_copy_max"] > 0
         assert x["first_sync_s"] > 0 and x["first_vs_first_sync"] > 0 and x["device"] == "cpu"
-    assert "later DCP calls / later native calls" in p.stdout
-    for path in ("native", "dcp"):  # the first call again in fresh processes, beside fresh first sync saves
+    assert "later dcp calls / later native calls" in p.stdout
+    assert "later dcp-wrapped calls / later native calls" in p.stdout  # the state under one key
+    for path in ("native", "dcp", "dcp-wrapped"):  # the first call again in fresh processes, beside fresh first sync saves
         f = r["first_rounds"][path]
         assert len(f["first_blocked_s"]) == 2 and len(f["first_sync_s"]) == 2 and f["ratio_of_medians"] > 0
 

@@ -72,6 +72,23 @@ namespace ebbtide::cache {
 // [Shared entries]) keeps the count of its first place, where its copy was
 // enqueued.
 
+// Note [Release points on several devices]
+// A micro-batch's entries may sit on several devices (a C++ caller that
+// splits a model over GPUs; the Python glue offloads one device's tensors).
+// Each device has its own lane of copies, and a release point's compute
+// stream belongs to one device: an event of one device can be neither
+// recorded on nor waited for by a stream of another in that device's context.
+// So that device's lane makes the compute stream wait (timed, Note [Device
+// waits]) and every other lane orders its copies before the streams its
+// tensors were made on only, which is all a stream-ordered free needs (Note
+// [Stream-ordered drops]); its wait is timed on the stream its oldest held
+// copy's tensor was made on, that device's compute stream as a rule. A
+// caller that does not name the compute stream's device while copies are
+// held on two devices is refused before anything is released (a range that
+// reaches one device's copies only included: whether it is refused must not
+// depend on a plan's byte counts), and while the compute stream is captured
+// no lane releases anything (Note [Graph capture]).
+
 // Note [Priority loads]
 // Each device has two load streams. Prefetches (start_loads) run in the
 // order they were issued on the load stream; a load made on demand (an
@@ -293,7 +310,8 @@ void TensorCache::bound_copies_locked(Lane& lane, mem::cuda::Stream compute) {
   }
 }
 
-void TensorCache::release_copies(int microbatch, int64_t scope, mem::cuda::Stream compute, uint64_t max_bytes) {
+void TensorCache::release_copies(int microbatch, int64_t scope, mem::cuda::Stream compute, uint64_t max_bytes,
+                                 int compute_device) {
   std::vector<GlueObj> dead;
   Lock lock(mu_);
   Reaper reaper{graveyard_, dead};
@@ -301,8 +319,16 @@ void TensorCache::release_copies(int microbatch, int64_t scope, mem::cuda::Strea
   auto m = microbatches_.find(microbatch);
   // Nothing held (e.g. every block's backward after the first released all):
   // no walk over the order.
-  const bool held = std::any_of(lanes_.begin(), lanes_.end(), [](const auto& l) { return !l.second.pending.empty(); });
-  if (m == microbatches_.end() || !held) return;
+  std::vector<int> holding;  // the devices whose lanes hold copies
+  for (const auto& [device, lane] : lanes_)
+    if (!lane.pending.empty()) holding.push_back(device);
+  if (m == microbatches_.end() || holding.empty()) return;
+  // Note [Release points on several devices]
+  if (compute_device < 0 && holding.size() > 1)
+    throw InvalidArgument(detail::concat("release_copies: copies are held on devices ", holding[0], " and ",
+                                         holding[1], ": name the device of the compute stream (compute_device)"));
+  // Note [Graph capture]: nothing is released while the compute stream is captured, on any device.
+  if (compute_device >= 0 && capturing_locked(compute_device, compute)) return;
   const MicroBatch& mb = m->second;
   size_t end = mb.order.size();
   if (scope != INT64_MAX) {
@@ -321,7 +347,12 @@ void TensorCache::release_copies(int microbatch, int64_t scope, mem::cuda::Strea
   }
   for (auto [device, t] : through) {
     mem::cuda::DeviceScope ds(opts_.driver, device);  // Note [Caller's context]
-    release_through_locked(lanes_.at(device), t, &compute);
+    Lane& lane = lanes_.at(device);
+    if (lane.pending.empty()) continue;  // released, not yet polled
+    // Note [Release points on several devices]: another device's lane times
+    // its wait on the stream its oldest held copy's tensor was made on.
+    mem::cuda::Stream s = compute_device < 0 || compute_device == device ? compute : lane.pending.front().src;
+    release_through_locked(lane, t, &s);
   }
 }
 

@@ -297,6 +297,10 @@ class _StepHooks:
             return torch.cuda.current_stream(d).cuda_stream
         return 0
 
+    def _stream_device(self):
+        d = self._device
+        return d.index if d is not None and d.type == "cuda" else -1
+
     def _prefetch_scope(self, mb, scope):
         with self._lock:
             if self._closed:
@@ -305,7 +309,7 @@ class _StepHooks:
                 return  # Note [Graph capture] (tensor_cache_device.cpp): nothing to release or load inside one
             if self._on_cuda():
                 # Note [Release points]: backward of the micro-batch begins.
-                self._core.release_copies(mb, _ALL_SCOPES, self._stream())
+                self._core.release_copies(mb, _ALL_SCOPES, self._stream(), device=self._stream_device())
             self._poll_locked()
             self._native.prefetch_scope(mb, scope, _graph_task_id())
 
@@ -455,7 +459,7 @@ class _StepHooks:
             self._core.scope_end(self._fwd_mb, scope)
             through, max_bytes = self._adapt.release_point(scope) if self._adapt is not None else (scope - 1, -1)
             if through >= 0 and max_bytes != 0:
-                self._core.release_copies(self._fwd_mb, through, self._stream(), max_bytes)
+                self._core.release_copies(self._fwd_mb, through, self._stream(), max_bytes, self._stream_device())
                 self._poll_locked()
 
     # ------------------------------------------------------------- recompute

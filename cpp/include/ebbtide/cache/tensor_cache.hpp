@@ -311,7 +311,13 @@ class TensorCache : public mem::ForkOrigin {
   // forward order from the micro-batch's first offloaded entry, end within
   // `max_bytes` (Note [Release by bytes]), and their completions are queued
   // for poll(), so the glue drops the tensors in the device's order.
-  void release_copies(int microbatch, int64_t scope, mem::cuda::Stream compute, uint64_t max_bytes = UINT64_MAX);
+  // `compute` is a stream of device `compute_device`; copies held on other
+  // devices are ordered before the streams their tensors were made on only.
+  // -1: the device of the held copies, which must then all be on one device
+  // (else InvalidArgument, nothing released; Note [Release points on several
+  // devices]).
+  void release_copies(int microbatch, int64_t scope, mem::cuda::Stream compute, uint64_t max_bytes = UINT64_MAX,
+                      int compute_device = -1);
   // Live entries (released ones excluded).
   size_t entry_count() const;
   // Device-to-host and host-to-device bytes/s of device `device`'s link,
