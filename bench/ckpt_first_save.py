@@ -18,6 +18,14 @@ of the state timed right before it (the floor of a save that copies), and
 the median synchronous save of the same state in the same process, with
 the ratios; a table, and with --json every time measured and the load
 average. --device cuda puts the state on the GPU (the copy is then D2H).
+
+async-ab: the later calls of the three copying async paths (native, DCP
+with a flat state dict, DCP with the state under one key) in ONE process,
+round after round in a rotating order, each round beside one copy of the
+state: the ratios between paths, free of the process-to-process spread of
+a shared machine (one process's memory copies ran 1.5x another's).
+
+    python bench/ckpt_first_save.py --mode async-ab --dir /var/tmp/ckb/ab --size 1.4 --saves 12
 """
 import argparse
 import json
@@ -267,9 +275,76 @@ def async_bench(args):
             "first_rounds": firsts}
 
 
+AB_PATHS = (("native", "checkpoint.save(async_=True)"),
+            ("dcp", "dcp.async_save(state), EbbtideWriter()"),
+            ("dcp-wrapped", "dcp.async_save({'model': state}), EbbtideWriter()"))
+
+
+def async_ab(args):
+    """Later async calls of the copying paths alternated in one process
+    (--mode async-ab); the first call of each is made and left out."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt_bench import weights_like
+    from ebbtide import checkpoint
+    from ebbtide.dcp import EbbtideWriter
+
+    state = weights_like(args.size, args.device)
+    if args.device != "cpu":
+        torch.cuda.synchronize()
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    native = checkpoint.Writer()
+    writers = {"dcp": EbbtideWriter(os.path.join(args.dir, "d")),
+               "dcp-wrapped": EbbtideWriter(os.path.join(args.dir, "w"))}
+
+    def call(path):
+        """(blocked s, CPU s) of one async save, waited for and joined after."""
+        t0, c0 = time.perf_counter(), time.process_time()
+        if path == "native":
+            h = native.save(state, os.path.join(args.dir, "n"), async_=True)
+        else:
+            h = dcp.async_save({"model": state} if path == "dcp-wrapped" else state, storage_writer=writers[path])
+        out = (time.perf_counter() - t0, time.process_time() - c0)
+        h.wait() if path == "native" else h.result()
+        (native if path == "native" else writers[path]).join()
+        return out
+
+    for path, _ in AB_PATHS:
+        call(path)  # the first calls: write-through, not measured here
+    ref = copy_reference(state, args.device)
+    blocked = {p: [] for p, _ in AB_PATHS}
+    cpu = {p: [] for p, _ in AB_PATHS}
+    copies = []
+    for i in range(args.saves):
+        copies.append(ref()[0])
+        order = [p for p, _ in AB_PATHS]
+        order = order[i % len(order):] + order[:i % len(order)]
+        for p in order:
+            b, c = call(p)
+            blocked[p].append(b)
+            cpu[p].append(c)
+    med = {p: statistics.median(v) for p, v in blocked.items()}
+    med_cpu = {p: statistics.median(v) for p, v in cpu.items()}
+    copy = statistics.median(copies)
+    print(f"{'later async calls, one process':<52} {'median s':>8} {'/ copy':>7} {'/ native':>8} "
+          f"{'CPU / native':>12}  every call, s")
+    for p, name in AB_PATHS:
+        print(f"{name:<52} {med[p]:8.4f} {med[p] / copy:6.2f}x {med[p] / med['native']:7.3f}x "
+              f"{med_cpu[p] / med_cpu['native']:11.3f}x  {' '.join(f'{x:.4f}' for x in blocked[p])}")
+    gb = sum(t.nbytes for t in state.values()) / 1e9
+    print(f"state {gb:.3f} GB on {args.device}, {len(state)} tensors; {args.saves} rounds in a rotating order, "
+          f"one copy of the state per round (median {copy:.4f} s); target: DCP <= 1.1x native")
+    return {"mode": "async-ab", "size_gb": gb, "tensors": len(state), "device": args.device, "rounds": args.saves,
+            "copy_s": copies, "blocked_s": blocked, "cpu_s": cpu, "median_s": med,
+            "vs_native": {p: med[p] / med["native"] for p in med},
+            "cpu_vs_native": {p: med_cpu[p] / med_cpu["native"] for p in med_cpu}, "loadavg": os.getloadavg()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=("native", "dcp", "async"), default="native")
+    ap.add_argument("--mode", choices=("native", "dcp", "async", "async-ab"), default="native")
     ap.add_argument("--dir", required=True, help="scratch directory (emptied first)")
     ap.add_argument("--size", type=float, default=1.0, help="state size in GB")
     ap.add_argument("--saves", type=int, default=4, help="saves of each kind per process")
@@ -290,6 +365,8 @@ def main():
         return
     if args.mode == "async":
         out = async_bench(args)
+    elif args.mode == "async-ab":
+        out = async_ab(args)
     else:
         out = sync_saves(args)
         print(json.dumps(out))

@@ -263,6 +263,21 @@ def test_async_bench_runs(tmp_path):
         assert len(f["first_blocked_s"]) == 2 and len(f["first_sync_s"]) == 2 and f["ratio_of_medians"] > 0
 
 
+def test_async_ab_bench_runs(tmp_path):
+    # The in-process A/B of the copying paths: every later call is reported, in
+    # a rotating order, with the ratios to the native path.
+    out = tmp_path / "ab.json"
+    p = subprocess.run([sys.executable, BENCH, "--mode", "async-ab", "--dir", str(tmp_path / "b"), "--size", "0.01",
+                        "--saves", "3", "--json", str(out)], check=True, capture_output=True, text=True, timeout=600)
+    r = json.loads(out.read_text())
+    assert set(r["blocked_s"]) == {"native", "dcp", "dcp-wrapped"} and r["rounds"] == 3 and len(r["copy_s"]) == 3
+    for path, times in r["blocked_s"].items():
+        assert len(times) == 3 and all(t > 0 for t in times) and len(r["cpu_s"][path]) == 3
+        assert r["vs_native"][path] > 0 and r["cpu_vs_native"][path] > 0
+    assert r["vs_native"]["native"] == 1.0
+    assert "target: DCP <= 1.1x native" in p.stdout
+
+
 def test_dcp_async_save_never_waits_for_the_staging_fill(tmp_path, monkeypatch):
     """Note [First DCP async save] (dcp_staging.py), the staging order: the
     first async_save writes the state through and then has a thread fill the
