@@ -82,8 +82,8 @@
 #   pytest   the whole pytest suite (CPU tests included)
 #   demo     ebbtide demo on CUDA, every method
 #   io       ebbtide bench io (device <-> file)
-#   ckpt     checkpoints with CUDA state, 1 GB (CKPT_SIZE=GB), about 100 s on
-#            an H200 (limits 60 + 120 s; 106 s on the 2-core VM's CPU at
+#   ckpt     checkpoints with CUDA state, 1 GB (CKPT_SIZE=GB), about 130 s expected on
+#            an H200 (limits 60 + 120 + 60 s; 106 s before the A/B on the 2-core VM's CPU at
 #            0.05 GB): bench/ckpt_bench.py --device-loads
 #            (a safetensors file into CUDA tensors, ebbtide against load_file
 #            + .to("cuda") and load_file(device=); a DCP checkpoint into CUDA
@@ -91,7 +91,10 @@
 #            ckpt_loads.json) and bench/ckpt_first_save.py --mode async
 #            --device cuda (every async save's blocking time, native and
 #            dcp.async_save, against a D2H copy of the state; JSON
-#            ckpt_async.json). Without a GPU both run on CPU tensors
+#            ckpt_async.json), then --mode async-ab (the copying paths'
+#            later calls alternated in one process: DCP over native; limit
+#            60 s; JSON ckpt_async_ab.json). Without a GPU all run on CPU
+#            tensors
 #   dist     bench/dist_offload.py under torchrun (nccl)
 #   megatron bench/megatron_offload.py --device cuda (issue 43): a Megatron-core
 #            GPTModel (local spec, 8 layers, hidden 2048, seq 2048, bf16) with
@@ -627,7 +630,10 @@ for stage in "${stages[@]}"; do
       tail -n 9 "$out/ckpt_loads.txt"
       step ckpt_async ckpt_async.txt 120 "$py" bench/ckpt_first_save.py --mode async --device "$dev" \
         --size "${CKPT_SIZE:-1.0}" --saves 4 --dir /tmp/ebbtide-ckpt/async --json "$out/ckpt_async.json"
-      tail -n 8 "$out/ckpt_async.txt"
+      tail -n 9 "$out/ckpt_async.txt"
+      step ckpt_async_ab ckpt_async_ab.txt 60 "$py" bench/ckpt_first_save.py --mode async-ab --device "$dev" \
+        --size "${CKPT_SIZE:-1.0}" --saves 8 --dir /tmp/ebbtide-ckpt/ab --json "$out/ckpt_async_ab.json"
+      tail -n 5 "$out/ckpt_async_ab.txt"
       ;;
     dist)
       step dist_offload dist_offload.txt 300 "$py" -m torch.distributed.run --standalone --nproc_per_node 1 \
