@@ -250,11 +250,16 @@ def async_bench(args):
             for _ in range(args.first_rounds - 1):
                 f.append(child(quick, path, None, "sync")["sync_s"][0])
                 a.append(child(quick, path, copy, int(copy))["first_blocked_s"])
+            # Each round's two processes ran one after the other: their ratio
+            # leaves out the load's drift between rounds.
+            pairs_r = [x / y for x, y in zip(a, f)]
             firsts[path] = {"first_blocked_s": a, "first_sync_s": f,
-                            "ratio_of_medians": statistics.median(a) / statistics.median(f)}
+                            "ratio_of_medians": statistics.median(a) / statistics.median(f),
+                            "pair_ratios": pairs_r, "median_pair_ratio": statistics.median(pairs_r)}
             print(f"first call, {r['name']}: {args.first_rounds} fresh processes each, alternating: blocked "
                   f"{', '.join(f'{x:.3f}' for x in a)} s; 1st sync {', '.join(f'{x:.3f}' for x in f)} s; "
-                  f"medians {statistics.median(a) / statistics.median(f):.1%}")
+                  f"medians {statistics.median(a) / statistics.median(f):.1%}; median of the rounds' ratios "
+                  f"{statistics.median(pairs_r):.1%}")
     for dpath in ("dcp", "dcp-wrapped"):
         if ("native", True) not in pairs or (dpath, True) not in pairs:
             continue

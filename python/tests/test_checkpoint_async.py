@@ -261,6 +261,7 @@ def test_async_bench_runs(tmp_path):
     for path in ("native", "dcp", "dcp-wrapped"):  # the first call again in fresh processes, beside fresh first sync saves
         f = r["first_rounds"][path]
         assert len(f["first_blocked_s"]) == 2 and len(f["first_sync_s"]) == 2 and f["ratio_of_medians"] > 0
+        assert len(f["pair_ratios"]) == 2 and f["median_pair_ratio"] > 0
 
 
 def test_async_ab_bench_runs(tmp_path):
