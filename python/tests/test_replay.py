@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ebbtide.harness import gpu_runs, replay_report
+from ebbtide.harness import gpu_budget_runs, gpu_runs, replay_report
 from ebbtide.plan import replay
 
 RUNS = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu-runs")
@@ -49,6 +49,30 @@ def test_the_shared_tables_wait_of_2026_11_28_is_reproduced():
                kept_in_distance=True)
     fixed = replay.replay_run(dict(run, options=now, ran=dict(run["ran"], lead_bytes=None)))
     assert fixed["ran"]["predicted"]["backward_wait_seconds"] < 0.002
+
+
+def test_the_budget_row_on_the_ssd_is_apart_for_a_reason_in_figures():
+    """The 2026-11-28 budget 0.25 row moved 186 MB to the VM's disk and back in a 0.161 s
+    step: less than its writes, the last block's read and the backward after it take at the
+    rates that session probed. The replay says so, in figures, instead of guessing rates."""
+    loaded = gpu_runs.load(os.path.join(RUNS, "2026-11-28-h200", "budget_a.json"))
+    run = next(r for r in loaded["runs"] if r["name"] == "budget shape a budget 0.25")
+    assert run["apart"]
+    why = run["apart_why"]
+    assert "shorter than its SSD I/O allows" in why and "1.24 GB/s write, 1.51 GB/s read" in why, why
+    floor = float(why.split("): ")[-1].split(" s.")[0])
+    assert floor > run["measured"]["step_seconds"] * 1.3, why
+    out = replay.replay(loaded["runs"])
+    assert next(r for r in out["runs"] if r["apart"])["apart_why"] == why
+    # A step the floor does not rule out, or rates not probed: only what was not recorded.
+    pl, lim = run["ran"]["placements"], run["ran"]["offload_limits"]
+    moved = run["measured"]["bytes_offloaded"]
+    inputs = 2 * 2048 * 4096 * 2
+    ssd = dict(write_bps=1.24e9, read_bps=1.51e9)
+    slow = gpu_budget_runs._ssd_floor_why(run["modules"], pl, lim, moved, inputs, ssd, 1.0)
+    assert slow == "which bytes moved to the SSD was not recorded (replayed as the first blocks' inputs)"
+    assert gpu_budget_runs._ssd_floor_why(run["modules"], pl, lim, moved, inputs, {}, 0.1).endswith(
+        "nor were the SSD's rates")
 
 
 def test_replay_json_has_the_issue_keys(tmp_path):

@@ -24,7 +24,10 @@ is rebuilt from those rows and the model's shape:
   budget 0.5 row's 3,459,416,128 bytes is blocks 3-7's); a row that also moved
   bytes to the SSD (the fraction 0.25 on 2026-11-28) did not record which:
   it is replayed as if those bytes were the first blocks' inputs written to
-  the SSD at the rates the same session probed, and kept apart.
+  the SSD at the rates the same session probed, and kept apart, with the
+  reason: where the measured step is shorter than the least time its SSD
+  I/O takes at those rates (_ssd_floor_why), the step saw other rates, and
+  no placement of the bytes reproduces it.
 Best plans are made for host memory (the target a user with 125 GiB of host
 memory picks), at the run's budget of saved bytes and at its measured
 allocator peak.
@@ -112,6 +115,35 @@ def _siblings(path: str, spec: dict) -> list:
     return out
 
 
+def _ssd_floor_why(modules, placements, limits, moved, inputs, ssd, measured):
+    """Why a row that moved `moved` bytes to the SSD is kept apart (Note
+    [Replaying budget runs without a trace]): the least time its I/O takes
+    at the SSD rates the session probed, against the step measured. Writes
+    end in the order they were issued (the cache's store queue is FIFO), so
+    the last moved block's bytes are on the SSD only once all `moved` bytes
+    are written; they are then read back, and the backward of that block and
+    of every block before it runs after. In forward order no other placement
+    of the same bytes puts less after the last write (a block's inputs hold
+    `inputs` bytes at most; a kept block's own saves would all be read back
+    first)."""
+    w, rd = ssd.get("write_bps", 0.0), ssd.get("read_bps", 0.0)
+    why = "which bytes moved to the SSD was not recorded (replayed as the first blocks' inputs)"
+    if not (w > 0 and rd > 0):
+        return why + "; nor were the SSD's rates"
+    k = max(i for i, lim in enumerate(limits) if placements[i].endswith("_ssd"))
+    last = limits[k] if limits[k] >= 0 else inputs
+    write, read = moved / w, last / rd
+    after = sum(m["backward_seconds"] + (m["forward_seconds"] if placements[i].startswith("recompute") else 0.0)
+                for i, m in enumerate(modules[:k + 1]))
+    floor = write + read + after
+    if measured >= floor:
+        return why
+    return (f"its measured step ({measured:.3f} s) is shorter than its SSD I/O allows at the rates the session "
+            f"probed ({w / 1e9:.2f} GB/s write, {rd / 1e9:.2f} GB/s read): {moved / 1e6:.0f} MB written in issue "
+            f"order ({write:.3f} s), the last block's {last / 1e6:.0f} MB read back ({read:.3f} s), then the "
+            f"backward of blocks 0-{k} ({after:.3f} s): {floor:.3f} s. The step saw rates the run did not record")
+
+
 def convert_budget_bench(d: dict, path: str) -> list:
     """The runs of one bench/budget_bench.py JSON (Note [Replaying budget runs without a trace])."""
     from ebbtide.harness.gpu_runs import mlp_gradient_bytes, param_bytes_by_module
@@ -169,6 +201,7 @@ def convert_budget_bench(d: dict, path: str) -> list:
         placements = list(keep_all)
         limits = None
         apart = False
+        why = None
         if strategy == "recompute":
             placements = ["recompute"] * n + ["keep"]
         elif strategy == "budget":
@@ -196,6 +229,7 @@ def convert_budget_bench(d: dict, path: str) -> list:
                     take = min(left, inputs)
                     limits[i] = take if take < inputs else -1
                     left -= take
+                why = _ssd_floor_why(modules, placements, limits, moved, inputs, ssd, r["step_seconds"])
         elif strategy != "keep":
             continue  # peers whose steps the model does not play (torchtune; compiled blocks: no profile of them)
         label = strategy + (f" {r['fraction']:g}" if r.get("fraction") is not None else "")
@@ -207,7 +241,7 @@ def convert_budget_bench(d: dict, path: str) -> list:
             now_options = dict(now, activation_budget_bytes=int(r["budget_bytes"]))
         runs.append(dict(name=f"budget shape a {label}", kind="budget", modules=modules, options=ran_options,
                          ran=dict(placements=placements, offload_limits=limits), measured=measured,
-                         now_options=now_options, apart=apart,
+                         now_options=now_options, apart=apart, **({"apart_why": why} if apart else {}),
                          peers={p["strategy"] + (f" {p['fraction']:g}" if p.get("fraction") is not None else ""):
                                 dict(step_seconds=p["step_seconds"], peak_bytes=p["allocated_peak_bytes"])
                                 for p in rows if p["strategy"] in ("recompute", "torchtune", "compiler", "keep")},

@@ -56,6 +56,8 @@ def format_replay(result):
             lines.append(f"  {r['name']:<30} {'ran':<5} {p['step_seconds']:>8.4f}/{m['step_seconds']:.4f} "
                          f"{ratio['step_seconds']:>5.3f} {_gb(p['peak_bytes']):>8}/{_gb(m['peak_bytes'])} "
                          f"{ratio['peak_bytes']:>5.3f}  {verdict}")
+            if r.get("apart_why"):
+                lines.append(f"  {'':<30} apart: {r['apart_why']}")
             if "best" in r:
                 b = r["best"]["predicted"]
                 lines.append(f"  {'':<30} {'best':<5} {b['step_seconds']:>8.4f} {'':>13} {_gb(b['peak_bytes']):>8}"

@@ -101,6 +101,8 @@ def replay(runs: Iterable[Mapping[str, Any]], source: str = "") -> dict:
     results = [replay_run(r) for r in runs]
     for r, run in zip(results, runs):
         r["apart"] = bool(run.get("apart"))
+        if r["apart"] and run.get("apart_why"):
+            r["apart_why"] = run["apart_why"]
     return dict(source=source, runs=results, within=all(r["ran"]["within"] for r in results if not r["apart"]),
                 targets=targets(runs, results))
 
