@@ -729,7 +729,8 @@ TEST(CacheRaces, AFailedUnpackHandsBackTheCompletionsItTook) {
 // copies are ordered before the stream its tensor was made on, so the next
 // allocation there cannot overwrite what the copy still reads, and that wait
 // is timed too. Without the device named the call refuses and releases
-// nothing, whichever devices its range reaches; while the compute stream is
+// nothing once the cache works on two devices, whichever devices its range
+// reaches and whatever earlier points released; while the compute stream is
 // captured no lane releases anything, nor queries an event.
 TEST(CacheRaces, ReleasePointWithCopiesOnTwoDevices) {
   SimDriver drv(slow_link(/*devices=*/2));
@@ -770,8 +771,14 @@ TEST(CacheRaces, ReleasePointWithCopiesOnTwoDevices) {
   // Simulated time: each copy of 1 MiB at 1e8 B/s takes ~10 ms on its own
   // device's engine, and both devices' waits are timed.
   EXPECT_GT(st.copy_wait_seconds, 1.5 * kBytes / 1e8);
-  c->release(r0.id);
-  c->release(r1.id);
+  // Refused whatever earlier points released: only device 0 holds a copy now.
+  const SaveResult r2 = save_one(g0, *c, test::random_bytes(kBytes, 84), kCompute, 84);
+  EXPECT_THROW(c->release_copies(0, INT64_MAX, kCompute), InvalidArgument);
+  c->release_copies(0, INT64_MAX, kCompute, UINT64_MAX, /*compute_device=*/0);
+  for (auto& d : c->poll()) d.live.reset();
+  EXPECT_EQ(g0.freed, 2);
+  expect_clean(drv);
+  for (EntryId id : {r0.id, r1.id, r2.id}) c->release(id);
   c->close();
 }
 

@@ -82,12 +82,13 @@ namespace ebbtide::cache {
 // waits]) and every other lane orders its copies before the streams its
 // tensors were made on only, which is all a stream-ordered free needs (Note
 // [Stream-ordered drops]); its wait is timed on the stream its oldest held
-// copy's tensor was made on, that device's compute stream as a rule. A
-// caller that does not name the compute stream's device while copies are
-// held on two devices is refused before anything is released (a range that
-// reaches one device's copies only included: whether it is refused must not
-// depend on a plan's byte counts), and while the compute stream is captured
-// no lane releases anything (Note [Graph capture]).
+// copy's tensor was made on, that device's compute stream as a rule (device
+// waits are then summed over devices). A caller that does not name the
+// compute stream's device is refused, before anything is released, once the
+// cache has worked on two devices: whether it is refused must depend
+// neither on a plan's byte counts nor on what earlier points released. While
+// the compute stream is captured no lane releases anything (Note [Graph
+// capture]).
 
 // Note [Priority loads]
 // Each device has two load streams. Prefetches (start_loads) run in the
@@ -316,17 +317,16 @@ void TensorCache::release_copies(int microbatch, int64_t scope, mem::cuda::Strea
   Lock lock(mu_);
   Reaper reaper{graveyard_, dead};
   if (!deferred_.empty()) flush_deferred_locked(false);
+  // Note [Release points on several devices]
+  if (compute_device < 0 && lanes_.size() > 1)
+    throw InvalidArgument(detail::concat("release_copies: the cache works on devices ", lanes_.begin()->first,
+                                         " and ", std::next(lanes_.begin())->first,
+                                         ": name the device of the compute stream (compute_device)"));
   auto m = microbatches_.find(microbatch);
   // Nothing held (e.g. every block's backward after the first released all):
   // no walk over the order.
-  std::vector<int> holding;  // the devices whose lanes hold copies
-  for (const auto& [device, lane] : lanes_)
-    if (!lane.pending.empty()) holding.push_back(device);
-  if (m == microbatches_.end() || holding.empty()) return;
-  // Note [Release points on several devices]
-  if (compute_device < 0 && holding.size() > 1)
-    throw InvalidArgument(detail::concat("release_copies: copies are held on devices ", holding[0], " and ",
-                                         holding[1], ": name the device of the compute stream (compute_device)"));
+  const bool held = std::any_of(lanes_.begin(), lanes_.end(), [](const auto& l) { return !l.second.pending.empty(); });
+  if (m == microbatches_.end() || !held) return;
   // Note [Graph capture]: nothing is released while the compute stream is captured, on any device.
   if (compute_device >= 0 && capturing_locked(compute_device, compute)) return;
   const MicroBatch& mb = m->second;

@@ -313,8 +313,8 @@ class TensorCache : public mem::ForkOrigin {
   // for poll(), so the glue drops the tensors in the device's order.
   // `compute` is a stream of device `compute_device`; copies held on other
   // devices are ordered before the streams their tensors were made on only.
-  // -1: the device of the held copies, which must then all be on one device
-  // (else InvalidArgument, nothing released; Note [Release points on several
+  // -1: the one device the cache works on (InvalidArgument, nothing
+  // released, once it has worked on two; Note [Release points on several
   // devices]).
   void release_copies(int microbatch, int64_t scope, mem::cuda::Stream compute, uint64_t max_bytes = UINT64_MAX,
                       int compute_device = -1);
