@@ -104,7 +104,13 @@ def test_gradients_are_bitwise(ranks, case):
         r = result(ranks, rank, case)
         assert r["mismatch"] is None, f"rank {rank}, {case}: {r['mismatch']}"
         assert r["schedule"] == SCHEDULES[case.split("/")[0]]
-        assert r["bytes_offloaded"] > 0, (rank, case)
+        if case == "dp2/budget":
+            # The budget is met by recomputing (test_budget_is_met_by_recomputing_megatron_layers);
+            # whether the plan also offloads a little depends on the SSD rate and compute time it
+            # measured (0 bytes once in CI, on a loaded machine): not asserted.
+            assert r["recomputed_blocks"], (rank, case)
+        else:
+            assert r["bytes_offloaded"] > 0, (rank, case)
 
 
 @requires_megatron
