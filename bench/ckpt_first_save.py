@@ -114,6 +114,15 @@ def copy_reference(state, device):
     return run
 
 
+def dcp_state(path, state):
+    """What the DCP path `path` passes to dcp.(async_)save: "dcp-wrapped",
+    the state under one key, as torchtitan and HF's trainers pass a model's
+    or optimizer's; torch's async_save wraps each top-level value in a logged
+    call of its own (two DEBUG records each), so a flat dict of N tensors
+    ("dcp") pays that N times."""
+    return {"model": state} if path == "dcp-wrapped" else state
+
+
 def async_run(path, copy, size, directory, saves, device="cpu"):
     """In this (fresh) process: the first async save, `saves` - 1 later ones,
     then `saves` synchronous ones, all of one state to one path. Each async
@@ -148,11 +157,7 @@ def async_run(path, copy, size, directory, saves, device="cpu"):
             w.save(state, target)
     else:
         w = EbbtideWriter(target, staging="copy" if copy else "none")
-        # "dcp-wrapped": the state under one key, as torchtitan and HF's
-        # trainers pass a model's or optimizer's; torch's async_save wraps each
-        # top-level value in a logged call of its own (two DEBUG records each),
-        # so a flat dict of N tensors pays that N times.
-        dstate = {"model": state} if path == "dcp-wrapped" else state
+        dstate = dcp_state(path, state)
 
         def asave():
             return dcp.async_save(dstate, storage_writer=w)
@@ -310,7 +315,7 @@ def async_ab(args):
         if path == "native":
             h = native.save(state, os.path.join(args.dir, "n"), async_=True)
         else:
-            h = dcp.async_save({"model": state} if path == "dcp-wrapped" else state, storage_writer=writers[path])
+            h = dcp.async_save(dcp_state(path, state), storage_writer=writers[path])
         out = (time.perf_counter() - t0, time.process_time() - c0)
         h.wait() if path == "native" else h.result()
         (native if path == "native" else writers[path]).join()

@@ -330,7 +330,8 @@ void ebbtide::py::bind_cache(nb::module_& m) {
            nb::arg("device") = -1,
            "Note [Release by bytes]: the copies of the micro-batch's entries up to the end of `scope` whose "
            "offloaded bytes, counted in forward order, end within `max_bytes` (-1: no limit). `stream` is a "
-           "stream of CUDA device `device` (-1: the device of the held copies, all on one).")
+           "stream of CUDA device `device` (-1: the one device the cache works on; refused once it has worked on "
+           "two, Note [Release points on several devices]).")
       .def("measure_link",
            [](TensorCache& c, int device, uintptr_t dev_ptr, uint64_t nbytes, int repeats) {
              return c.measure_link(device, reinterpret_cast<void*>(dev_ptr), nbytes, repeats);

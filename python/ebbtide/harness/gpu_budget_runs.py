@@ -200,8 +200,7 @@ def convert_budget_bench(d: dict, path: str) -> list:
         strategy = r["strategy"]
         placements = list(keep_all)
         limits = None
-        apart = False
-        why = None
+        why = None  # set for a row kept apart
         if strategy == "recompute":
             placements = ["recompute"] * n + ["keep"]
         elif strategy == "budget":
@@ -216,7 +215,6 @@ def convert_budget_bench(d: dict, path: str) -> list:
                 placements = min((first, last), key=miss)
             moved = int(r.get("bytes_offloaded") or 0)
             if moved:
-                apart = True
                 # Not recorded which bytes moved: the first blocks' inputs on the SSD.
                 left = moved
                 limits = [-1] * len(modules)
@@ -241,7 +239,7 @@ def convert_budget_bench(d: dict, path: str) -> list:
             now_options = dict(now, activation_budget_bytes=int(r["budget_bytes"]))
         runs.append(dict(name=f"budget shape a {label}", kind="budget", modules=modules, options=ran_options,
                          ran=dict(placements=placements, offload_limits=limits), measured=measured,
-                         now_options=now_options, apart=apart, **({"apart_why": why} if apart else {}),
+                         now_options=now_options, apart=why is not None, **({"apart_why": why} if why else {}),
                          peers={p["strategy"] + (f" {p['fraction']:g}" if p.get("fraction") is not None else ""):
                                 dict(step_seconds=p["step_seconds"], peak_bytes=p["allocated_peak_bytes"])
                                 for p in rows if p["strategy"] in ("recompute", "torchtune", "compiler", "keep")},
