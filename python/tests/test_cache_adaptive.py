@@ -429,3 +429,26 @@ def test_no_scope_byte_limit_after_detach(tmp_path):
         assert c._adapt.offload_limit(0) == 1
         c.detach()
         assert c._adapt.offload_limit(0) == -1
+
+
+def test_probe_bench_reports_the_probe_against_the_steps_rates(tmp_path):
+    # bench/probe_bench.py: the SSD probe the adaptive cache plans with, beside
+    # the rates its steps' own writes and reads then see; every round's figures.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "probe_bench.py")
+    out = tmp_path / "probe.json"
+    p = subprocess.run([sys.executable, bench, "--dir", str(tmp_path / "d"), "--rounds", "1", "--steps", "2",
+                        "--json", str(out)], check=True, capture_output=True, text=True, timeout=600)
+    r = json.loads(out.read_text())
+    assert len(r["rounds"]) == 1 and r["probe_bytes"] == 8 << 20
+    one = r["rounds"][0]
+    for k in ("probe_write_bps", "probe_read_bps", "step_write_bps", "step_read_bps"):
+        assert one[k] > 0, k
+    assert one["step_bytes_written"] > 0 and one["step_bytes_read"] > 0
+    assert r["median_write_ratio"] == pytest.approx(one["probe_write_bps"] / one["step_write_bps"])
+    assert "median probe / step" in p.stdout
+    assert os.listdir(tmp_path / "d") == []  # each round's directory is gone

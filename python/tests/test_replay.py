@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from ebbtide.harness import gpu_budget_runs, gpu_runs, replay_report
-from ebbtide.plan import replay
+from ebbtide.plan import planner, replay
 
 RUNS = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu-runs")
 RUN_DIRS = sorted(os.path.join(RUNS, d) for d in os.listdir(RUNS) if os.path.isdir(os.path.join(RUNS, d)))
@@ -62,6 +62,13 @@ def test_the_budget_row_on_the_ssd_is_apart_for_a_reason_in_figures():
     assert "shorter than its SSD I/O allows" in why and "1.24 GB/s write, 1.51 GB/s read" in why, why
     floor = float(why.split("): ")[-1].split(" s.")[0])
     assert floor > run["measured"]["step_seconds"] * 1.3, why
+    # And the factor on both probed rates at which the model plays the step in its measured time.
+    need = float(why.split("only with both rates ")[1].split("x")[0])
+    assert 1.5 < need < 3.0, why
+    fast = dict(run["options"], write_bps=run["options"]["write_bps"] * need,
+                read_bps=run["options"]["read_bps"] * need)
+    at = planner.simulate_ran(run["modules"], run["ran"]["placements"], offload_limits=run["ran"]["offload_limits"], **fast)
+    assert at["predicted_step_seconds"] == pytest.approx(run["measured"]["step_seconds"], rel=0.01)
     out = replay.replay(loaded["runs"])
     assert next(r for r in out["runs"] if r["apart"])["apart_why"] == why
     # A step the floor does not rule out, or rates not probed: only what was not recorded.

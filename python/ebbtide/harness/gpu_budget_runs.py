@@ -27,7 +27,11 @@ is rebuilt from those rows and the model's shape:
   the SSD at the rates the same session probed, and kept apart, with the
   reason: where the measured step is shorter than the least time its SSD
   I/O takes at those rates (_ssd_floor_why), the step saw other rates, and
-  no placement of the bytes reproduces it.
+  no placement of the bytes reproduces it; the reason then also names the
+  factor on both rates at which the model plays the step in its measured
+  time (_rates_to_reproduce: 2.25x on 2026-11-28's budget_a, 1.95x on
+  budget_b; bench/probe_bench.py measures the probe against the steps' own
+  rates on a disk at hand).
 Best plans are made for host memory (the target a user with 125 GiB of host
 memory picks), at the run's budget of saved bytes and at its measured
 allocator peak.
@@ -144,6 +148,25 @@ def _ssd_floor_why(modules, placements, limits, moved, inputs, ssd, measured):
             f"backward of blocks 0-{k} ({after:.3f} s): {floor:.3f} s. The step saw rates the run did not record")
 
 
+def _rates_to_reproduce(modules, placements, limits, options, measured):
+    """The factor m on both SSD rates of `options` at which the step model
+    plays the row's plan in its measured time (the step falls as the rates
+    rise), or None where no factor in 1..20 does."""
+    from ebbtide.plan import planner
+
+    def step(m):
+        o = dict(options, write_bps=options["write_bps"] * m, read_bps=options["read_bps"] * m)
+        return planner.simulate_ran(modules, placements, offload_limits=limits, **o)["predicted_step_seconds"]
+
+    lo, hi = 1.0, 20.0
+    if step(lo) <= measured or step(hi) > measured:
+        return None
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if step(mid) > measured else (lo, mid)
+    return hi
+
+
 def convert_budget_bench(d: dict, path: str) -> list:
     """The runs of one bench/budget_bench.py JSON (Note [Replaying budget runs without a trace])."""
     from ebbtide.harness.gpu_runs import mlp_gradient_bytes, param_bytes_by_module
@@ -228,6 +251,12 @@ def convert_budget_bench(d: dict, path: str) -> list:
                     limits[i] = take if take < inputs else -1
                     left -= take
                 why = _ssd_floor_why(modules, placements, limits, moved, inputs, ssd, r["step_seconds"])
+                need = _rates_to_reproduce(modules, placements, limits, ran_options, r["step_seconds"]) \
+                    if why.startswith("its measured step") else None
+                if need is not None:
+                    why += (f". The model plays the step in its measured time only with both rates {need:.2f}x the "
+                            f"probe's ({ssd['write_bps'] * need / 1e9:.2f} GB/s write, "
+                            f"{ssd['read_bps'] * need / 1e9:.2f} GB/s read)")
         elif strategy != "keep":
             continue  # peers whose steps the model does not play (torchtune; compiled blocks: no profile of them)
         label = strategy + (f" {r['fraction']:g}" if r.get("fraction") is not None else "")
