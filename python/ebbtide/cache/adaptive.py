@@ -405,48 +405,79 @@ class Adaptive:
             return
         change = self._ssd_rate_change(core_stats)
         if change is not None:
-            r, slower = change
-            # Note [Quiet re-plan]: the plan is remade with the measured rate; only
-            # a plan that places blocks differently is a re-plan users hear of
-            # (`replans`, the INFO line; a WARNING when the SSD got slower). Small
-            # steps measure noisy rates, and a slower SSD that still hides every
-            # write changes nothing. Faster: the profiling step writes fresh
-            # files (on the CI VM at 0.8-1.0 GB/s, later steps at 2.4 GB/s), so
-            # its plan may recompute or keep what the link can carry.
+            rates, slower = change
+            # Note [Quiet re-plan]: the plan is remade with the measured rates;
+            # only a plan that places blocks differently is a re-plan users hear
+            # of (`replans`, the INFO line; a WARNING when the SSD got slower).
+            # Small steps measure noisy rates, and a slower SSD that still hides
+            # every copy changes nothing. Faster writes: the profiling step
+            # writes fresh files (on the CI VM at 0.8-1.0 GB/s, later steps at
+            # 2.4 GB/s), so its plan may recompute or keep what the link can
+            # carry. Reads: a GPU's profiling step keeps everything resident, so
+            # its SSD rates are the probe's, which reads back what it has just
+            # written (on the CI VM 1.16-1.64x the rate the steps then read at,
+            # bench/probe_bench.py): the steps' own reads decide from then on.
             old = self.plan
-            self.measured.setdefault("ssd", {})["write_bps"] = r["write_bps"]
-            self.measured["ssd"]["source"] = "step"
+            self._take_rates(rates)
             self._make_plan(reason="replan", log=False)
-            how = (f"below {100 * old['replan_fraction']:.0f}% of" if slower
-                   else f"above {100 / old['replan_fraction']:.0f}% of")
+            words = self._rates_words(rates, old)
             if [m["placement"] for m in self.plan["modules"]] == [m["placement"] for m in old["modules"]]:
-                logger.debug("ebbtide: SSD writes ran at %.1f MB/s, %s the %.1f MB/s planned; "
-                             "the plan at the measured rate is unchanged", r["write_bps"] / 1e6, how,
-                             old["planned_write_bps"] / 1e6)
+                logger.debug("ebbtide: %s; the plan at the measured rates is unchanged", words)
                 self.plan["reason"] = old["reason"]
                 return
             self.replans += 1
-            (logger.warning if slower else logger.info)(
-                "ebbtide: SSD writes ran at %.1f MB/s, %s the %.1f MB/s the plan assumed; re-planned for the "
-                "next step", r["write_bps"] / 1e6, how, old["planned_write_bps"] / 1e6)
+            (logger.warning if slower else logger.info)("ebbtide: %s; re-planned for the next step", words)
             self._log_plan()
 
     def _ssd_rate_change(self, core_stats: dict):
-        """(the step's SSD rates, slower) when the measured write rate is far
-        enough from the plan's to make it again (Note [Quiet re-plan]); None
-        otherwise."""
+        """(the step's SSD rates, slower) when a measured rate, of writes or
+        of reads, is far enough from the plan's to make it again (Note [Quiet
+        re-plan]); None otherwise. The rates are those the step measured (at
+        least 1 MiB moved that way), each None where it did not."""
         if self.plan is None or not self.plan["bytes_ssd"]:
             return None
         r = self._tier_rates(core_stats).get("ssd")
-        if r is None or r["bytes_written"] < _MIN_MEASURED_BYTES or r["write_bps"] <= 0:
+        if r is None:
             return None
-        slower = planner.needs_replan(self.plan, r["write_bps"])
-        # A plan at the cap gains nothing from a faster link (the cap lets
+        rates = {}
+        for d, moved in (("write", "bytes_written"), ("read", "bytes_read")):
+            ok = r[moved] >= _MIN_MEASURED_BYTES and r[f"{d}_bps"] > 0
+            rates[d] = r[f"{d}_bps"] if ok else None
+        slower = any(v is not None and planner.needs_replan(self.plan, v, d) for d, v in rates.items())
+        # A plan at the cap gains nothing from faster writes (the cap lets
         # bursts through, so a step may measure above it).
         at_cap = self.max_write_bps and self.plan["planned_write_bps"] >= self.max_write_bps * (1 - 1e-9)
-        if slower or (not at_cap and planner.link_faster(self.plan, r["write_bps"])):
-            return r, slower
+        faster = any(v is not None and not (d == "write" and at_cap) and planner.link_faster(self.plan, v, d)
+                     for d, v in rates.items())
+        if slower or faster:
+            return rates, slower
         return None
+
+    def _take_rates(self, rates: dict) -> None:
+        """The step's measured SSD rates replace the plan's (Note [Quiet re-plan])."""
+        ssd = self.measured.setdefault("ssd", {})
+        for d, v in rates.items():
+            if v is not None:
+                ssd[f"{d}_bps"] = v
+        ssd["source"] = "step"
+
+    @staticmethod
+    def _rates_words(rates: dict, old: dict) -> str:
+        """'SSD writes ran at X MB/s, below 70% of the Y MB/s the plan
+        assumed', for each direction whose rate crossed a bound."""
+        out = []
+        for d, v in rates.items():
+            if v is None:
+                continue
+            if planner.needs_replan(old, v, d):
+                how = f"below {100 * old['replan_fraction']:.0f}% of"
+            elif planner.link_faster(old, v, d):
+                how = f"above {100 / old['replan_fraction']:.0f}% of"
+            else:
+                continue
+            out.append(f"SSD {d}s ran at {v / 1e6:.1f} MB/s, {how} the {old[f'planned_{d}_bps'] / 1e6:.1f} MB/s "
+                       "the plan assumed")
+        return "; ".join(out)
 
     def _backward_times(self, end) -> dict:
         """Seconds of each module's backward in the step just ended (keys:
@@ -532,8 +563,7 @@ class Adaptive:
             old = [m["placement"] for m in self.plan["modules"]] if self.plan is not None else None
             change = self._ssd_rate_change(core_stats)
             if change is not None:
-                self.measured.setdefault("ssd", {})["write_bps"] = change[0]["write_bps"]
-                self.measured["ssd"]["source"] = "step"
+                self._take_rates(change[0])
             self._make_plan(reason="retime", log=False)
             changed = old != [m["placement"] for m in self.plan["modules"]]
             # As Note [Quiet re-plan]: only a plan that places blocks differently is announced.

@@ -8,6 +8,7 @@ docs/model.md). Plain dicts in and out; no torch.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, Mapping
 
 from ebbtide import _core
@@ -201,16 +202,31 @@ def ran_placement(module: Mapping[str, Any]) -> str:
     return f"{placement}_{module['tier']}" if placement == "recompute_offload" else placement
 
 
-def needs_replan(plan: Mapping[str, Any], measured_write_bps: float) -> bool:
-    """True when ``plan`` offloads to the SSD and the measured write bandwidth
-    fell below ``plan["replan_fraction"]`` (default 0.7) of what it planned for."""
-    return _core.plan_needs_replan(int(plan["bytes_ssd"]), float(plan["planned_write_bps"]),
-                                   float(plan["replan_fraction"]), float(measured_write_bps))
+def needs_replan(plan: Mapping[str, Any], measured_bps: float, direction: str = "write") -> bool:
+    """True when ``plan`` offloads to the SSD and the measured bandwidth of
+    `direction` ("write" or "read") fell below ``plan["replan_fraction"]``
+    (default 0.7) of what it planned for."""
+    return _core.plan_needs_replan(int(plan["bytes_ssd"]), float(plan[_planned_key(direction)]),
+                                   float(plan["replan_fraction"]), _rate(measured_bps, direction))
 
 
-def link_faster(plan: Mapping[str, Any], measured_write_bps: float) -> bool:
-    """True when ``plan`` offloads to the SSD and the measured write bandwidth
-    rose above what it planned for divided by ``plan["replan_fraction"]``: the
-    profiling step writes fresh files, slower than later steps do."""
-    return _core.plan_link_faster(int(plan["bytes_ssd"]), float(plan["planned_write_bps"]),
-                                  float(plan["replan_fraction"]), float(measured_write_bps))
+def link_faster(plan: Mapping[str, Any], measured_bps: float, direction: str = "write") -> bool:
+    """True when ``plan`` offloads to the SSD and the measured bandwidth of
+    `direction` rose above what it planned for divided by
+    ``plan["replan_fraction"]``: the profiling step writes fresh files, slower
+    than later steps do, and the probe reads back what it has just written."""
+    return _core.plan_link_faster(int(plan["bytes_ssd"]), float(plan[_planned_key(direction)]),
+                                  float(plan["replan_fraction"]), _rate(measured_bps, direction))
+
+
+def _rate(bps: float, direction: str) -> float:
+    bps = float(bps)
+    if not math.isfinite(bps) or bps < 0:
+        raise ValueError(f"measured {direction} bandwidth must be a non-negative number of bytes/s, got {bps}")
+    return bps
+
+
+def _planned_key(direction: str) -> str:
+    if direction not in ("write", "read"):
+        raise ValueError(f"direction {direction!r} is not valid (valid: 'write', 'read')")
+    return f"planned_{direction}_bps"
