@@ -42,7 +42,9 @@
 // context was ever made current). Graph capture (begin_capture) forbids what
 // the driver forbids in global mode (host synchronisation, queries, host
 // registration, allocation, stream creation) on threads that did not relax
-// their capture mode, and captured work does not run. Every error the
+// their capture mode, and in any mode a host wait for a capturing stream or
+// a query of an event recorded in a capture under way; captured work does
+// not run. Every error the
 // simulated driver raises is also recorded (errors()): code that swallows one
 // still fails the test. Thread safe; effects run under the simulator's lock.
 #pragma once
@@ -401,6 +403,7 @@ class SimDriver final : public mem::cuda::Driver {
     injected_locked("cuEventSynchronize");
     unsafe_in_capture_locked("cuEventSynchronize");
     EventState& ev = event_locked(e, "cuEventSynchronize");
+    captured_event_locked(ev, "cuEventSynchronize");
     if (ev.time > host_) parks_.push_back({std::this_thread::get_id(), "cuEventSynchronize"});
     sim::join(host_vc_, ev.vc);
     advance_locked(std::max(host_, ev.time));
@@ -410,6 +413,7 @@ class SimDriver final : public mem::cuda::Driver {
     injected_locked("cuEventQuery");
     unsafe_in_capture_locked("cuEventQuery");
     EventState& ev = event_locked(e, "cuEventQuery");
+    captured_event_locked(ev, "cuEventQuery");
     if (ev.time > host_) return false;
     sim::join(host_vc_, ev.vc);
     return true;
@@ -483,6 +487,8 @@ class SimDriver final : public mem::cuda::Driver {
     injected_locked("cuStreamSynchronize");
     unsafe_in_capture_locked("cuStreamSynchronize");
     const SKey k = key_locked(s, "cuStreamSynchronize");
+    if (capturing_.count(k))  // in any capture mode, relaxed included
+      fail_locked("cuStreamSynchronize", "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (the stream is being captured)");
     StreamState& st = streams_[k];
     if (st.tail > host_) parks_.push_back({std::this_thread::get_id(), "cuStreamSynchronize"});
     host_waits_for_locked(st);
@@ -615,6 +621,15 @@ class SimDriver final : public mem::cuda::Driver {
     const int d = current_locked();
     if (d < 0) fail_locked(call, "CUDA_ERROR_INVALID_CONTEXT (no context current on this thread)");
     return d;
+  }
+  // An event recorded inside a capture that is still under way is a node of
+  // the graph, not a point in a stream: no mode lets the host query or wait
+  // for it.
+  void captured_event_locked(const EventState& ev, const char* call) {
+    if (!ev.capture) return;
+    for (const auto& [k, cap] : capturing_)
+      if (cap == ev.capture)
+        fail_locked(call, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (the event was recorded inside a capture under way)");
   }
   // Global-mode capture: a thread that did not relax its mode may not make
   // potentially unsafe calls while it, or any thread, captures.

@@ -568,6 +568,7 @@ TEST(CacheRaces, CloseDuringACaptureFreesNothingACopyMayTouch) {
   EXPECT_ANY_THROW(drv.end_capture(kSide)) << "the close's synchronisation invalidates the capture";
   drv.synchronize_all();  // the copy lands in memory that must still be there
   EXPECT_TRUE(drv.races().empty()) << SimDriver::join_lines(drv.races());
+  EXPECT_EQ(c->stats().store.bytes_held, kBytes) << "the host copy is held, not freed under the copy";
 }
 
 // Review: error paths after a copy was enqueued free nothing under it: an SSD
@@ -779,6 +780,108 @@ TEST(CacheRaces, ReleasePointWithCopiesOnTwoDevices) {
   EXPECT_EQ(g0.freed, 2);
   expect_clean(drv);
   for (EntryId id : {r0.id, r1.id, r2.id}) c->release(id);
+  c->close();
+}
+
+// Note [Queries during a capture]: the training thread captures device 1's
+// stream into a graph in global mode (torch.cuda.graph's default) while it
+// saves, releases and polls on device 0. The cache's queries of its own
+// events (recorded outside any capture) are then legal only in the relaxed
+// mode; device 1's copy, whose stream is captured, stays held until the
+// capture ends.
+TEST(CacheRaces, DeviceZeroWorksWhileDeviceOneIsCaptured) {
+  SimDriver::Options o = slow_link(/*devices=*/2);
+  SimDriver drv(o);
+  constexpr mem::cuda::Stream kOther = 11;  // device 1's compute stream
+  drv.declare_stream(kOther, 1);
+  Glue g0{drv, 0};
+  Glue g1{drv, 1};
+  HostStoreOptions ho;
+  ho.driver = &drv;
+  CacheOptions co;
+  co.driver = &drv;
+  co.device_inflight_bytes = kBytes;  // a second save on device 0 bounds (queries) the first copy
+  co.prefetch_window_bytes = 64 * kBytes;
+  auto c = std::make_unique<TensorCache>(make_host_store(ho), co);
+  c->begin_step();
+  const SaveResult r1 = save_one(g1, *c, test::random_bytes(kBytes, 91), kOther, 91);
+  ASSERT_TRUE(r1.offloaded);
+  drv.begin_capture(kOther, 1);
+  const SaveResult r0 = save_one(g0, *c, test::random_bytes(kBytes, 90), kCompute, 90);
+  SaveResult r2 = save_one(g0, *c, test::random_bytes(kBytes, 92), kCompute, 92);
+  ASSERT_TRUE(r0.offloaded && r2.offloaded);
+  ASSERT_EQ(r2.done.size(), 1u) << "the bound released the first copy (an event query)";
+  for (auto& d : r2.done) d.live.reset();
+  c->release_copies(0, INT64_MAX, kCompute, UINT64_MAX, /*compute_device=*/0);
+  for (auto& d : c->poll()) d.live.reset();
+  EXPECT_EQ(g0.freed, 2) << "device 0's copies released during device 1's capture";
+  EXPECT_EQ(g1.freed, 0) << "device 1's copy released while its stream is captured";
+  (void)c->stats();
+  EXPECT_NO_THROW(drv.end_capture(kOther, 1)) << SimDriver::join_lines(drv.errors());
+  c->release_copies(0, INT64_MAX, kCompute, UINT64_MAX, /*compute_device=*/0);
+  for (auto& d : c->poll()) d.live.reset();
+  EXPECT_EQ(g1.freed, 1);
+  DevicePtr n1 = drv.alloc(kBytes, kOther, "device 1's next activation", 1);
+  g1.write(kOther, n1, test::random_bytes(kBytes, 93));
+  expect_clean(drv);
+  for (EntryId id : {r0.id, r1.id, r2.id}) c->release(id);
+  c->close();
+}
+
+// Note [Queries during a capture], the backward: reloads, waits and a drain
+// on device 0 while the same thread captures device 1's stream; after each
+// call the thread's capture mode is global again.
+TEST(CacheRaces, BackwardOnDeviceZeroWhileDeviceOneIsCaptured) {
+  SimDriver drv(slow_link(/*devices=*/2));
+  constexpr mem::cuda::Stream kOther = 11;  // device 1's compute stream
+  drv.declare_stream(kOther, 1);
+  Glue g0{drv, 0};
+  Glue g1{drv, 1};
+  auto c = host_cache(drv);
+  auto global = [&](const char* after) {
+    EXPECT_EQ(drv.exchange_capture_mode(mem::cuda::kCaptureModeGlobal), mem::cuda::kCaptureModeGlobal)
+        << "the mode was left relaxed by " << after;
+  };
+  c->begin_step();
+  const SaveResult r1 = save_one(g1, *c, test::random_bytes(kBytes, 101), kOther, 101);
+  const auto da = test::random_bytes(kBytes, 102);
+  const auto db = test::random_bytes(kBytes, 103);
+  const EntryId a = save_one(g0, *c, da, kCompute, 102).id;
+  const EntryId b = save_one(g0, *c, db, kCompute, 103).id;
+  c->release_copies(0, INT64_MAX, kCompute, UINT64_MAX, /*compute_device=*/0);
+  for (auto& d : c->poll()) d.live.reset();
+  drv.begin_capture(kOther, 1);
+  Unpacked u = c->unpack(a, kCompute);
+  global("unpack");
+  ASSERT_EQ(u.kind, Unpacked::Kind::kNeedBuffer);
+  DevicePtr buf_a = 0, buf_b = 0;
+  GlueObj owner_a = g0.block(buf_a, kBytes, kCompute, "reload a");
+  GlueObj owner_b = g0.block(buf_b, kBytes, kCompute, "reload b");
+  c->start_load(a, reinterpret_cast<void*>(buf_a), kCompute, std::move(owner_a));
+  global("start_load");
+  u = c->unpack(a, kCompute);  // waits for the load (an event query)
+  global("unpack");
+  ASSERT_EQ(u.kind, Unpacked::Kind::kBuffer);
+  bool ok_a = false, ok_b = false;
+  g0.check(kCompute, buf_a, da, ok_a);  // while the unpacked buffer is held
+  u = Unpacked{};
+  c->start_load(b, reinterpret_cast<void*>(buf_b), kCompute, std::move(owner_b));
+  c->wait(b, kCompute);
+  global("wait");
+  g0.check(kCompute, buf_b, db, ok_b);
+  c->consume(b);
+  c->release(a);
+  c->release(b);
+  c->drain();
+  global("drain");
+  EXPECT_NO_THROW(drv.end_capture(kOther, 1)) << SimDriver::join_lines(drv.errors());
+  drv.synchronize_all();
+  EXPECT_TRUE(ok_a) << "reload a";
+  EXPECT_TRUE(ok_b) << "reload b";
+  c->release_copies(0, INT64_MAX, kCompute, UINT64_MAX, /*compute_device=*/0);
+  for (auto& d : c->poll()) d.live.reset();
+  c->release(r1.id);
+  expect_clean(drv);
   c->close();
 }
 

@@ -327,6 +327,7 @@ uint64_t TensorCache::current_step() const {
 
 void TensorCache::drain() {
   std::vector<GlueObj> dead;
+  CallerMode mode(opts_.driver, made_in_this_process());  // Note [Queries during a capture]
   Lock lock(mu_);
   Reaper reaper{graveyard_, dead};
   auto t0 = std::chrono::steady_clock::now();

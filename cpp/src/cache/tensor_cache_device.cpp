@@ -314,6 +314,7 @@ void TensorCache::bound_copies_locked(Lane& lane, mem::cuda::Stream compute) {
 void TensorCache::release_copies(int microbatch, int64_t scope, mem::cuda::Stream compute, uint64_t max_bytes,
                                  int compute_device) {
   std::vector<GlueObj> dead;
+  CallerMode mode(opts_.driver, made_in_this_process());  // Note [Queries during a capture]
   Lock lock(mu_);
   Reaper reaper{graveyard_, dead};
   if (!deferred_.empty()) flush_deferred_locked(false);
@@ -541,6 +542,18 @@ void TensorCache::timed_wait_locked(int device, mem::cuda::Stream stream, mem::c
     throw;
   }
   wait_timings_.push_back(t);
+}
+
+// Note [Queries during a capture] (tensor_cache_impl.hpp). A driver that
+// cannot relax the mode leaves it as it was: the calls are then what they were.
+CallerMode::CallerMode(mem::cuda::Driver* driver, bool here) {
+  if (driver == nullptr || !here) return;  // a forked child's copy makes no driver call
+  try {
+    scope_.emplace(driver);
+  } catch (const std::exception& ex) {
+    log::warn_once("cache.caller_mode", detail::concat("tensor cache: the calling thread's CUDA capture mode could "
+                                                       "not be relaxed (", ex.what(), ")"));
+  }
 }
 
 // Note [Device waits]: adds the timings whose events completed; the rest wait

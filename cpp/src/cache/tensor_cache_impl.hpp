@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <optional>
 #include <vector>
 
 #include "ebbtide/cache/tensor_cache.hpp"
@@ -81,6 +82,39 @@ struct Reaper {
   ~Reaper() {
     if (!grave.empty()) out.swap(grave);
   }
+};
+
+// Note [Queries during a capture]
+// A CUDA graph capture in global mode (torch.cuda.graph's default) forbids
+// potentially unsafe driver calls (event and stream queries and syncs, host
+// registration, stream creation) on the capturing thread and on every other
+// thread whose mode is not relaxed, whatever stream they concern: one such
+// call invalidates the capture. The cache's calls on the caller's thread
+// never touch a capturing stream (Note [Graph capture]: saves made in a
+// capture stay resident, release points and prefetches on a capturing stream
+// do nothing, another device's lane whose stream is captured is skipped),
+// and its events are recorded outside any capture. So the entry points that
+// query or wait for the cache's own copies or register host memory (save,
+// release_copies, start_load(s), unpack, wait, drain) relax the calling
+// thread's mode for their duration: a training thread that captures device
+// 1's stream keeps its capture valid while it saves, releases and reloads on
+// device 0 (CacheRaces.DeviceZeroWorksWhileDeviceOneIsCaptured and
+// BackwardOnDeviceZeroWhileDeviceOneIsCaptured, which also check that the
+// mode is global again after each call). The mode is restored before the
+// call's glue objects are dropped (declared after them), so user code run by
+// a tensor's deleter sees the thread's own mode. close() is left in the
+// caller's mode: closing inside a capture would unregister host memory and
+// destroy streams, which the driver's rules during a capture do not clearly
+// allow; its synchronisation fails there instead and it holds what a copy
+// may touch (CacheRaces.CloseDuringACaptureFreesNothingACopyMayTouch). The
+// workers relax their own mode once (Note [Spill readiness]); stats()
+// relaxes in harvest_waits_locked.
+class CallerMode {
+ public:
+  CallerMode(mem::cuda::Driver* driver, bool here);
+
+ private:
+  std::optional<mem::cuda::RelaxedCaptureScope> scope_;
 };
 
 inline bool in_flight(EntryState s) { return s == EntryState::kQueued || s == EntryState::kStoring; }

@@ -60,6 +60,7 @@ Reload TensorCache::request(EntryId id) {
 }
 
 void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream) {
+  CallerMode mode(opts_.driver, made_in_this_process());  // Note [Queries during a capture]
   Lock lock(mu_);
   EBB_CHECK_STATE(!closed_, "tensor cache: load on a closed cache");
   start_load_locked(find(id, "start_load"), dst, stream, LoadNeed::kNow);
@@ -67,6 +68,7 @@ void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream) {
 
 void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream, GlueObj owner) {
   std::vector<GlueObj> dead;
+  CallerMode mode(opts_.driver, made_in_this_process());  // Note [Queries during a capture]
   Lock lock(mu_);
   Reaper reaper{graveyard_, dead};
   EBB_CHECK_STATE(!closed_, "tensor cache: load on a closed cache");
@@ -90,6 +92,7 @@ void TensorCache::adopt_buffer_locked(Entry& e, GlueObj owner, mem::cuda::Stream
 void TensorCache::start_loads(const std::vector<EntryId>& ids,
                               const std::vector<std::pair<uintptr_t, GlueObj>>& buffers, mem::cuda::Stream stream) {
   std::vector<GlueObj> dead;
+  CallerMode mode(opts_.driver, made_in_this_process());  // Note [Queries during a capture]
   Lock lock(mu_);
   Reaper reaper{graveyard_, dead};
   EBB_CHECK_STATE(!closed_, "tensor cache: load on a closed cache");
@@ -228,6 +231,7 @@ void TensorCache::promote_load_locked(Entry& e) {
 }
 
 void TensorCache::wait(EntryId id, mem::cuda::Stream stream) {
+  CallerMode mode(opts_.driver, made_in_this_process());  // Note [Queries during a capture]
   Lock lock(mu_);
   Entry& e = find(id, "wait");
   if (e.state == EntryState::kLoading) {
@@ -335,6 +339,7 @@ Unpacked TensorCache::unpack(EntryId id, mem::cuda::Stream stream, int64_t task,
                               void* into) {
   Unpacked out;  // Note [Glue objects]: declared before the lock, destroyed after it
   std::vector<GlueObj> dead;
+  CallerMode mode(opts_.driver, made_in_this_process());  // Note [Queries during a capture]
   Lock lock(mu_);
   Reaper reaper{graveyard_, dead};
   EBB_CHECK_STATE(!closed_, "tensor cache: unpack from a closed cache (entry ", id, ")");

@@ -72,6 +72,7 @@ constexpr EntryId kKeptBytes = 0;
 
 SaveResult TensorCache::save(const SaveRequest& r) {
   std::vector<GlueObj> dead;
+  CallerMode mode(opts_.driver, made_in_this_process());  // Note [Queries during a capture]
   Lock lock(mu_);
   Reaper reaper{graveyard_, dead};
   EBB_CHECK_STATE(!closed_, "tensor cache: save on a closed cache");
