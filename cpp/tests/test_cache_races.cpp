@@ -723,6 +723,15 @@ TEST(CacheRaces, AFailedUnpackHandsBackTheCompletionsItTook) {
   c->close();
 }
 
+// Two simulated devices on a slow link; kOther is device 1's compute stream.
+constexpr mem::cuda::Stream kOther = 11;
+struct TwoDevices {
+  TwoDevices() : drv(slow_link(/*devices=*/2)) { drv.declare_stream(kOther, 1); }
+  SimDriver drv;
+  Glue g0{drv, 0};
+  Glue g1{drv, 1};
+};
+
 // Review: a release point with copies held on two devices (Note [Release
 // points on several devices]). The compute stream belongs to one of them:
 // only that device's lane makes it wait (an event of one device cannot be
@@ -734,11 +743,8 @@ TEST(CacheRaces, AFailedUnpackHandsBackTheCompletionsItTook) {
 // reaches and whatever earlier points released; while the compute stream is
 // captured no lane releases anything, nor queries an event.
 TEST(CacheRaces, ReleasePointWithCopiesOnTwoDevices) {
-  SimDriver drv(slow_link(/*devices=*/2));
-  constexpr mem::cuda::Stream kOther = 11;  // device 1's compute stream
-  drv.declare_stream(kOther, 1);
-  Glue g0{drv, 0};
-  Glue g1{drv, 1};
+  TwoDevices two;
+  auto& [drv, g0, g1] = two;
   auto c = host_cache(drv);
   c->begin_step();
   DevicePtr a0 = 0, a1 = 0;
@@ -790,12 +796,8 @@ TEST(CacheRaces, ReleasePointWithCopiesOnTwoDevices) {
 // mode; device 1's copy, whose stream is captured, stays held until the
 // capture ends.
 TEST(CacheRaces, DeviceZeroWorksWhileDeviceOneIsCaptured) {
-  SimDriver::Options o = slow_link(/*devices=*/2);
-  SimDriver drv(o);
-  constexpr mem::cuda::Stream kOther = 11;  // device 1's compute stream
-  drv.declare_stream(kOther, 1);
-  Glue g0{drv, 0};
-  Glue g1{drv, 1};
+  TwoDevices two;
+  auto& [drv, g0, g1] = two;
   HostStoreOptions ho;
   ho.driver = &drv;
   CacheOptions co;
@@ -832,11 +834,8 @@ TEST(CacheRaces, DeviceZeroWorksWhileDeviceOneIsCaptured) {
 // on device 0 while the same thread captures device 1's stream; after each
 // call the thread's capture mode is global again.
 TEST(CacheRaces, BackwardOnDeviceZeroWhileDeviceOneIsCaptured) {
-  SimDriver drv(slow_link(/*devices=*/2));
-  constexpr mem::cuda::Stream kOther = 11;  // device 1's compute stream
-  drv.declare_stream(kOther, 1);
-  Glue g0{drv, 0};
-  Glue g1{drv, 1};
+  TwoDevices two;
+  auto& [drv, g0, g1] = two;
   auto c = host_cache(drv);
   auto global = [&](const char* after) {
     EXPECT_EQ(drv.exchange_capture_mode(mem::cuda::kCaptureModeGlobal), mem::cuda::kCaptureModeGlobal)
