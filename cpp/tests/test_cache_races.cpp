@@ -524,6 +524,38 @@ TEST(CacheRaces, UnpackOfAPrefetchedEntryInsideACaptureIsRefusedCleanly) {
   c->close();
 }
 
+// A reload started inside a capture is refused before the entry takes the
+// buffer: the caller's buffer is freed when the caller drops it, and a
+// reload after the capture loads into a new one.
+TEST(CacheRaces, AReloadRefusedInACaptureLeavesTheBufferToTheCaller) {
+  SimDriver drv(slow_link());
+  Glue g{drv};
+  auto c = host_cache(drv);
+  c->begin_step();
+  const auto data = test::random_bytes(kBytes, 58);
+  const EntryId id = offload_one(g, *c, data, kCompute, 58);
+  const int freed = g.freed;
+  drv.begin_capture(kCompute);
+  {
+    DevicePtr buf = 0;
+    GlueObj owner = g.block(buf, kBytes, kCompute, "refused reload buffer");
+    EXPECT_THROW(c->start_load(id, reinterpret_cast<void*>(buf), kCompute, std::move(owner)), StateError);
+  }
+  EXPECT_EQ(g.freed, freed + 1) << "the entry kept the buffer of a refused load";
+  EXPECT_NO_THROW(drv.end_capture(kCompute)) << SimDriver::join_lines(drv.errors());
+  DevicePtr buf = 0;
+  GlueObj owner = g.block(buf, kBytes, kCompute, "reload buffer");
+  c->start_load(id, reinterpret_cast<void*>(buf), kCompute, std::move(owner));
+  c->wait(id, kCompute);
+  bool ok = false;
+  g.check(kCompute, buf, data, ok);
+  drv.synchronize_all();
+  EXPECT_TRUE(ok);
+  c->release(id);
+  expect_clean(drv);
+  c->close();
+}
+
 // Finding 2, review: a release point that cannot wait for a producing stream
 // (it is being captured) releases nothing: no tensor is dropped unordered.
 TEST(CacheRaces, AReleasePointThatCannotWaitReleasesNothing) {

@@ -75,6 +75,7 @@ void TensorCache::start_load(EntryId id, void* dst, mem::cuda::Stream stream, Gl
   Entry& e = find(id, "start_load");
   EBB_CHECK_STATE(e.state == EntryState::kStored, "tensor cache: start_load of entry ", id, " in state ",
                   to_string(e.state), " (expected stored)");
+  refuse_in_capture_locked(e, stream);  // before the entry takes the buffer: a refused load leaves it to the caller
   adopt_buffer_locked(e, std::move(owner), stream);
   start_load_locked(e, dst, stream, LoadNeed::kNow);
 }
@@ -146,10 +147,10 @@ void TensorCache::start_load_locked(Entry& e, void* dst, mem::cuda::Stream strea
   EBB_CHECK_STATE(e.state == EntryState::kStored && (e.has_loc || e.blob != nullptr),
                   "tensor cache: start_load of entry ", id, " in state ", to_string(e.state), " (expected stored)");
   EBB_CHECK(dst != nullptr, "tensor cache: start_load of entry ", id, " into a null buffer");
+  refuse_in_capture_locked(e, stream);  // before the entry changes: a refused load leaves it as it was
   e.dst = dst;
   e.load_started = false;
   e.load_error = nullptr;
-  refuse_in_capture_locked(e, stream);
   if (e.stream_ordered && e.blob != nullptr) {
     // Note [Stream-ordered offload]: enqueued here, after the buffer's
     // allocation and the store's copy, with no host wait.
