@@ -82,6 +82,27 @@ def test_the_budget_row_on_the_ssd_is_apart_for_a_reason_in_figures():
         "nor were the SSD's rates")
 
 
+def test_the_compiled_peers_target_is_named_as_not_predicted_in_figures():
+    """Issue 40: ebbtide with compiled blocks no slower than torch's
+    activation_memory_budget at an equal or lower allocator peak. The 2026-11-28
+    runs recorded no profile of compiled blocks: the replay says so for each
+    compiled peer, with the figures that show the uncompiled model cannot stand
+    in (its least peak is above the peer's), and judges nothing."""
+    loaded = gpu_runs.load(os.path.join(RUNS, "2026-11-28-h200", "budget_b.json"))
+    out = replay.replay(loaded["runs"])
+    names = [u["name"] for u in out["unpredicted"]]
+    assert names == ["compiled blocks: ebbtide's step / compiler 0.25's, at its allocator peak or lower",
+                     "compiled blocks: ebbtide's step / compiler 0.5's, at its allocator peak or lower"], names
+    why = out["unpredicted"][1]["why"]
+    assert "ran 0.082 s at an allocator peak of 4.21 GB" in why and "no plan reaches that peak" in why, why
+    least = float(why.split("least peak (every block recomputed) is ")[1].split(" GB")[0])
+    assert least > 4.21
+    assert all(not t["name"].startswith("compiled") for t in out["targets"])
+    # A file without compiled peers names none.
+    a = gpu_runs.load(os.path.join(RUNS, "2026-11-28-h200", "budget_a.json"))
+    assert replay.replay(a["runs"])["unpredicted"] == []
+
+
 def test_replay_json_has_the_issue_keys(tmp_path):
     path = os.path.join(RUNS, "2026-11-28-h200", "offload_shape_b.json")
     r = subprocess.run([sys.executable, "-m", "ebbtide", "plan", "--replay", path, "--json"], capture_output=True,

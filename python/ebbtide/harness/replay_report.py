@@ -66,6 +66,8 @@ def format_replay(result):
         for t in src["targets"]:
             lines.append(f"  target {t['name']:<84} {t['value']:.3f} {t['op']} {t['limit']:.3f} "
                          f"{'PASS' if t['met'] else 'MISS'}")
+        for u in src.get("unpredicted", []):
+            lines.append(f"  not predicted: {u['name']}: {u['why']}")
         if src["assumptions"]:
             lines.append("  assumptions: " + "; ".join(src["assumptions"]))
     for s in result["skipped"]:
