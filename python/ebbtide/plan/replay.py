@@ -197,7 +197,7 @@ def unpredicted(runs: list, results: list) -> list:
             why = (f"torch's activation_memory_budget with compiled blocks ({name}) ran {peer['step_seconds']:.3f} s "
                    f"at an allocator peak of {peer['peak_bytes'] / 1e9:.2f} GB; the recorded profile is of "
                    f"uncompiled blocks, whose keep-all step the model plays in {keep['predicted_step_seconds']:.3f} s "
-                   f"and whose least peak (every block recomputed) is {least['peak_allocated_bytes'] / 1e9:.2f} GB")
+                   f"and whose peak with every block recomputed is {least['peak_allocated_bytes'] / 1e9:.2f} GB")
             if at["feasible"]:
                 why += (f"; uncompiled, the plan at that peak would take {at['predicted_step_seconds']:.3f} s "
                         f"({at['predicted_step_seconds'] / peer['step_seconds']:.2f}x)")
