@@ -548,43 +548,10 @@ class SimDriver final : public mem::cuda::Driver {
   using VC = sim::VC;
   using Access = sim::Access;
 
-  struct Capture {
-    SKey origin;
-    std::thread::id thread;
-    size_t errors_at_begin = 0;
-    std::map<SKey, uint64_t> ops;       // captured operations per stream
-    std::map<SKey, uint64_t> rejoined;  // the origin waited for them up to here
-  };
-  struct StreamState {
-    double tail = 0;
-    VC vc;
-    uint64_t waits = 0;
-  };
-  struct EventState {
-    int device = 0;
-    bool timed = false;  // event_create_timed
-    VC vc;
-    double time = 0;
-    bool recorded = false;
-    std::shared_ptr<Capture> capture;  // recorded inside this capture
-    SKey capture_stream{};
-    uint64_t capture_ops = 0;
-  };
-  struct Block {
-    std::unique_ptr<unsigned char[]> mem;
-    DevicePtr ptr = 0;
-    size_t size = 0;
-    int device = 0;
-    SKey stream;
-    bool in_use = false;
-    bool mapped = true;
-    std::string label;
-    VC free_point;
-    std::vector<SKey> uses;
-    VC use_points;
-    std::vector<Access> accessors;
-  };
-
+  using Capture = sim::Capture;
+  using StreamState = sim::StreamState;
+  using EventState = sim::EventState;
+  using Block = sim::Block;
 
   // A thread's identity for its context and capture mode: unlike
   // std::thread::id, never reused by a later thread, which starts with no

@@ -1,12 +1,15 @@
 // The happens-before bookkeeping of the simulated GPU (Note [Simulated GPU]
-// in sim_driver.hpp): vector clocks over (device, stream), and the copies
-// that touched host memory, checked for unordered conflicting accesses.
+// in sim_driver.hpp): vector clocks over (device, stream), the copies that
+// touched host memory, checked for unordered conflicting accesses, and the
+// state the simulator keeps per capture, stream, event and block.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -75,6 +78,44 @@ class HostAccesses {
     Access by;
   };
   std::vector<Entry> list_;
+};
+
+// The simulator's state (SimDriver's, under its lock).
+struct Capture {
+  SKey origin;
+  std::thread::id thread;
+  size_t errors_at_begin = 0;
+  std::map<SKey, uint64_t> ops;       // captured operations per stream
+  std::map<SKey, uint64_t> rejoined;  // the origin waited for them up to here
+};
+struct StreamState {
+  double tail = 0;
+  VC vc;
+  uint64_t waits = 0;
+};
+struct EventState {
+  int device = 0;
+  bool timed = false;  // event_create_timed
+  VC vc;
+  double time = 0;
+  bool recorded = false;
+  std::shared_ptr<Capture> capture;  // recorded inside this capture
+  SKey capture_stream{};
+  uint64_t capture_ops = 0;
+};
+struct Block {
+  std::unique_ptr<unsigned char[]> mem;
+  mem::cuda::DevicePtr ptr = 0;
+  size_t size = 0;
+  int device = 0;
+  SKey stream;
+  bool in_use = false;
+  bool mapped = true;
+  std::string label;
+  VC free_point;
+  std::vector<SKey> uses;
+  VC use_points;
+  std::vector<Access> accessors;
 };
 
 }  // namespace ebbtide::test::sim
