@@ -506,6 +506,7 @@ class SimDriver final : public mem::cuda::Driver {
   // in thread-local mode is not modelled).
   int exchange_capture_mode(int mode) override {
     Lock lock(mu_);
+    injected_locked("cuThreadExchangeStreamCaptureMode");
     const bool was = relaxed_.count(thread_token()) != 0;
     if (mode == mem::cuda::kCaptureModeRelaxed) relaxed_.insert(thread_token());
     else relaxed_.erase(thread_token());

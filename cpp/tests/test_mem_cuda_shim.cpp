@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "ebbtide/mem/pinned_pool.hpp"
 #include "ebbtide/util/error.hpp"
 #include "ebbtide/util/log.hpp"
+#include "sim_driver.hpp"
 #include "test_utils.hpp"
 
 namespace ebbtide::mem {
@@ -91,6 +93,26 @@ TEST(CudaShimDeathTest, ProcessWideDriverRejectsABadSettingOnEveryCall) {
         std::exit(thrown == 2 ? 0 : 3);
       },
       ::testing::ExitedWithCode(0), "");
+}
+
+// A capture mode that cannot be restored is said once, never thrown from the
+// scope's destructor (it runs as a cache call returns or unwinds).
+TEST(CudaShim, RelaxedCaptureScopeSaysWhenItCannotRestore) {
+  test::SimDriver drv(1e9, 1e9);
+  std::vector<std::string> warnings;
+  log::set_sink([&](log::Level level, const std::string& msg) {
+    if (level <= log::Level::kWarn) warnings.push_back(msg);
+  });
+  for (int i = 0; i < 2; ++i) {
+    std::optional<cuda::RelaxedCaptureScope> scope;
+    scope.emplace(&drv);
+    drv.inject_failure("cuThreadExchangeStreamCaptureMode", 1);
+    EXPECT_NO_THROW(scope.reset());
+  }
+  log::set_sink(nullptr);
+  ASSERT_EQ(warnings.size(), 1u) << "said once";
+  EXPECT_NE(warnings[0].find("restoring the thread's CUDA graph capture mode failed"), std::string::npos) << warnings[0];
+  EXPECT_NE(warnings[0].find("cuThreadExchangeStreamCaptureMode"), std::string::npos) << warnings[0];
 }
 
 TEST(CudaShim, ErrorNames) {

@@ -37,6 +37,20 @@ bool Driver::stream_is_capturing(Stream) { return false; }
 std::pair<int, int> Driver::stream_priority_range() { return {0, 0}; }
 Stream Driver::stream_create_with_priority(int) { return stream_create(); }
 void Driver::relax_capture_mode() {}
+
+RelaxedCaptureScope::~RelaxedCaptureScope() {
+  try {
+    driver_->exchange_capture_mode(previous_);
+  } catch (const std::exception& ex) {
+    try {
+      log::warn_once("cuda.capture_mode_restore",
+                     detail::concat("ebbtide: restoring the thread's CUDA graph capture mode failed (", ex.what(),
+                                    "); the thread stays in the relaxed mode"));
+    } catch (...) {  // a destructor must not throw
+    }
+  } catch (...) {
+  }
+}
 int Driver::exchange_capture_mode(int mode) { return mode; }
 
 namespace {

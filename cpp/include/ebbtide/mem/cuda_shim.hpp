@@ -98,12 +98,7 @@ class RelaxedCaptureScope {
  public:
   explicit RelaxedCaptureScope(Driver* driver)
       : driver_(driver), previous_(driver->exchange_capture_mode(kCaptureModeRelaxed)) {}
-  ~RelaxedCaptureScope() {
-    try {
-      driver_->exchange_capture_mode(previous_);
-    } catch (...) {  // a destructor must not throw
-    }
-  }
+  ~RelaxedCaptureScope();  // restores the mode; a failure is logged once, never thrown
   RelaxedCaptureScope(const RelaxedCaptureScope&) = delete;
   RelaxedCaptureScope& operator=(const RelaxedCaptureScope&) = delete;
 
