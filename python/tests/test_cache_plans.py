@@ -10,6 +10,7 @@ import torch
 
 import ebbtide
 from ebbtide import _core
+from ebbtide.plan import replay
 
 pytestmark = pytest.mark.skipif(not _core.build_info.get("cache_ssd", False),
                                 reason="storage engine not in this build")
@@ -160,6 +161,34 @@ def test_the_retime_times_the_recompute_of_a_recomputed_block(tmp_path):
             else:
                 assert m["recompute_seconds"] == 100.0, m
         assert adapt.plan["reason"] == "retime"
+
+
+def test_a_retime_that_lengthens_a_recompute_plans_again(tmp_path):
+    """Note [Re-timed profile]: a recompute timed as it runs can take longer
+    than the profile said. The plan is then made again from the times kept,
+    so its prediction is the one the trace replays (CI once replayed 0.047 s
+    for a plan that had predicted 0.026 s from the profile's shorter times).
+    Every profiled time is set below any measurement, so that only the
+    recompute the step times moves: the step's total rises."""
+    model, x = net_and_input()
+    with ebbtide.TensorCache("ssd", str(tmp_path), activation_budget_bytes=1 << 21).attach(model) as cache:
+        step(model, x, cache.step())
+        adapt = cache._adapt
+        assert adapt.recompute_scopes, "a 2 MiB budget recomputes blocks"
+        for m in adapt.profile_modules:
+            for k in ("forward_seconds", "backward_seconds", "recompute_seconds"):
+                if m.get(k):
+                    m[k] = 1e-9
+        adapt._make_plan(reason="profile", log=False)  # the plan from those times, as the profile's
+        short = adapt.plan["predicted_step_seconds"]
+        step(model, x, cache.step())
+        timed = [m for m in adapt.profile_modules if m["scope"] in adapt._recomputes]
+        assert timed and all(m["recompute_seconds"] > 1e-9 for m in timed)
+        assert adapt.plan["reason"] == "retime"
+        assert adapt.plan["predicted_step_seconds"] > short
+        run = cache.trace_run("retimed", {"step_seconds": 1.0, "peak_bytes": 1})
+        res = replay.replay_run(run)
+        assert res["ran"]["predicted"]["step_seconds"] == pytest.approx(adapt.plan["predicted_step_seconds"], rel=1e-6)
 
 
 def test_offload_calls_plan_from_the_last_profile(tmp_path):
