@@ -420,7 +420,7 @@ class Adaptive:
             old = self.plan
             self._take_rates(rates)
             self._make_plan(reason="replan", log=False)
-            words = self._rates_words(rates, old)
+            words = planner.rate_change_words(old, rates)
             if [m["placement"] for m in self.plan["modules"]] == [m["placement"] for m in old["modules"]]:
                 logger.debug("ebbtide: %s; the plan at the measured rates is unchanged", words)
                 self.plan["reason"] = old["reason"]
@@ -460,24 +460,6 @@ class Adaptive:
             if v is not None:
                 ssd[f"{d}_bps"] = v
         ssd["source"] = "step"
-
-    @staticmethod
-    def _rates_words(rates: dict, old: dict) -> str:
-        """'SSD writes ran at X MB/s, below 70% of the Y MB/s the plan
-        assumed', for each direction whose rate crossed a bound."""
-        out = []
-        for d, v in rates.items():
-            if v is None:
-                continue
-            if planner.needs_replan(old, v, d):
-                how = f"below {100 * old['replan_fraction']:.0f}% of"
-            elif planner.link_faster(old, v, d):
-                how = f"above {100 / old['replan_fraction']:.0f}% of"
-            else:
-                continue
-            out.append(f"SSD {d}s ran at {v / 1e6:.1f} MB/s, {how} the {old[f'planned_{d}_bps'] / 1e6:.1f} MB/s "
-                       "the plan assumed")
-        return "; ".join(out)
 
     def _backward_times(self, end) -> dict:
         """Seconds of each module's backward in the step just ended (keys:

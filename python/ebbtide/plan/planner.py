@@ -14,7 +14,8 @@ from typing import Any, Iterable, Mapping
 from ebbtide import _core
 from ebbtide._records import as_dict, make
 
-__all__ = ["plan_offload", "simulate", "simulate_ran", "needs_replan", "link_faster", "ran_placement", "PLACEMENTS"]
+__all__ = ["plan_offload", "simulate", "simulate_ran", "needs_replan", "link_faster", "rate_change_words", "ran_placement",
+           "PLACEMENTS"]
 
 PLACEMENTS = ("keep", "offload_cpu", "offload_ssd", "recompute", "recompute_offload")
 
@@ -217,6 +218,25 @@ def link_faster(plan: Mapping[str, Any], measured_bps: float, direction: str = "
     than later steps do, and the probe reads back what it has just written."""
     return _core.plan_link_faster(int(plan["bytes_ssd"]), float(plan[_planned_key(direction)]),
                                   float(plan["replan_fraction"]), _rate(measured_bps, direction))
+
+
+def rate_change_words(plan: Mapping[str, Any], rates: Mapping[str, Any]) -> str:
+    """'SSD writes ran at X MB/s, below 70% of the Y MB/s the plan assumed'
+    for each direction of `rates` ({"write": bps or None, "read": ...})
+    whose measured rate crossed one of `plan`'s re-plan bounds."""
+    out = []
+    for d, v in rates.items():
+        if v is None:
+            continue
+        if needs_replan(plan, v, d):
+            how = f"below {100 * plan['replan_fraction']:.0f}% of"
+        elif link_faster(plan, v, d):
+            how = f"above {100 / plan['replan_fraction']:.0f}% of"
+        else:
+            continue
+        out.append(f"SSD {d}s ran at {v / 1e6:.1f} MB/s, {how} the {plan[f'planned_{d}_bps'] / 1e6:.1f} MB/s "
+                   "the plan assumed")
+    return "; ".join(out)
 
 
 def _rate(bps: float, direction: str) -> float:
