@@ -1,5 +1,5 @@
 """The adaptive cache's SSD probe against the rates the steps' own writes and
-reads see (Note [Warm probes] in cpp/src/cache/tensor_cache.cpp).
+reads see (docs/benchmarks.md, "The SSD probe against the steps' own rates").
 
     python bench/probe_bench.py --dir /work/tmp/probe [--rounds 4] [--json out.json]
 

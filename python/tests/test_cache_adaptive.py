@@ -54,6 +54,13 @@ def grads_of(model, x, cache=None, steps=1):
     return out
 
 
+def ssd_meters(write_bps, read_bps):
+    """A stand-in for Adaptive._tier_rates: the SSD moved 64 MiB each way at
+    these rates (the tests' rates, not the disk's)."""
+    return lambda core_stats: {"ssd": dict(bytes_written=64 << 20, write_bps=write_bps,
+                                           bytes_read=64 << 20, read_bps=read_bps)}
+
+
 def tier(stats, name):
     return next((t for t in stats["tiers"] if t["tier"] == name), None)
 
@@ -215,8 +222,7 @@ def test_replan_is_quiet_when_the_plan_stays(tmp_path, caplog, monkeypatch):
         adapt = c._adapt
 
         def rates(write_bps):
-            return lambda core_stats: {"ssd": dict(bytes_written=64 << 20, write_bps=write_bps,
-                                                   bytes_read=64 << 20, read_bps=10e9)}
+            return ssd_meters(write_bps, 10e9)
         monkeypatch.setattr(adapt, "_tier_rates", rates(10e9))  # profiled at 10 GB/s
         c.attach(model)
         grads_of(model, x, c, steps=2)
@@ -262,8 +268,7 @@ def test_replan_when_the_steps_read_slower_than_planned(tmp_path, caplog, monkey
         adapt = c._adapt
 
         def rates(read_bps):
-            return lambda core_stats: {"ssd": dict(bytes_written=64 << 20, write_bps=10e9,
-                                                   bytes_read=64 << 20, read_bps=read_bps)}
+            return ssd_meters(10e9, read_bps)
         monkeypatch.setattr(adapt, "_tier_rates", rates(10e9))
         c.attach(model)
         want = grads_of(model, x, steps=2)

@@ -172,6 +172,18 @@ def targets(runs: list, results: list) -> list:
     return out
 
 
+def _unbounded(run) -> dict:
+    """The planner settings a run's plan is chosen with now, less its budgets."""
+    return {k: v for k, v in run["now_options"].items() if k not in ("activation_budget_bytes", "peak_budget_bytes")}
+
+
+def _simulated(modules, base, single: str) -> dict:
+    """A single strategy played on the profile: "keep" every module, or
+    "recompute" every recomputable one (full recompute)."""
+    placements = ["recompute" if single == "recompute" and m.get("recomputable") else "keep" for m in modules]
+    return planner.simulate(modules, placements, **base)
+
+
 def unpredicted(runs: list, results: list) -> list:
     """The targets a run's peers set that the model cannot predict, each with
     why, in figures: ``[{"name", "why"}]``. Today: torch's
@@ -188,11 +200,8 @@ def unpredicted(runs: list, results: list) -> list:
             if not name.startswith("compiler") or name in seen:
                 continue
             seen.add(name)
-            modules, now = run["modules"], dict(run["now_options"])
-            base = {k: v for k, v in now.items() if k not in ("activation_budget_bytes", "peak_budget_bytes")}
-            least = planner.simulate(modules, ["recompute" if m.get("recomputable") else "keep" for m in modules],
-                                     **base)
-            keep = planner.simulate(modules, ["keep"] * len(modules), **base)
+            modules, base = run["modules"], _unbounded(run)
+            least, keep = _simulated(modules, base, "recompute"), _simulated(modules, base, "keep")
             at = planner.plan_offload(modules, **dict(base, peak_budget_bytes=int(peer["peak_bytes"])))
             why = (f"torch's activation_memory_budget with compiled blocks ({name}) ran {peer['step_seconds']:.3f} s "
                    f"at an allocator peak of {peer['peak_bytes'] / 1e9:.2f} GB; the recorded profile is of "
@@ -215,16 +224,12 @@ def _budget_checks(run, r, first: bool) -> list:
     for the first budget run of a file (they share the model), the sweep of
     allocator budgets and the plan at full recompute's allocator peak."""
     modules, now = run["modules"], dict(run["now_options"])
-    n = len(modules)
-    keep_last = int(now.get("keep_last_modules", 1))
-    recomputable = [bool(m.get("recomputable")) for m in modules]
-    base = {k: v for k, v in now.items() if k not in ("activation_budget_bytes", "peak_budget_bytes")}
+    base = _unbounded(run)
     singles = {
-        "keep": planner.simulate(modules, ["keep"] * n, **base),
-        "recompute": planner.simulate(modules, ["recompute" if c else "keep" for c in recomputable], **base),
+        "keep": _simulated(modules, base, "keep"),
+        "recompute": _simulated(modules, base, "recompute"),
         "offload": planner.plan_offload(modules, **base),
     }
-    del keep_last
     out = []
     best = r["best"]["predicted"]
     budget = now.get("activation_budget_bytes", 0)
