@@ -71,6 +71,11 @@ def test_the_budget_row_on_the_ssd_is_apart_for_a_reason_in_figures():
     assert at["predicted_step_seconds"] == pytest.approx(run["measured"]["step_seconds"], rel=0.01)
     out = replay.replay(loaded["runs"])
     assert next(r for r in out["runs"] if r["apart"])["apart_why"] == why
+    # The replayed plan names its placements as the run did, recompute_offload with its tier
+    # (a budget bench's trace under load once held one, and the tier was missing).
+    ran = next(r for r in out["runs"] if r["apart"])["ran"]["plan"]
+    assert [planner.ran_placement(m) for m in ran] == run["ran"]["placements"]
+    assert "recompute_offload_ssd" in run["ran"]["placements"]
     # A step the floor does not rule out, or rates not probed: only what was not recorded.
     pl, lim = run["ran"]["placements"], run["ran"]["offload_limits"]
     moved = run["measured"]["bytes_offloaded"]

@@ -88,7 +88,9 @@ def replay_run(run: Mapping[str, Any]) -> dict:
 
 
 def _placements(plan: Mapping[str, Any]) -> list:
-    return [dict(name=m["name"], placement=m["placement"], offload_bytes=m["offload_bytes"],
+    """A plan's rows as the replay reports them; with each row's tier, which
+    planner.ran_placement needs to name a recompute_offload placement whole."""
+    return [dict(name=m["name"], placement=m["placement"], tier=m["tier"], offload_bytes=m["offload_bytes"],
                  lead_bytes=m["lead_bytes"], wait_seconds=m["wait_seconds"]) for m in plan["modules"]]
 
 
