@@ -97,7 +97,8 @@ wheel_tmp=$(mktemp -d)
   >"$wheel_tmp/log" 2>&1 &
 wheel_pid=$!
 rc=0
-"$py" -m pytest -q -p no:cacheprovider "$repo/python/tests" --ignore="$repo/python/tests/test_wheel.py" || rc=$?
+# --durations: the slowest tests, in CI's log, for keeping the run well under 30 minutes.
+"$py" -m pytest -q -p no:cacheprovider --durations=15 "$repo/python/tests" --ignore="$repo/python/tests/test_wheel.py" || rc=$?
 wheel_rc=0
 wait "$wheel_pid" || wheel_rc=$?
 say "Wheel tests (python/tests/test_wheel.py, run beside the rest): exit ${wheel_rc}"
