@@ -18,6 +18,7 @@
 #include "ebbtide/ckpt/reader.hpp"
 #include "ebbtide/ckpt/transaction.hpp"
 #include "ebbtide/ckpt/writer.hpp"
+#include "ebbtide/io/faults.hpp"
 #include "ebbtide/util/error.hpp"
 #include "test_utils.hpp"
 
@@ -258,12 +259,17 @@ TEST(CkptWriter, InjectedFaultLeavesPreviousCheckpoint) {
 }
 
 TEST(CkptWriter, SecondSaveWhileInFlightIsRejectedOrBlocks) {
+  // Writes into the shard are held (io::hold_file_writes), so the first save
+  // is in flight whatever the disk's speed: the second is refused, a blocking
+  // one waits for the first.
   TempDir d;
   WriterOptions o;
-  o.zstd_level = 19;
   o.threads = 1;
   CheckpointWriter w(o);
-  std::vector<float> big(4 << 20);
+  struct Release {
+    ~Release() { io::hold_file_writes(false); }
+  } release;  // destroyed before w, whose destructor waits for the save
+  std::vector<float> big(1 << 20);
   for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<float>(i % 1000) * 0.001f;
   auto mk = [&](const std::string& name) {
     SaveRequest r;
@@ -271,14 +277,23 @@ TEST(CkptWriter, SecondSaveWhileInFlightIsRejectedOrBlocks) {
     r.blobs = {{"x", test::host_buffer(big), 4, Codec::kFloatZstd}};
     return r;
   };
+  io::hold_file_writes(true);
   auto h = w.save(mk("a"));
-  if (!h.done()) {
-    EXPECT_THROW(w.save(mk("b")), StateError);
-    EXPECT_FALSE(std::filesystem::exists(d.path() + "/b"));
-  }
-  auto h2 = w.save(mk("c"), /*block=*/true);
+  // The writer reaches the hold (bounded only so that a fault fails, not hangs).
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (io::held_file_writes() == 0 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+  ASSERT_EQ(io::held_file_writes(), 1);
+  EXPECT_FALSE(h.done());
+  EXPECT_THROW(w.save(mk("b")), StateError);
+  EXPECT_FALSE(std::filesystem::exists(d.path() + "/b"));
+  auto blocked = std::async(std::launch::async, [&] { return w.save(mk("c"), /*block=*/true); });
+  EXPECT_FALSE(h.done());
+  io::hold_file_writes(false);
   h.wait();
+  auto h2 = blocked.get();
   h2.wait();
+  EXPECT_EQ(io::held_file_writes(), 0);
+  EXPECT_TRUE(std::filesystem::exists(d.path() + "/a"));
   EXPECT_TRUE(std::filesystem::exists(d.path() + "/c"));
 }
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -142,15 +143,29 @@ def test_async_save_handle_and_second_save_in_flight(tmp_path):
 
 
 def test_second_async_save_raises_while_in_flight(tmp_path):
-    # A slow (compressed, large) save keeps the writer busy long enough.
-    w = ckpt.Writer(threads=1, zstd_level=19)
+    # The shard's writes are held (ckpt_hold_writes), so the first save is in
+    # flight whatever the disk's speed; it used to rely on a slow compressed
+    # save and skip when the first had finished. Compressed, because a fresh
+    # writer's first uncompressed async save is written through while its
+    # caller waits (Note [First async save]).
+    w = ckpt.Writer(threads=1)
     x = torch.randn(2 << 20)
-    h = w.save({"x": x}, tmp_path / "a", async_=True, compress="lossless")
-    if h.done():
-        pytest.skip("first save finished before the second could be tried")
-    with pytest.raises(ckpt.StateError, match="still in flight"):
-        w.save({"x": x}, tmp_path / "b", async_=True)
+    # Should a save wait for its own held writes, the guard lets them go after
+    # a minute and the test fails instead of hanging.
+    guard = threading.Timer(60, _core.ckpt_hold_writes, (False,))
+    _core.ckpt_hold_writes(True)
+    guard.start()
+    try:
+        h = w.save({"x": x}, tmp_path / "a", async_=True, compress="lossless")
+        assert not h.done()
+        with pytest.raises(ckpt.StateError, match="still in flight"):
+            w.save({"x": x}, tmp_path / "b", async_=True)
+        assert not h.done()
+    finally:
+        guard.cancel()
+        _core.ckpt_hold_writes(False)
     h.wait()
+    assert torch.equal(ckpt.load(tmp_path / "a")["x"], x)
     assert not os.path.exists(tmp_path / "b")
 
 

@@ -7,10 +7,13 @@
 // `count` of them) or any named file (the next write reaching past an offset;
 // one at a time, re-arming replaces it). A parking fault stops the writing
 // thread for good, so a crash test can kill a process with a save half done.
+// A hold (hold_file_writes) stops writes into named files until the test
+// releases it: a save then stays in flight for as long as the test needs.
 #include "ebbtide/io/faults.hpp"
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <filesystem>
 #include <mutex>
 #include <thread>
@@ -38,6 +41,10 @@ struct Fault {
 std::mutex g_mu;
 std::vector<Fault> g_faults;
 std::atomic<bool> g_armed{false};
+std::condition_variable g_release;  // with g_mu
+bool g_hold = false;                 // under g_mu
+int g_held = 0;                      // under g_mu
+std::atomic<bool> g_holding{false};  // g_hold, read without the lock
 
 void drop_named_locked() {
   std::erase_if(g_faults, [](const Fault& f) { return f.named_files; });
@@ -63,13 +70,38 @@ void inject_file_write_fault(uint64_t after_bytes, int err) {
   g_armed = true;
 }
 
-void clear_faults() {
+void hold_file_writes(bool hold) {
+  {
+    std::lock_guard lock(g_mu);
+    g_hold = hold;
+    g_holding = hold;
+  }
+  if (!hold) g_release.notify_all();
+}
+
+int held_file_writes() {
   std::lock_guard lock(g_mu);
-  g_faults.clear();
-  g_armed = false;
+  return g_held;
+}
+
+void clear_faults() {
+  {
+    std::lock_guard lock(g_mu);
+    g_faults.clear();
+    g_armed = false;
+    g_hold = false;
+    g_holding = false;
+  }
+  g_release.notify_all();
 }
 
 int detail::take_write_fault(const DirectFile& file, uint64_t offset, uint64_t len) {
+  if (g_holding.load(std::memory_order_relaxed) && !file.anonymous()) {
+    std::unique_lock lock(g_mu);
+    ++g_held;
+    g_release.wait(lock, [] { return !g_hold; });
+    --g_held;
+  }
   if (!g_armed.load(std::memory_order_relaxed)) return 0;
   int err = 0;
   {
