@@ -192,14 +192,28 @@ def test_save_over_a_file_fails_before_writing(tmp_path):
 
 
 def test_read_only_directory(tmp_path):
-    if os.geteuid() == 0:
-        pytest.skip("root ignores directory permissions")
-    os.chmod(tmp_path, 0o500)
+    # Root ignores directory permissions (CI runs as root): there the directory
+    # is a read-only tmpfs instead, which refuses root's writes too.
+    if os.geteuid() != 0:
+        os.chmod(tmp_path, 0o500)
+        try:
+            with pytest.raises(OSError, match="temporary directory"):
+                ckpt.save({"x": torch.ones(4)}, tmp_path / "c")
+        finally:
+            os.chmod(tmp_path, 0o700)
+        return
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"root ignores directory permissions, and no read-only tmpfs: {r.stderr.decode().strip()}")
     try:
-        with pytest.raises(OSError, match="temporary directory"):
-            ckpt.save({"x": torch.ones(4)}, tmp_path / "c")
+        with pytest.raises(OSError, match="temporary directory") as ei:
+            ckpt.save({"x": torch.ones(4)}, ro / "c")
+        assert ei.value.errno == errno.EROFS, ei.value
+        assert os.listdir(ro) == []
     finally:
-        os.chmod(tmp_path, 0o700)
+        subprocess.run(["umount", str(ro)], check=False)
 
 
 @pytest.fixture
