@@ -356,7 +356,6 @@ void ebbtide::py::bind_ckpt(nb::module_& m) {
         nb::arg("path"), nb::arg("ranges"));
   m.def("ckpt_inject_write_fault", &inject_write_fault, nb::arg("after_bytes"), nb::arg("err"));
   m.def("ckpt_hold_writes", &ebbtide::io::hold_file_writes, nb::arg("hold"));
-  m.def("ckpt_held_writes", &ebbtide::io::held_file_writes);
   leak_in_forked_children<CheckpointWriter>(m.attr("CkptWriter"));  // Note [Objects across fork]
   leak_in_forked_children<ShardReader>(m.attr("CkptReader"));
 }

@@ -191,7 +191,7 @@ def test_the_repaired_wheel_runs_in_a_fresh_venv(make_venv, tmp_path):
     # Where only the public index is reachable, each requirement of the wheel
     # has a release there that this interpreter can install: pip's own listing
     # of the index (no wheel is downloaded; a dry-run install fetched torch's
-    # CUDA wheels, 2 GB and more, and ran CI's disk out: Errno 28, stop 47).
+    # CUDA wheel and cuDNN, 0.9 GB, before CI's disk ran out: Errno 28, stop 47).
     published = public_releases(py, requirements(metadata))
     assert published["torch"] == public, published
     assert set(published) == {"torch", "numpy"}, published

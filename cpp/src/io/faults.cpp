@@ -42,9 +42,8 @@ std::mutex g_mu;
 std::vector<Fault> g_faults;
 std::atomic<bool> g_armed{false};
 std::condition_variable g_release;  // with g_mu
-bool g_hold = false;                 // under g_mu
+std::atomic<bool> g_holding{false};  // written under g_mu, so a waiter cannot miss the release
 int g_held = 0;                      // under g_mu
-std::atomic<bool> g_holding{false};  // g_hold, read without the lock
 
 void drop_named_locked() {
   std::erase_if(g_faults, [](const Fault& f) { return f.named_files; });
@@ -73,7 +72,6 @@ void inject_file_write_fault(uint64_t after_bytes, int err) {
 void hold_file_writes(bool hold) {
   {
     std::lock_guard lock(g_mu);
-    g_hold = hold;
     g_holding = hold;
   }
   if (!hold) g_release.notify_all();
@@ -89,7 +87,6 @@ void clear_faults() {
     std::lock_guard lock(g_mu);
     g_faults.clear();
     g_armed = false;
-    g_hold = false;
     g_holding = false;
   }
   g_release.notify_all();
@@ -99,7 +96,7 @@ int detail::take_write_fault(const DirectFile& file, uint64_t offset, uint64_t l
   if (g_holding.load(std::memory_order_relaxed) && !file.anonymous()) {
     std::unique_lock lock(g_mu);
     ++g_held;
-    g_release.wait(lock, [] { return !g_hold; });
+    g_release.wait(lock, [] { return !g_holding.load(); });
     --g_held;
   }
   if (!g_armed.load(std::memory_order_relaxed)) return 0;
