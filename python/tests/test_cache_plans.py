@@ -108,12 +108,76 @@ def test_the_first_planned_step_retimes_the_profile(tmp_path, caplog):
         assert fast < 0.5 * slow
         assert adapt.plan["reason"] == "retime"
         # Announced at INFO only when the blocks are placed differently (as Note [Quiet re-plan]).
+        # A WARNING when the step's SSD rates also fell below the plan's (the
+        # message names them): on a loaded VM the disk may.
         said = [r for r in caplog.records if "re-planned" in r.getMessage()]
-        assert len(said) == 1 and said[0].levelno == (logging.INFO if adapt.replans else logging.DEBUG)
-        # Once: the third step leaves the profile alone.
-        before = [m["forward_seconds"] for m in adapt.profile_modules]
+        assert len(said) == 1
+        slower = "below 70% of" in said[0].getMessage()
+        assert said[0].levelno == ((logging.WARNING if slower else logging.INFO) if adapt.replans else logging.DEBUG)
+        # The times fell by more than 2%: the next planned step times them again.
+        assert adapt._retime_next
+
+
+def _slow_profile(adapt, seconds=100.0):
+    """Every kept time of the profile set to `seconds`."""
+    for m in adapt.profile_modules:
+        for k in ("forward_seconds", "backward_seconds", "recompute_seconds"):
+            if k in m:
+                m[k] = seconds
+
+
+def test_the_planned_steps_retime_until_their_times_settle(tmp_path):
+    """Note [Re-timed profile]: the first planned step may be disturbed too
+    (its plan's buffers are new), so each step after one that lowered the
+    times re-times, at most profile.RETIMED_STEPS; a step that lowered
+    nothing ends the re-timing. Before, only the first planned step did."""
+    from ebbtide.cache import profile
+
+    model, x = net_and_input()
+    with ebbtide.TensorCache("ssd", str(tmp_path), adaptive=True) as cache:
+        cache.attach(model)
         step(model, x, cache.step())
-        assert [m["forward_seconds"] for m in adapt.profile_modules] == before
+        adapt = cache._adapt
+        retimed = []
+        for _ in range(profile.RETIMED_STEPS + 2):
+            _slow_profile(adapt)  # each step finds the kept times far above its own
+            step(model, x, cache.step())
+            retimed.append(all(m["forward_seconds"] < 100.0 for m in adapt.profile_modules if not m.get("tail")))
+        assert retimed == [True] * profile.RETIMED_STEPS + [False, False]
+    with ebbtide.TensorCache("ssd", str(tmp_path), adaptive=True) as cache:
+        cache.attach(model)
+        step(model, x, cache.step())
+        adapt = cache._adapt
+        _slow_profile(adapt, 1e-9)  # below any measurement: the first re-time lowers nothing
+        step(model, x, cache.step())
+        assert not adapt._retime_next
+        _slow_profile(adapt)
+        step(model, x, cache.step())
+        assert all(m["forward_seconds"] == 100.0 for m in adapt.profile_modules)
+
+
+def test_a_recompute_timed_as_it_ran_keeps_its_smallest_time(tmp_path):
+    """Note [Re-timed profile]: the first timing of a recompute replaces the
+    profile's guess; a later re-timed step keeps the smaller of the two
+    (rather than scaling it with the forward as a guess is)."""
+    model, x = net_and_input()
+    with ebbtide.TensorCache("ssd", str(tmp_path), activation_budget_bytes=1 << 21).attach(model) as cache:
+        step(model, x, cache.step())
+        adapt = cache._adapt
+        assert adapt.recompute_scopes, "a 2 MiB budget recomputes blocks"
+        _slow_profile(adapt)
+        step(model, x, cache.step())
+        timed = [m for m in adapt.profile_modules if m["scope"] in adapt._timed_recomputes]
+        assert timed and all(0 < m["recompute_seconds"] < 100.0 for m in timed)
+        assert adapt._retime_next
+        for m in adapt.profile_modules:
+            m["forward_seconds"] = 100.0
+            if m["scope"] in adapt._timed_recomputes:
+                m["recompute_seconds"] = 1e-9
+        step(model, x, cache.step())
+        assert all(m["forward_seconds"] < 100.0 for m in timed)
+        again = [m for m in timed if m["scope"] in adapt._recomputes]
+        assert again and all(m["recompute_seconds"] == 1e-9 for m in again)
 
 
 def test_the_retime_moves_a_blocks_recompute_time_with_its_forward(tmp_path):

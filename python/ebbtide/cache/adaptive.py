@@ -50,7 +50,8 @@ import torch
 
 from ebbtide import _core
 from ebbtide.cache import profile as _profile
-from ebbtide.cache.budget import Budgets, fmt_bytes as _fmt_bytes, infeasible_message, inflight_bound
+from ebbtide.cache.budget import (Budgets, SlowLink, fmt_bytes as _fmt_bytes, infeasible_message, inflight_bound,
+                                  ssd_view)
 from ebbtide.plan import planner
 
 logger = logging.getLogger("ebbtide")
@@ -82,6 +83,8 @@ class Adaptive:
         self.profiling = True        # this (or the next) step profiles
         self.retiming = False        # this step times the blocks again (Note [Re-timed profile])
         self._retime_next = False
+        self._retimes_left = 0          # planned steps that may still re-time (Note [Re-timed profile])
+        self._timed_recomputes: set = set()  # scopes whose kept recompute time was timed as it ran
         self.last_profiled = False   # the last step begun was a profiling step
         self._profile_next = True
         self.plan: Optional[dict] = None
@@ -104,6 +107,7 @@ class Adaptive:
         self.recomputable: dict = {}   # scope -> False when the user already checkpoints the block
         self.recompute_scopes: set = set()
         self.infeasible: Optional[str] = None  # the error of a budget no plan meets
+        self._slow = SlowLink()  # Note [Budget at a slower link]
         self.max_inflight_bytes = int(cache._max_inflight)  # Note [Budget guard]
         self._bmarks: list = []      # Note [Backward profile]: (scope, point) as backward reaches blocks
         self._recomputes: dict = {}  # Note [Re-timed profile]: scope -> [(start, end)] of its recomputes
@@ -122,7 +126,7 @@ class Adaptive:
         # that raised leaves the next one to profile.
         self.profiling = self._profile_next
         self.last_profiled = self.profiling
-        # Note [Re-timed profile]: the first planned step times the blocks again.
+        # Note [Re-timed profile] (ebbtide/cache/profile.py): the first planned steps time the blocks again.
         self.retiming = self._retime_next and not self.profiling and self.plan is not None
         self._retime_next = False
         self._marks = []
@@ -397,6 +401,7 @@ class Adaptive:
             self._calibrate_temporaries(modules)
             self._make_plan(reason="profile")
             self._retime_next = True
+            self._retimes_left, self._timed_recomputes = _profile.RETIMED_STEPS, set()
             return
         if self.retiming:
             self.retiming = False
@@ -420,7 +425,8 @@ class Adaptive:
             old = self.plan
             self._take_rates(rates)
             self._make_plan(reason="replan", log=False)
-            words = planner.rate_change_words(old, rates)
+            self._budget_at_measured_rates()
+            words = planner.rate_change_words(ssd_view(old), rates)
             if [m["placement"] for m in self.plan["modules"]] == [m["placement"] for m in old["modules"]]:
                 logger.debug("ebbtide: %s; the plan at the measured rates is unchanged", words)
                 self.plan["reason"] = old["reason"]
@@ -433,21 +439,29 @@ class Adaptive:
         """(the step's SSD rates, slower) when a measured rate, of writes or
         of reads, is far enough from the plan's to make it again (Note [Quiet
         re-plan]); None otherwise. The rates are those the step measured (at
-        least 1 MiB moved that way), each None where it did not."""
-        if self.plan is None or not self.plan["bytes_ssd"]:
+        least 1 MiB moved that way), each None where it did not; the probe's
+        while a plan that misses its budget moves nothing to the SSD (Note
+        [Budget at a slower link])."""
+        if self.plan is None:
             return None
-        r = self._tier_rates(core_stats).get("ssd")
+        if self.plan["bytes_ssd"]:
+            r = self._tier_rates(core_stats).get("ssd")
+        elif self._slow.probe_due():
+            r = self._ssd_probe()
+        else:
+            return None
         if r is None:
             return None
         rates = {}
         for d, moved in (("write", "bytes_written"), ("read", "bytes_read")):
             ok = r[moved] >= _MIN_MEASURED_BYTES and r[f"{d}_bps"] > 0
             rates[d] = r[f"{d}_bps"] if ok else None
-        slower = any(v is not None and planner.needs_replan(self.plan, v, d) for d, v in rates.items())
+        plan = ssd_view(self.plan)
+        slower = any(v is not None and planner.needs_replan(plan, v, d) for d, v in rates.items())
         # A plan at the cap gains nothing from faster writes (the cap lets
         # bursts through, so a step may measure above it).
         at_cap = self.max_write_bps and self.plan["planned_write_bps"] >= self.max_write_bps * (1 - 1e-9)
-        faster = any(v is not None and not (d == "write" and at_cap) and planner.link_faster(self.plan, v, d)
+        faster = any(v is not None and not (d == "write" and at_cap) and planner.link_faster(plan, v, d)
                      for d, v in rates.items())
         if slower or faster:
             return rates, slower
@@ -496,27 +510,10 @@ class Adaptive:
         first["grad_bytes"] = first.get("grad_bytes", 0) + before
 
     def _retime(self, core_stats: dict) -> None:
-        """Note [Re-timed profile]
-        The profiling step is a process's first step more often than not:
-        its kernels meet cold caches, autotuning and a growing allocator (on
-        the H200, 1.24 s against 0.11 s later), and on a GPU with a budget it
-        offloads. The first planned step times each module again; a module's
-        time is the smaller of the two (whatever disturbs a step only adds
-        to it), and a recomputable block's recompute time moves with it,
-        unless the plan recomputes the block: then its recompute is timed as
-        it runs in backward (a forward that saves nothing for the cache:
-        scaling the profiled time over-predicted it), and the block's
-        backward is its backward span less that recompute. When that changes
-        any time (a recompute timed as it runs may be longer than the profile
-        said) the plan is made again (reason "retime"), so that its
-        prediction (stats(), the trace) is of the times it keeps, with the
-        step's SSD rates when those too are far from the plan's: one plan, not
-        two in a row. Kept times with a plan made from others would make the
-        trace replay a different step than the cache predicted (seen in CI:
-        0.047 s replayed against 0.026 s predicted). As Note [Quiet re-plan],
-        it is announced (and counted in `replans`) when it places blocks
-        differently."""
+        """A planned step's times merged into the profile, and the plan made
+        again when they moved (Note [Re-timed profile] in ebbtide/cache/profile.py)."""
         times = self._scope_times()
+        self._retimes_left -= 1
         if not times:
             return
         end = self._now()
@@ -524,46 +521,51 @@ class Adaptive:
             end.synchronize()  # the backward's marks and recomputes came after the forward's last mark, synced
         back = self._backward_times(end)
         recomputed = {scope: sum(self._elapsed(a, b) for a, b in spans) for scope, spans in self._recomputes.items()}
-        def total():
-            return sum(m["forward_seconds"] + m.get("backward_seconds", 0.0) + m.get("recompute_seconds", 0.0)
-                       for m in self.profile_modules)
-
-        def kept():
-            return [(m["forward_seconds"], m.get("backward_seconds"), m.get("recompute_seconds"))
-                    for m in self.profile_modules]
-        before, times_before = total(), kept()
-        for m in self.profile_modules:
-            if m.get("tail"):
-                continue  # its forward is the block's scope less the block: not timed apart
-            if m["scope"] in times:
-                fwd = min(m["forward_seconds"], times[m["scope"]])
-                if m["scope"] in recomputed:
-                    m["recompute_seconds"] = recomputed[m["scope"]]
-                elif m.get("recompute_seconds") and m["forward_seconds"] > 0:
-                    # The block's own time came from the same disturbed step:
-                    # it moves with its scope's (a recompute planned at the
-                    # profile's time read 1.18x the measured step).
-                    m["recompute_seconds"] *= fwd / m["forward_seconds"]
-                m["forward_seconds"] = fwd
-            if m["scope"] in back and "backward_seconds" in m:
-                own = max(back[m["scope"]] - recomputed.get(m["scope"], 0.0), 0.0)
-                m["backward_seconds"] = min(m["backward_seconds"], own)
-        after = total()
-        if after > 0 and kept() != times_before:
-            old = [m["placement"] for m in self.plan["modules"]] if self.plan is not None else None
+        before, after, moved = _profile.retime(self.profile_modules, times, back, recomputed, self._timed_recomputes)
+        if after > 0 and moved:
+            old = self.plan
             change = self._ssd_rate_change(core_stats)
             if change is not None:
                 self._take_rates(change[0])
             self._make_plan(reason="retime", log=False)
-            changed = old != [m["placement"] for m in self.plan["modules"]]
-            # As Note [Quiet re-plan]: only a plan that places blocks differently is announced.
-            (logger.info if changed else logger.debug)(
-                "ebbtide: the first planned step timed the blocks %.0f%% %s than the profiling step; re-planned%s",
-                100 * abs(before - after) / before, "faster" if after <= before else "slower",
-                "" if changed else " (placements unchanged)")
+            if change is not None:
+                self._budget_at_measured_rates()
+            changed = old is None or [m["placement"] for m in old["modules"]] != [
+                m["placement"] for m in self.plan["modules"]]
+            words = "a planned step timed the blocks %.0f%% %s than the profile kept" % (
+                100 * abs(before - after) / before, "faster" if after <= before else "slower")
+            if change is not None and old is not None:
+                words = f"{planner.rate_change_words(ssd_view(old), change[0])}; {words}"
+            # As Note [Quiet re-plan]: only a plan that places blocks
+            # differently is announced, a WARNING when the SSD got slower.
+            say = (logger.warning if change is not None and change[1] else logger.info) if changed else logger.debug
+            say("ebbtide: %s; re-planned%s", words, "" if changed else " (placements unchanged)")
             if changed:
                 self.replans += 1
                 self._log_plan()
+        untimed = self.recompute_scopes - self._timed_recomputes
+        settling = before > 0 and after < (1 - _profile.SETTLED) * before
+        self._retime_next = self._retimes_left > 0 and (settling or bool(untimed))
+
+    def _budget_at_measured_rates(self) -> None:
+        """Note [Budget at a slower link] in ebbtide/cache/budget.py: a plan
+        remade at the rates a step measured does not stop training when it
+        misses the budget; it says so once per budget."""
+        msg, self.infeasible = self.infeasible, None
+        said = self._slow.miss(msg, self.plan) if msg is not None else None
+        if said:
+            logger.warning("%s", said)
+
+    def _ssd_probe(self) -> Optional[dict]:
+        """The SSD's rates by its probe, as _tier_rates gives a step's (Note
+        [Budget at a slower link]); None when the probe fails."""
+        try:
+            w, rd = self.cache._core.probe(_core.TIER_SSD, _PROBE_BYTES)
+        except (OSError, RuntimeError) as exc:
+            logger.debug("ebbtide: probing the SSD failed (%s)", exc)
+            return None
+        return dict(bytes_written=_PROBE_BYTES, write_bps=_PROBE_BYTES / w if w > 0 else 0.0,
+                    bytes_read=_PROBE_BYTES, read_bps=_PROBE_BYTES / rd if rd > 0 else 0.0)
 
     def _shape_changed(self) -> bool:
         """A planned step whose saves differ from the profile's by more than a
@@ -586,13 +588,15 @@ class Adaptive:
     # activation resident, so a loop of offload() calls never offloaded. The
     # profile and measurements are kept per model and settings when such a
     # cache closes, and the next one for the same model and settings plans
-    # from them at once (its first step re-times the blocks, Note [Re-timed
-    # profile]); a step whose saves no longer match profiles again.
+    # from them at once (re-timing its first steps where the last cache had
+    # not finished, Note [Re-timed profile]); a step whose saves no longer
+    # match profiles again.
     def snapshot(self) -> dict:
         """What a later cache of the same model and settings plans from."""
         return dict(profile_modules=copy.deepcopy(self.profile_modules), measured=copy.deepcopy(self.measured),
                     backward_factor=self.backward_factor, recomputable=dict(self.recomputable),
-                    retime=self._retime_next)
+                    retime=self._retime_next, retimes_left=self._retimes_left,
+                    timed_recomputes=set(self._timed_recomputes))
 
     def restore(self, state: dict) -> None:
         """Plans from a snapshot() instead of profiling the next step."""
@@ -603,6 +607,8 @@ class Adaptive:
         self._profile_next = self.profiling = False
         self._make_plan(reason="kept", log=False)
         self._retime_next = state["retime"]
+        self._retimes_left = state["retimes_left"]
+        self._timed_recomputes = set(state["timed_recomputes"])
 
     def _calibrate_temporaries(self, modules: list) -> None:
         """On a GPU: the last module's backward temporaries, what the
@@ -717,6 +723,8 @@ class Adaptive:
         cache._set_recompute(recompute)
         self._guard(plan)
         self.infeasible = infeasible_message(self.budgets, plan, cache._on_cuda())
+        if self.infeasible is None:
+            self._slow.met()  # Note [Budget at a slower link]: no more probes
         # Note [Release points]: after block b, the offloaded bytes the step
         # model's copies have done by b's forward end (release_bytes, in copy
         # order); a scope's reload lead is its module's (the tail's scope is the

@@ -10,7 +10,8 @@ from typing import Optional
 
 from ebbtide import _settings
 
-__all__ = ["Budgets", "resolve_budgets", "resolve_settings", "fmt_bytes", "infeasible_message", "inflight_bound"]
+__all__ = ["Budgets", "resolve_budgets", "resolve_settings", "fmt_bytes", "infeasible_message", "inflight_bound",
+           "budget_missed_at_rates", "SlowLink", "ssd_view"]
 
 _DEFAULT_HOST_FRACTION = 0.25  # of MemAvailable: auto's host tier when training on CUDA
 
@@ -131,6 +132,72 @@ def infeasible_message(budgets: Budgets, plan: dict, cuda: bool) -> Optional[str
         for what, given, peak, low, knob in missed)
 
 
+def budget_missed_at_rates(msg: str, plan: dict) -> str:
+    """Note [Budget at a slower link]
+    A budget no plan meets is refused at the first step (ValueError, with
+    the smallest value the planner reaches): the model and batch need more.
+    A plan remade later because a step measured slower SSD rates (Note
+    [Quiet re-plan]) may miss the budget too: offloads that no longer end
+    in time hold their bytes longer, into the backward's recomputes. That
+    is the disk's moment more often than not (on the CI VM one step's
+    writes ran at 10 MB/s against 1.5 GB/s before and after), and stopping
+    the training for it would lose the run: the plan nearest the budget
+    goes on, a WARNING says so (once per cache), and faster rates re-plan.
+    A plan that then moves nothing to the SSD measures no rate: the SSD's
+    probe (8 MiB written and read back at a step's end) measures it instead,
+    at the next step, then after 2, 4, ... steps, at most every 32, until a
+    plan meets the budget again (SlowLink). On the host the store's bound
+    on bytes in flight still holds the forward within the budget whenever
+    the plan's kept bytes fit (Note [Budget guard])."""
+    rates = f"SSD writes {plan['planned_write_bps'] / 1e6:.1f} MB/s, reads {plan['planned_read_bps'] / 1e6:.1f} MB/s"
+    words = msg.removeprefix("ebbtide: ")
+    return (f"ebbtide: at the SSD rates a step measured ({rates}), {words}. Training goes on with the plan nearest "
+            "the budget and re-plans when the rates recover")
+
+
+class SlowLink:
+    """Note [Budget at a slower link]: whether the plan misses its budget at
+    the SSD rates the steps measured, the warning said once, and when the
+    SSD's probe is due while the plan moves nothing there."""
+
+    MAX_EVERY = 32
+
+    def __init__(self):
+        self.missed = False
+        self._said = False
+        self._every = self._due_in = 1
+
+    def miss(self, msg: str, plan: dict) -> Optional[str]:
+        """The plan remade at measured rates misses the budget: the warning
+        to log (None once said)."""
+        if not self.missed:
+            self.missed, self._every, self._due_in = True, 1, 1
+        if self._said:
+            return None
+        self._said = True
+        return budget_missed_at_rates(msg, plan)
+
+    def met(self) -> None:
+        self.missed = False
+
+    def probe_due(self) -> bool:
+        """Counts a step; True at the steps the probe runs (1, 2, 4, ... steps apart)."""
+        if not self.missed:
+            return False
+        self._due_in -= 1
+        if self._due_in > 0:
+            return False
+        self._every = min(2 * self._every, self.MAX_EVERY)
+        self._due_in = self._every
+        return True
+
+
+def ssd_view(plan: dict) -> dict:
+    """`plan` as the SSD rate checks see it: one that moves nothing to the
+    SSD (its rates then the probe's, SlowLink) as if it did."""
+    return plan if plan["bytes_ssd"] else dict(plan, bytes_ssd=1)
+
+
 def inflight_bound(plan: Optional[dict], user_bound: int, cuda: bool) -> int:
     """Note [Budget guard]
     A budget plan's peak is predicted at the measured link rates (Note
@@ -141,12 +208,14 @@ def inflight_bound(plan: Optional[dict], user_bound: int, cuda: bool) -> int:
     core's save waits while more than budget - K bytes are waiting to be
     stored (Note [Store backpressure]): the forward never holds more than
     the budget, and a slow link costs stall instead of memory (the next
-    step's measured rate then re-plans). A user's max_inflight_bytes still
+    step's measured rate then re-plans). It holds for a plan that misses the
+    budget at a slower link's rates too (Note [Budget at a slower link]),
+    whenever the bytes it keeps fit. A user's max_inflight_bytes still
     applies when smaller; without a budget plan it applies alone. On a GPU
     the release points order the frees after the copies (Note [Release
     points]) and the host never waits."""
     bound = user_bound
-    if plan is not None and plan["activation_budget_bytes"] and plan["feasible"] and not cuda:
+    if plan is not None and plan["activation_budget_bytes"] and not cuda:
         kept = sum(m["fixed_bytes"] + (m["saved_bytes"] if m["tier"] is None else 0) for m in plan["modules"])
         slack = plan["activation_budget_bytes"] - kept
         if slack > 0:

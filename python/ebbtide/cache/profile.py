@@ -19,6 +19,34 @@ GPU, the allocator's peak above the step's start (when the step raised
 torch.cuda.max_memory_allocated) less the model's peak with every save
 kept, which is what the profiling step ran, is the last module's backward
 temporaries: the logits' gradients and the loss's.
+
+Note [Re-timed profile]
+The profiling step is a process's first step more often than not:
+its kernels meet cold caches, autotuning and a growing allocator (on
+the H200, 1.24 s against 0.11 s later), and on a GPU with a budget it
+offloads. The first planned step may be disturbed too: its plan's
+buffers are new (pinned host memory, the allocator's first blocks
+of their sizes, a recompute's first kernels). The planned steps time
+each module again, each one after a re-timed step that lowered the
+kept total by more than 2% (or whose plan recomputes a block whose
+recompute no step timed yet), at most 3 (profile.RETIMED_STEPS); on a
+warm machine that is one. A module's time is the smallest measured
+(whatever disturbs a step only adds to it: a device wait in a
+backward span, the VM's other tenants), and a recomputable block's
+recompute time moves with its forward, unless the plan recomputes
+the block: then its recompute is timed as it runs in backward (a
+forward that saves nothing for the cache: scaling the profiled time
+over-predicted it), that time replaces the profile's and later
+timings keep the smaller, and the block's backward is its backward
+span less that recompute. When that changes any time (a recompute
+timed as it runs may be longer than the profile said) the plan is
+made again (reason "retime"), so that its prediction (stats(), the
+trace) is of the times it keeps, with the step's SSD rates when those
+too are far from the plan's: one plan, not two in a row. Kept times
+with a plan made from others would make the trace replay a different
+step than the cache predicted (seen in CI: 0.047 s replayed against
+0.026 s predicted). As Note [Quiet re-plan], it is announced (and
+counted in `replans`) when it places blocks differently.
 """
 from __future__ import annotations
 
@@ -26,7 +54,15 @@ from typing import Optional
 
 import torch
 
-__all__ = ["backward_seconds", "gradient_bytes", "AllocatorWindow", "last_module_temporaries"]
+__all__ = ["backward_seconds", "gradient_bytes", "AllocatorWindow", "last_module_temporaries", "retime",
+           "RETIMED_STEPS", "SETTLED"]
+
+# Note [Re-timed profile] above: at most this many
+# planned steps time the blocks again, each one after a step whose times
+# lowered the kept total by more than SETTLED (or whose plan recomputes a
+# block no step has timed the recompute of).
+RETIMED_STEPS = 3
+SETTLED = 0.02
 
 
 def backward_seconds(bmarks: list, forward_end, step_end, elapsed, tail: bool) -> dict:
@@ -54,6 +90,51 @@ def backward_seconds(bmarks: list, forward_end, step_end, elapsed, tail: bool) -
     last_scope, last = points[-1]
     out[last_scope] = out.get(last_scope, 0.0) + max(0.0, elapsed(last, step_end))
     return out
+
+
+def retime(modules: list, times: dict, back: dict, recomputed: dict, timed: set) -> tuple:
+    """Merges one planned step's times into the profile's modules, in place
+    (Note [Re-timed profile]); returns (total before, total after, whether
+    any kept time changed), the totals of forward, backward and recompute
+    seconds over the modules.
+
+    Args:
+        times: {scope: seconds} of each scope's forward in this step.
+        back: {scope: seconds} of each block's backward span in this step.
+        recomputed: {scope: seconds} of the recomputes this step ran.
+        timed: scopes whose kept recompute time was timed as it ran (by an
+            earlier re-timed step); updated.
+    """
+    def total():
+        return sum(m["forward_seconds"] + m.get("backward_seconds", 0.0) + m.get("recompute_seconds", 0.0)
+                   for m in modules)
+
+    def kept():
+        return [(m["forward_seconds"], m.get("backward_seconds"), m.get("recompute_seconds")) for m in modules]
+
+    before, times_before = total(), kept()
+    for m in modules:
+        if m.get("tail"):
+            continue  # its forward is the block's scope less the block: not timed apart
+        scope = m["scope"]
+        if scope in times:
+            fwd = min(m["forward_seconds"], times[scope])
+            if scope in recomputed:
+                # A recompute timed as it runs replaces the profile's guess
+                # (it may be longer); a later timing of it keeps the smaller.
+                rec = recomputed[scope]
+                m["recompute_seconds"] = min(m.get("recompute_seconds", rec), rec) if scope in timed else rec
+                timed.add(scope)
+            elif m.get("recompute_seconds") and scope not in timed and m["forward_seconds"] > 0:
+                # The block's own time came from the same disturbed step:
+                # it moves with its scope's (a recompute planned at the
+                # profile's time read 1.18x the measured step).
+                m["recompute_seconds"] *= fwd / m["forward_seconds"]
+            m["forward_seconds"] = fwd
+        if scope in back and "backward_seconds" in m:
+            own = max(back[scope] - recomputed.get(scope, 0.0), 0.0)
+            m["backward_seconds"] = min(m["backward_seconds"], own)
+    return before, total(), kept() != times_before
 
 
 def gradient_bytes(blocks: list, model: torch.nn.Module) -> tuple:
