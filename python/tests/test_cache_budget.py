@@ -588,31 +588,9 @@ def test_a_slower_link_misses_the_budget_without_stopping_training(tmp_path, cap
 
     model = make_net()
     x = torch.randn(256, 128)
-    speed = [1000.0]
-
-    def fixed(adapt):
-        real_times = adapt._scope_times
-        monkeypatch.setattr(adapt, "_scope_times", lambda: {s: 0.01 for s in real_times()})
-        monkeypatch.setattr(adapt, "_block_seconds", lambda scope: 0.01)
-        monkeypatch.setattr(adapt, "recomputed", lambda scope, start: None)
-        monkeypatch.setattr(adapt, "_measured_backward_factor", lambda fwd, stall: 2.0)
-        monkeypatch.setattr(adapt, "_backward_times", lambda end: {})
-
-        def rates(core_stats):
-            mods = adapt.profile_modules
-            r = speed[0] * sum(m["bytes"] for m in mods) / sum(m["forward_seconds"] for m in mods)
-            return {"ssd": dict(bytes_written=64 << 20, write_bps=r, bytes_read=64 << 20, read_bps=r)}
-        monkeypatch.setattr(adapt, "_tier_rates", rates)
-        # A plan that moves nothing to the SSD measures its rates by the probe.
-        monkeypatch.setattr(adapt, "_ssd_probe", lambda: (probed.append(adapt.cache._core.current_step),
-                                                          rates(None)["ssd"])[1])
-
-    probed = []
-    with cache_for(tmp_path, activation_budget_bytes=1024).attach(model) as c:
-        fixed(c._adapt)
-        with pytest.raises(ValueError, match="cannot be met"):
-            run(model, x, c, steps=1)  # a budget no plan meets: refused at the first step
-        smallest = c._adapt.plan["min_budget_bytes"]
+    speed, probed = [1000.0], []
+    fixed = _link_stubs(monkeypatch, speed, probed)
+    smallest = _smallest_budget(tmp_path, model, x, fixed)
     want = run(model, x, steps=2)
     with cache_for(tmp_path, activation_budget_bytes=smallest).attach(model) as c:
         fixed(c._adapt)
@@ -657,3 +635,133 @@ def test_the_guard_holds_a_plan_that_misses_its_budget_where_its_kept_bytes_fit(
     assert inflight_bound(plan(False, 4 * MiB), 64 * MiB, cuda=False) == 6 * MiB
     assert inflight_bound(plan(False, 12 * MiB), 64 * MiB, cuda=False) == 64 * MiB
     assert inflight_bound(plan(False, 4 * MiB), 64 * MiB, cuda=True) == 64 * MiB  # the device path: release points
+
+
+def _link_stubs(monkeypatch, speed, probed, shrink=1.0):
+    """Stubs for an Adaptive (Note [Budget at a slower link] tests): each
+    block's forward 0.01 s (times `shrink` more at each step that reads it),
+    backward twice that, and an SSD whose rates are speed[0] x the bytes the
+    forward saves per second, by the steps' meters and by the probe (whose
+    calls `probed` records by step)."""
+    def fixed(adapt):
+        real_times = adapt._scope_times
+        scale = [1.0]
+
+        def times():
+            scale[0] *= shrink
+            return {s: 0.01 * scale[0] for s in real_times()}
+        monkeypatch.setattr(adapt, "_scope_times", times)
+        monkeypatch.setattr(adapt, "_block_seconds", lambda scope: 0.01)
+        monkeypatch.setattr(adapt, "recomputed", lambda scope, start: None)
+        monkeypatch.setattr(adapt, "_measured_backward_factor", lambda fwd, stall: 2.0)
+        monkeypatch.setattr(adapt, "_backward_times", lambda end: {})
+
+        def rates(core_stats):
+            mods = adapt.profile_modules
+            r = speed[0] * sum(m["bytes"] for m in mods) / sum(m["forward_seconds"] for m in mods)
+            return {"ssd": dict(bytes_written=64 << 20, write_bps=r, bytes_read=64 << 20, read_bps=r)}
+        monkeypatch.setattr(adapt, "_tier_rates", rates)
+        # A plan that moves nothing to the SSD measures its rates by the probe.
+        monkeypatch.setattr(adapt, "_ssd_probe", lambda: (probed.append(adapt.cache._core.current_step),
+                                                          rates(None)["ssd"])[1])
+    return fixed
+
+
+def _smallest_budget(tmp_path, model, x, fixed):
+    """The smallest activation budget the planner meets with the stubs' link
+    (a budget no plan meets is refused at the first step)."""
+    with cache_for(tmp_path, activation_budget_bytes=1024).attach(model) as c:
+        fixed(c._adapt)
+        with pytest.raises(ValueError, match="cannot be met"):
+            run(model, x, c, steps=1)
+        return c._adapt.plan["min_budget_bytes"]
+
+
+def test_a_retime_after_a_slower_link_goes_on(tmp_path, caplog, monkeypatch):
+    """Note [Budget at a slower link] with Note [Re-timed profile]: the link
+    slows at the first planned step, a re-timed one (the plan is remade at
+    its rates and misses the budget), and the blocks keep getting faster, so
+    the next steps re-time too. A re-timed plan made at the slow rates
+    already taken misses the budget as well: it goes on (before the review
+    of the change, that step raised the first step's ValueError). The probe
+    runs once a step at most, 1, 2, 4 ... steps apart."""
+    import logging
+
+    model = make_net()
+    x = torch.randn(256, 128)
+    speed, probed = [1000.0], []
+    fixed = _link_stubs(monkeypatch, speed, probed, shrink=0.8)
+    smallest = _smallest_budget(tmp_path, model, x, fixed)
+    want = run(model, x, steps=3)
+    with cache_for(tmp_path, activation_budget_bytes=smallest).attach(model) as c:
+        adapt = c._adapt
+        fixed(adapt)
+        run(model, x, c, steps=1)  # profiles at the fast link
+        assert adapt.plan["feasible"] and adapt.plan["bytes_ssd"] > 0
+        speed[0] = 1e-3
+        with caplog.at_level(logging.WARNING, logger="ebbtide"):
+            got = run(model, x, c, steps=3)  # each step re-times
+            assert adapt._retimes_left == 0 and not adapt.plan["feasible"]
+            got += run(model, x, c, steps=3)
+        steps = c._core.current_step
+    assert_bitwise(want + want, got)
+    said = [r for r in caplog.records if "at the SSD rates a step measured" in r.getMessage()]
+    assert len(said) == 1
+    assert probed == [3, 5] and steps == 7
+
+
+def test_a_kept_plan_that_misses_its_budget_goes_on_across_calls(tmp_path, caplog, monkeypatch):
+    """Note [Budget at a slower link] with Note [Plans across offload()
+    calls]: a snapshot taken while the plan missed its budget carries the
+    slow rates and the miss. Restored (the next offload() call's cache), its
+    plan misses the budget at once: it runs, the probe stays due as it was,
+    and the WARNING said in the first cache is not said again each call.
+    Before, a restored cache had not missed: its plan ran over the budget
+    with no probe, so no faster link ever re-planned it."""
+    import logging
+
+    model = make_net()
+    x = torch.randn(256, 128)
+    speed, probed = [1000.0], []
+    fixed = _link_stubs(monkeypatch, speed, probed)
+    smallest = _smallest_budget(tmp_path, model, x, fixed)
+    with caplog.at_level(logging.WARNING, logger="ebbtide"):
+        with cache_for(tmp_path, activation_budget_bytes=smallest).attach(model) as c:
+            fixed(c._adapt)
+            run(model, x, c, steps=2)
+            speed[0] = 1e-3
+            run(model, x, c, steps=1)
+            assert not c._adapt.plan["feasible"] and c._adapt.plan["bytes_ssd"] == 0
+            state = c._adapt.snapshot()
+        for _ in range(2):
+            with cache_for(tmp_path, activation_budget_bytes=smallest).attach(model) as c:
+                adapt = c._adapt
+                fixed(adapt)
+                adapt.restore(state)
+                assert adapt.infeasible is None and adapt._slow.missed and not adapt._profile_next
+                run(model, x, c, steps=1)  # no ValueError
+                assert not adapt.last_profiled
+                state = adapt.snapshot()
+        speed[0] = 1000.0
+        with cache_for(tmp_path, activation_budget_bytes=smallest).attach(model) as c:
+            fixed(c._adapt)
+            c._adapt.restore(state)
+            run(model, x, c, steps=1)  # the probe is due: the link is fast again
+            assert c._adapt.plan["feasible"] and c._adapt.plan["bytes_ssd"] > 0
+    assert len(probed) == 2  # the first restored call's step, then the third's (2 apart)
+    assert sum("at the SSD rates a step measured" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_step_of_another_shape_is_not_retimed(tmp_path):
+    """Note [Re-timed profile]: a re-timed step whose saves are of another
+    shape (another batch) profiles the next step and leaves the profile's
+    times alone; before, its (faster) times were merged first."""
+    model = make_net()
+    with cache_for(tmp_path).attach(model) as c:
+        adapt = c._adapt
+        run(model, torch.randn(4096, 128), c, steps=1)
+        before = [m["forward_seconds"] for m in adapt.profile_modules]
+        assert adapt._retime_next
+        run(model, torch.randn(64, 128), c, steps=1)
+        assert adapt._profile_next
+        assert [m["forward_seconds"] for m in adapt.profile_modules] == before

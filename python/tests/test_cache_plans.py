@@ -295,3 +295,27 @@ def test_offload_gradients_stay_bitwise_with_a_kept_plan(tmp_path):
         with ebbtide.offload(model, target="ssd", path=str(tmp_path), adaptive=True):
             model(x).backward()
         assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want))
+
+
+def test_offload_calls_run_a_kept_plan_that_recomputes(tmp_path):
+    """Note [Plans across offload() calls] with a budget the plan meets by
+    recomputing blocks: each call's cache restores the plan and its one step
+    recomputes them. Before, the cache learned which module each scope was
+    only during a forward, so a restored plan's recompute was not applied in
+    the call's step: its saves did not match the plan and the next call
+    profiled again, every other call, and the plan never ran."""
+    model, x = net_and_input()
+    model.zero_grad(set_to_none=True)
+    model(x).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    kw = dict(target="ssd", path=str(tmp_path), activation_budget_bytes=1 << 21)
+    seen = []
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        with ebbtide.offload(model, **kw) as cache:
+            model(x).backward()
+        s = cache.stats()
+        seen.append(s["profiled"])
+        assert s["recomputed_blocks"]
+        assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want))
+    assert seen == [True, False, False, False]

@@ -44,12 +44,14 @@ from __future__ import annotations
 import copy
 import logging
 import time
+import weakref
 from typing import Optional
 
 import torch
 
 from ebbtide import _core
 from ebbtide.cache import profile as _profile
+from ebbtide.cache.summary import plan_line
 from ebbtide.cache.budget import (Budgets, SlowLink, fmt_bytes as _fmt_bytes, infeasible_message, inflight_bound,
                                   ssd_view)
 from ebbtide.plan import planner
@@ -338,11 +340,11 @@ class Adaptive:
                 if name == "cpu" and self.host_budget_bytes:
                     nbytes = max(4096, min(nbytes, self.host_budget_bytes - t["bytes_held"]))
                 try:
-                    w, rd = self.cache._core.probe(tier, nbytes)
+                    w, rd = self._probe(tier, nbytes)
                     if r["bytes_written"] < _MIN_MEASURED_BYTES:
-                        entry["write_bps"] = nbytes / w if w > 0 else 0.0
+                        entry["write_bps"] = w
                     if r["bytes_read"] < _MIN_MEASURED_BYTES:
-                        entry["read_bps"] = nbytes / rd if rd > 0 else 0.0
+                        entry["read_bps"] = rd
                     entry["source"] = "probe" if entry["source"] == "step" and r["bytes_written"] < _MIN_MEASURED_BYTES \
                         else "step+probe"
                 except (OSError, RuntimeError) as exc:
@@ -403,25 +405,24 @@ class Adaptive:
             self._retime_next = True
             self._retimes_left, self._timed_recomputes = _profile.RETIMED_STEPS, set()
             return
-        if self.retiming:
-            self.retiming = False
-            self._retime(core_stats)
+        retiming, self.retiming = self.retiming, False
         if self._shape_changed():
-            return
-        change = self._ssd_rate_change(core_stats)
+            return  # the next step profiles: this one's times are of another shape
+        change = self._ssd_rate_change(core_stats)  # once a step: it may run the probe
+        if retiming and self._retime(core_stats, change):
+            return  # the plan is made again, at the step's rates too
         if change is not None:
             rates, slower = change
             # Note [Quiet re-plan]: the plan is remade with the measured rates;
             # only a plan that places blocks differently is a re-plan users hear
             # of (`replans`, the INFO line; a WARNING when the SSD got slower).
-            # Small steps measure noisy rates, and a slower SSD that still hides
+            # Small steps measure noisy rates; a slower SSD that still hides
             # every copy changes nothing. Faster writes: the profiling step
-            # writes fresh files (on the CI VM at 0.8-1.0 GB/s, later steps at
-            # 2.4 GB/s), so its plan may recompute or keep what the link can
-            # carry. Reads: a GPU's profiling step keeps everything resident, so
-            # its SSD rates are the probe's, which reads back what it has just
-            # written (on the CI VM 1.16-1.64x the rate the steps then read at,
-            # bench/probe_bench.py): the steps' own reads decide from then on.
+            # writes fresh files (CI VM: 0.8-1.0 GB/s, later steps 2.4), so its
+            # plan may recompute or keep what the link can carry. Reads: a GPU's
+            # profiling step keeps everything resident, so its SSD rates are the
+            # probe's, which reads back what it has just written (CI VM:
+            # 1.16-1.64x the steps' rate, bench/probe_bench.py).
             old = self.plan
             self._take_rates(rates)
             self._make_plan(reason="replan", log=False)
@@ -509,26 +510,27 @@ class Adaptive:
         first = next((m for m in modules if m["scope"] < 0), blocks[0])
         first["grad_bytes"] = first.get("grad_bytes", 0) + before
 
-    def _retime(self, core_stats: dict) -> None:
+    def _retime(self, core_stats: dict, change) -> bool:
         """A planned step's times merged into the profile, and the plan made
-        again when they moved (Note [Re-timed profile] in ebbtide/cache/profile.py)."""
+        again (True) when they moved, with `change` (_ssd_rate_change's)
+        taken (Note [Re-timed profile] in ebbtide/cache/profile.py)."""
         times = self._scope_times()
         self._retimes_left -= 1
         if not times:
-            return
+            return False
         end = self._now()
         if self._cuda:
             end.synchronize()  # the backward's marks and recomputes came after the forward's last mark, synced
         back = self._backward_times(end)
         recomputed = {scope: sum(self._elapsed(a, b) for a, b in spans) for scope, spans in self._recomputes.items()}
         before, after, moved = _profile.retime(self.profile_modules, times, back, recomputed, self._timed_recomputes)
-        if after > 0 and moved:
+        remade = after > 0 and moved
+        if remade:
             old = self.plan
-            change = self._ssd_rate_change(core_stats)
             if change is not None:
                 self._take_rates(change[0])
             self._make_plan(reason="retime", log=False)
-            if change is not None:
+            if change is not None or self._slow.missed:  # the rates measured: Note [Budget at a slower link]
                 self._budget_at_measured_rates()
             changed = old is None or [m["placement"] for m in old["modules"]] != [
                 m["placement"] for m in self.plan["modules"]]
@@ -546,6 +548,7 @@ class Adaptive:
         untimed = self.recompute_scopes - self._timed_recomputes
         settling = before > 0 and after < (1 - _profile.SETTLED) * before
         self._retime_next = self._retimes_left > 0 and (settling or bool(untimed))
+        return remade
 
     def _budget_at_measured_rates(self) -> None:
         """Note [Budget at a slower link] in ebbtide/cache/budget.py: a plan
@@ -556,16 +559,19 @@ class Adaptive:
         if said:
             logger.warning("%s", said)
 
+    def _probe(self, tier: int, nbytes: int) -> tuple:
+        """(write, read) bytes/s of the tier's probe of `nbytes` (OSError, RuntimeError when it fails)."""
+        w, rd = self.cache._core.probe(tier, nbytes)
+        return nbytes / w if w > 0 else 0.0, nbytes / rd if rd > 0 else 0.0
+
     def _ssd_probe(self) -> Optional[dict]:
         """The SSD's rates by its probe, as _tier_rates gives a step's (Note
         [Budget at a slower link]); None when the probe fails."""
         try:
-            w, rd = self.cache._core.probe(_core.TIER_SSD, _PROBE_BYTES)
-        except (OSError, RuntimeError) as exc:
-            logger.debug("ebbtide: probing the SSD failed (%s)", exc)
+            w, rd = self._probe(_core.TIER_SSD, _PROBE_BYTES)
+        except (OSError, RuntimeError):
             return None
-        return dict(bytes_written=_PROBE_BYTES, write_bps=_PROBE_BYTES / w if w > 0 else 0.0,
-                    bytes_read=_PROBE_BYTES, read_bps=_PROBE_BYTES / rd if rd > 0 else 0.0)
+        return dict(bytes_written=_PROBE_BYTES, write_bps=w, bytes_read=_PROBE_BYTES, read_bps=rd)
 
     def _shape_changed(self) -> bool:
         """A planned step whose saves differ from the profile's by more than a
@@ -596,7 +602,9 @@ class Adaptive:
         return dict(profile_modules=copy.deepcopy(self.profile_modules), measured=copy.deepcopy(self.measured),
                     backward_factor=self.backward_factor, recomputable=dict(self.recomputable),
                     retime=self._retime_next, retimes_left=self._retimes_left,
-                    timed_recomputes=set(self._timed_recomputes))
+                    timed_recomputes=set(self._timed_recomputes), slow=copy.copy(self._slow),
+                    # which module each scope is: a cache learns it in a forward, after the plan applies
+                    scope_modules={s: weakref.ref(m) for s, m in self.cache._scope_modules.items()})
 
     def restore(self, state: dict) -> None:
         """Plans from a snapshot() instead of profiling the next step."""
@@ -605,7 +613,13 @@ class Adaptive:
         self.backward_factor = state["backward_factor"]
         self.recomputable = dict(state["recomputable"])
         self._profile_next = self.profiling = False
+        for s, ref in state["scope_modules"].items():
+            if ref() is not None:
+                self.cache._scope_modules.setdefault(s, ref())
         self._make_plan(reason="kept", log=False)
+        self._slow = copy.copy(state["slow"])
+        if self.infeasible is not None:  # kept after a miss (Note [Budget at a slower link])
+            self._budget_at_measured_rates()
         self._retime_next = state["retime"]
         self._retimes_left = state["retimes_left"]
         self._timed_recomputes = set(state["timed_recomputes"])
@@ -754,27 +768,7 @@ class Adaptive:
         self.max_inflight_bytes = bound
 
     def _log_plan(self) -> None:
-        p = self.plan
-        counts = {k: 0 for k in planner.PLACEMENTS}
-        for d in p["modules"]:
-            counts[d["placement"]] += 1
-        budget = ""
-        if p["activation_budget_bytes"] or p["peak_budget_bytes"]:
-            given = ", ".join(f"{what} {_fmt_bytes(p[key])}" for what, key in (
-                ("saved", "activation_budget_bytes"), ("allocator", "peak_budget_bytes")) if p[key])
-            budget = (f"; budget {given}: recompute {counts['recompute']}, "
-                      f"recompute+offload {counts['recompute_offload']} (+{p['recompute_seconds']:.3f} s)"
-                      + ("" if p["feasible"] else " NOT MET"))
-        rates = ", ".join(f"{k} write {v['write_bps'] / 1e6:.0f} MB/s read {v['read_bps'] / 1e6:.0f} MB/s "
-                          f"({v['source']})" for k, v in sorted(p["measured"].items()))
-        cap = f", SSD write cap {self.max_write_bps / 1e6:.0f} MB/s" if self.max_write_bps else ""
-        logger.info("ebbtide plan (%s): %d blocks: keep %d, host %d (%s), ssd %d (%s); predicted stall %.3f s, "
-                    "peak %s of %s (%.0f%%)%s; forward %.3f s, backward %.2fx forward; %s%s", p["reason"], len(p["modules"]), counts["keep"],
-                    counts["offload_cpu"], _fmt_bytes(p["bytes_cpu"]), counts["offload_ssd"],
-                    _fmt_bytes(p["bytes_ssd"]), p["predicted_stall_seconds"], _fmt_bytes(p["peak_resident_bytes"]),
-                    _fmt_bytes(p["all_resident_bytes"]), 100 * p["peak_resident_fraction"], budget, p["forward_seconds"],
-                    p["backward_factor"],
-                    rates, cap)
+        logger.info("%s", plan_line(self.plan, self.max_write_bps))
 
     def stats(self) -> dict:
         p = self.plan

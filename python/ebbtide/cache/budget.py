@@ -142,11 +142,16 @@ def budget_missed_at_rates(msg: str, plan: dict) -> str:
     is the disk's moment more often than not (on the CI VM one step's
     writes ran at 10 MB/s against 1.5 GB/s before and after), and stopping
     the training for it would lose the run: the plan nearest the budget
-    goes on, a WARNING says so (once per cache), and faster rates re-plan.
-    A plan that then moves nothing to the SSD measures no rate: the SSD's
-    probe (8 MiB written and read back at a step's end) measures it instead,
-    at the next step, then after 2, 4, ... steps, at most every 32, until a
-    plan meets the budget again (SlowLink). On the host the store's bound
+    goes on, a WARNING says so (once until a plan meets the budget again),
+    and faster rates re-plan. A plan that then moves nothing to the SSD
+    measures no rate: the SSD's probe (8 MiB written and read back at a
+    step's end) measures it instead, at the next step, then after 2, 4, ...
+    steps, at most every 32, until a plan meets the budget again; the
+    interval keeps growing over later misses (SlowLink). A kept plan
+    (offload() across calls: each call a cache) carries this state, so a
+    miss goes on across calls, said once. A re-timed step's plan (Note [Re-timed profile]) that
+    misses the budget raises, as the first step's does, unless a slower
+    link is why (rates taken at that step or a miss not yet over). On the host the store's bound
     on bytes in flight still holds the forward within the budget whenever
     the plan's kept bytes fit (Note [Budget guard])."""
     rates = f"SSD writes {plan['planned_write_bps'] / 1e6:.1f} MB/s, reads {plan['planned_read_bps'] / 1e6:.1f} MB/s"
@@ -169,16 +174,19 @@ class SlowLink:
 
     def miss(self, msg: str, plan: dict) -> Optional[str]:
         """The plan remade at measured rates misses the budget: the warning
-        to log (None once said)."""
+        to log (None once said, until a plan meets the budget again)."""
         if not self.missed:
-            self.missed, self._every, self._due_in = True, 1, 1
+            # The interval grows across misses too: a link the probe finds
+            # fast and the steps slow (the probe reads back what it has just
+            # written) swaps plans ever more rarely.
+            self.missed, self._due_in = True, self._every
         if self._said:
             return None
         self._said = True
         return budget_missed_at_rates(msg, plan)
 
     def met(self) -> None:
-        self.missed = False
+        self.missed = self._said = False
 
     def probe_due(self) -> bool:
         """Counts a step; True at the steps the probe runs (1, 2, 4, ... steps apart)."""

@@ -44,3 +44,29 @@ def format_summary(s):
         lines.append(f"  all steps: offloaded {_b(total.get('bytes_offloaded'))}, "
                      f"reloaded {_b(total.get('bytes_reloaded'))}")
     return "\n".join(lines)
+
+
+def plan_line(p: dict, max_write_bps: float) -> str:
+    """The INFO line a cache logs for its plan `p` (the planner's dict, with
+    the cache's reason, backward factor and measured rates)."""
+    from ebbtide.cache.budget import fmt_bytes
+    from ebbtide.plan import planner
+
+    counts = Counter({k: 0 for k in planner.PLACEMENTS})
+    counts.update(d["placement"] for d in p["modules"])
+    budget = ""
+    if p["activation_budget_bytes"] or p["peak_budget_bytes"]:
+        given = ", ".join(f"{what} {fmt_bytes(p[key])}" for what, key in (
+            ("saved", "activation_budget_bytes"), ("allocator", "peak_budget_bytes")) if p[key])
+        budget = (f"; budget {given}: recompute {counts['recompute']}, "
+                  f"recompute+offload {counts['recompute_offload']} (+{p['recompute_seconds']:.3f} s)"
+                  + ("" if p["feasible"] else " NOT MET"))
+    rates = ", ".join(f"{k} write {v['write_bps'] / 1e6:.0f} MB/s read {v['read_bps'] / 1e6:.0f} MB/s "
+                      f"({v['source']})" for k, v in sorted(p["measured"].items()))
+    cap = f", SSD write cap {max_write_bps / 1e6:.0f} MB/s" if max_write_bps else ""
+    return (f"ebbtide plan ({p['reason']}): {len(p['modules'])} blocks: keep {counts['keep']}, "
+            f"host {counts['offload_cpu']} ({fmt_bytes(p['bytes_cpu'])}), ssd {counts['offload_ssd']} "
+            f"({fmt_bytes(p['bytes_ssd'])}); predicted stall {p['predicted_stall_seconds']:.3f} s, "
+            f"peak {fmt_bytes(p['peak_resident_bytes'])} of {fmt_bytes(p['all_resident_bytes'])} "
+            f"({100 * p['peak_resident_fraction']:.0f}%){budget}; forward {p['forward_seconds']:.3f} s, "
+            f"backward {p['backward_factor']:.2f}x forward; {rates}{cap}")
