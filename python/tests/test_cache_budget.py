@@ -765,3 +765,28 @@ def test_a_step_of_another_shape_is_not_retimed(tmp_path):
         run(model, torch.randn(64, 128), c, steps=1)
         assert adapt._profile_next
         assert [m["forward_seconds"] for m in adapt.profile_modules] == before
+
+
+def test_a_kept_plan_for_another_budget_profiles_and_says_so(tmp_path, monkeypatch):
+    """Note [Budget at a slower link]: a kept plan restored into a cache
+    whose budget it misses without any slow link (another budget: offload()
+    keys kept plans by the budgets, environment included, but restore() is
+    public) is not taken for a slow link's miss, which would run on with a
+    warning blaming the SSD. The next step profiles, and its plan says the
+    budget cannot be met, as a first step's does."""
+    model = make_net()
+    x = torch.randn(256, 128)
+    speed, probed = [1000.0], []
+    fixed = _link_stubs(monkeypatch, speed, probed)
+    with cache_for(tmp_path).attach(model) as c:
+        fixed(c._adapt)
+        run(model, x, c, steps=2)
+        state = c._adapt.snapshot()
+    with cache_for(tmp_path, activation_budget_bytes=1024).attach(model) as c:
+        adapt = c._adapt
+        fixed(adapt)
+        adapt.restore(state)
+        assert adapt.infeasible is None and adapt._profile_next and not adapt._slow.missed
+        with pytest.raises(ValueError, match=r"activation budget 1\.0 KiB \(1024 bytes\) cannot be met"):
+            run(model, x, c, steps=1)
+        assert adapt.last_profiled

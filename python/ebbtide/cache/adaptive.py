@@ -408,9 +408,12 @@ class Adaptive:
         retiming, self.retiming = self.retiming, False
         if self._shape_changed():
             return  # the next step profiles: this one's times are of another shape
-        change = self._ssd_rate_change(core_stats)  # once a step: it may run the probe
-        if retiming and self._retime(core_stats, change):
-            return  # the plan is made again, at the step's rates too
+        if retiming:  # the rates are checked (and the probe run) after its timings are read
+            remade, change = self._retime(core_stats)
+            if remade:
+                return  # the plan is made again, at the step's rates too
+        else:
+            change = self._ssd_rate_change(core_stats)  # once a step: it may run the probe
         if change is not None:
             rates, slower = change
             # Note [Quiet re-plan]: the plan is remade with the measured rates;
@@ -471,10 +474,7 @@ class Adaptive:
     def _take_rates(self, rates: dict) -> None:
         """The step's measured SSD rates replace the plan's (Note [Quiet re-plan])."""
         ssd = self.measured.setdefault("ssd", {})
-        for d, v in rates.items():
-            if v is not None:
-                ssd[f"{d}_bps"] = v
-        ssd["source"] = "step"
+        ssd.update({f"{d}_bps": v for d, v in rates.items() if v is not None}, source="step")
 
     def _backward_times(self, end) -> dict:
         """Seconds of each module's backward in the step just ended (keys:
@@ -510,19 +510,19 @@ class Adaptive:
         first = next((m for m in modules if m["scope"] < 0), blocks[0])
         first["grad_bytes"] = first.get("grad_bytes", 0) + before
 
-    def _retime(self, core_stats: dict, change) -> bool:
-        """A planned step's times merged into the profile, and the plan made
-        again (True) when they moved, with `change` (_ssd_rate_change's)
-        taken (Note [Re-timed profile] in ebbtide/cache/profile.py)."""
+    def _retime(self, core_stats: dict) -> tuple:
+        """Note [Re-timed profile] (ebbtide/cache/profile.py): (whether the
+        plan was made again, with the step's times and rates; _ssd_rate_change's answer)."""
         times = self._scope_times()
         self._retimes_left -= 1
         if not times:
-            return False
+            return False, self._ssd_rate_change(core_stats)
         end = self._now()
         if self._cuda:
             end.synchronize()  # the backward's marks and recomputes came after the forward's last mark, synced
         back = self._backward_times(end)
         recomputed = {scope: sum(self._elapsed(a, b) for a, b in spans) for scope, spans in self._recomputes.items()}
+        change = self._ssd_rate_change(core_stats)  # after the step's end point: a probe is not timed
         before, after, moved = _profile.retime(self.profile_modules, times, back, recomputed, self._timed_recomputes)
         remade = after > 0 and moved
         if remade:
@@ -530,7 +530,7 @@ class Adaptive:
             if change is not None:
                 self._take_rates(change[0])
             self._make_plan(reason="retime", log=False)
-            if change is not None or self._slow.missed:  # the rates measured: Note [Budget at a slower link]
+            if (change is not None and change[1]) or self._slow.missed:  # Note [Budget at a slower link]
                 self._budget_at_measured_rates()
             changed = old is None or [m["placement"] for m in old["modules"]] != [
                 m["placement"] for m in self.plan["modules"]]
@@ -548,7 +548,7 @@ class Adaptive:
         untimed = self.recompute_scopes - self._timed_recomputes
         settling = before > 0 and after < (1 - _profile.SETTLED) * before
         self._retime_next = self._retimes_left > 0 and (settling or bool(untimed))
-        return remade
+        return remade, change
 
     def _budget_at_measured_rates(self) -> None:
         """Note [Budget at a slower link] in ebbtide/cache/budget.py: a plan
@@ -613,13 +613,16 @@ class Adaptive:
         self.backward_factor = state["backward_factor"]
         self.recomputable = dict(state["recomputable"])
         self._profile_next = self.profiling = False
+        blocks = {id(b) for _, b in self.cache._blocks}
         for s, ref in state["scope_modules"].items():
-            if ref() is not None:
+            if id(ref()) in blocks:  # a block of this attach (not one replaced since)
                 self.cache._scope_modules.setdefault(s, ref())
-        self._make_plan(reason="kept", log=False)
         self._slow = copy.copy(state["slow"])
-        if self.infeasible is not None:  # kept after a miss (Note [Budget at a slower link])
+        self._make_plan(reason="kept", log=False)
+        if self.infeasible is not None and self._slow.missed:  # kept after a miss (Note [Budget at a slower link])
             self._budget_at_measured_rates()
+        elif self.infeasible is not None:  # another budget: the profile says so, as a first step does
+            self.infeasible, self._profile_next = None, True
         self._retime_next = state["retime"]
         self._retimes_left = state["retimes_left"]
         self._timed_recomputes = set(state["timed_recomputes"])

@@ -644,7 +644,8 @@ _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def _plan_key(cache: "TensorCache", kwargs: dict) -> tuple:
     """The settings a kept profile belongs to: the cache's and the call's."""
     return (cache.target, tuple(cache.paths), str(cache._device),
-            tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+            tuple(sorted((k, repr(v)) for k, v in kwargs.items())),
+            repr(cache._adapt.budgets) if cache._adapt is not None else None)  # budgets from the environment too
 
 
 def release_pooled_stores() -> int:
