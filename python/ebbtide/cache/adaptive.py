@@ -514,6 +514,7 @@ class Adaptive:
         """Note [Re-timed profile] (ebbtide/cache/profile.py): (whether the
         plan was made again, with the step's times and rates; _ssd_rate_change's answer)."""
         times = self._scope_times()
+        first = self._retimes_left == _profile.RETIMED_STEPS
         self._retimes_left -= 1
         if not times:
             return False, self._ssd_rate_change(core_stats)
@@ -523,7 +524,8 @@ class Adaptive:
         back = self._backward_times(end)
         recomputed = {scope: sum(self._elapsed(a, b) for a, b in spans) for scope, spans in self._recomputes.items()}
         change = self._ssd_rate_change(core_stats)  # after the step's end point: a probe is not timed
-        before, after, moved = _profile.retime(self.profile_modules, times, back, recomputed, self._timed_recomputes)
+        before, after, moved = _profile.retime(self.profile_modules, times, back, recomputed, self._timed_recomputes,
+                                               first)
         remade = after > 0 and moved
         if remade:
             old = self.plan

@@ -30,7 +30,9 @@ of their sizes, a recompute's first kernels). The planned steps time
 each module again, each one after a re-timed step that lowered the
 kept total by more than 2% (or whose plan recomputes a block whose
 recompute no step timed yet), at most 3 (profile.RETIMED_STEPS); on a
-warm machine that is one. A module's time is the smallest measured
+warm machine that is one. After the first, a step's forward and backward
+times are merged only when they sum more than 2% below the kept ones
+(retime's `first`). A module's time is the smallest measured
 (whatever disturbs a step only adds to it: a device wait in a
 backward span, the VM's other tenants), and a recomputable block's
 recompute time moves with its forward, unless the plan recomputes
@@ -92,7 +94,7 @@ def backward_seconds(bmarks: list, forward_end, step_end, elapsed, tail: bool) -
     return out
 
 
-def retime(modules: list, times: dict, back: dict, recomputed: dict, timed: set) -> tuple:
+def retime(modules: list, times: dict, back: dict, recomputed: dict, timed: set, first: bool = True) -> tuple:
     """Merges one planned step's times into the profile's modules, in place
     (Note [Re-timed profile]); returns (total before, total after, whether
     any kept time changed), the totals of forward, backward and recompute
@@ -104,6 +106,13 @@ def retime(modules: list, times: dict, back: dict, recomputed: dict, timed: set)
         recomputed: {scope: seconds} of the recomputes this step ran.
         timed: scopes whose kept recompute time was timed as it ran (by an
             earlier re-timed step); updated.
+        first: the first planned step's re-time, merged whatever its times.
+            A later one's forward and backward times are merged only when
+            their sum is more than SETTLED below the kept sum (a step still
+            warming): the smallest of each module's noisy times over
+            several steps sums below any one step's (on the CI VM, a
+            keep-all plan was predicted at 0.945x its measured step).
+            Recomputes no step timed yet are taken either way.
     """
     def total():
         return sum(m["forward_seconds"] + m.get("backward_seconds", 0.0) + m.get("recompute_seconds", 0.0)
@@ -112,28 +121,36 @@ def retime(modules: list, times: dict, back: dict, recomputed: dict, timed: set)
     def kept():
         return [(m["forward_seconds"], m.get("backward_seconds"), m.get("recompute_seconds")) for m in modules]
 
+    def own_back(m):
+        return max(back[m["scope"]] - recomputed.get(m["scope"], 0.0), 0.0)
+
+    both = [m for m in modules if not m.get("tail") and m["scope"] in times and m["scope"] in back
+            and "backward_seconds" in m]
+    if not first and sum(times[m["scope"]] + own_back(m) for m in both) >= (1 - SETTLED) * sum(
+            m["forward_seconds"] + m["backward_seconds"] for m in both):
+        times, back = {}, {}
+        recomputed = {s: v for s, v in recomputed.items() if s not in timed}
     before, times_before = total(), kept()
     for m in modules:
         if m.get("tail"):
             continue  # its forward is the block's scope less the block: not timed apart
         scope = m["scope"]
+        if scope in recomputed:
+            # A recompute timed as it runs replaces the profile's guess (it
+            # may be longer); a later timing of it keeps the smaller.
+            rec = recomputed[scope]
+            m["recompute_seconds"] = min(m.get("recompute_seconds", rec), rec) if scope in timed else rec
+            timed.add(scope)
         if scope in times:
             fwd = min(m["forward_seconds"], times[scope])
-            if scope in recomputed:
-                # A recompute timed as it runs replaces the profile's guess
-                # (it may be longer); a later timing of it keeps the smaller.
-                rec = recomputed[scope]
-                m["recompute_seconds"] = min(m.get("recompute_seconds", rec), rec) if scope in timed else rec
-                timed.add(scope)
-            elif m.get("recompute_seconds") and scope not in timed and m["forward_seconds"] > 0:
+            if scope not in timed and m.get("recompute_seconds") and m["forward_seconds"] > 0:
                 # The block's own time came from the same disturbed step:
                 # it moves with its scope's (a recompute planned at the
                 # profile's time read 1.18x the measured step).
                 m["recompute_seconds"] *= fwd / m["forward_seconds"]
             m["forward_seconds"] = fwd
         if scope in back and "backward_seconds" in m:
-            own = max(back[scope] - recomputed.get(scope, 0.0), 0.0)
-            m["backward_seconds"] = min(m["backward_seconds"], own)
+            m["backward_seconds"] = min(m["backward_seconds"], own_back(m))
     return before, total(), kept() != times_before
 
 
