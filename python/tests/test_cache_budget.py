@@ -615,6 +615,7 @@ def test_a_slower_link_misses_the_budget_without_stopping_training(tmp_path, cap
     assert len(said) == 1 and said[0].levelno == logging.WARNING
     assert f"activation budget 1.1 MiB ({smallest} bytes) cannot be met" in said[0].getMessage()
     assert s["peak_resident_bytes"] <= slow["peak_resident_bytes"]
+    assert slow["measured"]["ssd"]["source"] == "step" and again["measured"]["ssd"]["source"] == "probe"
     assert again["feasible"] and again["bytes_ssd"] > 0
 
 

@@ -472,9 +472,10 @@ class Adaptive:
         return None
 
     def _take_rates(self, rates: dict) -> None:
-        """The step's measured SSD rates replace the plan's (Note [Quiet re-plan])."""
+        """The step's SSD rates replace the plan's (Note [Quiet re-plan]); the probe's where it moves none."""
         ssd = self.measured.setdefault("ssd", {})
-        ssd.update({f"{d}_bps": v for d, v in rates.items() if v is not None}, source="step")
+        ssd.update({f"{d}_bps": v for d, v in rates.items() if v is not None},
+                   source="step" if self.plan["bytes_ssd"] else "probe")
 
     def _backward_times(self, end) -> dict:
         """Seconds of each module's backward in the step just ended (keys:
